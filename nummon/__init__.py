@@ -1,0 +1,64 @@
+"""nummon: a numerical-health monitor for PyTorch training.
+
+``Monitor`` (and anything else that needs torch) is imported lazily, so ``nummon replay`` and
+the detectors run without torch.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._errors import NummonError
+from ._policy import Policy, PolicyError, load_policy, preset_names
+from ._replay import replay
+from ._trace import TraceError, read_trace
+from ._types import Alert, AlertKind, Health, Severity, StepRecord, StepReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Alert",
+    "AlertKind",
+    "ConsoleSink",
+    "Health",
+    "JsonlSink",
+    "MemorySink",
+    "Monitor",
+    "NummonError",
+    "Policy",
+    "PolicyError",
+    "Severity",
+    "Sink",
+    "StepRecord",
+    "StepReport",
+    "TraceError",
+    "load_policy",
+    "preset_names",
+    "read_trace",
+    "replay",
+]
+
+_LAZY = {
+    "Monitor": "._monitor",
+    "Sink": "._sinks",
+    "JsonlSink": "._sinks",
+    "ConsoleSink": "._sinks",
+    "MemorySink": "._sinks",
+}
+
+if TYPE_CHECKING:
+    from ._monitor import Monitor
+    from ._sinks import ConsoleSink, JsonlSink, MemorySink, Sink
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nummon' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

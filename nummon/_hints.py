@@ -1,0 +1,40 @@
+"""Remediation hints: a short, specific next step for each alert kind."""
+from __future__ import annotations
+
+from ._types import AlertKind, Finding
+
+_BASE = {
+    AlertKind.NONFINITE: "find the first non-finite tensor named here; check for log/div/sqrt of 0 "
+    "(use log_softmax, add an epsilon), then lower the LR or clip gradients",
+    AlertKind.EXPLOSION: "clip gradients (torch.nn.utils.clip_grad_norm_) and check the batch that caused the jump; "
+    "if it repeats, lower the LR",
+    AlertKind.RUNAWAY: "lower the LR about 10x, add gradient clipping, and check for a recent data/domain switch; "
+    "the run is not recovering on its own",
+    AlertKind.LOSS_SPIKE: "inspect this step's batch (bad labels or outliers); add gradient clipping or LR warm-up",
+    AlertKind.DIVERGENCE: "the loss is far above where it started: restore the last good checkpoint and lower the LR",
+    AlertKind.EXTREME: "values are close to the dtype's limit: lower the LR, clip gradients, add normalisation; "
+    "for float16 use bfloat16 or dynamic loss scaling",
+    AlertKind.STALL: "no progress: check that the LR is not tiny, that gradients reach every layer, and that "
+    "labels match inputs (overfit one batch first: nummon.diagnose.overfit_one_batch)",
+    AlertKind.OSCILLATION: "the loss bounces without progress: lower the LR (or the momentum) about 3x, "
+    "or use a LR schedule",
+    AlertKind.VANISHING: "some layers get no gradient: check activations (saturating sigmoid/tanh), "
+    "initialisation, detached tensors, and consider residual connections or normalisation",
+}
+
+
+def hint_for(finding: Finding, context: dict | None = None) -> str:
+    """A hint for a finding; `context` may name the optimizer ("sgd_momentum", "adam") and dtype."""
+    context = context or {}
+    kind = finding.kind
+    if kind is AlertKind.RUNAWAY and context.get("optimizer") == "sgd_momentum":
+        return ("momentum SGD is amplifying a runaway: lower the LR about 10x (or the momentum), add gradient "
+                "clipping, and check for a recent data/domain switch")
+    if kind is AlertKind.EXTREME and finding.details.get("dtype") == "float16":
+        return "float16 overflow ahead: use bfloat16 autocast or torch.amp.GradScaler (dynamic loss scaling)"
+    if kind is AlertKind.NONFINITE and finding.metric == "input":
+        return "the input batch holds NaN/Inf: fix the data pipeline (normalisation by a zero std, corrupt files)"
+    if kind is AlertKind.NONFINITE and "forward" in (finding.location or ""):
+        return ("the forward pass overflowed here: if it is a softmax/log/exp use log_softmax or add an epsilon; "
+                "if values grew step by step, lower the LR and clip gradients")
+    return _BASE[kind]

@@ -1,0 +1,319 @@
+"""Threshold policies: every threshold and window of every detector, validated strictly.
+
+A policy is a pydantic model with ``extra="forbid"`` everywhere, so a typo is an error rather
+than a silently ignored setting. Presets live as YAML in ``configs/`` (installed as
+``nummon.configs``) and load by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from ._errors import NummonError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["Policy", "PolicyError", "load_policy", "preset_names"]
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class PolicyError(NummonError):
+    """A policy could not be loaded or is invalid; the message is one line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class NonfinitePolicy(_Section):
+    enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
+
+
+class SpikePolicy(_Section):
+    """Sudden jumps against the run's own recent history (loss_spike, explosion)."""
+
+    enabled: bool = True
+    window: int = Field(50, ge=2, description="steps of finite history kept for the robust baseline (median of log10 values)")
+    min_history: int = Field(1, ge=1, description="finite samples needed before a jump can be judged (steps)")
+    loss_factor: float = Field(8.0, gt=1, description="loss_spike when the loss exceeds this multiple of its recent median (ratio)")
+    grad_factor: float = Field(10.0, gt=1, description="explosion when grad norm, max |grad|, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)")
+    robust_z: float = Field(6.0, gt=0, description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)")
+    short_history: int = Field(8, ge=1, description="below this many samples the baseline is uncertain and the factors are multiplied by short_history_multiplier (steps)")
+    short_history_multiplier: float = Field(2.0, ge=1, description="factor multiplier while the history is short (ratio)")
+
+
+class RunawayPolicy(_Section):
+    """Sustained geometric growth over consecutive records."""
+
+    enabled: bool = True
+    min_growth: float = Field(1.5, gt=1, description="a step counts as growth when the value grows by at least this factor per step (ratio)")
+    warning_steps: int = Field(2, ge=1, description="consecutive growth steps for a warning (steps)")
+    critical_steps: int = Field(3, ge=1, description="consecutive growth steps for a critical alert (steps)")
+    warning_total_factor: float = Field(10.0, gt=1, description="total growth over the streak needed for a warning (ratio)")
+    critical_total_factor: float = Field(100.0, gt=1, description="total growth over the streak needed for a critical alert (ratio)")
+    metrics: tuple[str, ...] = Field(
+        ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max"),
+        description="statistics watched for runaway growth",
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> "RunawayPolicy":
+        if self.critical_steps < self.warning_steps:
+            raise ValueError("critical_steps must be >= warning_steps")
+        if self.critical_total_factor < self.warning_total_factor:
+            raise ValueError("critical_total_factor must be >= warning_total_factor")
+        return self
+
+
+class HeadroomPolicy(_Section):
+    """Decades left between the largest magnitude and the dtype's largest finite value."""
+
+    enabled: bool = True
+    warning_decades: dict[Literal["float32", "bfloat16", "float16", "float64"], float] = Field(
+        {"float32": 10.0, "bfloat16": 10.0, "float16": 1.0, "float64": 100.0},
+        description="extreme (warning) below this many decades of headroom, per dtype (log10 units)",
+    )
+    critical_decades: dict[Literal["float32", "bfloat16", "float16", "float64"], float] = Field(
+        {"float32": 4.0, "bfloat16": 4.0, "float16": 0.3, "float64": 20.0},
+        description="extreme (critical) below this many decades of headroom, per dtype (log10 units)",
+    )
+    default_dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="dtype assumed for records that do not say (replayed traces)"
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> "HeadroomPolicy":
+        for dt, crit in self.critical_decades.items():
+            warn = self.warning_decades.get(dt)
+            if warn is not None and crit >= warn:
+                raise ValueError(f"critical_decades[{dt}] ({crit}) must be < warning_decades[{dt}] ({warn})")
+        return self
+
+
+class DivergencePolicy(_Section):
+    """Loss far above its starting level, held for a while."""
+
+    enabled: bool = True
+    baseline_steps: int = Field(10, ge=1, description="the starting level is the median of the first this many finite losses (steps)")
+    warning_factor: float = Field(10.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
+    critical_factor: float = Field(1e4, gt=1, description="critical when it stays above this multiple (ratio)")
+    patience: int = Field(5, ge=1, description="consecutive records above the factor before alerting (steps)")
+
+    @model_validator(mode="after")
+    def _order(self) -> "DivergencePolicy":
+        if self.critical_factor <= self.warning_factor:
+            raise ValueError("critical_factor must be > warning_factor")
+        return self
+
+
+class StallPolicy(_Section):
+    """No meaningful improvement for a long window while the loss is still high."""
+
+    enabled: bool = True
+    window: int = Field(100, ge=10, description="records compared: the median of the second half against the first (steps)")
+    min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving (fraction)")
+    high_fraction: float = Field(0.5, gt=0, description="the loss counts as still high above this fraction of its starting level (fraction)")
+    max_spread: float = Field(0.3, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
+
+
+class OscillationPolicy(_Section):
+    """Loss bouncing without a downward trend (minibatch noise of a learning run is not this)."""
+
+    enabled: bool = True
+    window: int = Field(100, ge=10, description="records compared: the median of the second half against the first (steps)")
+    min_improvement: float = Field(0.1, ge=0, lt=1, description="relative improvement of the median loss below which there is no downward trend (fraction)")
+    min_spread: float = Field(0.3, gt=0, description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)")
+    high_fraction: float = Field(0.25, gt=0, description="only while the loss is above this fraction of its starting level: a converged run's relative noise is not oscillation (fraction)")
+
+
+class VanishingPolicy(_Section):
+    """Some layers' gradients ~0 for many steps while others are not."""
+
+    enabled: bool = True
+    ratio: float = Field(1e-6, gt=0, lt=1, description="a layer's grad norm below this fraction of the largest layer's counts as vanished (ratio)")
+    patience: int = Field(50, ge=1, description="consecutive steps vanished before alerting (steps)")
+
+
+class AlertPolicy(_Section):
+    """Alert lifecycle: deduplication, cooldown, clearing."""
+
+    cooldown_steps: int = Field(20, ge=0, description="after a condition clears, the same kind/metric/location is not re-alerted at the same severity for this many steps")
+    emit_cleared: bool = Field(True, description="emit an info alert when a warning or critical condition clears")
+    stop_on_critical: bool = Field(True, description="report.should_stop becomes true on a critical alert")
+
+
+class SamplingPolicy(_Section):
+    """How often each statistic is computed (the hot path reads gradients every step)."""
+
+    params_every: int = Field(1, ge=1, description="parameter norm and max |param| every this many steps")
+    optimizer_every: int = Field(1, ge=1, description="optimizer-state norm every this many steps")
+    activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
+    histogram_every: int = Field(0, ge=0, description="histograms for sinks every this many steps (0: never)")
+    lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
+
+
+class RecorderPolicy(_Section):
+    steps: int = Field(64, ge=1, description="steps of statistics kept by the flight recorder")
+    directory: str | None = Field(None, description="where the flight record is written on the first critical alert (default: the JsonlSink's folder, else the current folder)")
+    write: bool = Field(True, description="write the flight record to a JSON file on the first critical alert")
+
+
+class SinkPolicy(_Section):
+    queue_size: int = Field(1024, ge=1, description="records buffered for the sink thread; when full, step statistics are dropped, alerts never")
+    rank0_only: bool = Field(True, description="under torch.distributed, only rank 0 feeds the sinks")
+    jsonl: str | None = Field(None, description="path of a JSONL event log to add (a JsonlSink)")
+    console: bool = Field(False, description="add a ConsoleSink (stdlib logging)")
+
+
+class Policy(_Section):
+    """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
+
+    name: str = Field("custom", description="a label for reports")
+    nonfinite: NonfinitePolicy = NonfinitePolicy()
+    spike: SpikePolicy = SpikePolicy()
+    runaway: RunawayPolicy = RunawayPolicy()
+    headroom: HeadroomPolicy = HeadroomPolicy()
+    divergence: DivergencePolicy = DivergencePolicy()
+    stall: StallPolicy = StallPolicy()
+    oscillation: OscillationPolicy = OscillationPolicy()
+    vanishing: VanishingPolicy = VanishingPolicy()
+    alerts: AlertPolicy = AlertPolicy()
+    sampling: SamplingPolicy = SamplingPolicy()
+    recorder: RecorderPolicy = RecorderPolicy()
+    sinks: SinkPolicy = SinkPolicy()
+
+    @model_validator(mode="after")
+    def _windows(self) -> "Policy":
+        if self.spike.min_history > self.spike.window:
+            raise ValueError("spike.min_history must be <= spike.window")
+        if self.divergence.baseline_steps > self.stall.window:
+            raise ValueError("divergence.baseline_steps (warm-up) must be <= stall.window")
+        return self
+
+    @classmethod
+    def load(cls, source: "PolicyLike") -> "Policy":
+        """A policy from a preset name, a YAML/TOML/JSON file, a dict, or a Policy."""
+        return load_policy(source)
+
+
+PolicyLike = Union[Policy, str, "os.PathLike[str]", dict, None]
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in ``configs/``."""
+    return sorted(p.name[:-5] for p in resources.files("nummon.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"policy file not found: {path}") from None
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from None
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # parser errors differ per format; one line is what the user needs
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PolicyError(f"cannot parse policy file {path}: {first}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"policy file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def validation_messages(err: ValidationError) -> list[str]:
+    """One line per problem, each with its field path."""
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(policy)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        out.append(f"{loc}: {msg}")
+    return out
+
+
+def policy_from_mapping(data: dict[str, Any], origin: str = "policy") -> Policy:
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as e:
+        msgs = validation_messages(e)
+        raise PolicyError(f"invalid {origin}: " + "; ".join(msgs)) from None
+
+
+def load_policy(source: PolicyLike = None) -> Policy:
+    """Resolve a preset name, a file path, a mapping or a Policy into a validated Policy."""
+    if source is None:
+        source = "default"
+    if isinstance(source, Policy):
+        return source
+    if isinstance(source, dict):
+        return policy_from_mapping(source)
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        path = Path(text)
+        if path.suffix.lower() in (".yaml", ".yml", ".toml", ".json") or os.sep in text or path.exists():
+            data = _read_mapping(path)
+            return policy_from_mapping(data, f"policy {path}")
+        names = preset_names()
+        if text not in names:
+            raise PolicyError(f"unknown policy preset {text!r} (presets: {', '.join(names)}; or give a .yaml/.toml/.json path)")
+        data = _read_mapping_text(resources.files("nummon.configs").joinpath(f"{text}.yaml").read_text("utf-8"))
+        return policy_from_mapping(data, f"preset {text!r}")
+    raise PolicyError(f"policy must be a preset name, a path, a mapping or nummon.Policy, got {type(source).__name__}")
+
+
+def _read_mapping_text(text: str) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(text) or {}
+
+
+def policy_yaml(policy: Policy, with_descriptions: bool = True) -> str:
+    """The effective policy as YAML, each field preceded by its description as a comment."""
+    lines: list[str] = []
+
+    def emit(model: BaseModel, indent: int) -> None:
+        pad = "  " * indent
+        for name, info in type(model).model_fields.items():
+            value = getattr(model, name)
+            if with_descriptions and info.description:
+                lines.append(f"{pad}# {info.description}")
+            if isinstance(value, BaseModel):
+                lines.append(f"{pad}{name}:")
+                emit(value, indent + 1)
+            else:
+                import yaml
+
+                dumped = yaml.safe_dump({name: list(value) if isinstance(value, tuple) else value}, default_flow_style=True, sort_keys=False).strip()
+                if dumped.startswith("{") and dumped.endswith("}"):
+                    dumped = dumped[1:-1]
+                lines.append(f"{pad}{dumped}")
+
+    emit(policy, 0)
+    return "\n".join(lines) + "\n"
+
+
+def validate_policy_file(path: str) -> list[str]:
+    """Every validation error of a policy file, each with its field path (empty: valid)."""
+    data = _read_mapping(Path(path))
+    try:
+        Policy.model_validate(data)
+    except ValidationError as e:
+        return validation_messages(e)
+    return []

@@ -1,0 +1,240 @@
+"""Plain data that crosses every boundary: step records, findings, alerts.
+
+Nothing here imports torch: detectors, replay and sinks all speak these types.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Severity(str, enum.Enum):
+    """How bad an alert is; ordered info < warning < critical."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_RANK[self]
+
+    def __str__(self) -> str:  # so f-strings print "warning", not "Severity.WARNING"
+        return self.value
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
+
+
+class AlertKind(str, enum.Enum):
+    """What went wrong."""
+
+    NONFINITE = "nonfinite"
+    EXPLOSION = "explosion"
+    RUNAWAY = "runaway"
+    LOSS_SPIKE = "loss_spike"
+    DIVERGENCE = "divergence"
+    EXTREME = "extreme"
+    STALL = "stall"
+    OSCILLATION = "oscillation"
+    VANISHING = "vanishing"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Kinds that mean the run is numerically unstable (as opposed to not learning).
+INSTABILITY_KINDS = frozenset(
+    {
+        AlertKind.NONFINITE,
+        AlertKind.EXPLOSION,
+        AlertKind.RUNAWAY,
+        AlertKind.LOSS_SPIKE,
+        AlertKind.DIVERGENCE,
+        AlertKind.EXTREME,
+    }
+)
+
+
+class Health(str, enum.Enum):
+    """The three numerical states nummon separates."""
+
+    HEALTHY = "healthy"
+    EXTREME = "extreme"  # finite, but already running away or near the dtype's limit
+    NONFINITE = "nonfinite"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Scalar fields of a step record, in the order sinks and tables show them.
+SCALAR_FIELDS = (
+    "loss",
+    "grad_norm",
+    "grad_max",
+    "param_norm",
+    "optim_state_norm",
+    "activation_max",
+    "update_ratio",
+    "lr",
+    "headroom",
+)
+
+
+@dataclass
+class StepRecord:
+    """Host-side statistics of one optimizer step (plain floats; NaN means "not measured" only
+    when listed in ``missing``; a NaN value of a measured field is a real NaN)."""
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None  # L2 norm over all gradients
+    grad_max: float | None = None  # max |g| over all gradients
+    param_norm: float | None = None  # L2 norm over all parameters
+    optim_state_norm: float | None = None  # L2 norm of momentum / Adam exp_avg
+    activation_max: float | None = None  # max |output| over watched modules
+    update_ratio: float | None = None  # estimated ||update|| / ||param||
+    lr: float | None = None
+    headroom: float | None = None  # decades between the largest magnitude and its dtype's max
+    headroom_dtype: str | None = None
+    nonfinite_count: int | None = None  # non-finite values seen (exact only on the failure path)
+    layer_grad_norms: dict[str, float] = field(default_factory=dict)
+    layer_activation_max: dict[str, float] = field(default_factory=dict)
+    nonfinite_location: str | None = None  # e.g. "output of `fc2` (forward)"
+    nonfinite_parts: tuple[str, ...] = ()  # which families went non-finite: loss, grad, param, ...
+    rank: int | None = None  # rank where the non-finite value (or maximum) came from
+    fingerprint: str | None = None  # batch fingerprint, when the loop passes the batch
+    input_nonfinite: int | None = None  # non-finite values in the input batch
+
+    def scalars(self) -> dict[str, float]:
+        """The measured scalar fields as a flat dict (absent ones left out)."""
+        return {k: float(v) for k in SCALAR_FIELDS if (v := getattr(self, k)) is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.step}
+        for f in dataclasses.fields(self):
+            if f.name == "step":
+                continue
+            v = getattr(self, f.name)
+            if v is None or v == {} or v == ():
+                continue
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+    def is_finite(self) -> bool:
+        """True when every measured value is finite."""
+        vals = list(self.scalars().values())
+        vals += list(self.layer_grad_norms.values()) + list(self.layer_activation_max.values())
+        return not self.nonfinite_parts and not self.input_nonfinite and all(
+            math.isfinite(v) for v in vals
+        )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A condition a detector sees as active at one step (before deduplication)."""
+
+    kind: AlertKind
+    severity: Severity
+    metric: str
+    value: float | None
+    threshold: float | None
+    message: str
+    location: str | None = None
+    details: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind.value, self.metric, self.location or "")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One routed alert: what, where, how bad, and what to try."""
+
+    step: int
+    kind: AlertKind
+    severity: Severity
+    message: str
+    metric: str
+    value: float | None = None
+    threshold: float | None = None
+    location: str | None = None
+    hint: str | None = None
+    rank: int | None = None
+    cleared: bool = False  # an info alert that says a condition is over
+    details: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    flight_record: str | None = None  # path of the flight-recorder dump, for critical alerts
+
+    @property
+    def title(self) -> str:
+        """A short title (< 64 characters) for alerting backends."""
+        word = _TITLES.get(self.kind, self.kind.value)
+        return f"nummon: {word}" + (" cleared" if self.cleared else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "step": self.step,
+            "kind": self.kind.value,
+            "severity": self.severity.value,
+            "message": self.message,
+            "metric": self.metric,
+            "value": _json_float(self.value),
+            "threshold": _json_float(self.threshold),
+            "location": self.location,
+            "hint": self.hint,
+        }
+        if self.rank is not None:
+            d["rank"] = self.rank
+        if self.cleared:
+            d["cleared"] = True
+        if self.flight_record:
+            d["flight_record"] = self.flight_record
+        if self.details:
+            d["details"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.details.items()}
+        return d
+
+    def __str__(self) -> str:
+        where = f" [{self.location}]" if self.location else ""
+        return f"step {self.step} {self.severity.value.upper()} {self.kind.value}{where}: {self.message}"
+
+
+_TITLES = {
+    AlertKind.NONFINITE: "non-finite values",
+    AlertKind.EXPLOSION: "gradient explosion",
+    AlertKind.RUNAWAY: "runaway growth",
+    AlertKind.LOSS_SPIKE: "loss spike",
+    AlertKind.DIVERGENCE: "loss divergence",
+    AlertKind.EXTREME: "dtype headroom low",
+    AlertKind.STALL: "training stalled",
+    AlertKind.OSCILLATION: "loss oscillation",
+    AlertKind.VANISHING: "vanishing gradients",
+}
+
+
+def _json_float(v: float | None) -> float | str | None:
+    """Floats as JSON can carry them: NaN/Inf become strings so any JSON parser reads them."""
+    if v is None:
+        return None
+    v = float(v)
+    if math.isfinite(v):
+        return v
+    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What `Monitor.post_step` returns."""
+
+    step: int
+    health: Health
+    alerts: tuple[Alert, ...] = ()
+    should_stop: bool = False
+    record: StepRecord | None = None
+
+    @property
+    def warned(self) -> bool:
+        return any(a.severity.rank >= Severity.WARNING.rank for a in self.alerts)
