@@ -1,0 +1,463 @@
+"""The statistics engine: the only part of nummon that touches tensors.
+
+Per step it launches fused multi-tensor reductions on the device (``torch._foreach_norm`` over
+gradients, parameters and optimizer state; one ``aminmax`` per gradient for max |g| and
+finiteness), packs every scalar into one float64 vector and copies that vector to the host once
+(non-blocking into pinned memory on CUDA, read one step later). Only plain floats leave here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ._functional import DTYPE_MAX, headroom_decades
+from ._policy import Policy
+from ._types import StepRecord
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+_STATE_KEYS = ("momentum_buffer", "exp_avg")  # the first-moment state of SGD / Adam-family optimizers
+
+#: Transfer counter: the instrumentation seam tests use to count device->host copies per step.
+TRANSFERS = {"count": 0}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, "float32")
+
+
+def _narrowest(a: str | None, b: str) -> str:
+    if a is None:
+        return b
+    return a if DTYPE_MAX[a] <= DTYPE_MAX[b] else b
+
+
+@dataclass
+class Pending:
+    """Device work launched for one step, not yet read on the host."""
+
+    step: int
+    packed: torch.Tensor  # float64 on the host (CPU) or pinned host memory being filled (CUDA)
+    event: Any  # torch.cuda.Event or None
+    layout: dict[str, slice]
+    grad_names: list[str]
+    act_names: list[str]
+    act_order: list[int]
+    act_dtype: str | None
+    grad_dtype: str | None
+    loss_host: float | None
+    lr: float | None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class StatsEngine:
+    """Computes one step's health statistics for a model and optimizer."""
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        policy: Policy,
+        reduce_fn: Callable[[torch.Tensor, dict[str, slice]], torch.Tensor] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.policy = policy
+        self.reduce_fn = reduce_fn  # distributed: one collective over the packed vector
+        self.named_params: list[tuple[str, nn.Parameter]] = []
+        if model is not None:
+            self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        elif optimizer is not None:
+            self.named_params = [
+                (f"param_group{gi}.{pi}", p)
+                for gi, g in enumerate(optimizer.param_groups)
+                for pi, p in enumerate(g["params"])
+            ]
+        self.param_names = {id(p): n for n, p in self.named_params}
+        self.device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+        self._hooks: list[Any] = []
+        self._act_names: list[str] = []
+        self._act_slots: list[torch.Tensor | None] = []
+        self._act_order: list[int] = []
+        self._act_dtype: str | None = None
+        self._hist_acts: dict[str, torch.Tensor] = {}
+        self._want_act_hist = False
+        self._state_cache: tuple[int, list[torch.Tensor]] = (-1, [])
+        self._fp_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        if model is not None and policy.sampling.activations:
+            self._install_hooks(model)
+
+    # ---------------------------------------------------------------- activations
+    def _install_hooks(self, model: nn.Module) -> None:
+        # only modules that own parameters: they are where a runaway shows, and hooking every
+        # module (activations, containers) costs more than it tells
+        for name, mod in model.named_modules():
+            if name and any(True for _ in mod.parameters(recurse=False)):
+                idx = len(self._act_names)
+                self._act_names.append(name)
+                self._act_slots.append(None)
+                self._hooks.append(mod.register_forward_hook(self._make_hook(idx)))
+
+    def _make_hook(self, idx: int) -> Callable:
+        def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            t = out
+            if isinstance(out, (tuple, list)):
+                t = next((o for o in out if isinstance(o, torch.Tensor)), None)
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+                return
+            t = t.detach()
+            mn, mx = torch.aminmax(t)
+            m = torch.maximum(mx, mn.neg())
+            prev = self._act_slots[idx]
+            if prev is None:
+                self._act_order.append(idx)
+                self._act_slots[idx] = m
+                self._act_dtype = _narrowest(self._act_dtype, _dtype_name(t.dtype))
+            else:
+                self._act_slots[idx] = torch.maximum(prev, m)
+            if self._want_act_hist:
+                self._hist_acts[self._act_names[idx]] = t
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ---------------------------------------------------------------- optimizer
+    def _state_tensors(self) -> list[torch.Tensor]:
+        opt = self.optimizer
+        if opt is None:
+            return []
+        n = len(opt.state)
+        if n != self._state_cache[0]:  # state appears lazily after the first step
+            found = []
+            for st in opt.state.values():
+                for key in _STATE_KEYS:
+                    t = st.get(key) if isinstance(st, dict) else None
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        found.append(t)
+                        break
+            self._state_cache = (n, found)
+        return self._state_cache[1]
+
+    def _lr(self) -> float | None:
+        if self.optimizer is None or not self.optimizer.param_groups:
+            return None
+        lr = self.optimizer.param_groups[0].get("lr")
+        try:
+            return float(lr)
+        except (TypeError, ValueError):
+            return None
+
+    def optimizer_kind(self) -> str | None:
+        opt = self.optimizer
+        if opt is None:
+            return None
+        name = type(opt).__name__.lower()
+        if name == "sgd":
+            mom = opt.param_groups[0].get("momentum", 0) if opt.param_groups else 0
+            return "sgd_momentum" if mom else "sgd"
+        if "adam" in name:
+            return "adam"
+        return name
+
+    # ---------------------------------------------------------------- fingerprints
+    def _fingerprint(self, t: torch.Tensor) -> torch.Tensor:
+        """Exact, order-independent integer hash of a tensor's bits (mod 2^52, as float64)."""
+        flat = t.detach().reshape(-1)
+        if flat.dtype in (torch.float32, torch.int32):
+            bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        elif flat.dtype in (torch.float16, torch.bfloat16, torch.int16):
+            bits = flat.view(torch.int16).to(torch.int64) & 0xFFFF
+        elif flat.dtype in (torch.float64, torch.int64):
+            bits = flat.view(torch.int64) & 0x7FFFFFFF  # low bits: cheap and still position-sensitive
+        else:
+            bits = flat.to(torch.int64)
+        key = (flat.numel(), flat.device)
+        w = self._fp_weights.get(key)
+        if w is None:
+            w = (torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) * 2654435761 + 97) % 2147483629
+            self._fp_weights[key] = w
+        h = (bits * w).sum()  # int64 sums wrap identically in any order: exact and deterministic
+        return (h % (1 << 52)).to(torch.float64)
+
+    # ---------------------------------------------------------------- the step
+    def launch(self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True) -> Pending:
+        """Launch this step's reductions and start the single device->host copy."""
+        parts: list[torch.Tensor] = []
+        layout: dict[str, slice] = {}
+        pos = 0
+        dev = self.device
+
+        def add(name: str, t: torch.Tensor) -> None:
+            nonlocal pos
+            t = t.reshape(-1).to(torch.float64)
+            parts.append(t)
+            layout[name] = slice(pos, pos + t.numel())
+            pos += t.numel()
+
+        loss_host = None
+        if isinstance(loss, torch.Tensor):
+            add("loss", loss.detach())
+            dev = loss.device
+        else:
+            loss_host = float(loss)
+
+        grads, grad_names = [], []
+        grad_dtype = None
+        for n, p in self.named_params:
+            if p.grad is not None:
+                g = p.grad
+                if g.is_sparse:
+                    g = g.coalesce().values()
+                grads.append(g)
+                grad_names.append(n)
+                grad_dtype = _narrowest(grad_dtype, _dtype_name(g.dtype))
+        if grads:
+            add("grad_norms", torch.stack([n.float() for n in torch._foreach_norm(grads)]))
+            mm = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
+            add("grad_absmax", torch.stack([torch.maximum(mx.float(), mn.float().neg()) for mn, mx in mm]))
+        if params_due and self.named_params:
+            ps = [p.detach() for _, p in self.named_params]
+            add("param_norms", torch.stack([n.float() for n in torch._foreach_norm(ps)]))
+        if optim_due:
+            st = self._state_tensors()
+            if st:
+                add("state_norms", torch.stack([n.float() for n in torch._foreach_norm(st)]))
+        act_order = list(self._act_order)
+        if self._act_names and act_order:
+            zero = None
+            slots = []
+            for s in self._act_slots:
+                if s is None:
+                    zero = zero if zero is not None else torch.zeros((), device=dev)
+                    s = zero
+                slots.append(s.float())
+            add("act_max", torch.stack(slots))
+        if batch is not None:
+            tensors = [t for t in _tensors_in(batch)]
+            if tensors:
+                fl = [t for t in tensors if t.is_floating_point()]
+                if fl:
+                    add("input_nonfinite", torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum())
+                add("fingerprint", torch.stack([self._fingerprint(t) for t in tensors]))
+        # reset per-step activation slots for the next forward
+        for i in range(len(self._act_slots)):
+            self._act_slots[i] = None
+        self._act_order = []
+        act_dtype, self._act_dtype = self._act_dtype, None
+
+        if parts:
+            devs = {t.device for t in parts}
+            if len(devs) > 1:
+                parts = [t.to(dev) for t in parts]
+            packed = torch.cat(parts)
+        else:
+            packed = torch.zeros(0, dtype=torch.float64)
+        if self.reduce_fn is not None:
+            packed = self.reduce_fn(packed, layout)
+        event = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host
+        elif packed.device.type != "cpu":
+            packed = packed.cpu()
+        TRANSFERS["count"] += 1
+        return Pending(
+            step=step,
+            packed=packed,
+            event=event,
+            layout=layout,
+            grad_names=grad_names,
+            act_names=list(self._act_names),
+            act_order=act_order,
+            act_dtype=act_dtype,
+            grad_dtype=grad_dtype,
+            loss_host=loss_host,
+            lr=self._lr(),
+        )
+
+    def ready(self, pending: Pending) -> bool:
+        return pending.event is None or pending.event.query()
+
+    def resolve(self, pending: Pending) -> StepRecord:
+        """Read a launched step on the host (waits for its copy) and build the StepRecord."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        vals = pending.packed.tolist()
+        lay = pending.layout
+
+        def get(name: str) -> list[float] | None:
+            s = lay.get(name)
+            return None if s is None else vals[s]
+
+        rec = StepRecord(step=pending.step, lr=pending.lr)
+        rec.loss = pending.loss_host if pending.loss_host is not None else get("loss")[0]
+        parts: list[str] = []
+        if not math.isfinite(rec.loss):
+            parts.append("loss")
+        gn, gmax = get("grad_norms"), get("grad_absmax")
+        if gn is not None:
+            rec.grad_norm = _l2(gn)
+            rec.layer_grad_norms = dict(zip(pending.grad_names, gn))
+            rec.grad_max = _nanmax(gmax)
+            bad_grads = [n for n, v in zip(pending.grad_names, gmax) if not math.isfinite(v)]
+            if bad_grads:
+                parts.append("gradients")
+                pending.meta["bad_grads"] = bad_grads
+        pn = get("param_norms")
+        if pn is not None:
+            rec.param_norm = _l2(pn)
+            if not all(math.isfinite(v) for v in pn):
+                parts.append("parameters")
+        sn = get("state_norms")
+        if sn is not None:
+            rec.optim_state_norm = _l2(sn)
+            if not all(math.isfinite(v) for v in sn):
+                parts.append("optimizer state")
+            if rec.lr is not None and rec.param_norm:
+                rec.update_ratio = rec.lr * rec.optim_state_norm / rec.param_norm
+        elif gn is not None and rec.lr is not None and rec.param_norm:
+            rec.update_ratio = rec.lr * rec.grad_norm / rec.param_norm
+        act = get("act_max")
+        first_bad_act = None
+        if act is not None:
+            seen = [i for i in pending.act_order]
+            rec.layer_activation_max = {pending.act_names[i]: act[i] for i in seen}
+            rec.activation_max = _nanmax([act[i] for i in seen]) if seen else None
+            for i in seen:  # execution order: the first module whose output went non-finite
+                if not math.isfinite(act[i]):
+                    first_bad_act = pending.act_names[i]
+                    break
+            if first_bad_act is not None:
+                parts.append("activations")
+        inp = get("input_nonfinite")
+        if inp is not None and inp[0]:
+            rec.input_nonfinite = int(inp[0])
+        fp = get("fingerprint")
+        if fp is not None:
+            rec.fingerprint = "-".join(f"{int(v):013x}" for v in fp)
+        # headroom: the family closest to its dtype's limit
+        best = None
+        for mag, dt in ((rec.grad_max, pending.grad_dtype), (rec.activation_max, pending.act_dtype), (abs(rec.loss) if rec.loss is not None else None, "float32")):
+            if mag is None or dt is None or not math.isfinite(mag):
+                continue
+            h = headroom_decades(mag, dt)
+            if best is None or h < best[0]:
+                best = (h, dt)
+        if best is not None:
+            rec.headroom, rec.headroom_dtype = best
+        if parts:
+            rec.nonfinite_parts = tuple(parts)
+            rec.nonfinite_location = self._locate(rec, first_bad_act, pending)
+            rec.nonfinite_count = self._count_nonfinite()
+        return rec
+
+    def _locate(self, rec: StepRecord, first_bad_act: str | None, pending: Pending) -> str:
+        if rec.input_nonfinite:
+            return "input batch"
+        if first_bad_act is not None:
+            return f"output of `{first_bad_act}` (forward)"
+        if "loss" in rec.nonfinite_parts:
+            return "loss (forward, after the last watched module)"
+        bad = pending.meta.get("bad_grads", [])
+        if bad:  # backward runs in reverse: the origin is the last one in forward order
+            return f"gradient of `{bad[-1]}` (backward)"
+        if "parameters" in rec.nonfinite_parts:
+            return "parameters (optimizer step)"
+        if "optimizer state" in rec.nonfinite_parts:
+            return "optimizer state"
+        return "loss"
+
+    def _count_nonfinite(self) -> int:
+        # failure path only: exact counts cost a sync, which no longer matters once a run is failing
+        total = 0
+        for _, p in self.named_params:
+            total += int((~torch.isfinite(p.detach())).sum())
+            if p.grad is not None and not p.grad.is_sparse:
+                total += int((~torch.isfinite(p.grad)).sum())
+        return total
+
+    # ---------------------------------------------------------------- histograms
+    def want_activation_histograms(self, on: bool) -> None:
+        self._want_act_hist = on
+        if not on:
+            self._hist_acts = {}
+
+    def histograms(self, bins: int = 64) -> dict[str, dict[str, Any]]:
+        """Histograms of gradients, parameters and (last forward's) activations per layer.
+
+        Linear histograms over each tensor's own range and log10|x| histograms over fixed edges
+        (decades -30..39, which shows dtype headroom), computed on the device and copied once.
+        """
+        import numpy as np
+
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for n, p in self.named_params:
+            tensors.append((f"params/{n}", p.detach()))
+            if p.grad is not None and not p.grad.is_sparse:
+                tensors.append((f"grads/{n}", p.grad.detach()))
+        for n, t in self._hist_acts.items():
+            tensors.append((f"activations/{n}", t))
+        self._hist_acts = {}
+        if not tensors:
+            return {}
+        lo_dec, hi_dec = -30.0, 39.0
+        rows = []
+        for _, t in tensors:
+            x = torch.nan_to_num(t.float().reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+            mn, mx = torch.aminmax(x)
+            span = torch.clamp(mx - mn, min=1e-30)
+            lin = torch.histc((x - mn) / span, bins=bins, min=0.0, max=1.0)
+            lg = torch.histc(torch.log10(x.abs().clamp(min=1e-30)), bins=bins, min=lo_dec, max=hi_dec)
+            rows.append(torch.cat([mn.reshape(1), mx.reshape(1), lin, lg]).to(torch.float64))
+        host = torch.stack(rows).cpu().numpy()  # one copy for all histograms
+        log_edges = np.linspace(lo_dec, hi_dec, bins + 1)
+        out = {}
+        for (name, _), row in zip(tensors, host):
+            mn, mx = float(row[0]), float(row[1])
+            out[name] = {
+                "counts": row[2 : 2 + bins],
+                "edges": np.linspace(mn, mx if mx > mn else mn + 1e-30, bins + 1),
+                "log10_counts": row[2 + bins :],
+                "log10_edges": log_edges,
+            }
+        return out
+
+
+def _tensors_in(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        out: list[torch.Tensor] = []
+        for b in batch:
+            out.extend(_tensors_in(b))
+        return out
+    return []
+
+
+def _l2(values: Sequence[float]) -> float:
+    # in float64 on the host: the sum of squares of float32 norms cannot overflow here
+    try:
+        return math.sqrt(math.fsum(v * v for v in values))
+    except OverflowError:
+        return math.inf
+
+
+def _nanmax(values: Sequence[float]) -> float:
+    m = -math.inf
+    for v in values:
+        if math.isnan(v):
+            return math.nan
+        m = max(m, v)
+    return m
