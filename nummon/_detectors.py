@@ -127,7 +127,7 @@ class SpikeDetector:
                     factor *= self._p.short_history_multiplier
                 need = max(math.log10(factor), self._p.robust_z * sigma)
                 if up >= need:
-                    base = 10**m_log
+                    base = F.pow10(m_log)
                     kind = AlertKind.LOSS_SPIKE if is_loss else AlertKind.EXPLOSION
                     out.append(
                         Finding(
@@ -135,9 +135,9 @@ class SpikeDetector:
                             Severity.WARNING,
                             metric,
                             v,
-                            base * 10**need,
-                            f"{metric} jumped to {_fmt(v)}, {10**up:.3g}x its recent median {_fmt(base)}",
-                            details={"ratio": 10**up, "baseline": base},
+                            base * F.pow10(need),
+                            f"{metric} jumped to {_fmt(v)}, {F.pow10(up):.3g}x its recent median {_fmt(base)}",
+                            details={"ratio": F.pow10(up), "baseline": base},
                         )
                     )
             hist.append(F.log10_safe(v))
@@ -166,7 +166,7 @@ class RunawayDetector:
                     self._state.pop(metric, None)  # a NaN ends the streak; the nonfinite detector takes over
                 continue
             hist = self._hist[metric]
-            baseline = 10 ** F.median(hist) if hist else v
+            baseline = F.pow10(F.median(hist)) if hist else v
             prev = self._state.get(metric)
             if prev is None or rec.step <= prev[0]:
                 self._state[metric] = (rec.step, v, 0, rec.step, v)

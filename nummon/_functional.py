@@ -97,3 +97,8 @@ def relative_spread(values: Sequence[float]) -> float:
 
 def finite_only(values: Iterable[float | None]) -> list[float]:
     return [float(v) for v in values if is_finite(v)]
+
+
+def pow10(x: float) -> float:
+    """10**x without OverflowError (inf past float64's range)."""
+    return math.inf if x > 308.25 else 10.0**x

@@ -53,7 +53,7 @@ def _check_loss(loss: Any) -> Any:
             raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
         return loss
     if isinstance(loss, bool) or not isinstance(loss, (int, float)):
-        if hasattr(loss, "__float__") and not isinstance(loss, (str, bytes)):
+        if hasattr(loss, "__float__") and not isinstance(loss, (str, bytes, bool)):
             return float(loss)  # numpy scalars and friends
         raise NummonError(f"loss must be a float or a 0-d tensor, got {type(loss).__name__} {loss!r:.40}")
     return float(loss)

@@ -1,0 +1,175 @@
+"""Each detector on traces made to trigger it and on traces that must not, plus properties."""
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon._detectors import (
+    DETECTOR_TYPES,
+    DivergenceDetector,
+    HeadroomDetector,
+    NonfiniteDetector,
+    OscillationDetector,
+    RunawayDetector,
+    SpikeDetector,
+    StallDetector,
+    VanishingDetector,
+    build_detectors,
+)
+from nummon._engine import HealthEngine
+
+P = Policy.load("default")
+
+
+def run(det, values, field="loss", **extra):
+    out = []
+    for i, v in enumerate(values):
+        out.append(det.update(StepRecord(step=i, **{field: v}, **extra)))
+    return out
+
+
+def test_nonfinite_first_location_sticks_while_condition_holds():
+    det = NonfiniteDetector(P)
+    assert det.update(StepRecord(step=0, loss=1.0)) == []
+    f = det.update(StepRecord(step=1, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `fc2` (forward)"))
+    assert f[0].severity is Severity.CRITICAL and f[0].location == "output of `fc2` (forward)"
+    f2 = det.update(StepRecord(step=2, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `conv1` (forward)"))
+    assert f2[0].location == "output of `fc2` (forward)"  # still the first one
+    assert det.update(StepRecord(step=3, loss=1.0)) == []
+
+
+def test_nonfinite_input_is_named_as_input():
+    f = NonfiniteDetector(P).update(StepRecord(step=0, loss=1.0, input_nonfinite=3))
+    assert f[0].location == "input batch" and f[0].metric == "input"
+
+
+def test_spike_is_relative_to_the_runs_own_scale():
+    # the same relative jump fires at scale 1e-3 and at scale 1e3; a fixed "> 100" rule could not
+    for scale in (1e-3, 1.0, 1e3):
+        vals = [scale * (1 + 0.1 * (i % 3)) for i in range(30)] + [scale * 50]
+        found = run(SpikeDetector(P), vals, "grad_norm")
+        assert not any(found[:-1])
+        assert found[-1][0].kind is AlertKind.EXPLOSION and found[-1][0].severity is Severity.WARNING
+
+
+def test_loss_spike_kind_and_no_alarm_for_noise():
+    vals = [2.0 + 0.3 * math.sin(i) for i in range(60)]
+    assert not any(run(SpikeDetector(P), vals))
+    found = run(SpikeDetector(P), vals + [40.0])
+    assert found[-1][0].kind is AlertKind.LOSS_SPIKE
+
+
+def test_spike_baseline_not_poisoned_by_nan_or_by_the_spike():
+    det = SpikeDetector(P)
+    vals = [1.0] * 20 + [math.nan, math.inf, 1e6] + [1.0] * 5 + [30.0]
+    found = run(det, vals, "grad_norm")
+    assert found[22] and found[-1], "the spike after NaN/Inf and a spike is still judged against ~1.0"
+    assert not any(found[23:-1])
+
+
+def test_runaway_critical_with_steps_to_overflow():
+    vals = [1.0] * 10 + [3.0, 20.0, 300.0, 9000.0]
+    found = run(RunawayDetector(P), vals, "grad_norm")
+    sev = [max((f.severity.rank for f in fs), default=-1) for fs in found]
+    assert sev[11] == Severity.WARNING.rank and sev[12] == Severity.CRITICAL.rank
+    crit = found[12][0]
+    assert 0 < crit.details["steps_to_overflow"] < 60 and "overflow" in crit.message
+
+
+def test_runaway_handles_step_gaps_and_ignores_slow_growth():
+    recs = [StepRecord(step=s, loss=v) for s, v in [(0, 1.0), (10, 2.0), (20, 4.0), (30, 8.0), (40, 16.0)]]
+    det = RunawayDetector(P)
+    assert not any(det.update(r) for r in recs), "2x per 10 steps is not runaway growth"
+    slow = [1.05**i for i in range(200)]
+    assert not any(run(RunawayDetector(P), slow, "param_norm"))
+
+
+def test_headroom_per_dtype():
+    det = HeadroomDetector(P)
+    assert det.update(StepRecord(step=0, grad_max=1e3)) == []
+    w = det.update(StepRecord(step=1, grad_max=1e30))
+    assert w[0].kind is AlertKind.EXTREME and w[0].severity is Severity.WARNING
+    c = det.update(StepRecord(step=2, grad_max=1e36))
+    assert c[0].severity is Severity.CRITICAL
+    half = det.update(StepRecord(step=3, headroom=0.2, headroom_dtype="float16"))
+    assert half[0].severity is Severity.CRITICAL and half[0].details["dtype"] == "float16"
+
+
+def test_divergence_needs_patience():
+    det = DivergenceDetector(P)
+    vals = [2.0] * 10 + [50.0] * 4 + [1.0] + [50.0] * 5
+    found = run(det, vals)
+    assert not any(found[:19]) and found[19][0].kind is AlertKind.DIVERGENCE
+
+
+def test_stall_flat_high_loss_but_not_converged_run():
+    flat = [2.3 + 0.01 * math.sin(i) for i in range(150)]
+    assert any(run(StallDetector(P), flat))
+    converged = [2.3 * math.exp(-i / 20) + 0.01 for i in range(300)]
+    assert not any(run(StallDetector(P), converged))
+
+
+def test_oscillation_bouncing_but_not_minibatch_noise():
+    bouncing = [1.5 + 0.8 * ((-1) ** i) * (1 + 0.3 * math.sin(i / 7)) for i in range(150)]
+    bouncing = [2.3] * 10 + bouncing
+    assert any(f and f[0].kind is AlertKind.OSCILLATION for f in run(OscillationDetector(P), bouncing))
+    import random
+
+    rnd = random.Random(0)
+    healthy = [2.3 * math.exp(-i / 40) * (1 + 0.5 * rnd.random()) for i in range(336)]
+    assert not any(run(OscillationDetector(P), healthy))
+
+
+def test_vanishing_layer_among_live_ones():
+    det = VanishingDetector(P)
+    found = []
+    for i in range(60):
+        found.append(det.update(StepRecord(step=i, layer_grad_norms={"a.weight": 1.0, "b.weight": 0.0})))
+    assert not any(found[:49]) and found[49][0].location == "b.weight"
+
+
+# ------------------------------------------------------------------ properties
+
+finite = st.floats(min_value=-1e30, max_value=1e30, allow_nan=False, allow_infinity=False)
+anyfloat = st.floats(allow_nan=True, allow_infinity=True)
+FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max", "update_ratio", "lr")
+
+
+def records(values_strategy):
+    return st.lists(
+        st.fixed_dictionaries({f: st.one_of(st.none(), values_strategy) for f in FIELDS}), min_size=1, max_size=150
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(records(finite))
+def test_any_finite_trace_never_crashes_any_detector(rows):
+    dets = build_detectors(P)
+    assert len(dets) == len(DETECTOR_TYPES)
+    for i, row in enumerate(rows):
+        rec = StepRecord(step=i, **row)
+        for d in dets:
+            for f in d.update(rec):
+                assert f.kind is d.kind or (d.kind is AlertKind.EXPLOSION and f.kind is AlertKind.LOSS_SPIKE)
+                assert isinstance(f.message, str) and f.message
+
+
+@settings(max_examples=60, deadline=None)
+@given(records(anyfloat), st.integers(min_value=60, max_value=80))
+def test_nan_and_inf_never_poison_statistics_afterwards(rows, n_clean):
+    """After any garbage (NaN, Inf, huge values), a long clean constant run raises nothing."""
+    engine = HealthEngine(P)
+    for i, row in enumerate(rows):
+        engine.process(StepRecord(step=i, **row))
+    start = len(rows)
+    late = []
+    for j in range(n_clean):
+        alerts, _ = engine.process(StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0))
+        if j >= 55:
+            late += [a for a in alerts if a.severity is not Severity.INFO]
+    for d in engine.detectors:
+        for hist in getattr(d, "_hist", {}).values():
+            assert all(math.isfinite(v) for v in hist)
+    assert late == []

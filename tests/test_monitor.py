@@ -1,0 +1,130 @@
+"""Monitor on real models and optimizers."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nummon
+from nummon import AlertKind, Health, MemorySink, Monitor, NummonError, Severity
+from models import CNN, MLP, data, train_step
+
+
+def overflow_fc2(model):
+    with torch.no_grad():
+        model.fc2.weight.fill_(3e38)
+
+
+def test_fc2_overflow_is_localised_to_fc2_forward_and_healthy_steps_are_quiet(tmp_path):
+    torch.manual_seed(0)
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = data()
+    mem = MemorySink()
+    mon = Monitor(model, opt, sinks=[mem], run_dir=tmp_path)
+    reports = []
+    for i in range(12):
+        if i == 10:
+            overflow_fc2(model)
+        reports.append(mon.post_step(train_step(model, opt, x, y)))
+    mon.close()
+    for r in reports[:10]:
+        assert r.health is Health.HEALTHY and not r.warned, r.alerts
+        assert not r.should_stop
+    crit = [a for a in reports[10].alerts if a.kind is AlertKind.NONFINITE]
+    assert crit and crit[0].severity is Severity.CRITICAL
+    assert crit[0].location == "output of `fc2` (forward)"
+    assert "fc2" in crit[0].message and "forward" in crit[0].message
+    assert reports[10].should_stop and reports[10].health is Health.NONFINITE
+    # the flight recorder holds the finite trajectory leading to the failure
+    fr = json.loads(open(crit[0].flight_record).read())
+    assert [r["step"] for r in fr["records"]] == list(range(11))
+    assert all(r["health"] == "healthy" for r in fr["records"][:10])
+    assert mem.closed and len(mem.records) == 12
+
+
+def test_statistics_match_a_direct_computation():
+    torch.manual_seed(1)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    mon = Monitor(model, opt)
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    rec = mon.post_step(loss).record
+    gnorm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+    assert rec.grad_norm == pytest.approx(gnorm, rel=1e-5)
+    assert rec.grad_max == pytest.approx(max(g.abs().max().item() for g in grads), rel=1e-6)
+    pnorm = torch.sqrt(sum((p.detach().double() ** 2).sum() for p in model.parameters())).item()
+    assert rec.param_norm == pytest.approx(pnorm, rel=1e-5)
+    ea = [opt.state[p]["exp_avg"] for p in model.parameters()]
+    assert rec.optim_state_norm == pytest.approx(torch.sqrt(sum((e.double() ** 2).sum() for e in ea)).item(), rel=1e-5)
+    with torch.no_grad():
+        h = model.fc1(x)
+    assert set(rec.layer_activation_max) == {"fc1", "fc2"}
+    assert rec.loss == pytest.approx(loss.item())
+    assert rec.headroom > 30 and rec.headroom_dtype == "float32"
+    mon.close()
+
+
+def test_loss_only_monitor_catches_a_runaway():
+    mon = Monitor()
+    losses = [2.0] * 20 + [2.0 * 8**k for k in range(1, 8)]
+    kinds = set()
+    for l in losses:
+        kinds |= {a.kind for a in mon.post_step(l).alerts}
+    assert AlertKind.RUNAWAY in kinds and mon.should_stop
+    mon.close()
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("abc", "loss must be a float or a 0-d tensor, got str"),
+    (torch.ones(3), "scalar"),
+    (None, "got NoneType"),
+    (True, "got bool"),
+])
+def test_bad_loss_is_rejected_and_the_monitor_keeps_working(bad, needle):
+    mon = Monitor()
+    mon.post_step(1.0)
+    with pytest.raises(NummonError, match=needle) as e:
+        mon.post_step(bad)
+    assert "\n" not in str(e.value)
+    assert mon.step == 1  # no state changed
+    r = mon.post_step(torch.tensor(1.0))
+    assert r.step == 1 and r.health is Health.HEALTHY
+    mon.close()
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(NummonError, match="model must be a torch.nn.Module"):
+        Monitor(model="resnet")
+    with pytest.raises(nummon.PolicyError, match="unknown key"):
+        Monitor(policy={"spike": {"factor": 3}})
+
+
+def test_input_nan_is_named_as_input_not_a_layer():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    mon.post_step(train_step(model, opt, x, y), batch=(x, y))
+    x2 = x.clone()
+    x2[3, 5] = float("nan")
+    r = mon.post_step(train_step(model, opt, x2, y), batch=(x2, y))
+    nf = [a for a in r.alerts if a.kind is AlertKind.NONFINITE]
+    assert nf and nf[0].location == "input batch" and "input" in nf[0].message
+    mon.close()
+
+
+def test_context_manager_removes_hooks():
+    model = MLP()
+    with Monitor(model) as mon:
+        mon.post_step(1.0)
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(NummonError, match="closed"):
+        mon.post_step(1.0)
