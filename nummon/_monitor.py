@@ -218,6 +218,7 @@ class Monitor:
         self.flight_record = path
         details = dict(alert.details)
         details["flight_record_steps"] = [r["step"] for r in self.recorder.records]
+        details["recent"] = self.recent(8)  # plain dicts, so sinks can show the trajectory
         return dataclasses.replace(alert, flight_record=str(path), details=details)
 
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:

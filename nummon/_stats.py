@@ -418,16 +418,22 @@ class StatsEngine:
             span = torch.clamp(mx - mn, min=1e-30)
             lin = torch.histc((x - mn) / span, bins=bins, min=0.0, max=1.0)
             lg = torch.histc(torch.log10(x.abs().clamp(min=1e-30)), bins=bins, min=lo_dec, max=hi_dec)
-            rows.append(torch.cat([mn.reshape(1), mx.reshape(1), lin, lg]).to(torch.float64))
+            moments = torch.stack([x.double().sum(), x.double().square().sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
+            rows.append(torch.cat([mn.reshape(1).double(), mx.reshape(1).double(), moments, lin.double(), lg.double()]))
         host = torch.stack(rows).cpu().numpy()  # one copy for all histograms
         log_edges = np.linspace(lo_dec, hi_dec, bins + 1)
         out = {}
         for (name, _), row in zip(tensors, host):
             mn, mx = float(row[0]), float(row[1])
             out[name] = {
-                "counts": row[2 : 2 + bins],
+                "min": mn,
+                "max": mx,
+                "sum": float(row[2]),
+                "sum_squares": float(row[3]),
+                "num": float(row[4]),
+                "counts": row[5 : 5 + bins],
                 "edges": np.linspace(mn, mx if mx > mn else mn + 1e-30, bins + 1),
-                "log10_counts": row[2 + bins :],
+                "log10_counts": row[5 + bins :],
                 "log10_edges": log_edges,
             }
         return out

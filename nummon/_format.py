@@ -1,0 +1,70 @@
+"""Shared formatting of records and alerts for sinks and the CLI (plain data in, text out)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from ._types import Alert, StepRecord
+
+TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
+
+
+def fmt_num(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:
+    """A small fixed-width (or markdown) table of step records."""
+    rows = list(rows)
+    cells = [[fmt_num(r.get(c)) for c in columns] for r in rows]
+    if markdown:
+        head = "| " + " | ".join(columns) + " |"
+        sep = "|" + "|".join("---" for _ in columns) + "|"
+        return "\n".join([head, sep] + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max([len(col)] + [len(c[i]) for c in cells]) for i, col in enumerate(columns)]
+    lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def scalar_tags(record: StepRecord, prefix: str = "nummon") -> dict[str, float]:
+    """Scalars for plotting backends: nummon/<stat>, nummon/grad_norm/<param>, nummon/activation_max/<module>."""
+    out = {f"{prefix}/{k}": v for k, v in record.scalars().items()}
+    for k, v in record.layer_grad_norms.items():
+        out[f"{prefix}/grad_norm/{k}"] = v
+    for k, v in record.layer_activation_max.items():
+        out[f"{prefix}/activation_max/{k}"] = v
+    return out
+
+
+def alert_text(alert: Alert, markdown: bool = False) -> str:
+    """The alert body: step, metric, value, threshold, location, hint and, for critical alerts,
+    the last steps of the flight recorder as a table."""
+    lines = [
+        f"{alert.severity.value.upper()} {alert.kind.value} at step {alert.step}: {alert.message}",
+        f"metric: {alert.metric}  value: {fmt_num(alert.value)}  threshold: {fmt_num(alert.threshold)}",
+    ]
+    if alert.location:
+        lines.append(f"location: {alert.location}")
+    if alert.rank is not None:
+        lines.append(f"rank: {alert.rank}")
+    if alert.hint:
+        lines.append(f"hint: {alert.hint}")
+    recent = alert.details.get("recent") if alert.details else None
+    if recent:
+        lines.append("")
+        lines.append("last steps (flight recorder):")
+        table = records_table(recent, markdown=markdown)
+        lines.append(table if markdown else "```\n" + table + "\n```")
+    if alert.flight_record:
+        lines.append(f"flight record: {alert.flight_record}")
+    sep = "  \n" if markdown else "\n"
+    return sep.join(lines)

@@ -1,0 +1,258 @@
+"""Sinks with the real libraries: TensorBoard event files and server, W&B offline run files,
+failure isolation, install hints. One contract suite runs over every sink."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nummon
+from nummon import AlertKind, ConsoleSink, Health, JsonlSink, MemorySink, Monitor, Severity, StepRecord
+from nummon._types import Alert
+
+from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
+
+HIST_EVERY = 10
+
+
+def runaway_run(sinks, tmp_path, steps=80, policy=None):
+    """A real two-layer linear model on SGD+momentum whose LR makes it run away (~step 40)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(64, 8) * 2, torch.randn(64, 1)
+    pol = policy or {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}
+    mon = Monitor(model, opt, policy=pol, sinks=sinks, run_dir=tmp_path)
+    reports = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        r = mon.post_step(loss)
+        reports.append(r)
+        if r.health is Health.NONFINITE:
+            break
+    mon.close()
+    return mon, reports
+
+
+def first_nonfinite(reports):
+    return next(r.step for r in reports if r.health is Health.NONFINITE)
+
+
+def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, wandb_env):
+    from nummon.integrations.tensorboard import TensorBoardSink
+    from nummon.integrations.wandb import WandbSink
+
+    tb_dir = tmp_path / "tb"
+    tb = TensorBoardSink(tb_dir)
+    wb = WandbSink(project="nummon-test")
+    assert wb.offline
+    mon, reports = runaway_run([tb, wb, JsonlSink(tmp_path / "events.jsonl")], tmp_path)
+    nf = first_nonfinite(reports)
+    steps = [r.step for r in reports]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("nummon/loss", "nummon/grad_norm", "nummon/grad_max", "nummon/param_norm",
+                "nummon/optim_state_norm", "nummon/update_ratio", "nummon/activation_max", "nummon/headroom",
+                "nummon/grad_norm/0.weight"):
+        assert tag in tags["scalars"], tag
+    assert [e.step for e in acc.Scalars("nummon/loss")] == steps
+    assert acc.Scalars("nummon/loss")[0].value == pytest.approx(reports[0].record.loss, rel=1e-6)
+    hist_steps = [e.step for e in acc.Histograms("nummon/grads/0.weight")]
+    assert hist_steps == [s for s in steps if s % HIST_EVERY == 0]
+    assert "nummon/log10abs/grads/0.weight" in tags["histograms"]
+    assert "nummon/activations/1" in tags["histograms"]
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("nummon/alerts/text_summary")]
+    assert any("CRITICAL runaway" in t and "flight recorder" in t for t in texts)
+
+    records = read_records(find_run_file(wandb_env / "wandb_dir"))
+    rows = history_rows(records)
+    by_step = {row["_step"]: row for row in rows}
+    assert sorted(by_step) == steps
+    assert by_step[0]["nummon/loss"] == pytest.approx(reports[0].record.loss, rel=1e-6)
+    row = by_step[HIST_EVERY]
+    assert row["nummon/hist/grads/0.weight/_type"] == "histogram"
+    assert sum(row["nummon/hist/grads/0.weight/values"]) == 16 * 8  # every element of the weight's gradient
+    assert not any(k.startswith("nummon/hist/") for k in by_step[HIST_EVERY + 1])
+    al = wb_alerts(records)
+    crit = [a for a in al if a.level == "ERROR" and "runaway" in a.title]
+    assert crit, [(a.title, a.level) for a in al]
+    assert len(crit[0].title) < 64
+    # recorded before the first non-finite step: its text names an earlier step
+    crit_alert = next(a for a in mon.alerts if a.kind is AlertKind.RUNAWAY and a.severity is Severity.CRITICAL)
+    assert crit_alert.step < nf
+    assert f"at step {crit_alert.step}" in crit[0].text and "flight recorder" in crit[0].text
+    assert any(a.level == "WARN" for a in al)
+
+
+def test_wandb_client_side_throttle(wandb_env):
+    from nummon.integrations.wandb import WandbSink
+
+    wb = WandbSink(project="nummon-test", wait_duration=3600)
+    mk = lambda step, sev: Alert(step=step, kind=AlertKind.EXPLOSION, severity=sev, message="m", metric="grad_norm")
+    wb.on_alert(mk(1, Severity.WARNING))
+    wb.on_alert(mk(2, Severity.WARNING))  # throttled
+    wb.on_alert(mk(3, Severity.CRITICAL))  # escalation goes through
+    wb.on_alert(mk(4, Severity.INFO))  # below alert_min_severity
+    wb.close()
+    assert [lvl for _, lvl, _ in wb.sent_alerts] == ["WARN", "ERROR"]
+    levels = [a.level for a in wb_alerts(read_records(find_run_file(wandb_env / "wandb_dir")))]
+    assert levels == ["WARN", "ERROR"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
+    from nummon.integrations.tensorboard import TensorBoardSink
+
+    tb_dir = tmp_path / "tb"
+    runaway_run([TensorBoardSink(tb_dir)], tmp_path, steps=25)
+    port = _free_port()
+    exe = Path(sys.executable).with_name("tensorboard")
+    proc = subprocess.Popen(
+        [str(exe), "--logdir", str(tb_dir), "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}/data/plugin"
+        scalars = hists = None
+        for _ in range(120):  # the server needs a moment to start and load the run
+            try:
+                scalars = json.load(urllib.request.urlopen(f"{base}/scalars/scalars?run=.&tag=nummon/loss", timeout=2))
+                hists = json.load(urllib.request.urlopen(f"{base}/histograms/histograms?run=.&tag=nummon/grads/0.weight", timeout=2))
+                if len(scalars) == 25 and len(hists) == 3:
+                    break
+            except Exception:
+                pass
+            time.sleep(0.5)
+        assert [row[1] for row in scalars] == list(range(25))
+        assert [row[1] for row in hists] == [0, 10, 20]
+    finally:
+        os.kill(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+class RaisingSink(nummon._sinks.BaseSink):
+    def __init__(self):
+        self.calls = 0
+
+    def on_step(self, record, health):
+        self.calls += 1
+        raise RuntimeError("backend down")
+
+    def on_alert(self, alert):
+        raise RuntimeError("backend down")
+
+
+class BlockingSink(nummon._sinks.BaseSink):
+    def __init__(self):
+        self.release = threading.Event()
+        self.seen = 0
+
+    def on_step(self, record, health):
+        self.release.wait(30)
+        self.seen += 1
+
+
+def test_failing_and_blocking_sinks_never_stop_training_and_no_alert_is_lost(tmp_path, caplog):
+    raising, blocking = RaisingSink(), BlockingSink()
+    log = tmp_path / "events.jsonl"
+    pol = {"sinks": {"queue_size": 4}, "alerts": {"stop_on_critical": False}}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(64, 8) * 2, torch.randn(64, 1)
+    mon = Monitor(model, opt, policy=pol, sinks=[raising, blocking, JsonlSink(log)])
+    for _ in range(60):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        mon.post_step(loss)
+    # every step returned while the blocking sink was still stuck on its first record
+    assert blocking.seen == 0 and mon.step == 60
+    stats = mon.sink_stats
+    assert stats["BlockingSink"]["dropped"] > 0  # its bounded queue overflowed: statistics dropped
+    blocking.release.set()
+    mon.close()
+    assert raising.calls > 0 and mon.sink_stats["RaisingSink"]["errors"] >= raising.calls
+    assert sum("sink RaisingSink failed" in r.message for r in caplog.records) == 1  # reported once
+    logged = [json.loads(l) for l in log.read_text().splitlines()]
+    logged_alerts = [(a["step"], a["kind"], a["severity"]) for a in logged if a["type"] == "alert"]
+    assert logged_alerts == [(a.step, a.kind.value, a.severity.value) for a in mon.alerts]
+    assert any(s == "critical" for _, _, s in logged_alerts)
+    # step records may be dropped under a full queue (counted); alerts never are
+    assert len([a for a in logged if a["type"] == "step"]) + mon.sink_stats["JsonlSink"]["dropped"] == 60
+
+
+def test_install_hints_without_extras(tmp_path):
+    code = (
+        "import sys; sys.modules['wandb'] = None; sys.modules['tensorboard'] = None\n"
+        "import nummon\n"
+        "from nummon.integrations.wandb import WandbSink\n"
+        "from nummon.integrations.tensorboard import TensorBoardSink\n"
+        "for cls, arg in ((WandbSink, None), (TensorBoardSink, 'x')):\n"
+        "    try:\n"
+        "        cls() if arg is None else cls(arg)\n"
+        "    except ImportError as e:\n"
+        "        print('HINT', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "pip install 'nummon[wandb]'" in out and "pip install 'nummon[tensorboard]'" in out
+
+
+# ------------------------------------------------------------------ contract suite over every sink
+
+def _make_sinks(tmp_path):
+    from nummon.integrations.tensorboard import TensorBoardSink
+    from nummon.integrations.wandb import WandbSink
+
+    return {
+        "memory": lambda: MemorySink(),
+        "jsonl": lambda: JsonlSink(tmp_path / "c.jsonl"),
+        "console": lambda: ConsoleSink(),
+        "tensorboard": lambda: TensorBoardSink(tmp_path / "tb"),
+        "wandb": lambda: WandbSink(project="nummon-contract"),
+    }
+
+
+@pytest.mark.parametrize("name", ["memory", "jsonl", "console", "tensorboard", "wandb"])
+def test_sink_contract(name, tmp_path, wandb_env):
+    """Every sink takes plain records, non-finite values, alerts of every kind and histograms,
+    then flushes and closes, without raising."""
+    import numpy as np
+
+    sink = _make_sinks(tmp_path)[name]()
+    assert isinstance(sink, nummon.Sink)
+    rec = StepRecord(step=0, loss=1.0, grad_norm=float("nan"), grad_max=float("inf"), layer_grad_norms={"fc.weight": 1.0})
+    sink.on_step(rec, Health.NONFINITE)
+    for i, kind in enumerate(AlertKind):
+        for sev in Severity:
+            sink.on_alert(Alert(step=i + 1, kind=kind, severity=sev, message="m", metric="loss", value=float("nan"),
+                                details={"recent": [rec.to_dict()]}))
+    hist = {"grads/fc.weight": {"min": -1.0, "max": 1.0, "sum": 0.0, "sum_squares": 2.0, "num": 4.0,
+                                "counts": np.array([2.0, 2.0]), "edges": np.array([-1.0, 0.0, 1.0]),
+                                "log10_counts": np.array([0.0, 4.0]), "log10_edges": np.array([-30.0, 0.0, 39.0])}}
+    if hasattr(sink, "on_histograms"):
+        sink.on_histograms(0, hist)
+    sink.on_step(StepRecord(step=100, loss=0.5), Health.HEALTHY)
+    sink.flush()
+    sink.close()
