@@ -151,6 +151,7 @@ class RunawayDetector:
 
     def __init__(self, policy: Policy) -> None:
         self._p = policy.runaway
+        self._short = (policy.spike.short_history, policy.spike.short_history_multiplier)
         self._dtype = policy.headroom.default_dtype
         # per metric: (last step, last value, streak length, streak start step, streak start value)
         self._state: dict[str, tuple[int, float, int, int, float]] = {}
@@ -183,10 +184,14 @@ class RunawayDetector:
                 continue
             total = v / start
             above = v / baseline if baseline > 0 else math.inf
+            warn_f, crit_f = p.warning_total_factor, p.critical_total_factor
+            if len(hist) < self._short[0]:
+                # early in a run (or trace) growth from tiny initial values is normal: demand more
+                warn_f, crit_f = warn_f ** self._short[1], crit_f ** self._short[1]
             severity = None
-            if streak >= p.critical_steps and total >= p.critical_total_factor and above >= p.critical_total_factor:
+            if streak >= p.critical_steps and total >= crit_f and above >= crit_f:
                 severity = Severity.CRITICAL
-            elif streak >= p.warning_steps and total >= p.warning_total_factor and above >= p.warning_total_factor:
+            elif streak >= p.warning_steps and total >= warn_f and above >= warn_f:
                 severity = Severity.WARNING
             if severity is None:
                 continue
@@ -198,7 +203,7 @@ class RunawayDetector:
                     severity,
                     metric,
                     v,
-                    p.critical_total_factor if severity is Severity.CRITICAL else p.warning_total_factor,
+                    crit_f if severity is Severity.CRITICAL else warn_f,
                     f"{metric} grew {total:.3g}x over {streak} consecutive steps (x{mean_rate:.3g} per step); "
                     f"~{left:.0f} steps left until {self._dtype} overflow at this rate",
                     details={"growth": total, "rate_per_step": mean_rate, "steps_to_overflow": left, "streak": streak},

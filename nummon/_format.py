@@ -24,7 +24,7 @@ def fmt_num(v: Any) -> str:
 def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:
     """A small fixed-width (or markdown) table of step records."""
     rows = list(rows)
-    cells = [[fmt_num(r.get(c)) for c in columns] for r in rows]
+    cells = [[fmt_num(r.get(c)) if r.get("step") != "..." else ("..." if c == "step" else "") for c in columns] for r in rows]
     if markdown:
         head = "| " + " | ".join(columns) + " |"
         sep = "|" + "|".join("---" for _ in columns) + "|"

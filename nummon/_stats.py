@@ -225,10 +225,12 @@ class StatsEngine:
         if params_due and self.named_params:
             ps = [p.detach() for _, p in self.named_params]
             add("param_norms", torch.stack([n.float() for n in torch._foreach_norm(ps)]))
+        meta: dict[str, Any] = {"grads": grads}
         if optim_due:
             st = self._state_tensors()
             if st:
                 add("state_norms", torch.stack([n.float() for n in torch._foreach_norm(st)]))
+                meta["state"] = st
         act_order = list(self._act_order)
         if self._act_names and act_order:
             zero = None
@@ -283,6 +285,7 @@ class StatsEngine:
             grad_dtype=grad_dtype,
             loss_host=loss_host,
             lr=self._lr(),
+            meta=meta,
         )
 
     def ready(self, pending: Pending) -> bool:
@@ -306,6 +309,7 @@ class StatsEngine:
             parts.append("loss")
         gn, gmax = get("grad_norms"), get("grad_absmax")
         if gn is not None:
+            gn = _exact_where_overflowed(gn, pending.meta.get("grads", []))
             rec.grad_norm = _l2(gn)
             rec.layer_grad_norms = dict(zip(pending.grad_names, gn))
             rec.grad_max = _nanmax(gmax)
@@ -315,11 +319,13 @@ class StatsEngine:
                 pending.meta["bad_grads"] = bad_grads
         pn = get("param_norms")
         if pn is not None:
+            pn = _exact_where_overflowed(pn, [p for _, p in self.named_params])
             rec.param_norm = _l2(pn)
             if not all(math.isfinite(v) for v in pn):
                 parts.append("parameters")
         sn = get("state_norms")
         if sn is not None:
+            sn = _exact_where_overflowed(sn, pending.meta.get("state", []))
             rec.optim_state_norm = _l2(sn)
             if not all(math.isfinite(v) for v in sn):
                 parts.append("optimizer state")
@@ -450,6 +456,25 @@ def _tensors_in(batch: Any) -> list[torch.Tensor]:
             out.extend(_tensors_in(b))
         return out
     return []
+
+
+def _exact_where_overflowed(norms: list[float], tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Float32 norms overflow to inf for finite values above ~1e19; recompute those few in float64.
+
+    Runs only when a norm is not finite (a failing run), so the extra sync costs a healthy run
+    nothing. A tensor that really holds NaN/Inf keeps its non-finite norm.
+    """
+    if all(math.isfinite(v) for v in norms) or len(tensors) != len(norms):
+        return norms
+    out = list(norms)
+    for i, v in enumerate(norms):
+        if not math.isfinite(v):
+            t = tensors[i].detach()
+            if t.is_sparse:
+                t = t.coalesce().values()
+            if bool(torch.isfinite(t).all()):
+                out[i] = float(torch.linalg.vector_norm(t.double()))
+    return out
 
 
 def _l2(values: Sequence[float]) -> float:
