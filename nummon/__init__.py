@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import NummonError
 from ._policy import Policy, PolicyError, load_policy, preset_names
 from ._replay import replay
+from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, Sink
 from ._trace import TraceError, read_trace
 from ._types import Alert, AlertKind, Health, Severity, StepRecord, StepReport
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Alert",
     "AlertKind",
+    "BaseSink",
     "ConsoleSink",
     "Health",
     "JsonlSink",
@@ -37,17 +39,10 @@ __all__ = [
     "replay",
 ]
 
-_LAZY = {
-    "Monitor": "._monitor",
-    "Sink": "._sinks",
-    "JsonlSink": "._sinks",
-    "ConsoleSink": "._sinks",
-    "MemorySink": "._sinks",
-}
+_LAZY = {"Monitor": "._monitor"}  # needs torch: imported on first use
 
 if TYPE_CHECKING:
     from ._monitor import Monitor
-    from ._sinks import ConsoleSink, JsonlSink, MemorySink, Sink
 
 
 def __getattr__(name: str) -> Any:

@@ -109,15 +109,14 @@ class StatsEngine:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
                 return
             t = t.detach()
-            mn, mx = torch.aminmax(t)
-            m = torch.maximum(mx, mn.neg())
+            mn, mx = torch.aminmax(t)  # one pass; |x| is combined for all modules at launch
             prev = self._act_slots[idx]
             if prev is None:
                 self._act_order.append(idx)
-                self._act_slots[idx] = m
+                self._act_slots[idx] = (mn, mx)
                 self._act_dtype = _narrowest(self._act_dtype, _dtype_name(t.dtype))
-            else:
-                self._act_slots[idx] = torch.maximum(prev, m)
+            else:  # a module called twice in one step (weight sharing, loops)
+                self._act_slots[idx] = (torch.minimum(prev[0], mn), torch.maximum(prev[1], mx))
             if self._want_act_hist:
                 self._hist_acts[self._act_names[idx]] = t
 
@@ -218,29 +217,35 @@ class StatsEngine:
                 grads.append(g)
                 grad_names.append(n)
                 grad_dtype = _narrowest(grad_dtype, _dtype_name(g.dtype))
-        if grads:
-            add("grad_norms", torch.stack([n.float() for n in torch._foreach_norm(grads)]))
-            mm = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
-            add("grad_absmax", torch.stack([torch.maximum(mx.float(), mn.float().neg()) for mn, mx in mm]))
-        if params_due and self.named_params:
-            ps = [p.detach() for _, p in self.named_params]
-            add("param_norms", torch.stack([n.float() for n in torch._foreach_norm(ps)]))
         meta: dict[str, Any] = {"grads": grads}
+        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused call
+        segments: list[tuple[str, list[torch.Tensor]]] = [("grad_norms", grads)]
+        if params_due and self.named_params:
+            segments.append(("param_norms", [p.detach() for _, p in self.named_params]))
         if optim_due:
             st = self._state_tensors()
             if st:
-                add("state_norms", torch.stack([n.float() for n in torch._foreach_norm(st)]))
+                segments.append(("state_norms", st))
                 meta["state"] = st
+        flat = [t for _, ts in segments for t in ts]
+        if flat:
+            norms = torch._foreach_norm(flat)
+            if any(n.dtype != torch.float32 for n in norms):
+                norms = [n.float() for n in norms]
+            stacked = torch.stack(norms)
+            i = 0
+            for name, ts in segments:
+                if ts:
+                    add(name, stacked[i : i + len(ts)])
+                    i += len(ts)
+        if grads:
+            mins, maxs = zip(*(torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
+            add("grad_absmax", _absmax(mins, maxs))
         act_order = list(self._act_order)
         if self._act_names and act_order:
-            zero = None
-            slots = []
-            for s in self._act_slots:
-                if s is None:
-                    zero = zero if zero is not None else torch.zeros((), device=dev)
-                    s = zero
-                slots.append(s.float())
-            add("act_max", torch.stack(slots))
+            zero = torch.zeros((), device=dev)
+            pairs = [s if s is not None else (zero, zero) for s in self._act_slots]
+            add("act_max", _absmax([p[0] for p in pairs], [p[1] for p in pairs]))
         if batch is not None:
             tensors = [t for t in _tensors_in(batch)]
             if tensors:
@@ -443,6 +448,13 @@ class StatsEngine:
                 "log10_edges": log_edges,
             }
         return out
+
+
+def _absmax(mins: Sequence[torch.Tensor], maxs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max(|min|, |max|) per tensor from aminmax results, in three kernels for all of them."""
+    lo = torch.stack([m.float() for m in mins])
+    hi = torch.stack([m.float() for m in maxs])
+    return torch.maximum(hi, lo.neg())
 
 
 def _tensors_in(batch: Any) -> list[torch.Tensor]:

@@ -150,7 +150,7 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
         proc.wait(timeout=30)
 
 
-class RaisingSink(nummon._sinks.BaseSink):
+class RaisingSink(nummon.BaseSink):
     def __init__(self):
         self.calls = 0
 
@@ -162,7 +162,7 @@ class RaisingSink(nummon._sinks.BaseSink):
         raise RuntimeError("backend down")
 
 
-class BlockingSink(nummon._sinks.BaseSink):
+class BlockingSink(nummon.BaseSink):
     def __init__(self):
         self.release = threading.Event()
         self.seen = 0
