@@ -93,7 +93,7 @@ class Monitor:
 
             self._dist = DistributedReducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
-        self.stats = StatsEngine(model, optimizer, self.policy, reduce_fn=self._dist.reduce if self._dist else None)
+        self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         sink_list = list(sinks)
@@ -187,8 +187,6 @@ class Monitor:
 
     def _evaluate(self, pending: Pending) -> StepReport:
         rec = self.stats.resolve(pending)
-        if self._dist is not None:
-            self._dist.annotate(rec)
         alerts, health = self.engine.process(rec)
         self.recorder.add(rec, health)
         routed = []
@@ -197,7 +195,7 @@ class Monitor:
                 a = self._dump_flight_record(a)
             if a.severity is Severity.CRITICAL and self.policy.alerts.stop_on_critical:
                 self._stop = True
-            if self._dist is not None and a.rank is None and rec.rank is not None and a.kind.value == "nonfinite":
+            if self._dist is not None and a.rank is None and rec.rank is not None:
                 a = dataclasses.replace(a, rank=rec.rank)
             routed.append(a)
             self.alerts.append(a)

@@ -60,12 +60,16 @@ class BaseSink:
 class JsonlSink(BaseSink):
     """Append-only local event log: one JSON object per step record and per alert.
 
+    Under torch.distributed, put ``{rank}`` in the path (e.g. ``events-rank{rank}.jsonl``) and set
+    the policy's ``sinks.rank0_only: false`` for one log per rank.
+
     Flushed on every alert and fsync'ed on critical ones, so the alert that precedes a crash
     is on disk.
     """
 
     def __init__(self, path: str | os.PathLike[str], steps: bool = True) -> None:
-        self.path = Path(path)
+        # "{rank}" in the path gives one file per rank under torchrun (RANK is set per process)
+        self.path = Path(os.fspath(path).replace("{rank}", os.environ.get("RANK", "0")))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8")
         self._steps = steps

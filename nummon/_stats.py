@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ._distributed import local_tensor, norm_kinds
 from ._functional import DTYPE_MAX, headroom_decades
 from ._policy import Policy
 from ._types import StepRecord
@@ -61,12 +62,12 @@ class StatsEngine:
         model: nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
         policy: Policy,
-        reduce_fn: Callable[[torch.Tensor, dict[str, slice]], torch.Tensor] | None = None,
+        dist: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.policy = policy
-        self.reduce_fn = reduce_fn  # distributed: one collective over the packed vector
+        self.dist = dist  # a DistributedReducer: one collective over the packed vector per step
         self.named_params: list[tuple[str, nn.Parameter]] = []
         if model is not None:
             self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -77,6 +78,10 @@ class StatsEngine:
                 for pi, p in enumerate(g["params"])
             ]
         self.param_names = {id(p): n for n, p in self.named_params}
+        # FSDP1 shards every parameter of the wrapped model (flat or original-parameter views)
+        self._all_sharded = model is not None and any(
+            type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
+        )
         self.device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
         self._hooks: list[Any] = []
         self._act_names: list[str] = []
@@ -87,6 +92,7 @@ class StatsEngine:
         self._want_act_hist = False
         self._state_cache: tuple[int, list[torch.Tensor]] = (-1, [])
         self._fp_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._pinned: dict[int, list[torch.Tensor]] = {}
         if model is not None and policy.sampling.activations:
             self._install_hooks(model)
 
@@ -148,6 +154,8 @@ class StatsEngine:
         if self.optimizer is None or not self.optimizer.param_groups:
             return None
         lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return None  # a tensor LR (capturable optimizers) rides in the packed vector instead
         try:
             return float(lr)
         except (TypeError, ValueError):
@@ -200,33 +208,50 @@ class StatsEngine:
             layout[name] = slice(pos, pos + t.numel())
             pos += t.numel()
 
+        distributed = self.dist is not None
         loss_host = None
         if isinstance(loss, torch.Tensor):
             add("loss", loss.detach())
             dev = loss.device
+        elif distributed:  # every rank must pack the same layout
+            add("loss", torch.tensor(float(loss), device=dev))
         else:
             loss_host = float(loss)
 
-        grads, grad_names = [], []
+        grads, grad_names, grad_src = [], [], []
         grad_dtype = None
         for n, p in self.named_params:
-            if p.grad is not None:
-                g = p.grad
-                if g.is_sparse:
-                    g = g.coalesce().values()
-                grads.append(g)
-                grad_names.append(n)
+            g = p.grad
+            if g is None:
+                if not distributed:
+                    continue
+                g = torch.zeros((), device=dev)  # placeholder: the layout is the same on every rank
+            else:
                 grad_dtype = _narrowest(grad_dtype, _dtype_name(g.dtype))
+            grad_src.append(g)
+            g = local_tensor(g)
+            if g.is_sparse:
+                g = g.coalesce().values()
+            grads.append(g)
+            grad_names.append(n)
         meta: dict[str, Any] = {"grads": grads}
+        kinds: dict[str, list[str]] = {}
         # every L2 norm of the step (gradients, parameters, optimizer state) in one fused call
         segments: list[tuple[str, list[torch.Tensor]]] = [("grad_norms", grads)]
+        if distributed:
+            kinds["grad_norms"] = self._kinds(grad_src)
         if params_due and self.named_params:
-            segments.append(("param_norms", [p.detach() for _, p in self.named_params]))
+            ps = [p.detach() for _, p in self.named_params]
+            segments.append(("param_norms", [local_tensor(p) for p in ps]))
+            if distributed:
+                kinds["param_norms"] = self._kinds(ps)
         if optim_due:
             st = self._state_tensors()
             if st:
-                segments.append(("state_norms", st))
+                segments.append(("state_norms", [local_tensor(t) for t in st]))
                 meta["state"] = st
+                if distributed:
+                    kinds["state_norms"] = self._kinds(st)
         flat = [t for _, ts in segments for t in ts]
         if flat:
             norms = torch._foreach_norm(flat)
@@ -238,6 +263,10 @@ class StatsEngine:
                 if ts:
                     add(name, stacked[i : i + len(ts)])
                     i += len(ts)
+        if self.optimizer is not None and self.optimizer.param_groups:
+            lr_t = self.optimizer.param_groups[0].get("lr")
+            if isinstance(lr_t, torch.Tensor):
+                add("lr", lr_t.detach())
         if grads:
             mins, maxs = zip(*(torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
             add("grad_absmax", _absmax(mins, maxs))
@@ -266,11 +295,12 @@ class StatsEngine:
             packed = torch.cat(parts)
         else:
             packed = torch.zeros(0, dtype=torch.float64)
-        if self.reduce_fn is not None:
-            packed = self.reduce_fn(packed, layout)
+        if distributed:
+            packed = self.dist.gather(packed)
+            meta["kinds"] = kinds
         event = None
         if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host = self._pinned_buffer(packed.numel())
             host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -293,6 +323,18 @@ class StatsEngine:
             meta=meta,
         )
 
+    def _kinds(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        if self._all_sharded:
+            return ["sum_sq"] * len(tensors)
+        return norm_kinds(tensors)
+
+    def _pinned_buffer(self, n: int) -> torch.Tensor:
+        """Two pinned host buffers per size, used alternately (pinned allocation is slow, and the
+        lagged step's buffer must survive until it is read)."""
+        pool = self._pinned.setdefault(n, [torch.empty(n, dtype=torch.float64, pin_memory=True) for _ in range(2)])
+        pool.reverse()
+        return pool[0]
+
     def ready(self, pending: Pending) -> bool:
         return pending.event is None or pending.event.query()
 
@@ -302,19 +344,22 @@ class StatsEngine:
             pending.event.synchronize()
         vals = pending.packed.tolist()
         lay = pending.layout
+        ranks: dict[str, list[int | None]] = {}
+        if self.dist is not None:
+            vals, ranks = self.dist.combine(vals, lay, pending.meta.get("kinds", {}))
 
         def get(name: str) -> list[float] | None:
             s = lay.get(name)
             return None if s is None else vals[s]
 
-        rec = StepRecord(step=pending.step, lr=pending.lr)
+        rec = StepRecord(step=pending.step, lr=pending.lr if "lr" not in lay else get("lr")[0])
         rec.loss = pending.loss_host if pending.loss_host is not None else get("loss")[0]
         parts: list[str] = []
         if not math.isfinite(rec.loss):
             parts.append("loss")
         gn, gmax = get("grad_norms"), get("grad_absmax")
         if gn is not None:
-            gn = _exact_where_overflowed(gn, pending.meta.get("grads", []))
+            gn = _exact_where_overflowed(gn, pending.meta.get("grads", []), self.dist is None)
             rec.grad_norm = _l2(gn)
             rec.layer_grad_norms = dict(zip(pending.grad_names, gn))
             rec.grad_max = _nanmax(gmax)
@@ -324,13 +369,13 @@ class StatsEngine:
                 pending.meta["bad_grads"] = bad_grads
         pn = get("param_norms")
         if pn is not None:
-            pn = _exact_where_overflowed(pn, [p for _, p in self.named_params])
+            pn = _exact_where_overflowed(pn, [p for _, p in self.named_params], self.dist is None)
             rec.param_norm = _l2(pn)
             if not all(math.isfinite(v) for v in pn):
                 parts.append("parameters")
         sn = get("state_norms")
         if sn is not None:
-            sn = _exact_where_overflowed(sn, pending.meta.get("state", []))
+            sn = _exact_where_overflowed(sn, pending.meta.get("state", []), self.dist is None)
             rec.optim_state_norm = _l2(sn)
             if not all(math.isfinite(v) for v in sn):
                 parts.append("optimizer state")
@@ -369,8 +414,28 @@ class StatsEngine:
         if parts:
             rec.nonfinite_parts = tuple(parts)
             rec.nonfinite_location = self._locate(rec, first_bad_act, pending)
-            rec.nonfinite_count = self._count_nonfinite()
+            # exact counts are rank-local: left out under torch.distributed so every rank's alert is identical
+            rec.nonfinite_count = self._count_nonfinite() if self.dist is None else None
+            if ranks:
+                rec.rank = self._origin_rank(rec, first_bad_act, pending, ranks)
+        elif ranks and rec.grad_max is not None and "grad_absmax" in ranks:
+            src = ranks["grad_absmax"]
+            gm = get("grad_absmax")
+            rec.rank = src[max(range(len(gm)), key=lambda i: gm[i])] if gm else None
         return rec
+
+    def _origin_rank(self, rec: StepRecord, first_bad_act: str | None, pending: Pending, ranks: dict) -> int | None:
+        """The rank where the first non-finite value appeared (same order as `_locate`)."""
+        if rec.input_nonfinite and "input_nonfinite" in ranks:
+            return ranks["input_nonfinite"][0]
+        if first_bad_act is not None and "act_max" in ranks:
+            return ranks["act_max"][pending.act_names.index(first_bad_act)]
+        if "loss" in rec.nonfinite_parts and "loss" in ranks:
+            return ranks["loss"][0]
+        bad = pending.meta.get("bad_grads", [])
+        if bad and "grad_absmax" in ranks:
+            return ranks["grad_absmax"][pending.grad_names.index(bad[-1])]
+        return None
 
     def _locate(self, rec: StepRecord, first_bad_act: str | None, pending: Pending) -> str:
         if rec.input_nonfinite:
@@ -470,14 +535,14 @@ def _tensors_in(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _exact_where_overflowed(norms: list[float], tensors: Sequence[torch.Tensor]) -> list[float]:
+def _exact_where_overflowed(norms: list[float], tensors: Sequence[torch.Tensor], local: bool = True) -> list[float]:
     """Float32 norms overflow to inf for finite values above ~1e19; recompute those few in float64.
 
     Runs only when a norm is not finite (a failing run), so the extra sync costs a healthy run
     nothing. A tensor that really holds NaN/Inf keeps its non-finite norm.
     """
-    if all(math.isfinite(v) for v in norms) or len(tensors) != len(norms):
-        return norms
+    if not local or all(math.isfinite(v) for v in norms) or len(tensors) != len(norms):
+        return norms  # combined (distributed) norms are not this rank's to recompute
     out = list(norms)
     for i, v in enumerate(norms):
         if not math.isfinite(v):

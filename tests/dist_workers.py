@@ -1,0 +1,172 @@
+"""Worker functions for the distributed tests (importable by spawned processes)."""
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def setup(rank, world, port, timeout_s=60):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def data_for(rank, world, n=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(world * n, 16, generator=g), torch.randint(0, 4, (world * n,), generator=g)
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n], x, y
+
+
+def _out(out_dir, rank, payload):
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(payload, fh)
+
+
+def ddp_nan_on_one_rank(rank, world, port, out_dir):
+    """DDP; rank 1's fc2 output is made non-finite at step 5 only on rank 1."""
+    import nummon
+    from nummon import JsonlSink, MemorySink
+
+    setup(rank, world, port)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    mem = MemorySink()
+    mon = nummon.Monitor(ddp, opt, sinks=[mem, JsonlSink(os.path.join(out_dir, "events-rank{rank}.jsonl"))])
+    calls = {"n": 0}
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    setattr(dist, name, counting)
+    x, y, _, _ = data_for(rank, world)
+    stopped_at, per_step_collectives = None, []
+    for step in range(12):
+        if step == 5 and rank == 1:
+            hook = model.fc2.register_forward_hook(lambda m, i, o: o * float("inf"), prepend=True)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        if step == 5 and rank == 1:
+            hook.remove()
+        before = calls["n"]
+        r = mon.post_step(loss)
+        per_step_collectives.append(calls["n"] - before)
+        if r.should_stop:
+            stopped_at = r.step
+            break
+    mon.close()
+    setattr(dist, name, real)
+    dist.barrier()
+    _out(out_dir, rank, {
+        "alerts": [a.to_dict() | {"rank": a.rank} for a in mon.alerts],
+        "stopped_at": stopped_at,
+        "collectives": per_step_collectives,
+        "sink_records": len(mem.records),
+        "sink_alerts": len(mem.alerts),
+    })
+    dist.destroy_process_group()
+
+
+def runaway_on_one_rank(rank, world, port, out_dir):
+    """Plain data parallel via DDP; only the last rank's data blows up (finite runaway)."""
+    import nummon
+
+    setup(rank, world, port)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    mon = nummon.Monitor(ddp, opt, policy={"alerts": {"stop_on_critical": False}})
+    x, y, _, _ = data_for(rank, world)
+    alerts = []
+    for step in range(30):
+        scale = 3.0 ** max(0, step - 19) if rank == world - 1 else 1.0
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x * scale), y)
+        loss.backward()
+        opt.step()
+        r = mon.post_step(loss)
+        alerts += [(a.step, a.kind.value, a.severity.value) for a in r.alerts]
+    mon.close()
+    _out(out_dir, rank, {"alerts": alerts})
+    dist.destroy_process_group()
+
+
+def fsdp2_grad_norm(rank, world, port, out_dir):
+    """FSDP2 fully_shard on CPU/gloo: nummon's global grad norm vs the full-batch reference."""
+    import nummon
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    setup(rank, world, port)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = nummon.Monitor(model, opt)
+    x, y, xa, ya = data_for(rank, world)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    got, want, pnorm, ref_pnorm = [], [], [], []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        rec = mon.post_step(loss).record
+        got.append(rec.grad_norm)
+        pnorm.append(rec.param_norm)
+        ref_opt.zero_grad()
+        rl = nn.functional.cross_entropy(ref(xa), ya)
+        rl.backward()
+        want.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item())
+        ref_opt.step()
+        ref_pnorm.append(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in ref.parameters())).item())
+    mon.close()
+    _out(out_dir, rank, {"got": got, "want": want, "pnorm": pnorm, "ref_pnorm": ref_pnorm,
+                         "collectives": mon._dist.collectives})
+    dist.destroy_process_group()
+
+
+def dead_rank(rank, world, port, out_dir):
+    """Rank 1 never reaches post_step: rank 0 must get an error after the group's timeout."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=5)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nummon.Monitor(model, opt)
+    err = None
+    if rank == 0:
+        x, y, _, _ = data_for(rank, world)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        try:
+            mon.post_step(loss)
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+    else:
+        time.sleep(15)
+    _out(out_dir, rank, {"error": err})

@@ -1,0 +1,57 @@
+"""Real gloo process groups on CPU: DDP, FSDP2, identical decisions, one collective per step."""
+import json
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import dist_workers as W
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world, tmp_path):
+    mp.spawn(fn, args=(world, _port(), str(tmp_path)), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_nan_on_rank1_same_alert_everywhere_naming_rank1(world, tmp_path):
+    res = spawn(W.ddp_nan_on_one_rank, world, tmp_path)
+    decisions = [[(a["step"], a["kind"], a["severity"]) for a in r["alerts"]] for r in res]
+    assert all(d == decisions[0] for d in decisions), decisions
+    nf = [a for a in res[0]["alerts"] if a["kind"] == "nonfinite"]
+    assert nf and nf[0]["step"] == 5 and nf[0]["severity"] == "critical"
+    assert nf[0]["rank"] == 1 and "rank 1" in nf[0]["message"] and "fc2" in nf[0]["message"]
+    assert {r["stopped_at"] for r in res} == {5}
+    assert all(set(r["collectives"]) == {1} for r in res)  # exactly one collective per step
+    assert res[0]["sink_records"] == 6 and res[0]["sink_alerts"] > 0
+    assert all(r["sink_records"] == 0 and r["sink_alerts"] == 0 for r in res[1:])  # rank 0 only
+    assert (tmp_path / "events-rank0.jsonl").exists() and not (tmp_path / "events-rank1.jsonl").exists()
+
+
+def test_finite_runaway_on_one_rank_is_alerted_on_all(tmp_path):
+    res = spawn(W.runaway_on_one_rank, 2, tmp_path)
+    assert res[0]["alerts"] == res[1]["alerts"]
+    kinds = {k for _, k, s in res[0]["alerts"] if s in ("warning", "critical")}
+    assert kinds & {"explosion", "runaway", "loss_spike"}
+
+
+def test_fsdp2_grad_norm_equals_single_process(tmp_path):
+    res = spawn(W.fsdp2_grad_norm, 2, tmp_path)
+    for r in res:
+        for got, want in zip(r["got"], r["want"]):
+            assert got == pytest.approx(want, rel=1e-5)
+        for got, want in zip(r["pnorm"], r["ref_pnorm"]):
+            assert got == pytest.approx(want, rel=1e-5)
+        assert r["collectives"] == 3
+
+
+def test_a_dead_rank_does_not_hang_the_monitor(tmp_path):
+    res = spawn(W.dead_rank, 2, tmp_path)
+    assert res[0]["error"] and "DistributedError" in res[0]["error"]
+    assert "gathering step statistics across 2 ranks failed on rank 0" in res[0]["error"]
