@@ -33,6 +33,7 @@ __all__ = [
     "StepRecord",
     "StepReport",
     "TraceError",
+    "diagnose",
     "load_policy",
     "preset_names",
     "read_trace",
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "diagnose":  # the checklist module (needs torch)
+        import importlib
+
+        return importlib.import_module(".diagnose", __name__)
     if name in _LAZY:
         import importlib
 

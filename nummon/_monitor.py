@@ -197,6 +197,8 @@ class Monitor:
                 self._stop = True
             if self._dist is not None and a.rank is None and rec.rank is not None:
                 a = dataclasses.replace(a, rank=rec.rank)
+            if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
+                a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
             routed.append(a)
             self.alerts.append(a)
             self._sinks.alert(a)

@@ -7,7 +7,7 @@ import nummon
 EXPECTED = {
     "Alert", "AlertKind", "BaseSink", "ConsoleSink", "Health", "JsonlSink", "MemorySink", "Monitor", "NummonError",
     "Policy", "PolicyError", "Severity", "Sink", "StepRecord", "StepReport", "TraceError",
-    "load_policy", "preset_names", "read_trace", "replay",
+    "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
 
 

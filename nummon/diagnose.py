@@ -1,0 +1,459 @@
+"""The classic debugging checklist, as functions: overfit one batch, check data, gradients and
+weights, LR range test. Everything runs on copies: the user's model and optimizer are never
+touched.
+
+Each function returns a report with `status` (PASS, PARTIAL, WARN, FAIL), its numbers, and a
+human summary via `str()`.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Status",
+    "Report",
+    "Diagnosis",
+    "LRRangeReport",
+    "overfit_one_batch",
+    "check_gradients",
+    "check_data",
+    "check_loader",
+    "check_weights",
+    "lr_range_test",
+    "run_all",
+]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Status(str, enum.Enum):
+    PASS = "PASS"
+    PARTIAL = "PARTIAL"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ORDER = {Status.PASS: 0, Status.PARTIAL: 1, Status.WARN: 1, Status.FAIL: 2}
+
+
+@dataclass
+class Report:
+    """One diagnostic's verdict: status, the findings behind it, and its numbers."""
+
+    name: str
+    status: Status
+    findings: list[str] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"[{self.status}] {self.name}"]
+        lines += [f"  - {f}" for f in self.findings] or ["  - all checks passed"]
+        return "\n".join(lines)
+
+
+@dataclass
+class LRRangeReport(Report):
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # smoothed
+    suggested_lr: float | None = None
+    diverged_lr: float | None = None
+    plot: str | None = None
+
+
+@dataclass
+class Diagnosis:
+    """`run_all`'s result: the reports in order, and where it stopped (the first FAIL)."""
+
+    reports: list[Report]
+    stopped_at: str | None = None
+
+    @property
+    def status(self) -> Status:
+        return max((r.status for r in self.reports), key=lambda s: _ORDER[s], default=Status.PASS)
+
+    def __str__(self) -> str:
+        body = "\n".join(str(r) for r in self.reports)
+        tail = f"\nstopped at {self.stopped_at}: fix this first" if self.stopped_at else "\nall diagnostics ran"
+        return body + tail
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy without the original's hooks (a Monitor's hooks must not see the copy)."""
+    clone = copy.deepcopy(model)
+    for m in clone.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            d = getattr(m, attr, None)
+            if d is not None:
+                d.clear()
+    clone.train()
+    return clone
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError("batch must be an (inputs, targets) pair")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _to(t: Any, device: torch.device) -> Any:
+    return t.to(device) if isinstance(t, torch.Tensor) else t
+
+
+# ------------------------------------------------------------------ overfit one batch
+
+def overfit_one_batch(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    steps: int = 200,
+    lr: float = 1e-3,
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.Adam,
+    target_fraction: float = 0.01,
+) -> Report:
+    """Train a copy on one batch for `steps` steps; PASS when the loss falls below
+    `target_fraction` (1%) of its start, PARTIAL when it at least halves, FAIL otherwise."""
+    clone = _copy_model(model)
+    dev = _device_of(clone)
+    x, y = (_to(t, dev) for t in _split(batch))
+    opt = optimizer_cls(clone.parameters(), lr=lr)
+    losses: list[float] = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(clone(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            break
+    start, best, end = losses[0], min(losses), losses[-1]
+    nums = {"start_loss": start, "best_loss": best, "final_loss": end, "steps": len(losses), "lr": lr}
+    ratio = best / start if start > 0 else (0.0 if best <= 0 else math.inf)
+    nums["best_over_start"] = ratio
+    if not math.isfinite(end):
+        return Report("overfit one batch", Status.FAIL, [
+            f"the loss became non-finite after {len(losses)} steps at lr {lr:g}: lower the LR, check the loss for log(0)/division"], nums)
+    if ratio <= target_fraction:
+        return Report("overfit one batch", Status.PASS, [f"loss {start:.4g} -> {best:.4g} ({ratio * 100:.3g}% of start) in {len(losses)} steps"], nums)
+    causes = ("likely causes: labels that do not match the inputs, a loss that does not fit the outputs "
+              "(e.g. softmax before CrossEntropyLoss), frozen or detached parameters, a too small model or LR")
+    if ratio <= 0.5:
+        return Report("overfit one batch", Status.PARTIAL, [f"loss only fell to {ratio:.1%} of its start ({start:.4g} -> {best:.4g}); {causes}"], nums)
+    return Report("overfit one batch", Status.FAIL, [f"the model cannot fit a single batch: loss {start:.4g} -> {best:.4g} ({ratio:.0%} of start); {causes}"], nums)
+
+
+# ------------------------------------------------------------------ gradients
+
+def check_gradients(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    explode: float = 1e3,
+    vanish_ratio: float = 1e-7,
+) -> Report:
+    """One forward/backward on a copy; per parameter: no grad (not in the graph), zero,
+    non-finite, exploding (norm > `explode`), vanishing (< `vanish_ratio` of the largest layer's)."""
+    clone = _copy_model(model)
+    dev = _device_of(clone)
+    x, y = (_to(t, dev) for t in _split(batch))
+    clone.zero_grad(set_to_none=True)
+    loss = loss_fn(clone(x), y)
+    loss.backward()
+    per: dict[str, dict[str, Any]] = {}
+    norms = {}
+    for name, p in clone.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            per[name] = {"problem": "no grad"}
+            continue
+        g = p.grad.detach()
+        finite = bool(torch.isfinite(g).all())
+        n = float(torch.linalg.vector_norm(g.double())) if finite else math.nan
+        norms[name] = n
+        per[name] = {"norm": n, "finite": finite, "zero": finite and n == 0.0}
+    top = max((v for v in norms.values() if math.isfinite(v)), default=0.0)
+    fails, warns = [], []
+    for name, d in per.items():
+        if d.get("problem") == "no grad":
+            fails.append(f"{name}: no gradient (not in the graph: unused, detached, or requires_grad lost)")
+        elif not d["finite"]:
+            fails.append(f"{name}: non-finite gradient")
+        elif d["zero"]:
+            warns.append(f"{name}: gradient exactly zero (dead units, frozen-zero layer, or a detached path)")
+        elif d["norm"] > explode:
+            warns.append(f"{name}: exploding gradient (norm {d['norm']:.3g} > {explode:g})")
+        elif top > 0 and d["norm"] < vanish_ratio * top:
+            warns.append(f"{name}: vanishing gradient (norm {d['norm']:.3g}, < {vanish_ratio:g} of the largest {top:.3g})")
+    status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
+    return Report("check gradients", status, fails + warns, {"loss": float(loss.detach()), "per_parameter": per})
+
+
+# ------------------------------------------------------------------ data
+
+def _data_numbers(x: torch.Tensor, y: torch.Tensor | None, num_classes: int | None, outlier_z: float) -> dict[str, Any]:
+    nums: dict[str, Any] = {"samples": int(x.shape[0]) if x.dim() else 1}
+    if x.is_floating_point():
+        xf = x.detach().double()
+        finite = torch.isfinite(xf)
+        nums["nan"] = int(torch.isnan(xf).sum())
+        nums["inf"] = int(torch.isinf(xf).sum())
+        vals = xf[finite]
+    else:
+        vals = x.detach().double().reshape(-1)
+        nums["nan"] = nums["inf"] = 0
+    flat = x.detach().reshape(x.shape[0], -1) if x.dim() > 1 else x.detach().reshape(-1, 1)
+    nums["all_zero_samples"] = int((flat == 0).all(dim=1).sum())
+    if vals.numel():
+        nums["min"], nums["max"] = float(vals.min()), float(vals.max())
+        med = vals.median()
+        mad = (vals - med).abs().median()
+        scale = float(mad) * 1.4826
+        if scale == 0.0 and vals.numel() > 1:  # over half the values equal: fall back to the std
+            scale = float(vals.std())
+        if scale > 0:
+            z = (vals - med).abs() / scale
+            nums["outliers"] = int((z > outlier_z).sum())
+            nums["max_robust_z"] = float(z.max())
+        else:
+            nums["outliers"] = 0
+    if y is not None:
+        yl = y.detach().reshape(-1)
+        if not yl.is_floating_point() or bool((yl == yl.round()).all()):
+            yl = yl.long()
+            nums["label_min"], nums["label_max"] = int(yl.min()), int(yl.max())
+            if num_classes is not None:
+                nums["labels_out_of_range"] = int(((yl < 0) | (yl >= num_classes)).sum())
+            counts = torch.bincount(yl.clamp(min=0), minlength=num_classes or 0)
+            nums["label_counts"] = counts.tolist()
+    return nums
+
+
+def _data_verdict(name: str, nums: dict[str, Any], num_classes: int | None, imbalance_limit: float) -> Report:
+    fails, warns = [], []
+    if nums.get("nan") or nums.get("inf"):
+        fails.append(f"inputs hold {nums['nan']} NaN and {nums['inf']} Inf values")
+    if nums.get("labels_out_of_range"):
+        fails.append(f"{nums['labels_out_of_range']} labels outside [0, {num_classes}) (label range {nums['label_min']}..{nums['label_max']})")
+    elif nums.get("label_min", 0) < 0:
+        fails.append(f"negative labels (min {nums['label_min']})")
+    if nums.get("all_zero_samples"):
+        warns.append(f"{nums['all_zero_samples']} of {nums['samples']} samples are all zeros")
+    if nums.get("outliers"):
+        warns.append(f"{nums['outliers']} extreme outliers (robust z > threshold; max z {nums.get('max_robust_z', 0):.3g})")
+    counts = [c for c in nums.get("label_counts", []) if c > 0]
+    present = nums.get("label_counts", [])
+    if counts:
+        ratio = max(counts) / min(counts)
+        nums["imbalance_ratio"] = ratio
+        if ratio > imbalance_limit:
+            warns.append(f"class imbalance: the largest class has {ratio:.1f}x the samples of the smallest")
+        if num_classes is not None and len(counts) < num_classes:
+            missing = [i for i, c in enumerate(present[:num_classes]) if c == 0]
+            warns.append(f"classes never seen: {missing[:10]}")
+    status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
+    return Report(name, status, fails + warns, nums)
+
+
+def check_data(x: torch.Tensor, y: torch.Tensor | None = None, num_classes: int | None = None,
+               outlier_z: float = 10.0, imbalance_limit: float = 10.0) -> Report:
+    """Inputs: non-finite counts, all-zero samples, extreme outliers (robust z), value range;
+    labels: range against `num_classes`, histogram, imbalance ratio."""
+    return _data_verdict("check data", _data_numbers(x, y, num_classes, outlier_z), num_classes, imbalance_limit)
+
+
+def check_loader(loader: Iterable, max_batches: int = 10, num_classes: int | None = None,
+                 outlier_z: float = 10.0, imbalance_limit: float = 10.0) -> Report:
+    """`check_data` over the first `max_batches` batches of a loader, combined."""
+    xs, ys = [], []
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        x, y = _split(batch)
+        xs.append(x.detach().cpu())
+        ys.append(y.detach().cpu() if isinstance(y, torch.Tensor) else None)
+    if not xs:
+        return Report("check loader", Status.FAIL, ["the loader yielded no batch"], {})
+    x = torch.cat(xs)
+    y = torch.cat(ys) if all(t is not None for t in ys) else None
+    rep = _data_verdict("check loader", _data_numbers(x, y, num_classes, outlier_z), num_classes, imbalance_limit)
+    rep.numbers["batches"] = len(xs)
+    return rep
+
+
+# ------------------------------------------------------------------ weights
+
+def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 1e-8) -> Report:
+    """Per parameter: non-finite values, near-constant weights (bad initialisation; biases and
+    norm scales are allowed to start constant), absurd scale (max |w| > `max_abs`)."""
+    fails, warns = [], []
+    per = {}
+    for name, p in model.named_parameters():
+        w = p.detach()
+        finite = bool(torch.isfinite(w).all())
+        d: dict[str, Any] = {"finite": finite, "numel": w.numel()}
+        if not finite:
+            fails.append(f"{name}: {int((~torch.isfinite(w)).sum())} non-finite values")
+        else:
+            wf = w.double()
+            d["std"] = float(wf.std()) if w.numel() > 1 else 0.0
+            d["max_abs"] = float(wf.abs().max()) if w.numel() else 0.0
+            if w.dim() >= 2 and w.numel() > 1 and d["std"] <= constant_std * max(1.0, d["max_abs"]):
+                warns.append(f"{name}: all weights (near) identical ({float(wf.reshape(-1)[0]):.4g}): units stay symmetric and learn the same thing")
+            if d["max_abs"] > max_abs:
+                warns.append(f"{name}: absurd scale (max |w| {d['max_abs']:.3g} > {max_abs:g})")
+        per[name] = d
+    status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
+    return Report("check weights", status, fails + warns, {"per_parameter": per})
+
+
+# ------------------------------------------------------------------ LR range test
+
+def lr_range_test(
+    model: nn.Module,
+    loader: Iterable,
+    loss_fn: LossFn,
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.SGD,
+    start: float = 1e-7,
+    end: float = 10.0,
+    steps: int = 100,
+    smooth: float = 0.9,
+    diverge_factor: float = 4.0,
+    plot: str | None = None,
+    sinks: Sequence[Any] = (),
+    **optimizer_kwargs: Any,
+) -> LRRangeReport:
+    """Exponential LR sweep from `start` to `end` on a copy; stops early once the smoothed loss
+    exceeds `diverge_factor` x its best. Suggests the LR of steepest descent (per log10 LR) and
+    reports the LR where it diverged. `plot` saves a PNG (needs matplotlib); `sinks` receive each
+    step as a record with `loss` and `lr`."""
+    from ._types import Health, StepRecord
+
+    if not (0 < start < end):
+        raise ValueError("lr_range_test needs 0 < start < end")
+    clone = _copy_model(model)
+    dev = _device_of(clone)
+    opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
+    gamma = (end / start) ** (1.0 / max(steps - 1, 1))
+    lrs, raw, smoothed = [], [], []
+    avg, best, diverged = 0.0, math.inf, None
+    it = iter(loader)
+    for i in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        x, y = (_to(t, dev) for t in _split(batch))
+        lr = start * gamma**i
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        loss = loss_fn(clone(x), y)
+        loss.backward()
+        opt.step()
+        v = float(loss.detach())
+        if not math.isfinite(v):
+            diverged = lr
+            break
+        avg = smooth * avg + (1 - smooth) * v
+        s = avg / (1 - smooth ** (i + 1))  # bias-corrected EMA
+        lrs.append(lr)
+        raw.append(v)
+        smoothed.append(s)
+        for sink in sinks:
+            getattr(sink, "on_step", lambda *a: None)(StepRecord(step=i, loss=s, lr=lr), Health.HEALTHY)
+        best = min(best, s)
+        if s > diverge_factor * best:
+            diverged = lr
+            break
+    suggested = None
+    if len(smoothed) >= 3:
+        logs = [math.log10(l) for l in lrs]
+        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1, len(smoothed) - 1)]
+        j = min(range(len(slopes)), key=lambda k: slopes[k])
+        if slopes[j] < 0:
+            suggested = lrs[j + 1]
+    findings = []
+    if suggested is not None:
+        findings.append(f"steepest descent at lr {suggested:.3g}")
+    else:
+        findings.append("the loss never fell during the sweep")
+    findings.append(f"diverged at lr {diverged:.3g}" if diverged is not None else f"no divergence up to lr {lrs[-1] if lrs else end:.3g}")
+    status = Status.PASS if suggested is not None else Status.WARN
+    rep = LRRangeReport("lr range test", status, findings,
+                        {"suggested_lr": suggested, "diverged_lr": diverged, "steps_run": len(lrs)},
+                        lrs=lrs, losses=smoothed, suggested_lr=suggested, diverged_lr=diverged)
+    if plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            rep.findings.append("plot skipped: pip install 'nummon[plot]' (matplotlib)")
+        else:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.semilogx(lrs, smoothed)
+            if suggested:
+                ax.axvline(suggested, color="g", ls="--", label=f"suggested {suggested:.2g}")
+            if diverged:
+                ax.axvline(diverged, color="r", ls=":", label=f"diverged {diverged:.2g}")
+            ax.set_xlabel("learning rate")
+            ax.set_ylabel("smoothed loss")
+            ax.legend()
+            fig.savefig(plot, dpi=100, bbox_inches="tight")
+            plt.close(fig)
+            rep.plot = plot
+    return rep
+
+
+# ------------------------------------------------------------------ all of it
+
+def run_all(model: nn.Module, loader: Iterable, loss_fn: LossFn, num_classes: int | None = None,
+            overfit_steps: int = 200, overfit_lr: float = 1e-3) -> Diagnosis:
+    """data -> overfit one batch -> gradients -> weights, stopping at the first FAIL."""
+    reports: list[Report] = []
+    data = check_loader(loader, num_classes=num_classes)
+    reports.append(data)
+    if data.status is Status.FAIL:
+        return Diagnosis(reports, stopped_at=data.name)
+    batch = next(iter(loader))
+    steps = [
+        lambda: overfit_one_batch(model, batch, loss_fn, steps=overfit_steps, lr=overfit_lr),
+        lambda: check_gradients(model, batch, loss_fn),
+        lambda: check_weights(model),
+    ]
+    for step in steps:
+        rep = step()
+        reports.append(rep)
+        if rep.status is Status.FAIL:
+            return Diagnosis(reports, stopped_at=rep.name)
+    return Diagnosis(reports)
+
+
+def run_cli(args: Any) -> int:
+    """`nummon diagnose`: run_all on the demo model and data, to show the report format."""
+    from ._demo import DemoCNN, SyntheticDigits
+
+    torch.manual_seed(args.seed)
+    data = SyntheticDigits(args.seed)
+    loader = [data.batch(range(0, 10)) for _ in range(4)]
+    diag = run_all(DemoCNN(), loader, nn.functional.cross_entropy, num_classes=10, overfit_steps=60)
+    print(diag)
+    return 0 if diag.status is not Status.FAIL else 1
