@@ -119,12 +119,14 @@ class SpikeDetector:
             v = getattr(rec, metric)
             if not F.is_finite(v) or v <= 0:
                 continue
-            if len(hist) >= self._p.min_history:
+            is_loss = metric in self.LOSS_METRICS
+            factor = self._p.loss_factor if is_loss else self._p.grad_factor
+            if len(hist) < self._p.short_history:
+                factor *= self._p.short_history_multiplier
+            lv = F.log10_safe(v)
+            # cheap pre-check: below factor x the smallest recent value it cannot be a jump
+            if len(hist) >= self._p.min_history and lv - min(hist) >= math.log10(factor):
                 up, m_log, sigma = F.jump_decades(v, hist)
-                is_loss = metric in self.LOSS_METRICS
-                factor = self._p.loss_factor if is_loss else self._p.grad_factor
-                if len(hist) < self._p.short_history:
-                    factor *= self._p.short_history_multiplier
                 need = max(math.log10(factor), self._p.robust_z * sigma)
                 if up >= need:
                     base = F.pow10(m_log)
@@ -167,7 +169,6 @@ class RunawayDetector:
                     self._state.pop(metric, None)  # a NaN ends the streak; the nonfinite detector takes over
                 continue
             hist = self._hist[metric]
-            baseline = F.pow10(F.median(hist)) if hist else v
             prev = self._state.get(metric)
             if prev is None or rec.step <= prev[0]:
                 self._state[metric] = (rec.step, v, 0, rec.step, v)
@@ -183,11 +184,15 @@ class RunawayDetector:
             if streak == 0:
                 continue
             total = v / start
-            above = v / baseline if baseline > 0 else math.inf
             warn_f, crit_f = p.warning_total_factor, p.critical_total_factor
             if len(hist) < self._short[0]:
                 # early in a run (or trace) growth from tiny initial values is normal: demand more
                 warn_f, crit_f = warn_f ** self._short[1], crit_f ** self._short[1]
+            if streak < p.warning_steps or total < warn_f:
+                continue
+            # the value must also stand above the metric's recent level (median of earlier samples)
+            earlier = list(hist)[:-1]
+            above = v / F.pow10(F.median(earlier)) if earlier else math.inf
             severity = None
             if streak >= p.critical_steps and total >= crit_f and above >= crit_f:
                 severity = Severity.CRITICAL
@@ -307,11 +312,18 @@ class DivergenceDetector:
 
 
 class _LossWindow:
-    """A window of finite losses with the numbers stall and oscillation both judge."""
+    """A window of finite losses with the numbers stall and oscillation both judge.
+
+    A window-long condition needs no per-step verdict: the numbers are recomputed every
+    `window // 20` records and held in between (this keeps the hot path cheap).
+    """
 
     def __init__(self, window: int, baseline_steps: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
         self.base = _LossBaseline(baseline_steps)
+        self.every = max(1, window // 20)
+        self._since = 0
+        self._last: tuple[float, float, float] | None = None
 
     def update(self, loss: float | None) -> tuple[float, float, float] | None:
         """(relative change across halves, relative spread, level / starting level) once full."""
@@ -320,9 +332,14 @@ class _LossWindow:
             self.values.append(float(loss))
         if base is None or base <= 0 or len(self.values) < self.values.maxlen:
             return None
+        self._since += 1
+        if self._last is not None and self._since < self.every:
+            return self._last
+        self._since = 0
         w = list(self.values)
         half = len(w) // 2
-        return F.relative_change(w[:half], w[half:]), F.relative_spread(w), F.median(w[half:]) / base
+        self._last = F.relative_change(w[:half], w[half:]), F.relative_spread(w), F.median(w[half:]) / base
+        return self._last
 
 
 class StallDetector:

@@ -115,7 +115,7 @@ class StatsEngine:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
                 return
             t = t.detach()
-            mn, mx = torch.aminmax(t)  # one pass; |x| is combined for all modules at launch
+            mn, mx = _min_max(t)  # |x| is combined for all modules at launch
             prev = self._act_slots[idx]
             if prev is None:
                 self._act_order.append(idx)
@@ -203,7 +203,9 @@ class StatsEngine:
 
         def add(name: str, t: torch.Tensor) -> None:
             nonlocal pos
-            t = t.reshape(-1).to(torch.float64)
+            t = t.reshape(-1)
+            if t.dtype != torch.float64:
+                t = t.to(torch.float64)
             parts.append(t)
             layout[name] = slice(pos, pos + t.numel())
             pos += t.numel()
@@ -254,10 +256,7 @@ class StatsEngine:
                     kinds["state_norms"] = self._kinds(st)
         flat = [t for _, ts in segments for t in ts]
         if flat:
-            norms = torch._foreach_norm(flat)
-            if any(n.dtype != torch.float32 for n in norms):
-                norms = [n.float() for n in norms]
-            stacked = torch.stack(norms)
+            stacked = _l2_norms(flat)
             i = 0
             for name, ts in segments:
                 if ts:
@@ -268,7 +267,7 @@ class StatsEngine:
             if isinstance(lr_t, torch.Tensor):
                 add("lr", lr_t.detach())
         if grads:
-            mins, maxs = zip(*(torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
+            mins, maxs = zip(*(_grad_min_max(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
             add("grad_absmax", _absmax(mins, maxs))
         act_order = list(self._act_order)
         if self._act_names and act_order:
@@ -513,6 +512,35 @@ class StatsEngine:
                 "log10_edges": log_edges,
             }
         return out
+
+
+def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of a tensor; NaN propagates. On CPU separate amin/amax reductions are
+    vectorised and together ~1.5x faster than aminmax; on CUDA aminmax is one kernel."""
+    if t.device.type == "cpu":
+        return torch.amin(t), torch.amax(t)
+    return torch.aminmax(t)
+
+
+_grad_min_max = _min_max
+
+
+def _l2_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 L2 norm of each tensor, stacked. On CUDA one fused `_foreach_norm`; on CPU a BLAS
+    dot per contiguous float tensor (about 1.5x faster than `_foreach_norm`'s per-tensor loop)."""
+    if tensors[0].device.type != "cpu":
+        norms = torch._foreach_norm(tensors)
+        if any(n.dtype != torch.float32 for n in norms):
+            norms = [n.float() for n in norms]
+        return torch.stack(norms)
+    sq = []
+    for t in tensors:
+        if t.is_contiguous() and t.dtype in (torch.float32, torch.float64) and not t.is_sparse:
+            v = t.view(-1)
+            sq.append(torch.dot(v, v).float())
+        else:
+            sq.append(torch.linalg.vector_norm(t).float().square())
+    return torch.stack(sq).sqrt()
 
 
 def _absmax(mins: Sequence[torch.Tensor], maxs: Sequence[torch.Tensor]) -> torch.Tensor:
