@@ -205,7 +205,12 @@ def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
         state[name][3]()
     med = {k: statistics.median(v) for k, v in times.items()}
     bare = med["bare"]
+    # paired: each round's ratio to the bare step of the same round (drift cancels)
+    paired = {k: statistics.median(t / b for t, b in zip(v, times["bare"])) for k, v in times.items()}
+    res_bw = stats_bandwidth(state["nummon default"][0], state["nummon default"][1], loss_fn, dev) if dev.type == "cuda" else None
     return {
+        "paired_ratio": paired,
+        "stats_bandwidth": res_bw,
         "device": str(dev),
         "workload": "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW" if dev.type == "cuda" else "DemoCNN 28x28, batch 64, SGD momentum 0.9",
         "torch": torch.__version__,
@@ -215,6 +220,40 @@ def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
         "median_step_ms": {k: v * 1e3 for k, v in med.items()},
         "ratio_to_bare": {k: v / bare for k, v in med.items()},
     }
+
+
+def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
+    """CUDA: the statistics pass alone (bytes it reads / time) against a device copy's bandwidth."""
+    mon = nummon.Monitor(model, opt, policy={"sampling": {"activations": False}})
+    loss = loss_fn(model)
+    loss.backward()
+    opt.step()
+    ts = [p.grad for p in model.parameters() if p.grad is not None] + list(model.parameters()) + mon.stats._state_tensors()
+    nbytes = sum(t.numel() * t.element_size() for t in ts) + sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    for _ in range(3):
+        mon.stats.launch(0, loss)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        mon.stats.launch(0, loss)
+    end.record()
+    torch.cuda.synchronize()
+    stats_s = start.elapsed_time(end) / 10 / 1e3
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    start.record()
+    for _ in range(10):
+        dst.copy_(buf)
+    end.record()
+    torch.cuda.synchronize()
+    copy_s = start.elapsed_time(end) / 10 / 1e3
+    mon.close()
+    stats_gbs = nbytes / stats_s / 1e9
+    copy_gbs = 2 * nbytes / copy_s / 1e9  # a copy reads and writes every byte
+    return {"bytes_read": nbytes, "stats_ms": stats_s * 1e3, "stats_GBps": stats_gbs, "copy_GBps": copy_gbs,
+            "fraction_of_copy": stats_gbs / copy_gbs}
 
 
 def main(argv=None) -> int:
@@ -227,9 +266,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = measure(a.device, a.rounds, a.steps, a.warmup)
     print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']})")
-    print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s}")
+    print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s} {'paired':>7s}")
     for k, r in res["ratio_to_bare"].items():
-        print(f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f}")
+        print(f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f}")
+    if res["stats_bandwidth"]:
+        b = res["stats_bandwidth"]
+        print(f"statistics pass: {b['bytes_read'] / 1e9:.2f} GB in {b['stats_ms']:.2f} ms = {b['stats_GBps']:.0f} GB/s; "
+              f"device copy {b['copy_GBps']:.0f} GB/s; {b['fraction_of_copy']:.0%} of copy bandwidth")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)
