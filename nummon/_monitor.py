@@ -112,7 +112,10 @@ class Monitor:
         self._last_report: StepReport | None = None
         self._stop = False
         self._lag = self.policy.sampling.lag_one_step and self.stats.device.type == "cuda"
-        if self.policy.sampling.histogram_every and self._sinks.wants_histograms:
+        # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50))
+        cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
+        if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
 
     # ------------------------------------------------------------------ public
@@ -131,10 +134,10 @@ class Monitor:
             s, loss, batch, params_due=s % sp.params_every == 0, optim_due=s % sp.optimizer_every == 0
         )
         hist = None
-        if sp.histogram_every and self._sinks.wants_histograms and self._hist_due(s):
+        if self._hist_every and self._hist_due(s):
             hist = self.stats.histograms()
         self.step += 1
-        if sp.histogram_every and self._sinks.wants_histograms:
+        if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         if hist:
             self._sinks.histograms(s, hist)
@@ -182,8 +185,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ internals
     def _hist_due(self, step: int) -> bool:
-        k = self.policy.sampling.histogram_every
-        return bool(k) and step % k == 0
+        return any(step % k == 0 for k in self._hist_every)
 
     def _evaluate(self, pending: Pending) -> StepReport:
         rec = self.stats.resolve(pending)

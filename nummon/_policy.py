@@ -39,8 +39,8 @@ class SpikePolicy(_Section):
     window: int = Field(50, ge=2, description="steps of finite history kept for the robust baseline (median of log10 values)")
     min_history: int = Field(1, ge=1, description="finite samples needed before a jump can be judged (steps)")
     loss_factor: float = Field(8.0, gt=1, description="loss_spike when the loss exceeds this multiple of its recent median (ratio)")
-    grad_factor: float = Field(10.0, gt=1, description="explosion when grad norm, max |grad|, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)")
-    robust_z: float = Field(6.0, gt=0, description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)")
+    grad_factor: float = Field(10.0, gt=1, description="explosion when grad norm, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)")
+    robust_z: float = Field(3.0, gt=0, description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)")
     short_history: int = Field(8, ge=1, description="below this many samples the baseline is uncertain and the factors are multiplied by short_history_multiplier (steps)")
     short_history_multiplier: float = Field(2.0, ge=1, description="factor multiplier while the history is short (ratio)")
 

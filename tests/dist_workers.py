@@ -32,9 +32,21 @@ def data_for(rank, world, n=8, seed=1):
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n], x, y
 
 
+def teardown():
+    # everyone done before the group goes: gloo aborts a process whose peers vanish mid-collective
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _out(out_dir, rank, payload):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(payload, fh)
+
+
+def _exit():
+    # skip C++ destructors at interpreter exit: gloo's can abort ("terminate called without an
+    # active exception") once a peer is gone, which would fail the spawn after the test's work
+    os._exit(0)
 
 
 def ddp_nan_on_one_rank(rank, world, port, out_dir):
@@ -76,7 +88,6 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
             break
     mon.close()
     setattr(dist, name, real)
-    dist.barrier()
     _out(out_dir, rank, {
         "alerts": [a.to_dict() | {"rank": a.rank} for a in mon.alerts],
         "stopped_at": stopped_at,
@@ -84,7 +95,9 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
         "sink_records": len(mem.records),
         "sink_alerts": len(mem.alerts),
     })
-    dist.destroy_process_group()
+    del ddp
+    teardown()
+    _exit()
 
 
 def runaway_on_one_rank(rank, world, port, out_dir):
@@ -108,7 +121,9 @@ def runaway_on_one_rank(rank, world, port, out_dir):
         alerts += [(a.step, a.kind.value, a.severity.value) for a in r.alerts]
     mon.close()
     _out(out_dir, rank, {"alerts": alerts})
-    dist.destroy_process_group()
+    del ddp
+    teardown()
+    _exit()
 
 
 def fsdp2_grad_norm(rank, world, port, out_dir):
@@ -147,7 +162,8 @@ def fsdp2_grad_norm(rank, world, port, out_dir):
     mon.close()
     _out(out_dir, rank, {"got": got, "want": want, "pnorm": pnorm, "ref_pnorm": ref_pnorm,
                          "collectives": mon._dist.collectives})
-    dist.destroy_process_group()
+    teardown()
+    _exit()
 
 
 def dead_rank(rank, world, port, out_dir):
@@ -168,5 +184,6 @@ def dead_rank(rank, world, port, out_dir):
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
     else:
-        time.sleep(15)
+        time.sleep(8)
     _out(out_dir, rank, {"error": err})
+    _exit()

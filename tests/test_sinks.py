@@ -256,3 +256,16 @@ def test_sink_contract(name, tmp_path, wandb_env):
     sink.on_step(StepRecord(step=100, loss=0.5), Health.HEALTHY)
     sink.flush()
     sink.close()
+
+
+def test_tensorboard_sink_histogram_every_alone_drives_histograms(tmp_path):
+    """TensorBoardSink(histogram_every=N) needs no policy setting to get histograms."""
+    from nummon.integrations.tensorboard import TensorBoardSink
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tb"
+    runaway_run([TensorBoardSink(tb_dir, histogram_every=7)], tmp_path, steps=20,
+                 policy={"alerts": {"stop_on_critical": False}})
+    acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Histograms("nummon/grads/0.weight")] == [0, 7, 14]
