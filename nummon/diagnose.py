@@ -87,6 +87,14 @@ class Diagnosis:
         return body + tail
 
 
+def _copy_with_batch(model: nn.Module, batch: Any) -> tuple[nn.Module, Any, Any]:
+    """A hook-free training copy of the model, and the batch moved to its device."""
+    clone = _copy_model(model)
+    dev = _device_of(clone)
+    x, y = (_to(t, dev) for t in _split(batch))
+    return clone, x, y
+
+
 def _copy_model(model: nn.Module) -> nn.Module:
     """A deep copy without the original's hooks (a Monitor's hooks must not see the copy)."""
     clone = copy.deepcopy(model)
@@ -128,9 +136,7 @@ def overfit_one_batch(
 ) -> Report:
     """Train a copy on one batch for `steps` steps; PASS when the loss falls below
     `target_fraction` (1%) of its start, PARTIAL when it at least halves, FAIL otherwise."""
-    clone = _copy_model(model)
-    dev = _device_of(clone)
-    x, y = (_to(t, dev) for t in _split(batch))
+    clone, x, y = _copy_with_batch(model, batch)
     opt = optimizer_cls(clone.parameters(), lr=lr)
     losses: list[float] = []
     for _ in range(steps):
@@ -168,9 +174,7 @@ def check_gradients(
 ) -> Report:
     """One forward/backward on a copy; per parameter: no grad (not in the graph), zero,
     non-finite, exploding (norm > `explode`), vanishing (< `vanish_ratio` of the largest layer's)."""
-    clone = _copy_model(model)
-    dev = _device_of(clone)
-    x, y = (_to(t, dev) for t in _split(batch))
+    clone, x, y = _copy_with_batch(model, batch)
     clone.zero_grad(set_to_none=True)
     loss = loss_fn(clone(x), y)
     loss.backward()
