@@ -159,6 +159,7 @@ class RunawayDetector:
         self._dtype = policy.headroom.default_dtype
         # per metric: (last step, last value, streak length, streak start step, streak start value)
         self._state: dict[str, tuple[int, float, int, int, float]] = {}
+        self._records: dict[str, int] = {}  # growth records in the current streak
         self._hist: dict[str, deque[float]] = {m: deque(maxlen=policy.spike.window) for m in self._p.metrics}
 
     def update(self, rec: StepRecord) -> list[Finding]:
@@ -174,13 +175,18 @@ class RunawayDetector:
             prev = self._state.get(metric)
             if prev is None or rec.step <= prev[0]:
                 self._state[metric] = (rec.step, v, 0, rec.step, v)
+                self._records[metric] = 0
                 hist.append(F.log10_safe(v))
                 continue
             step0, v0, streak, start_step, start = prev
             if F.growth_per_step(v0, v, rec.step - step0) >= p.min_growth:
-                streak += 1
+                # a streak is counted in steps: one record 5 steps after the last, grown at the
+                # minimum rate per step, is 5 steps of sustained growth (logs every N steps)
+                streak += rec.step - step0
+                self._records[metric] = self._records.get(metric, 0) + 1
             else:
                 streak, start_step, start = 0, rec.step, v
+                self._records[metric] = 0
             self._state[metric] = (rec.step, v, streak, start_step, start)
             hist.append(F.log10_safe(v))
             if streak == 0:
@@ -196,7 +202,9 @@ class RunawayDetector:
             earlier = list(hist)[:-1]
             above = v / F.pow10(F.median(earlier)) if earlier else math.inf
             severity = None
-            if streak >= p.critical_steps and total >= crit_f and above >= crit_f:
+            # critical needs `critical_steps` growth observations too: with logs every N steps a
+            # noise blip followed by one spike would otherwise look sustained
+            if streak >= p.critical_steps and self._records[metric] >= p.critical_steps and total >= crit_f and above >= crit_f:
                 severity = Severity.CRITICAL
             elif streak >= p.warning_steps and total >= warn_f and above >= warn_f:
                 severity = Severity.WARNING
@@ -314,33 +322,46 @@ class DivergenceDetector:
 
 
 class _LossWindow:
-    """A window of finite losses with the numbers stall and oscillation both judge.
+    """The last `window` steps of finite losses, with the numbers stall and oscillation judge.
 
-    A window-long condition needs no per-step verdict: the numbers are recomputed every
-    `window // 20` records and held in between (this keeps the hot path cheap).
+    The window is in steps, not records, so traces logged every N steps are judged over the same
+    span. A window-long condition needs no per-step verdict: the numbers are recomputed every
+    `window // 20` steps and held in between (this keeps the hot path cheap).
     """
 
+    MIN_RECORDS = 10
+
     def __init__(self, window: int, baseline_steps: int) -> None:
-        self.values: deque[float] = deque(maxlen=window)
+        self.window = window
+        self.values: deque[tuple[int, float]] = deque()
         self.base = _LossBaseline(baseline_steps)
         self.every = max(1, window // 20)
-        self._since = 0
+        self._first_step: int | None = None
+        self._judged_at: int | None = None
         self._last: tuple[float, float, float] | None = None
 
-    def update(self, loss: float | None) -> tuple[float, float, float] | None:
-        """(relative change across halves, relative spread, level / starting level) once full."""
+    def update(self, step: int, loss: float | None) -> tuple[float, float, float] | None:
+        """(relative change across halves, relative spread, level / starting level) once the
+        run has lasted `window` steps."""
         base = self.base.update(loss)
+        if self._first_step is None:
+            self._first_step = step
         if F.is_finite(loss):
-            self.values.append(float(loss))
-        if base is None or base <= 0 or len(self.values) < self.values.maxlen:
+            self.values.append((step, float(loss)))
+        while self.values and self.values[0][0] <= step - self.window:
+            self.values.popleft()
+        if base is None or base <= 0 or step - self._first_step < self.window - 1 or len(self.values) < self.MIN_RECORDS:
             return None
-        self._since += 1
-        if self._last is not None and self._since < self.every:
+        if self._last is not None and self._judged_at is not None and step - self._judged_at < self.every:
             return self._last
-        self._since = 0
-        w = list(self.values)
-        half = len(w) // 2
-        self._last = F.relative_change(w[:half], w[half:]), F.relative_spread(w), F.median(w[half:]) / base
+        self._judged_at = step
+        mid = step - self.window // 2
+        first = [v for s, v in self.values if s <= mid]
+        second = [v for s, v in self.values if s > mid]
+        if not first or not second:
+            return None
+        w = first + second
+        self._last = F.relative_change(first, second), F.relative_spread(w), F.median(second) / base
         return self._last
 
 
@@ -354,7 +375,7 @@ class StallDetector:
         self._w = _LossWindow(self._p.window, policy.divergence.baseline_steps)
 
     def update(self, rec: StepRecord) -> list[Finding]:
-        got = self._w.update(rec.loss)
+        got = self._w.update(rec.step, rec.loss)
         if got is None:
             return []
         change, spread, level = got
@@ -385,7 +406,7 @@ class OscillationDetector:
         self._w = _LossWindow(self._p.window, policy.divergence.baseline_steps)
 
     def update(self, rec: StepRecord) -> list[Finding]:
-        got = self._w.update(rec.loss)
+        got = self._w.update(rec.step, rec.loss)
         if got is None:
             return []
         change, spread, level = got

@@ -173,3 +173,31 @@ def test_nan_and_inf_never_poison_statistics_afterwards(rows, n_clean):
         for hist in getattr(d, "_hist", {}).values():
             assert all(math.isfinite(v) for v in hist)
     assert late == []
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_traces_logged_every_n_steps(every):
+    """Windows are in steps and growth is per step, so sparse logs judge the same spans:
+    healthy stays quiet, a recovered spike is never critical, a stall is still a stall."""
+    import json
+    from pathlib import Path
+
+    from nummon._trace import read_trace
+
+    corpus = Path(__file__).parent / "data" / "corpus"
+    labels = json.loads((corpus / "labels.json").read_text())
+    for name, lab in labels.items():
+        if lab["label"] not in ("healthy", "spike_recover", "shift_recover", "stall"):
+            continue
+        engine = HealthEngine(P)
+        alerts = []
+        for i, rec in enumerate(read_trace(corpus / f"{name}.jsonl")):
+            if i % every == 0:
+                alerts += engine.process(rec)[0]
+        loud = [a for a in alerts if a.severity is not Severity.INFO]
+        if lab["label"] == "healthy":
+            assert loud == [], name
+        elif lab["label"] == "stall":
+            assert any(a.kind is AlertKind.STALL for a in loud), name
+        else:
+            assert not any(a.severity is Severity.CRITICAL for a in loud), name
