@@ -21,6 +21,7 @@ __all__ = [
     "AlertKind",
     "BaseSink",
     "ConsoleSink",
+    "DistributedError",
     "Health",
     "JsonlSink",
     "MemorySink",
@@ -40,9 +41,10 @@ __all__ = [
     "replay",
 ]
 
-_LAZY = {"Monitor": "._monitor"}  # needs torch: imported on first use
+_LAZY = {"Monitor": "._monitor", "DistributedError": "._distributed"}  # need torch: imported on first use
 
 if TYPE_CHECKING:
+    from ._distributed import DistributedError
     from ._monitor import Monitor
 
 

@@ -97,19 +97,19 @@ class Monitor:
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         sink_list = list(sinks)
-        if self.policy.sinks.jsonl:
-            sink_list.append(JsonlSink(self.policy.sinks.jsonl))
-        if self.policy.sinks.console:
-            sink_list.append(ConsoleSink())
         if self._dist is not None and self.policy.sinks.rank0_only and self.rank != 0:
-            sink_list = []
+            sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
+        else:
+            if self.policy.sinks.jsonl:
+                sink_list.append(JsonlSink(self.policy.sinks.jsonl))
+            if self.policy.sinks.console:
+                sink_list.append(ConsoleSink())
         self._sinks = SinkDispatcher(sink_list, self.policy.sinks.queue_size)
         self.alerts: list[Alert] = []
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: Pending | None = None
         self._closed = False
-        self._last_report: StepReport | None = None
         self._stop = False
         self._lag = self.policy.sampling.lag_one_step and self.stats.device.type == "cuda"
         # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50))
@@ -206,7 +206,6 @@ class Monitor:
             self._sinks.alert(a)
         self._sinks.step(rec, health)
         report = StepReport(step=rec.step, health=health, alerts=tuple(routed), should_stop=self._stop, record=rec)
-        self._last_report = report
         return report
 
     def _dump_flight_record(self, alert: Alert) -> Alert:

@@ -22,9 +22,6 @@ from ._types import StepRecord
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _STATE_KEYS = ("momentum_buffer", "exp_avg")  # the first-moment state of SGD / Adam-family optimizers
 
-#: Transfer counter: the instrumentation seam tests use to count device->host copies per step.
-TRANSFERS = {"count": 0}
-
 
 def _dtype_name(dt: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dt, "float32")
@@ -77,7 +74,6 @@ class StatsEngine:
                 for gi, g in enumerate(optimizer.param_groups)
                 for pi, p in enumerate(g["params"])
             ]
-        self.param_names = {id(p): n for n, p in self.named_params}
         # FSDP1 shards every parameter of the wrapped model (flat or original-parameter views)
         self._all_sharded = model is not None and any(
             type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
@@ -271,7 +267,7 @@ class StatsEngine:
             add("grad_absmax", _absmax(mins, maxs))
         act_order = list(self._act_order)
         if self._act_names and act_order:
-            zero = torch.zeros((), device=dev)
+            zero = torch.zeros((), device=dev) if len(act_order) < len(self._act_slots) else None
             pairs = [s if s is not None else (zero, zero) for s in self._act_slots]
             add("act_max", _absmax([p[0] for p in pairs], [p[1] for p in pairs]))
         if batch is not None:
@@ -306,7 +302,6 @@ class StatsEngine:
             packed = host
         elif packed.device.type != "cpu":
             packed = packed.cpu()
-        TRANSFERS["count"] += 1
         return Pending(
             step=step,
             packed=packed,
@@ -333,9 +328,6 @@ class StatsEngine:
         pool = self._pinned.setdefault(n, [torch.empty(n, dtype=torch.float64, pin_memory=True) for _ in range(2)])
         pool.reverse()
         return pool[0]
-
-    def ready(self, pending: Pending) -> bool:
-        return pending.event is None or pending.event.query()
 
     def resolve(self, pending: Pending) -> StepRecord:
         """Read a launched step on the host (waits for its copy) and build the StepRecord."""

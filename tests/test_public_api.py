@@ -5,7 +5,7 @@ import sys
 import nummon
 
 EXPECTED = {
-    "Alert", "AlertKind", "BaseSink", "ConsoleSink", "Health", "JsonlSink", "MemorySink", "Monitor", "NummonError",
+    "Alert", "AlertKind", "BaseSink", "ConsoleSink", "DistributedError", "Health", "JsonlSink", "MemorySink", "Monitor", "NummonError",
     "Policy", "PolicyError", "Severity", "Sink", "StepRecord", "StepReport", "TraceError",
     "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
