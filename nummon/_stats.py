@@ -81,7 +81,8 @@ class StatsEngine:
         self.device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
         self._hooks: list[Any] = []
         self._act_names: list[str] = []
-        self._act_slots: list[torch.Tensor | None] = []
+        self._act_buf: torch.Tensor | None = None  # (2, modules): per-step min and max of each output
+        self._act_seen: list[bool] = []
         self._act_order: list[int] = []
         self._act_dtype: str | None = None
         self._hist_acts: dict[str, torch.Tensor] = {}
@@ -100,7 +101,7 @@ class StatsEngine:
             if name and any(True for _ in mod.parameters(recurse=False)):
                 idx = len(self._act_names)
                 self._act_names.append(name)
-                self._act_slots.append(None)
+                self._act_seen.append(False)
                 self._hooks.append(mod.register_forward_hook(self._make_hook(idx)))
 
     def _make_hook(self, idx: int) -> Callable:
@@ -111,14 +112,24 @@ class StatsEngine:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
                 return
             t = t.detach()
-            mn, mx = _min_max(t)  # |x| is combined for all modules at launch
-            prev = self._act_slots[idx]
-            if prev is None:
+            buf = self._act_buf
+            if buf is None or buf.device != t.device:  # first forward, or the model moved
+                buf = self._act_buf = torch.zeros(2, len(self._act_names), device=t.device)
+            lo, hi = buf[0, idx], buf[1, idx]
+            if not self._act_seen[idx]:
+                self._act_seen[idx] = True
                 self._act_order.append(idx)
-                self._act_slots[idx] = (mn, mx)
                 self._act_dtype = _narrowest(self._act_dtype, _dtype_name(t.dtype))
+                if t.dtype == buf.dtype:  # straight into the preallocated buffer
+                    torch.aminmax(t, out=(lo, hi))
+                else:
+                    mn, mx = torch.aminmax(t)
+                    lo.copy_(mn)
+                    hi.copy_(mx)
             else:  # a module called twice in one step (weight sharing, loops)
-                self._act_slots[idx] = (torch.minimum(prev[0], mn), torch.maximum(prev[1], mx))
+                mn, mx = torch.aminmax(t)
+                torch.minimum(lo, mn.to(lo.dtype), out=lo)
+                torch.maximum(hi, mx.to(hi.dtype), out=hi)
             if self._want_act_hist:
                 self._hist_acts[self._act_names[idx]] = t
 
@@ -266,10 +277,10 @@ class StatsEngine:
             mins, maxs = zip(*(_min_max(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
             add("grad_absmax", _absmax(mins, maxs))
         act_order = list(self._act_order)
-        if self._act_names and act_order:
-            zero = torch.zeros((), device=dev) if len(act_order) < len(self._act_slots) else None
-            pairs = [s if s is not None else (zero, zero) for s in self._act_slots]
-            add("act_max", _absmax([p[0] for p in pairs], [p[1] for p in pairs]))
+        if self._act_names and act_order and self._act_buf is not None:
+            buf = self._act_buf
+            add("act_max", torch.maximum(buf[1], buf[0].neg()))  # (a copy: the reset below is safe)
+            buf.zero_()
         if batch is not None:
             tensors = [t for t in _tensors_in(batch)]
             if tensors:
@@ -277,9 +288,8 @@ class StatsEngine:
                 if fl:
                     add("input_nonfinite", torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum())
                 add("fingerprint", torch.stack([self._fingerprint(t) for t in tensors]))
-        # reset per-step activation slots for the next forward
-        for i in range(len(self._act_slots)):
-            self._act_slots[i] = None
+        # reset the per-step activation bookkeeping for the next forward
+        self._act_seen = [False] * len(self._act_names)
         self._act_order = []
         act_dtype, self._act_dtype = self._act_dtype, None
 

@@ -128,3 +128,37 @@ def test_context_manager_removes_hooks():
     assert all(not m._forward_hooks for m in model.modules())
     with pytest.raises(NummonError, match="closed"):
         mon.post_step(1.0)
+
+
+class Shared(nn.Module):
+    """One Linear applied twice per forward (weight sharing), and a bfloat16 branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lowp = nn.Linear(4, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = self.lin(a * 10)
+        return b + self.lowp(x.to(torch.bfloat16)).float()
+
+
+def test_activation_max_covers_every_call_and_dtype():
+    torch.manual_seed(0)
+    model = Shared()
+    mon = Monitor(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        a = model.lin(x)
+        b = model.lin(a * 10)
+        h = model.lowp(x.to(torch.bfloat16))
+    out = model(x)
+    rec = mon.post_step(out.sum()).record
+    assert rec.layer_activation_max["lin"] == pytest.approx(max(a.abs().max().item(), b.abs().max().item()), rel=1e-6)
+    assert rec.layer_activation_max["lowp"] == pytest.approx(h.abs().max().float().item(), rel=1e-6)
+    # the next step starts from a clean buffer
+    small = model(x * 0)
+    rec2 = mon.post_step(small.sum()).record
+    assert rec2.layer_activation_max["lin"] < rec.layer_activation_max["lin"]
+    mon.close()
