@@ -1,8 +1,8 @@
 """The statistics engine: the only part of nummon that touches tensors.
 
 Per step it launches fused multi-tensor reductions on the device (``torch._foreach_norm`` over
-gradients, parameters and optimizer state; one ``aminmax`` per gradient for max |g| and
-finiteness), packs every scalar into one float64 vector and copies that vector to the host once
+gradients, parameters and optimizer state; one ``aminmax`` per gradient and per watched module
+output, written into preallocated buffers, for max |x| and finiteness), packs every scalar into one float64 vector and copies that vector to the host once
 (non-blocking into pinned memory on CUDA, read one step later). Only plain floats leave here.
 """
 from __future__ import annotations
@@ -83,6 +83,7 @@ class StatsEngine:
         self._act_names: list[str] = []
         self._act_buf: torch.Tensor | None = None  # (2, modules): per-step min and max of each output
         self._act_seen: list[bool] = []
+        self._grad_buf: torch.Tensor | None = None  # (2, params): per-step min and max of each gradient
         self._act_order: list[int] = []
         self._act_dtype: str | None = None
         self._hist_acts: dict[str, torch.Tensor] = {}
@@ -203,19 +204,11 @@ class StatsEngine:
     # ---------------------------------------------------------------- the step
     def launch(self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True) -> Pending:
         """Launch this step's reductions and start the single device->host copy."""
-        parts: list[torch.Tensor] = []
-        layout: dict[str, slice] = {}
-        pos = 0
+        parts: list[tuple[str, torch.Tensor]] = []
         dev = self.device
 
         def add(name: str, t: torch.Tensor) -> None:
-            nonlocal pos
-            t = t.reshape(-1)
-            if t.dtype != torch.float64:
-                t = t.to(torch.float64)
-            parts.append(t)
-            layout[name] = slice(pos, pos + t.numel())
-            pos += t.numel()
+            parts.append((name, t.reshape(-1)))
 
         distributed = self.dist is not None
         loss_host = None
@@ -274,8 +267,7 @@ class StatsEngine:
             if isinstance(lr_t, torch.Tensor):
                 add("lr", lr_t.detach())
         if grads:
-            mins, maxs = zip(*(_min_max(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
-            add("grad_absmax", _absmax(mins, maxs))
+            add("grad_absmax", self._grad_absmax(grads))
         act_order = list(self._act_order)
         if self._act_names and act_order and self._act_buf is not None:
             buf = self._act_buf
@@ -293,13 +285,7 @@ class StatsEngine:
         self._act_order = []
         act_dtype, self._act_dtype = self._act_dtype, None
 
-        if parts:
-            devs = {t.device for t in parts}
-            if len(devs) > 1:
-                parts = [t.to(dev) for t in parts]
-            packed = torch.cat(parts)
-        else:
-            packed = torch.zeros(0, dtype=torch.float64)
+        packed, layout = _pack(parts, dev)
         if distributed:
             packed = self.dist.gather(packed)
             meta["kinds"] = kinds
@@ -326,6 +312,25 @@ class StatsEngine:
             lr=self._lr(),
             meta=meta,
         )
+
+    def _grad_absmax(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """max |g| per gradient: one aminmax each, written into a preallocated (2, n) buffer."""
+        k = len(grads)
+        buf = self._grad_buf
+        if buf is None or buf.device != grads[0].device or buf.shape[1] < k:
+            buf = self._grad_buf = torch.zeros(2, max(k, len(self.named_params)), device=grads[0].device)
+        for j, g in enumerate(grads):
+            lo, hi = buf[0, j], buf[1, j]
+            if g.numel() == 0:
+                lo.zero_()
+                hi.zero_()
+            elif g.dtype == buf.dtype and g.device == buf.device:
+                torch.aminmax(g, out=(lo, hi))
+            else:
+                mn, mx = torch.aminmax(g)
+                lo.copy_(mn)
+                hi.copy_(mx)
+        return torch.maximum(buf[1, :k], buf[0, :k].neg())
 
     def _kinds(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         if self._all_sharded:
@@ -516,10 +521,31 @@ class StatsEngine:
         return out
 
 
-def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of a tensor in one pass; NaN propagates. (Separate amin/amax look faster in
-    isolation on CPU but cost 4x more inside a training step: measured, see benchmarks/.)"""
-    return torch.aminmax(t)
+def _pack(parts: list[tuple[str, torch.Tensor]], dev: torch.device) -> tuple[torch.Tensor, dict[str, slice]]:
+    """One float64 vector of every part, and where each part lies in it.
+
+    float32/16 parts are concatenated first and widened once (fewer kernels and allocations
+    than widening each); float64 and integer parts (fingerprints, counts) join exactly.
+    """
+    narrow = [(n, t) for n, t in parts if t.is_floating_point() and t.dtype != torch.float64]
+    wide = [(n, t) for n, t in parts if not (t.is_floating_point() and t.dtype != torch.float64)]
+    chunks, layout, pos = [], {}, 0
+    for group, widen in ((narrow, True), (wide, False)):
+        if not group:
+            continue
+        ts = [t if t.device == dev else t.to(dev) for _, t in group]
+        if widen:
+            ts = [t if t.dtype == torch.float32 else t.float() for t in ts]
+            chunk = (torch.cat(ts) if len(ts) > 1 else ts[0]).to(torch.float64)
+        else:
+            chunk = torch.cat([t.to(torch.float64) for t in ts])
+        chunks.append(chunk)
+        for name, t in group:
+            layout[name] = slice(pos, pos + t.numel())
+            pos += t.numel()
+    if not chunks:
+        return torch.zeros(0, dtype=torch.float64), layout
+    return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), layout
 
 
 def _l2_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -528,13 +554,6 @@ def _l2_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if any(n.dtype != torch.float32 for n in norms):
         norms = [n.float() for n in norms]
     return torch.stack(norms)
-
-
-def _absmax(mins: Sequence[torch.Tensor], maxs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """max(|min|, |max|) per tensor from aminmax results, in three kernels for all of them."""
-    lo = torch.stack([m.float() for m in mins])
-    hi = torch.stack([m.float() for m in maxs])
-    return torch.maximum(hi, lo.neg())
 
 
 def _tensors_in(batch: Any) -> list[torch.Tensor]:
