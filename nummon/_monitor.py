@@ -104,7 +104,7 @@ class Monitor:
                 sink_list.append(JsonlSink(self.policy.sinks.jsonl))
             if self.policy.sinks.console:
                 sink_list.append(ConsoleSink())
-        self._sinks = SinkDispatcher(sink_list, self.policy.sinks.queue_size)
+        self._sinks = SinkDispatcher(sink_list, self.policy.sinks.queue_size, block=self.policy.sinks.when_full == "block")
         self.alerts: list[Alert] = []
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None

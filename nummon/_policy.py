@@ -162,7 +162,8 @@ class RecorderPolicy(_Section):
 
 
 class SinkPolicy(_Section):
-    queue_size: int = Field(1024, ge=1, description="records buffered for the sink thread; when full, step statistics are dropped, alerts never")
+    queue_size: int = Field(1024, ge=1, description="step records buffered per sink thread (alerts are never dropped and not counted here)")
+    when_full: Literal["drop", "block"] = Field("drop", description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room")
     rank0_only: bool = Field(True, description="under torch.distributed, only rank 0 feeds the sinks")
     jsonl: str | None = Field(None, description="path of a JSONL event log to add (a JsonlSink)")
     console: bool = Field(False, description="add a ConsoleSink (stdlib logging)")

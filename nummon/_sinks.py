@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ._errors import NummonError
 from ._types import Alert, Health, Severity, StepRecord
 
 __all__ = ["Sink", "BaseSink", "JsonlSink", "ConsoleSink", "MemorySink", "SinkDispatcher"]
@@ -150,9 +151,10 @@ def _json_default(o: Any) -> Any:
 class _Worker:
     """One sink on its own thread: a bounded queue of step events, an unbounded one of alerts."""
 
-    def __init__(self, sink: Any, queue_size: int) -> None:
+    def __init__(self, sink: Any, queue_size: int, block: bool = False) -> None:
         self.sink = sink
         self.queue_size = queue_size
+        self.block = block
         self.steps: collections.deque = collections.deque()
         self.alerts: collections.deque = collections.deque()
         self.cv = threading.Condition()
@@ -166,16 +168,19 @@ class _Worker:
 
     def put_step(self, item: tuple) -> None:
         with self.cv:
-            if len(self.steps) >= self.queue_size:
+            if self.block:
+                while len(self.steps) >= self.queue_size and self.thread.is_alive():
+                    self.cv.wait(0.1)
+            elif len(self.steps) >= self.queue_size:
                 self.dropped += 1  # statistics may be dropped; alerts never are
                 return
             self.steps.append(item)
-            self.cv.notify()
+            self.cv.notify_all()
 
     def put_alert(self, alert: Alert) -> None:
         with self.cv:
             self.alerts.append(alert)
-            self.cv.notify()
+            self.cv.notify_all()
 
     def _call(self, method: str, *args: Any) -> None:
         fn = getattr(self.sink, method, None)
@@ -199,6 +204,7 @@ class _Worker:
                     kind, item = "alert", self.alerts.popleft()
                 elif self.steps:
                     kind, item = "step", self.steps.popleft()
+                    self.cv.notify_all()  # room for a producer blocked on a full queue
                 else:
                     return
             if kind == "alert":
@@ -232,11 +238,11 @@ class _Worker:
 class SinkDispatcher:
     """Fans step records, histograms and alerts out to every sink, off the training thread."""
 
-    def __init__(self, sinks: list[Any], queue_size: int = 1024) -> None:
+    def __init__(self, sinks: list[Any], queue_size: int = 1024, block: bool = False) -> None:
         for s in sinks:
             if not any(hasattr(s, m) for m in ("on_step", "on_alert", "on_histograms")):
-                raise TypeError(f"{type(s).__name__} is not a sink: it has none of on_step/on_alert/on_histograms")
-        self.workers = [_Worker(s, queue_size) for s in sinks]
+                raise NummonError(f"{type(s).__name__} is not a sink: it has none of on_step/on_alert/on_histograms")
+        self.workers = [_Worker(s, queue_size, block) for s in sinks]
 
     @property
     def wants_histograms(self) -> bool:

@@ -223,3 +223,11 @@ def test_diagnose_cli_prints_reports():
 
     p = subprocess.run([sys.executable, "-m", "nummon", "diagnose"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "[PASS] overfit one batch" in p.stdout and "check gradients" in p.stdout
+
+
+def test_lr_range_test_plot(user, tmp_path):
+    pytest.importorskip("matplotlib")
+    model, _ = user
+    out = tmp_path / "lr.png"
+    rep = lr_range_test(model, [batch(32, s) for s in range(4)], CE, start=1e-4, end=1e3, steps=60, plot=str(out))
+    assert rep.plot == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -269,3 +269,31 @@ def test_tensorboard_sink_histogram_every_alone_drives_histograms(tmp_path):
     acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})
     acc.Reload()
     assert [e.step for e in acc.Histograms("nummon/grads/0.weight")] == [0, 7, 14]
+
+
+class SlowSink(nummon.BaseSink):
+    def __init__(self):
+        self.records = []
+
+    def on_step(self, record, health):
+        time.sleep(0.01)
+        self.records.append(record.step)
+
+
+def test_when_full_block_keeps_every_record_and_drop_counts(tmp_path):
+    for mode in ("block", "drop"):
+        slow = SlowSink()
+        mon = Monitor(policy={"sinks": {"queue_size": 2, "when_full": mode}}, sinks=[slow])
+        for i in range(30):
+            mon.post_step(1.0)
+        mon.close()
+        dropped = mon.sink_stats["SlowSink"]["dropped"]
+        if mode == "block":
+            assert slow.records == list(range(30)) and dropped == 0
+        else:
+            assert dropped > 0 and len(slow.records) + dropped == 30
+
+
+def test_a_non_sink_is_rejected():
+    with pytest.raises(nummon.NummonError, match="is not a sink"):
+        Monitor(sinks=[object()])
