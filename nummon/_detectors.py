@@ -53,6 +53,19 @@ class NonfiniteDetector:
 
     def update(self, rec: StepRecord) -> list[Finding]:
         out: list[Finding] = []
+        if rec.scaler_skipped:
+            # dynamic loss scaling calibrates by overflowing: the weights were protected
+            out.append(
+                Finding(
+                    self.kind,
+                    Severity.INFO,
+                    "scaled_gradients",
+                    None,
+                    None,
+                    "scaled gradients overflowed and the GradScaler skipped this step (loss scale lowered)",
+                    location="GradScaler",
+                )
+            )
         if rec.input_nonfinite:
             out.append(
                 Finding(

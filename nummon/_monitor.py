@@ -66,6 +66,9 @@ class Monitor:
     >>> report = mon.post_step(loss)        # after optimizer.step()
     >>> if report.should_stop: ...
 
+    With AMP, pass `grad_scaler=scaler` (and call `post_step` after `scaler.step` / `update`):
+    a step the scaler skipped for overflowing gradients is an info alert, not a critical one.
+
     On CUDA (policy.sampling.lag_one_step) the statistics of step t are read at step t+1 with a
     non-blocking copy, so the GPU never waits; alerts keep their true step; `flush()` forces.
     """
@@ -78,6 +81,7 @@ class Monitor:
         sinks: Iterable[Any] = (),
         *,
         process_group: Any = None,
+        grad_scaler: Any = None,
         run_dir: str | os.PathLike[str] | None = None,
         start_step: int = 0,
     ) -> None:
@@ -93,7 +97,7 @@ class Monitor:
 
             self._dist = DistributedReducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
-        self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist)
+        self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         sink_list = list(sinks)

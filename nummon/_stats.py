@@ -60,8 +60,10 @@ class StatsEngine:
         optimizer: torch.optim.Optimizer | None,
         policy: Policy,
         dist: Any = None,
+        grad_scaler: Any = None,
     ) -> None:
         self.model = model
+        self.grad_scaler = grad_scaler  # torch.amp.GradScaler: non-finite grads mean a skipped step
         self.optimizer = optimizer
         self.policy = policy
         self.dist = dist  # a DistributedReducer: one collective over the packed vector per step
@@ -417,6 +419,13 @@ class StatsEngine:
                 best = (h, dt)
         if best is not None:
             rec.headroom, rec.headroom_dtype = best
+        if parts == ["gradients"] and self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # after scaler.step() gradients are unscaled; non-finite ones mean the scaler found
+            # an overflow and skipped the update: the run is fine, the statistics meaningless
+            rec.scaler_skipped = True
+            rec.grad_norm = rec.grad_max = rec.update_ratio = None
+            rec.layer_grad_norms = {}
+            parts = []
         if parts:
             rec.nonfinite_parts = tuple(parts)
             rec.nonfinite_location = self._locate(rec, first_bad_act, pending)

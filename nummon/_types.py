@@ -108,6 +108,7 @@ class StepRecord:
     rank: int | None = None  # rank where the non-finite value (or maximum) came from
     fingerprint: str | None = None  # batch fingerprint, when the loop passes the batch
     input_nonfinite: int | None = None  # non-finite values in the input batch
+    scaler_skipped: bool | None = None  # True: the AMP GradScaler skipped this step (scaled grads overflowed)
 
     def scalars(self) -> dict[str, float]:
         """The measured scalar fields as a flat dict (absent ones left out)."""

@@ -162,3 +162,34 @@ def test_activation_max_covers_every_call_and_dtype():
     rec2 = mon.post_step(small.sum()).record
     assert rec2.layer_activation_max["lin"] < rec.layer_activation_max["lin"]
     mon.close()
+
+
+def test_grad_scaler_overflow_is_info_not_critical():
+    """Dynamic loss scaling overflows on purpose while it calibrates: no stop, no warning."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    x, y = torch.randn(8, 4) * 100, torch.randn(8, 2)
+    mon = Monitor(model, opt, grad_scaler=scaler)
+    skipped = []
+    for _ in range(140):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((model(x) - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        r = mon.post_step(loss)
+        skipped.append(bool(r.record.scaler_skipped))
+        assert not r.should_stop and r.health is not Health.NONFINITE
+    assert skipped[0] and not skipped[-1]  # it calibrated, then trained
+    assert all(a.severity is Severity.INFO for a in mon.alerts if a.kind is AlertKind.NONFINITE)
+    assert any(a.location == "GradScaler" for a in mon.alerts)
+    mon.close()
+    # without the scaler the same overflow is the critical alert it would be in fp32 training
+    mon2 = Monitor(nn.Linear(4, 2), None)
+    lin = mon2.stats.named_params[0][1]
+    lin.grad = torch.full_like(lin, float("inf"))
+    assert mon2.post_step(1.0).should_stop
+    mon2.close()
