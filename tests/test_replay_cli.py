@@ -98,3 +98,15 @@ def test_policy_show_and_validate(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert any("spike.grad_factr: unknown key" in l for l in lines)
     assert any("spike.window" in l for l in lines) and any("stall.window" in l for l in lines)
+
+
+def test_policy_show_output_round_trips(tmp_path):
+    """What `policy show` prints is itself a valid policy equal to the one shown."""
+    import nummon
+
+    for name in ("default", "strict"):
+        text = cli("policy", "show", name).stdout
+        f = tmp_path / f"{name}.yaml"
+        f.write_text(text)
+        assert cli("policy", "validate", str(f)).returncode == 0
+        assert nummon.load_policy(str(f)) == nummon.load_policy(name)
