@@ -116,7 +116,7 @@ class StallPolicy(_Section):
     window: int = Field(100, ge=10, description="records compared: the median of the second half against the first (steps)")
     min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving (fraction)")
     high_fraction: float = Field(0.5, gt=0, description="the loss counts as still high above this fraction of its starting level (fraction)")
-    max_spread: float = Field(0.3, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
+    max_spread: float = Field(0.2, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
 
 
 class OscillationPolicy(_Section):
@@ -125,7 +125,7 @@ class OscillationPolicy(_Section):
     enabled: bool = True
     window: int = Field(100, ge=10, description="records compared: the median of the second half against the first (steps)")
     min_improvement: float = Field(0.1, ge=0, lt=1, description="relative improvement of the median loss below which there is no downward trend (fraction)")
-    min_spread: float = Field(0.3, gt=0, description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)")
+    min_spread: float = Field(0.15, gt=0, description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)")
     high_fraction: float = Field(0.25, gt=0, description="only while the loss is above this fraction of its starting level: a converged run's relative noise is not oscillation (fraction)")
 
 
