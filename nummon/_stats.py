@@ -348,8 +348,8 @@ class StatsEngine:
 
     def resolve(self, pending: Pending) -> StepRecord:
         """Read a launched step on the host (waits for its copy) and build the StepRecord."""
-        if pending.event is not None:
-            pending.event.synchronize()
+        if pending.event is not None and not pending.event.query():
+            pending.event.synchronize()  # only when the GPU is more than a step behind
         vals = pending.packed.tolist()
         lay = pending.layout
         ranks: dict[str, list[int | None]] = {}
