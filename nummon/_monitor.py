@@ -52,11 +52,13 @@ def _check_loss(loss: Any) -> Any:
         if loss.dtype == torch.bool or loss.is_complex():
             raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
         return loss
-    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
-        if hasattr(loss, "__float__") and not isinstance(loss, (str, bytes, bool)):
-            return float(loss)  # numpy scalars and friends
+    # python and numpy numbers (anything with __float__), but not bools or strings
+    if isinstance(loss, (bool, str, bytes)) or not hasattr(loss, "__float__"):
         raise NummonError(f"loss must be a float or a 0-d tensor, got {type(loss).__name__} {loss!r:.40}")
-    return float(loss)
+    try:
+        return float(loss)
+    except (TypeError, ValueError) as e:  # e.g. a numpy array with several elements
+        raise NummonError(f"loss must be a single number, got {type(loss).__name__} ({e})") from None
 
 
 class Monitor:
