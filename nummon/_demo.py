@@ -128,7 +128,10 @@ def run_demo(args: Any) -> int:
     except Exception as e:
         raise NummonError(f"--device {args.device!r} is not usable here ({str(e).splitlines()[0]})") from None
     out = Path(args.out) if args.out else _default_out()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NummonError(f"cannot create the output folder {out}: {e.strerror}") from None
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(args.seed)
