@@ -23,11 +23,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from ._replay import replay
     from ._trace import expand_paths
 
+    from ._types import Severity
+
     policy = load_policy(args.policy)
     paths = expand_paths(args.paths)
+    floor = Severity(args.min_severity).rank
     n_alerts = 0
     for path in paths:
-        alerts = replay(path, policy)
+        alerts = [a for a in replay(path, policy) if a.severity.rank >= floor]
         for a in alerts:
             n_alerts += 1
             if args.format == "jsonl":
@@ -82,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("paths", nargs="+", metavar="PATH", help="trace files, or directories of *.jsonl")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
     r.add_argument("--format", choices=("text", "jsonl"), default="text")
+    r.add_argument("--min-severity", choices=("info", "warning", "critical"), default="info",
+                   help="print only alerts at or above this severity (default: info)")
     r.set_defaults(func=_cmd_replay)
 
     d = sub.add_parser("demo", help="reproduce a runaway on synthetic data, with every sink")

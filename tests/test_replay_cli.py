@@ -110,3 +110,9 @@ def test_policy_show_output_round_trips(tmp_path):
         f.write_text(text)
         assert cli("policy", "validate", str(f)).returncode == 0
         assert nummon.load_policy(str(f)) == nummon.load_policy(name)
+
+
+def test_min_severity_filter():
+    p = cli("replay", "--format", "jsonl", "--min-severity", "critical", str(DATA / "batch39_46.jsonl"))
+    sev = {json.loads(l)["severity"] for l in p.stdout.splitlines()}
+    assert sev == {"critical"}
