@@ -194,3 +194,24 @@ def test_grad_scaler_overflow_is_info_not_critical():
     lin.grad = torch.full_like(lin, float("inf"))
     assert mon2.post_step(1.0).should_stop
     mon2.close()
+
+
+def test_vanishing_gradients_on_a_dead_layer_of_a_real_model():
+    """fc1's ReLU units are all dead: fc1 gets no gradient while fc2's bias still learns."""
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.bias.fill_(-1e3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    mon = Monitor(model, opt, policy={"vanishing": {"patience": 20}})
+    found = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        found += [a for a in mon.post_step(loss).alerts if a.kind is AlertKind.VANISHING]
+    mon.close()
+    assert {a.location for a in found} == {"fc1.weight", "fc1.bias", "fc2.weight"}
+    assert all(a.step == 19 and a.severity is Severity.WARNING for a in found)
