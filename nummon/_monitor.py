@@ -117,7 +117,6 @@ class Monitor:
         self._pending: Pending | None = None
         self._closed = False
         self._stop = False
-        self._lag = self.policy.sampling.lag_one_step and self.stats.device.type == "cuda"
         # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50))
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
         self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
@@ -147,7 +146,9 @@ class Monitor:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         if hist:
             self._sinks.histograms(s, hist)
-        if self._lag:
+        # lag only when the copy is asynchronous (CUDA); decided per step, so a model moved to
+        # the GPU after the Monitor was made is handled too
+        if self.policy.sampling.lag_one_step and pending.event is not None:
             previous, self._pending = self._pending, pending
             if previous is None:
                 return StepReport(step=s, health=Health.HEALTHY, should_stop=self._stop)

@@ -207,7 +207,8 @@ class StatsEngine:
     def launch(self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True) -> Pending:
         """Launch this step's reductions and start the single device->host copy."""
         parts: list[tuple[str, torch.Tensor]] = []
-        dev = self.device
+        # the parameters' device now (the model may have moved since the Monitor was made)
+        dev = self.named_params[0][1].device if self.named_params else self.device
 
         def add(name: str, t: torch.Tensor) -> None:
             parts.append((name, t.reshape(-1)))
