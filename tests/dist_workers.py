@@ -187,3 +187,34 @@ def dead_rank(rank, world, port, out_dir):
         time.sleep(8)
     _out(out_dir, rank, {"error": err})
     _exit()
+
+
+def fsdp1_grad_norm(rank, world, port, out_dir):
+    """FSDP1 (flat parameters) on CPU/gloo: global grad norm vs the full-batch reference."""
+    import nummon
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    setup(rank, world, port)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+    mon = nummon.Monitor(fsdp, opt)
+    x, y, xa, ya = data_for(rank, world)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    got, want = [], []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(fsdp(x), y)
+        loss.backward()
+        opt.step()
+        got.append(mon.post_step(loss).record.grad_norm)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(xa), ya).backward()
+        want.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item())
+        ref_opt.step()
+    mon.close()
+    _out(out_dir, rank, {"got": got, "want": want})
+    teardown()
+    _exit()

@@ -55,3 +55,10 @@ def test_a_dead_rank_does_not_hang_the_monitor(tmp_path):
     res = spawn(W.dead_rank, 2, tmp_path)
     assert res[0]["error"] and "DistributedError" in res[0]["error"]
     assert "gathering step statistics across 2 ranks failed on rank 0" in res[0]["error"]
+
+
+def test_fsdp1_flat_params_grad_norm_equals_single_process(tmp_path):
+    res = spawn(W.fsdp1_grad_norm, 2, tmp_path)
+    for r in res:
+        for got, want in zip(r["got"], r["want"]):
+            assert got == pytest.approx(want, rel=1e-5)
