@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -198,8 +199,11 @@ def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
     for name in vs:
         run(name, warmup)
     times = {name: [] for name in vs}
+    order = list(vs)
+    rng = random.Random(0)
     for _ in range(rounds):
-        for name in vs:  # interleaved, so drift hits every variant alike
+        rng.shuffle(order)  # interleaved in a new order each round: drift and position hit every variant alike
+        for name in order:
             times[name].append(run(name, steps))
     for name in vs:
         state[name][3]()
