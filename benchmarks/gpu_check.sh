@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# One prepared GPU run (fits well inside 10 minutes on an H200): the no-sync test, then the
-# overhead benchmark on the GPT-2-small workload. Writes results under $OUT (device tool) or ./.
+# One prepared GPU run (about 5 minutes on an H200 machine of the device tool): installs
+# nummon and the carried wheels (pydantic is not in that image), runs the CUDA no-sync test and
+# the CPU suites under that image's torch, the demo on CPU and CUDA, then the GPT-2-small
+# overhead benchmark with the statistics-pass bandwidth. Results land under $OUT.
 set -uo pipefail
-out=${OUT:-.}
-export PYTHONUNBUFFERED=1
-python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
-python3 -m pip install -q -e '.[dev]' --no-deps 2>/dev/null || true
-python3 -m pytest -q tests/test_hot_path.py 2>&1 | tee "$out/gpu_tests.txt"
-timeout 420 python3 benchmarks/overhead.py --device cuda --rounds 7 --steps 10 --warmup 3 --json "$out/gpu_overhead.json" 2>&1 | tee "$out/gpu_overhead.txt"
+out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_SILENT=true
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/nm . >/dev/null 2>&1 || { echo "nummon install failed"; exit 1; }
+export PYTHONPATH=/tmp/nm:/tmp/site
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, nummon; print('torch', torch.__version__, torch.cuda.get_device_name(0), nummon.__file__)"; } 2>&1 | tee "$out/gpu_env.txt"
+(cd tests && timeout 240 python3 -m pytest -q -x -p no:cacheprovider test_hot_path.py test_monitor.py test_detectors.py test_diagnose.py test_distributed.py 2>&1 | tail -15) | tee "$out/gpu_tests.txt"
+for dev in cpu cuda; do
+  timeout 90 python3 -m nummon demo --device $dev --no-wandb --no-tensorboard --out /tmp/demo_$dev 2>/dev/null | grep -E "warned|no warning|first NaN|\(.* s;" | tee -a "$out/gpu_demo.txt"
+done
+timeout 300 python3 benchmarks/overhead.py --device cuda --rounds 7 --steps 10 --warmup 3 --json "$out/gpu_overhead.json" 2>&1 | grep -v Warning | tail -12 | tee "$out/gpu_overhead.txt"

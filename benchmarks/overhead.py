@@ -25,9 +25,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import nummon  # noqa: E402
+try:  # the installed package (its configs/ and integrations/ are mapped into nummon.*)
+    import nummon
+except ImportError:  # a bare checkout: run from the source tree
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import nummon
 from nummon._demo import DemoCNN  # noqa: E402
 
 
