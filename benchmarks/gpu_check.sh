@@ -10,10 +10,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/nm . >/dev/null 2>&1 || { echo "nummon install failed"; exit 1; }
 export PYTHONPATH=/tmp/nm:/tmp/site
+repo=$PWD
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, nummon; print('torch', torch.__version__, torch.cuda.get_device_name(0), nummon.__file__)"; } 2>&1 | tee "$out/gpu_env.txt"
-(cd tests && timeout 240 python3 -m pytest -q -x -p no:cacheprovider test_hot_path.py test_monitor.py test_detectors.py test_diagnose.py test_distributed.py 2>&1 | tail -15) | tee "$out/gpu_tests.txt"
-for dev in cpu cuda; do
-  timeout 90 python3 -m nummon demo --device $dev --no-wandb --no-tensorboard --out /tmp/demo_$dev 2>/dev/null | grep -E "warned|no warning|first NaN|\(.* s;" | tee -a "$out/gpu_demo.txt"
+  (cd /tmp && python3 -c "import torch, nummon; print('torch', torch.__version__, torch.cuda.get_device_name(0), nummon.__file__)"); } 2>&1 | tee "$out/gpu_env.txt"
+(cd tests && timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-test_hot_path.py test_monitor.py test_detectors.py test_diagnose.py test_distributed.py} 2>&1 | tail -15) | tee "$out/gpu_tests.txt"
+for dev in cpu cuda; do  # from /tmp: the checkout's nummon/ must not shadow the installed package
+  (cd /tmp && timeout 90 python3 -m nummon demo --device $dev --no-wandb --no-tensorboard --out /tmp/demo_$dev 2>&1 | grep -E "warned|no warning|first NaN|\(.* s;|error") | tee -a "$out/gpu_demo.txt"
 done
 timeout 300 python3 benchmarks/overhead.py --device cuda --rounds 7 --steps 10 --warmup 3 --json "$out/gpu_overhead.json" 2>&1 | grep -v Warning | tail -12 | tee "$out/gpu_overhead.txt"

@@ -85,6 +85,7 @@ class StatsEngine:
         self._act_names: list[str] = []
         self._act_buf: torch.Tensor | None = None  # (2, modules): per-step min and max of each output
         self._act_seen: list[bool] = []
+        self._act_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grad_buf: torch.Tensor | None = None  # (2, params): per-step min and max of each gradient
         self._act_order: list[int] = []
         self._act_dtype: str | None = None
@@ -118,7 +119,9 @@ class StatsEngine:
             buf = self._act_buf
             if buf is None or buf.device != t.device:  # first forward, or the model moved
                 buf = self._act_buf = torch.zeros(2, len(self._act_names), device=t.device)
-            lo, hi = buf[0, idx], buf[1, idx]
+                # views made once: on a GPU every per-call tensor op is a launch to pay for
+                self._act_views = [(buf[0, i], buf[1, i]) for i in range(len(self._act_names))]
+            lo, hi = self._act_views[idx]
             if not self._act_seen[idx]:
                 self._act_seen[idx] = True
                 self._act_order.append(idx)
@@ -317,7 +320,11 @@ class StatsEngine:
         )
 
     def _grad_absmax(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """max |g| per gradient: one aminmax each, written into a preallocated (2, n) buffer."""
+        """max |g| per gradient. On CUDA one fused `_foreach_norm(inf)` for all of them (a kernel
+        per tensor would be launch-bound: 148 tensors of GPT-2 cost ~9 ms); on CPU, where that
+        norm is slow, one aminmax each, written into a preallocated (2, n) buffer."""
+        if grads[0].device.type == "cuda":
+            return _stack_float(torch._foreach_norm(grads, float("inf")))
         k = len(grads)
         buf = self._grad_buf
         if buf is None or buf.device != grads[0].device or buf.shape[1] < k:
@@ -372,7 +379,10 @@ class StatsEngine:
             rec.grad_norm = _l2(gn)
             rec.layer_grad_norms = dict(zip(pending.grad_names, gn))
             rec.grad_max = _nanmax(gmax)
-            bad_grads = [n for n, v in zip(pending.grad_names, gmax) if not math.isfinite(v)]
+            # a gradient is non-finite when its max |g| or its L2 norm is (a max kernel may skip
+            # NaN; a finite-but-huge gradient has a finite max even when its float32 norm overflows)
+            bad_grads = [n for n, v, w in zip(pending.grad_names, gmax, gn)
+                         if not math.isfinite(v) or (math.isnan(w))]
             if bad_grads:
                 parts.append("gradients")
                 pending.meta["bad_grads"] = bad_grads
@@ -560,10 +570,13 @@ def _pack(parts: list[tuple[str, torch.Tensor]], dev: torch.device) -> tuple[tor
 
 def _l2_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 L2 norm of each tensor, stacked, in one fused `_foreach_norm` call."""
-    norms = torch._foreach_norm(tensors)
-    if any(n.dtype != torch.float32 for n in norms):
-        norms = [n.float() for n in norms]
-    return torch.stack(norms)
+    return _stack_float(torch._foreach_norm(tensors))
+
+
+def _stack_float(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    if any(v.dtype != torch.float32 for v in values):
+        values = [v.float() for v in values]
+    return torch.stack(values)
 
 
 def _tensors_in(batch: Any) -> list[torch.Tensor]:
