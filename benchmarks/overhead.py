@@ -113,6 +113,11 @@ def variants(tmp: str, device) -> dict[str, Callable]:
         mon = nummon.Monitor(model, opt, policy={"sampling": {"histogram_every": 100}}, sinks=[_NullHistSink()])
         return mon.post_step, mon.close
 
+    def nummon_sampled(model, opt):
+        # the short-step setting: gradients every step, parameters / optimizer state every 10
+        mon = nummon.Monitor(model, opt, policy={"sampling": {"params_every": 10, "optimizer_every": 10}})
+        return mon.post_step, mon.close
+
     def per_param_item(model, opt):
         def after(loss):
             loss.item()
@@ -122,7 +127,7 @@ def variants(tmp: str, device) -> dict[str, Callable]:
         return after, (lambda: None)
 
     out = {"bare": bare, "nummon default": nummon_default, "nummon + histograms/100": nummon_hist100,
-           "per-parameter .item()": per_param_item}
+           "nummon params/state every 10": nummon_sampled, "per-parameter .item()": per_param_item}
     try:
         from lightning.pytorch.utilities import grad_norm  # type: ignore
 
