@@ -118,6 +118,10 @@ def variants(tmp: str, device) -> dict[str, Callable]:
         mon = nummon.Monitor(model, opt, policy={"sampling": {"params_every": 10, "optimizer_every": 10}})
         return mon.post_step, mon.close
 
+    def nummon_no_activations(model, opt):
+        mon = nummon.Monitor(model, opt, policy={"sampling": {"activations": False}})
+        return mon.post_step, mon.close
+
     def per_param_item(model, opt):
         def after(loss):
             loss.item()
@@ -127,7 +131,8 @@ def variants(tmp: str, device) -> dict[str, Callable]:
         return after, (lambda: None)
 
     out = {"bare": bare, "nummon default": nummon_default, "nummon + histograms/100": nummon_hist100,
-           "nummon params/state every 10": nummon_sampled, "per-parameter .item()": per_param_item}
+           "nummon params/state every 10": nummon_sampled, "nummon without activation hooks": nummon_no_activations,
+           "per-parameter .item()": per_param_item}
     try:
         from lightning.pytorch.utilities import grad_norm  # type: ignore
 
