@@ -4,9 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable

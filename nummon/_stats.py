@@ -310,7 +310,7 @@ class StatsEngine:
             event=event,
             layout=layout,
             grad_names=grad_names,
-            act_names=list(self._act_names),
+            act_names=self._act_names,  # fixed after the hooks are installed
             act_order=act_order,
             act_dtype=act_dtype,
             grad_dtype=grad_dtype,

@@ -126,42 +126,53 @@ def runaway_on_one_rank(rank, world, port, out_dir):
     _exit()
 
 
+def _sharded_vs_reference(sharded, initial_state, make_opt, rank, world, steps=3):
+    """Train `sharded` on this rank's shard and an unsharded model from the same initial state
+    on the full batch; return nummon's norms and the reference's, per step."""
+    import nummon
+
+    ref = Net()
+    ref.load_state_dict(initial_state)
+    opt, ref_opt = make_opt(sharded.parameters()), make_opt(ref.parameters())
+    mon = nummon.Monitor(sharded, opt)
+    x, y, xa, ya = data_for(rank, world)
+    out = {"got": [], "want": [], "pnorm": [], "ref_pnorm": []}
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(sharded(x), y)
+        loss.backward()
+        opt.step()
+        rec = mon.post_step(loss).record
+        out["got"].append(rec.grad_norm)
+        out["pnorm"].append(rec.param_norm)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(xa), ya).backward()
+        out["want"].append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item())
+        ref_opt.step()
+        out["ref_pnorm"].append(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in ref.parameters())).item())
+    mon.close()
+    out["collectives"] = mon._dist.collectives
+    return out
+
+
+def _net_and_state():
+    model = Net()
+    return model, {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def fsdp2_grad_norm(rank, world, port, out_dir):
     """FSDP2 fully_shard on CPU/gloo: nummon's global grad norm vs the full-batch reference."""
-    import nummon
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     setup(rank, world, port)
-    model = Net()
-    ref = Net()
-    ref.load_state_dict(model.state_dict())
+    model, init = _net_and_state()
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model.fc2, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    mon = nummon.Monitor(model, opt)
-    x, y, xa, ya = data_for(rank, world)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    got, want, pnorm, ref_pnorm = [], [], [], []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        rec = mon.post_step(loss).record
-        got.append(rec.grad_norm)
-        pnorm.append(rec.param_norm)
-        ref_opt.zero_grad()
-        rl = nn.functional.cross_entropy(ref(xa), ya)
-        rl.backward()
-        want.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item())
-        ref_opt.step()
-        ref_pnorm.append(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in ref.parameters())).item())
-    mon.close()
-    _out(out_dir, rank, {"got": got, "want": want, "pnorm": pnorm, "ref_pnorm": ref_pnorm,
-                         "collectives": mon._dist.collectives})
+    res = _sharded_vs_reference(model, init, lambda ps: torch.optim.Adam(ps, lr=1e-3), rank, world)
+    _out(out_dir, rank, res)
     teardown()
     _exit()
 
@@ -191,30 +202,12 @@ def dead_rank(rank, world, port, out_dir):
 
 def fsdp1_grad_norm(rank, world, port, out_dir):
     """FSDP1 (flat parameters) on CPU/gloo: global grad norm vs the full-batch reference."""
-    import nummon
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     setup(rank, world, port)
-    model = Net()
-    ref = Net()
-    ref.load_state_dict(model.state_dict())
+    model, init = _net_and_state()
     fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
-    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
-    mon = nummon.Monitor(fsdp, opt)
-    x, y, xa, ya = data_for(rank, world)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    got, want = [], []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(fsdp(x), y)
-        loss.backward()
-        opt.step()
-        got.append(mon.post_step(loss).record.grad_norm)
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(xa), ya).backward()
-        want.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item())
-        ref_opt.step()
-    mon.close()
-    _out(out_dir, rank, {"got": got, "want": want})
+    res = _sharded_vs_reference(fsdp, init, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), rank, world)
+    _out(out_dir, rank, res)
     teardown()
     _exit()

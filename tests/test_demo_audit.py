@@ -4,7 +4,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
