@@ -1,17 +1,17 @@
 """Overhead of monitoring every step, as a ratio to the bare training step, side by side.
 
-One process; every variant trains its own copy of the same model; variants run interleaved
-(A B C ... A B C ...) for several rounds after warm-up, and each variant's median step time is
-divided by the bare step's. CPU by default (the demo CNN, batch 64); CUDA when available (a
-GPT-2-small-shaped transformer in bf16 autocast with fused AdamW).
+One process, one model, one optimizer: each variant in turn attaches to them, trains a few
+steps and detaches; variants run interleaved (A B C ... in a new order each round) for several
+rounds after warm-up, and each variant's median step time is divided by the bare step's.
+CPU by default (the demo CNN, batch 64); CUDA when available (a GPT-2-small-shaped transformer
+in bf16 autocast with fused AdamW).
 
-    python benchmarks/overhead.py [--device cpu|cuda] [--rounds 7] [--steps 20] [--json out.json]
+    python benchmarks/overhead.py [--device cpu|cuda] [--rounds N] [--steps K] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import platform
@@ -99,28 +99,18 @@ def gpt_workload(device, batch=16, ctx=1024):
 
 # ---------------------------------------------------------------- variants
 
-def variants(tmp: str, device) -> dict[str, Callable]:
-    """Each returns (after_step(loss), close()) for its own model and optimizer."""
+def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]]:
+    """Two phases of variants, each starting with the bare step. A variant attaches to the
+    shared (model, optimizer) and returns (after_step(loss), detach())."""
 
     def bare(model, opt):
         return (lambda loss: None), (lambda: None)
 
-    def nummon_default(model, opt):
-        mon = nummon.Monitor(model, opt, policy="default")
-        return mon.post_step, mon.close
-
-    def nummon_hist100(model, opt):
-        mon = nummon.Monitor(model, opt, policy={"sampling": {"histogram_every": 100}}, sinks=[_NullHistSink()])
-        return mon.post_step, mon.close
-
-    def nummon_sampled(model, opt):
-        # the short-step setting: gradients every step, parameters / optimizer state every 10
-        mon = nummon.Monitor(model, opt, policy={"sampling": {"params_every": 10, "optimizer_every": 10}})
-        return mon.post_step, mon.close
-
-    def nummon_no_activations(model, opt):
-        mon = nummon.Monitor(model, opt, policy={"sampling": {"activations": False}})
-        return mon.post_step, mon.close
+    def monitor(policy, sinks=()):
+        def attach(model, opt):
+            mon = nummon.Monitor(model, opt, policy=policy, sinks=list(sinks))
+            return mon.post_step, mon.close
+        return attach
 
     def per_param_item(model, opt):
         def after(loss):
@@ -130,9 +120,15 @@ def variants(tmp: str, device) -> dict[str, Callable]:
                     p.grad.norm().item()
         return after, (lambda: None)
 
-    out = {"bare": bare, "nummon default": nummon_default, "nummon + histograms/100": nummon_hist100,
-           "nummon params/state every 10": nummon_sampled, "nummon without activation hooks": nummon_no_activations,
-           "per-parameter .item()": per_param_item}
+    main = {
+        "bare": bare,
+        "nummon default": monitor("default"),
+        "nummon + histograms/100": monitor({"sampling": {"histogram_every": 100}}, [_NullHistSink()]),
+        # the short-step setting: gradients every step, parameters / optimizer state every 10
+        "nummon params/state every 10": monitor({"sampling": {"params_every": 10, "optimizer_every": 10}}),
+        "nummon without activation hooks": monitor({"sampling": {"activations": False}}),
+        "per-parameter .item()": per_param_item,
+    }
     try:
         from lightning.pytorch.utilities import grad_norm  # type: ignore
 
@@ -143,34 +139,35 @@ def variants(tmp: str, device) -> dict[str, Callable]:
                     float(v)
             return after, (lambda: None)
 
-        out["lightning grad_norm"] = lightning
+        main["lightning grad_norm"] = lightning
     except ImportError:
         pass
+    background = {"bare": bare}
     try:
-        import wandb  # noqa: F401
+        import wandb
+
+        runs = []
 
         def wandb_watch(model, opt):
-            import wandb
-
-            os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=tmp, WANDB_CONSOLE="off")
-            run = wandb.init(project="nummon-bench")
+            if not runs:  # one offline run for the whole benchmark; watch / unwatch per round
+                os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=tmp, WANDB_CONSOLE="off")
+                runs.append(wandb.init(project="nummon-bench"))
+            run = runs[0]
             run.watch(model, log="all", log_freq=1)
-            step = {"i": 0}
 
             def after(loss):
-                step["i"] += 1
                 run.log({"loss": loss.item()})
 
-            def close():
-                run.unwatch(model)
-                run.finish()
+            return after, (lambda: run.unwatch(model))
 
-            return after, close
-
-        out["wandb.watch(log=all, freq=1)"] = wandb_watch
+        background["wandb.watch(log=all, freq=1)"] = wandb_watch
+        _CLEANUPS.append(lambda: runs and runs[0].finish())
     except ImportError:
         pass
-    return out
+    return main, background
+
+
+_CLEANUPS: list[Callable] = []  # run after the measurement (e.g. finish the wandb run)
 
 
 class _NullHistSink(nummon.BaseSink):
@@ -178,52 +175,67 @@ class _NullHistSink(nummon.BaseSink):
 
 
 def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
+    """Every variant trains the same model with the same optimizer, in turn.
+
+    Separate model copies per variant looked fair and were not: on the 2-core VM three
+    identical bare copies differed by up to 5% (where each copy's tensors landed in memory),
+    more than the effect measured. So one model and one optimizer are shared; each round
+    attaches a variant (a Monitor, hooks), runs one untimed step and `steps` timed
+    ones, and detaches it. Variants that leave work running in other processes
+    (wandb's service) are measured in a second phase, so they cannot slow the others.
+    """
     dev = torch.device(device)
     workload = gpt_workload if dev.type == "cuda" else cnn_workload
-    base_model, make_opt, loss_fn, autocast = workload(dev)
+    model, make_opt, loss_fn, autocast = workload(dev)
+    opt = make_opt(model)
     tmp = tempfile.mkdtemp()
-    vs = variants(tmp, dev)
-    state = {}
-    for name, make in vs.items():
-        m = copy.deepcopy(base_model)
-        opt = make_opt(m)
-        after, close = make(m, opt)
-        state[name] = (m, opt, after, close)
+    main_phase, background_phase = variants(tmp, dev)
 
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def run(name, n):
-        m, opt, after, _ = state[name]
+    def run(after, n):
         sync()
         t0 = time.perf_counter()
         for _ in range(n):
             opt.zero_grad(set_to_none=True)
             with autocast():
-                loss = loss_fn(m)
+                loss = loss_fn(model)
             loss.backward()
             opt.step()
             after(loss)
         sync()
         return (time.perf_counter() - t0) / n
 
-    for name in vs:
-        run(name, warmup)
-    times = {name: [] for name in vs}
-    order = list(vs)
+    run(lambda loss: None, warmup)
+    times: dict[str, list[float]] = {}
+    paired: dict[str, float] = {}
     rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)  # interleaved in a new order each round: drift and position hit every variant alike
-        for name in order:
-            times[name].append(run(name, steps))
-    for name in vs:
-        state[name][3]()
+    for phase in (main_phase, background_phase):
+        if len(phase) < 2:
+            continue
+        phase_times: dict[str, list[float]] = {name: [] for name in phase}
+        order = list(phase)
+        for _ in range(rounds):
+            rng.shuffle(order)  # a new order each round: drift and position hit every variant alike
+            for name in order:
+                after, close = phase[name](model, opt)
+                run(after, 1)  # untimed: the first step after attaching allocates buffers
+                phase_times[name].append(run(after, steps))
+                close()
+        bare_times = phase_times["bare"]
+        for name, ts in phase_times.items():
+            # paired: each round's ratio to the bare step of the same round (drift cancels)
+            paired[name] = statistics.median(t / b for t, b in zip(ts, bare_times))
+            if name == "bare" and "bare" in times:
+                continue
+            times[name] = ts
+    while _CLEANUPS:
+        _CLEANUPS.pop()()
     med = {k: statistics.median(v) for k, v in times.items()}
     bare = med["bare"]
-    # paired: each round's ratio to the bare step of the same round (drift cancels)
-    paired = {k: statistics.median(t / b for t, b in zip(v, times["bare"])) for k, v in times.items()}
-    res_bw = stats_bandwidth(state["nummon default"][0], state["nummon default"][1], loss_fn, dev) if dev.type == "cuda" else None
+    res_bw = stats_bandwidth(model, opt, loss_fn, dev) if dev.type == "cuda" else None
     return {
         "paired_ratio": paired,
         "stats_bandwidth": res_bw,
@@ -272,16 +284,43 @@ def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
             "fraction_of_copy": stats_gbs / copy_gbs}
 
 
+def steady_allocator() -> bool:
+    """Keep freed memory in glibc's heap instead of returning it to the kernel on every step.
+
+    With the defaults, the multi-MB gradients and activations of each step are mmap'ed and
+    unmapped again, and every step pays fresh page faults. In this VM that added ~25% system
+    time and made identical bare copies differ by up to 5%, more than the effect measured.
+    tcmalloc and jemalloc behave like this out of the box. Applies to every variant alike.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=None, help="default: 60 on CPU, 7 on CUDA")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per round; default: 5 on CPU, 10 on CUDA")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
     a = ap.parse_args(argv)
-    res = measure(a.device, a.rounds, a.steps, a.warmup)
-    print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']})")
+    steady = False if a.system_malloc else steady_allocator()
+    cuda = a.device.startswith("cuda")
+    rounds = a.rounds or (7 if cuda else 60)
+    steps = a.steps or (10 if cuda else 5)
+    res = measure(a.device, rounds, steps, a.warmup)
+    res["steady_allocator"] = steady
+    print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
+          f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)")
     print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s} {'paired':>7s}")
     for k, r in res["ratio_to_bare"].items():
         print(f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f}")
