@@ -81,19 +81,24 @@ class StatsEngine:
             type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
         )
         self.device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+        # made once: the hot path loops over these every step
+        self._params = [p for _, p in self.named_params]
+        self._param_names = [n for n, _ in self.named_params]
+        self._local_views = any(callable(getattr(p, "to_local", None)) for p in self._params)
+        self._buffers: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]] = {}
         self._hooks: list[Any] = []
         self._act_names: list[str] = []
-        self._act_buf: torch.Tensor | None = None  # (2, modules): per-step min and max of each output
-        self._act_seen: list[bool] = []
-        self._act_views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._grad_buf: torch.Tensor | None = None  # (2, params): per-step min and max of each gradient
+        # per output dtype, a (modules, 2) buffer of each output's min and max in this step
+        self._act_bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._act_views: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._act_src: list[torch.dtype | None] = []  # the buffer each module wrote to this step
         self._act_order: list[int] = []
         self._act_dtype: str | None = None
         self._hist_acts: dict[str, torch.Tensor] = {}
         self._want_act_hist = False
         self._state_cache: tuple[int, list[torch.Tensor]] = (-1, [])
         self._fp_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._pinned: dict[int, list[torch.Tensor]] = {}
+        self._pinned: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         if model is not None and policy.sampling.activations:
             self._install_hooks(model)
 
@@ -105,34 +110,30 @@ class StatsEngine:
             if name and any(True for _ in mod.parameters(recurse=False)):
                 idx = len(self._act_names)
                 self._act_names.append(name)
-                self._act_seen.append(False)
+                self._act_src.append(None)
                 self._hooks.append(mod.register_forward_hook(self._make_hook(idx)))
 
     def _make_hook(self, idx: int) -> Callable:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
             t = out
-            if isinstance(out, (tuple, list)):
+            if not isinstance(t, torch.Tensor):
+                if not isinstance(out, (tuple, list)):
+                    return
                 t = next((o for o in out if isinstance(o, torch.Tensor)), None)
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+                if t is None:
+                    return
+            if not t.is_floating_point() or t.numel() == 0:
                 return
             t = t.detach()
-            buf = self._act_buf
-            if buf is None or buf.device != t.device:  # first forward, or the model moved
-                buf = self._act_buf = torch.zeros(2, len(self._act_names), device=t.device)
-                # views made once: on a GPU every per-call tensor op is a launch to pay for
-                self._act_views = [(buf[0, i], buf[1, i]) for i in range(len(self._act_names))]
-            lo, hi = self._act_views[idx]
-            if not self._act_seen[idx]:
-                self._act_seen[idx] = True
+            if self._act_src[idx] is None:  # the first call of this module in this step
+                lo, hi = self._act_views_for(t)[idx]
+                # one kernel, no conversion: min and max of bf16/fp16 values are exact in their own dtype
+                torch.aminmax(t, out=(lo, hi))
+                self._act_src[idx] = t.dtype
                 self._act_order.append(idx)
                 self._act_dtype = _narrowest(self._act_dtype, _dtype_name(t.dtype))
-                if t.dtype == buf.dtype:  # straight into the preallocated buffer
-                    torch.aminmax(t, out=(lo, hi))
-                else:
-                    mn, mx = torch.aminmax(t)
-                    lo.copy_(mn)
-                    hi.copy_(mx)
             else:  # a module called twice in one step (weight sharing, loops)
+                lo, hi = self._act_views_for_dtype(self._act_src[idx], t.device)[idx]
                 mn, mx = torch.aminmax(t)
                 torch.minimum(lo, mn.to(lo.dtype), out=lo)
                 torch.maximum(hi, mx.to(hi.dtype), out=hi)
@@ -140,6 +141,21 @@ class StatsEngine:
                 self._hist_acts[self._act_names[idx]] = t
 
         return hook
+
+    def _act_views_for(self, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = self._act_views.get(t.dtype)
+        if views is None or views[0][0].device != t.device:
+            views = self._act_views_for_dtype(t.dtype, t.device)
+        return views
+
+    def _act_views_for_dtype(self, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-module (min, max) 0-d views of a (modules, 2) buffer of this dtype, made once:
+        on a GPU every per-call tensor op is a launch to pay for."""
+        views = self._act_views.get(dtype)
+        if views is None or views[0][0].device != device:  # first forward, or the model moved
+            buf = self._act_bufs[dtype] = torch.zeros(len(self._act_names), 2, dtype=dtype, device=device)
+            views = self._act_views[dtype] = [(buf[i, 0], buf[i, 1]) for i in range(len(self._act_names))]
+        return views
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -209,86 +225,84 @@ class StatsEngine:
     # ---------------------------------------------------------------- the step
     def launch(self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True) -> Pending:
         """Launch this step's reductions and start the single device->host copy."""
+        with torch.no_grad():  # out= reductions over parameters; and nothing here is for autograd
+            return self._launch(step, loss, batch, params_due, optim_due)
+
+    def _launch(self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool) -> Pending:
         parts: list[tuple[str, torch.Tensor]] = []
+        params = self._params
         # the parameters' device now (the model may have moved since the Monitor was made)
-        dev = self.named_params[0][1].device if self.named_params else self.device
-
-        def add(name: str, t: torch.Tensor) -> None:
-            parts.append((name, t.reshape(-1)))
-
+        dev = params[0].device if params else self.device
         distributed = self.dist is not None
         loss_host = None
         if isinstance(loss, torch.Tensor):
-            add("loss", loss.detach())
+            parts.append(("loss", loss.detach().reshape(1)))
             dev = loss.device
         elif distributed:  # every rank must pack the same layout
-            add("loss", torch.tensor(float(loss), device=dev))
+            parts.append(("loss", torch.tensor([float(loss)], device=dev)))
         else:
             loss_host = float(loss)
 
-        grads, grad_names, grad_src = [], [], []
-        grad_dtype = None
-        for n, p in self.named_params:
-            g = p.grad
-            if g is None:
-                if not distributed:
-                    continue
-                g = torch.zeros((), device=dev)  # placeholder: the layout is the same on every rank
+        grads = [p.grad for p in params]
+        grad_names = self._param_names
+        if any(g is None for g in grads):
+            if distributed:  # placeholders: the layout is the same on every rank
+                grads = [torch.zeros((), device=dev) if g is None else g for g in grads]
             else:
-                grad_dtype = _narrowest(grad_dtype, _dtype_name(g.dtype))
-            grad_src.append(g)
-            g = local_tensor(g)
-            if g.is_sparse:
-                g = g.coalesce().values()
-            grads.append(g)
-            grad_names.append(n)
+                grad_names = [n for n, g in zip(grad_names, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
+        grad_src = grads
+        grad_dtype = None
+        for dt in {g.dtype for g in grads}:
+            grad_dtype = _narrowest(grad_dtype, _dtype_name(dt))
+        if self._local_views:  # DTensor (FSDP2) shards: their rank-local part
+            grads = [local_tensor(g) for g in grads]
+        if any(g.is_sparse for g in grads):
+            grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
         meta: dict[str, Any] = {"grads": grads}
         kinds: dict[str, list[str]] = {}
-        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused call
+        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused pass
         segments: list[tuple[str, list[torch.Tensor]]] = [("grad_norms", grads)]
         if distributed:
             kinds["grad_norms"] = self._kinds(grad_src)
-        if params_due and self.named_params:
-            ps = [p.detach() for _, p in self.named_params]
-            segments.append(("param_norms", [local_tensor(p) for p in ps]))
+        if params_due and params:
+            segments.append(("param_norms", [local_tensor(p) for p in params] if self._local_views else params))
             if distributed:
-                kinds["param_norms"] = self._kinds(ps)
+                kinds["param_norms"] = self._kinds(params)
         if optim_due:
             st = self._state_tensors()
             if st:
-                segments.append(("state_norms", [local_tensor(t) for t in st]))
+                segments.append(("state_norms", [local_tensor(t) for t in st] if self._local_views else st))
                 meta["state"] = st
                 if distributed:
                     kinds["state_norms"] = self._kinds(st)
         flat = [t for _, ts in segments for t in ts]
         if flat:
-            stacked = _l2_norms(flat)
+            norms = self._l2_norms(flat)
             i = 0
             for name, ts in segments:
                 if ts:
-                    add(name, stacked[i : i + len(ts)])
+                    parts.append((name, norms[i : i + len(ts)]))
                     i += len(ts)
-        if self.optimizer is not None and self.optimizer.param_groups:
-            lr_t = self.optimizer.param_groups[0].get("lr")
-            if isinstance(lr_t, torch.Tensor):
-                add("lr", lr_t.detach())
+        lr_t = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None and self.optimizer.param_groups else None
+        lr_is_tensor = isinstance(lr_t, torch.Tensor)
+        if lr_is_tensor:  # a tensor LR (capturable optimizers) rides in the packed vector
+            parts.append(("lr", lr_t.detach().reshape(1)))
         if grads:
-            add("grad_absmax", self._grad_absmax(grads))
-        act_order = list(self._act_order)
-        if self._act_names and act_order and self._act_buf is not None:
-            buf = self._act_buf
-            add("act_max", torch.maximum(buf[1], buf[0].neg()))  # (a copy: the reset below is safe)
-            buf.zero_()
+            parts.append(self._grad_extremes(grads, distributed))
+        act_order, self._act_order = self._act_order, []
+        act_src = self._act_src
+        if act_order:
+            parts.extend(self._act_extremes(act_src, distributed))
         if batch is not None:
             tensors = [t for t in _tensors_in(batch)]
             if tensors:
                 fl = [t for t in tensors if t.is_floating_point()]
                 if fl:
-                    add("input_nonfinite", torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum())
-                add("fingerprint", torch.stack([self._fingerprint(t) for t in tensors]))
+                    parts.append(("input_nonfinite", torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum().reshape(1)))
+                parts.append(("fingerprint", torch.stack([self._fingerprint(t) for t in tensors])))
         # reset the per-step activation bookkeeping for the next forward
-        self._act_seen = [False] * len(self._act_names)
-        self._act_order = []
+        self._act_src = [None] * len(self._act_names)
         act_dtype, self._act_dtype = self._act_dtype, None
 
         packed, layout = _pack(parts, dev)
@@ -297,13 +311,14 @@ class StatsEngine:
             meta["kinds"] = kinds
         event = None
         if packed.device.type == "cuda":
-            host = self._pinned_buffer(packed.numel())
+            host = self._pinned_buffer(packed.numel(), packed.dtype)
             host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             packed = host
         elif packed.device.type != "cpu":
             packed = packed.cpu()
+        meta["act_src"] = act_src
         return Pending(
             step=step,
             packed=packed,
@@ -315,42 +330,86 @@ class StatsEngine:
             act_dtype=act_dtype,
             grad_dtype=grad_dtype,
             loss_host=loss_host,
-            lr=self._lr(),
+            lr=None if lr_is_tensor else self._lr(),
             meta=meta,
         )
 
-    def _grad_absmax(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """max |g| per gradient. On CUDA one fused `_foreach_norm(inf)` for all of them (a kernel
-        per tensor would be launch-bound: 148 tensors of GPT-2 cost ~9 ms); on CPU, where that
-        norm is slow, one aminmax each, written into a preallocated (2, n) buffer."""
-        if grads[0].device.type == "cuda":
-            return _stack_float(torch._foreach_norm(grads, float("inf")))
-        k = len(grads)
-        buf = self._grad_buf
-        if buf is None or buf.device != grads[0].device or buf.shape[1] < k:
-            buf = self._grad_buf = torch.zeros(2, max(k, len(self.named_params)), device=grads[0].device)
-        for j, g in enumerate(grads):
-            lo, hi = buf[0, j], buf[1, j]
+    def _l2_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """float32 L2 norm of each tensor.
+
+        CUDA: one fused `_foreach_norm`. CPU, where `_foreach_norm` is a loop of `vector_norm`
+        kernels: a BLAS dot product per dense float32 tensor (half the time of `vector_norm` on
+        the tensors that matter, measured inside a training step) written into a preallocated
+        buffer, then one square root.
+        """
+        dev = tensors[0].device
+        if dev.type != "cpu":
+            return _stack_float(torch._foreach_norm(tensors))
+        buf, views = self._cached_views("norms", len(tensors), 1, dev)
+        for t, (v,) in zip(tensors, views):
+            if t.dtype == torch.float32 and t.is_contiguous():
+                f = t.view(-1)
+                torch.dot(f, f, out=v)
+            else:  # other dtypes and layouts: exact enough, and rare on a CPU
+                torch.square(torch.linalg.vector_norm(t, dtype=torch.float32), out=v)
+        return buf.view(-1).sqrt_()
+
+    def _grad_extremes(self, grads: list[torch.Tensor], distributed: bool) -> tuple[str, torch.Tensor]:
+        """Each gradient's max |g| ("grad_absmax"), or its (min, max) pair ("grad_minmax"), which
+        the host turns into max |g| (fewer device ops than doing it here).
+
+        CUDA: one fused `_foreach_norm(inf)` (a kernel per tensor would be launch-bound: 148
+        tensors of GPT-2 cost ~9 ms). CPU, where that norm is slow: one `aminmax` per gradient
+        written into a preallocated buffer.
+        """
+        dev = grads[0].device
+        if dev.type == "cuda":
+            return "grad_absmax", _stack_float(torch._foreach_norm(grads, float("inf")))
+        buf, views = self._cached_views("grad_minmax", len(grads), 2, dev)
+        for g, (lo, hi) in zip(grads, views):
             if g.numel() == 0:
                 lo.zero_()
                 hi.zero_()
-            elif g.dtype == buf.dtype and g.device == buf.device:
+            elif g.dtype == torch.float32 and g.device == dev:
                 torch.aminmax(g, out=(lo, hi))
             else:
                 mn, mx = torch.aminmax(g)
                 lo.copy_(mn)
                 hi.copy_(mx)
-        return torch.maximum(buf[1, :k], buf[0, :k].neg())
+        if distributed:  # ranks combine maxima; a (min, max) pair would need its own rule
+            return "grad_absmax", torch.maximum(buf[:, 1], buf[:, 0].neg())
+        return "grad_minmax", buf.view(-1)
+
+    def _act_extremes(self, act_src: list[torch.dtype | None], distributed: bool) -> list[tuple[str, torch.Tensor]]:
+        """The watched modules' (min, max) buffers, one part per output dtype seen this step."""
+        parts = []
+        for dtype in {d for d in act_src if d is not None}:
+            buf = self._act_bufs[dtype]
+            if distributed:
+                parts.append((f"act_max:{dtype}", torch.maximum(buf[:, 1], buf[:, 0].neg())))
+            else:
+                parts.append((f"act_minmax:{dtype}", buf.view(-1)))
+        return parts
+
+    def _cached_views(self, key: str, n: int, width: int, dev: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """A preallocated float32 (n, width) buffer and its per-row 0-d views, made once per shape."""
+        hit = self._buffers.get((key, n))
+        if hit is None or hit[0].device != dev:
+            buf = torch.zeros(n, width, device=dev)
+            hit = self._buffers[(key, n)] = (buf, [tuple(buf[i, j] for j in range(width)) for i in range(n)])
+        return hit
 
     def _kinds(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         if self._all_sharded:
             return ["sum_sq"] * len(tensors)
         return norm_kinds(tensors)
 
-    def _pinned_buffer(self, n: int) -> torch.Tensor:
+    def _pinned_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Two pinned host buffers per size, used alternately (pinned allocation is slow, and the
         lagged step's buffer must survive until it is read)."""
-        pool = self._pinned.setdefault(n, [torch.empty(n, dtype=torch.float64, pin_memory=True) for _ in range(2)])
+        pool = self._pinned.get((n, dtype))
+        if pool is None:
+            pool = self._pinned[(n, dtype)] = [torch.empty(n, dtype=dtype, pin_memory=True) for _ in range(2)]
         pool.reverse()
         return pool[0]
 
@@ -373,7 +432,10 @@ class StatsEngine:
         parts: list[str] = []
         if not math.isfinite(rec.loss):
             parts.append("loss")
-        gn, gmax = get("grad_norms"), get("grad_absmax")
+        gn = get("grad_norms")
+        gmax = get("grad_absmax")
+        if gmax is None and "grad_minmax" in lay:
+            gmax = _absmax_pairs(get("grad_minmax"))
         if gn is not None:
             gn = _exact_where_overflowed(gn, pending.meta.get("grads", []), self.dist is None)
             rec.grad_norm = _l2(gn)
@@ -402,12 +464,12 @@ class StatsEngine:
                 rec.update_ratio = rec.lr * rec.optim_state_norm / rec.param_norm
         elif gn is not None and rec.lr is not None and rec.param_norm:
             rec.update_ratio = rec.lr * rec.grad_norm / rec.param_norm
-        act = get("act_max")
         first_bad_act = None
-        if act is not None:
-            seen = [i for i in pending.act_order]
+        if pending.act_order:
+            act = self._act_values(vals, lay, pending.meta["act_src"])
+            seen = pending.act_order
             rec.layer_activation_max = {pending.act_names[i]: act[i] for i in seen}
-            rec.activation_max = _nanmax([act[i] for i in seen]) if seen else None
+            rec.activation_max = _nanmax([act[i] for i in seen])
             for i in seen:  # execution order: the first module whose output went non-finite
                 if not math.isfinite(act[i]):
                     first_bad_act = pending.act_names[i]
@@ -450,12 +512,30 @@ class StatsEngine:
             rec.rank = src[max(range(len(gm)), key=lambda i: gm[i])] if gm else None
         return rec
 
+    @staticmethod
+    def _act_values(vals: list[float], lay: dict[str, slice], act_src: list[Any]) -> list[float]:
+        """max |output| per watched module (NaN-aware), from the per-dtype buffer it wrote to."""
+        out = [math.nan] * len(act_src)
+        for i, dtype in enumerate(act_src):
+            if dtype is None:
+                continue
+            s = lay.get(f"act_minmax:{dtype}")
+            if s is not None:
+                lo, hi = vals[s.start + 2 * i], vals[s.start + 2 * i + 1]
+                out[i] = math.nan if lo != lo or hi != hi else max(hi, -lo)
+            else:  # distributed: maxima already taken on the device
+                out[i] = vals[lay[f"act_max:{dtype}"].start + i]
+        return out
+
     def _origin_rank(self, rec: StepRecord, first_bad_act: str | None, pending: Pending, ranks: dict) -> int | None:
         """The rank where the first non-finite value appeared (same order as `_locate`)."""
         if rec.input_nonfinite and "input_nonfinite" in ranks:
             return ranks["input_nonfinite"][0]
-        if first_bad_act is not None and "act_max" in ranks:
-            return ranks["act_max"][pending.act_names.index(first_bad_act)]
+        if first_bad_act is not None:
+            i = pending.act_names.index(first_bad_act)
+            key = f"act_max:{pending.meta['act_src'][i]}"
+            if key in ranks:
+                return ranks[key][i]
         if "loss" in rec.nonfinite_parts and "loss" in ranks:
             return ranks["loss"][0]
         bad = pending.meta.get("bad_grads", [])
@@ -542,21 +622,25 @@ class StatsEngine:
 
 
 def _pack(parts: list[tuple[str, torch.Tensor]], dev: torch.device) -> tuple[torch.Tensor, dict[str, slice]]:
-    """One float64 vector of every part, and where each part lies in it.
+    """One new vector holding every part (copied: the parts may be reused buffers), and where
+    each part lies in it.
 
-    float32/16 parts are concatenated first and widened once (fewer kernels and allocations
-    than widening each); float64 and integer parts (fingerprints, counts) join exactly.
+    float32/16 parts are concatenated into one float32 vector; only when there are float64 or
+    integer parts (fingerprints, counts, a float64 loss) is it widened, once, to float64, so
+    those join exactly.
     """
     narrow = [(n, t) for n, t in parts if t.is_floating_point() and t.dtype != torch.float64]
     wide = [(n, t) for n, t in parts if not (t.is_floating_point() and t.dtype != torch.float64)]
     chunks, layout, pos = [], {}, 0
-    for group, widen in ((narrow, True), (wide, False)):
+    for group, is_narrow in ((narrow, True), (wide, False)):
         if not group:
             continue
         ts = [t if t.device == dev else t.to(dev) for _, t in group]
-        if widen:
+        if is_narrow:
             ts = [t if t.dtype == torch.float32 else t.float() for t in ts]
-            chunk = (torch.cat(ts) if len(ts) > 1 else ts[0]).to(torch.float64)
+            chunk = torch.cat(ts) if len(ts) > 1 else ts[0].clone()
+            if wide:
+                chunk = chunk.to(torch.float64)
         else:
             chunk = torch.cat([t.to(torch.float64) for t in ts])
         chunks.append(chunk)
@@ -564,13 +648,8 @@ def _pack(parts: list[tuple[str, torch.Tensor]], dev: torch.device) -> tuple[tor
             layout[name] = slice(pos, pos + t.numel())
             pos += t.numel()
     if not chunks:
-        return torch.zeros(0, dtype=torch.float64), layout
+        return torch.zeros(0, device=dev), layout
     return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), layout
-
-
-def _l2_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float32 L2 norm of each tensor, stacked, in one fused `_foreach_norm` call."""
-    return _stack_float(torch._foreach_norm(tensors))
 
 
 def _stack_float(values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -617,6 +696,14 @@ def _l2(values: Sequence[float]) -> float:
         return math.sqrt(math.fsum(v * v for v in values))
     except OverflowError:
         return math.inf
+
+
+def _absmax_pairs(flat: Sequence[float]) -> list[float]:
+    """max(|min|, |max|) of each (min, max) pair of a flat list; NaN if either is NaN."""
+    out = []
+    for lo, hi in zip(flat[0::2], flat[1::2]):
+        out.append(math.nan if lo != lo or hi != hi else max(hi, -lo))
+    return out
 
 
 def _nanmax(values: Sequence[float]) -> float:
