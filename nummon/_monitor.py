@@ -28,14 +28,20 @@ class FlightRecorder:
     """A ring buffer of the last N steps' statistics, dumped to JSON on the first critical alert."""
 
     def __init__(self, steps: int) -> None:
-        self.records: deque[dict[str, Any]] = deque(maxlen=steps)
+        # records are kept as they are and turned into dicts only when read (rarely)
+        self._ring: deque[tuple[StepRecord, Health]] = deque(maxlen=steps)
 
     def add(self, rec: StepRecord, health: Health) -> None:
-        self.records.append({**rec.to_dict(), "health": health.value})
+        self._ring.append((rec, health))
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The kept steps, oldest first, as plain dicts."""
+        return [{**rec.to_dict(), "health": health.value} for rec, health in self._ring]
 
     def dump(self, path: Path, alert: Alert) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"alert": alert.to_dict(), "records": list(self.records)}
+        data = {"alert": alert.to_dict(), "records": self.records}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1, default=str))
         os.replace(tmp, path)
@@ -229,5 +235,5 @@ class Monitor:
 
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:
         """The flight recorder's last `n` step records (plain dicts)."""
-        recs = list(self.recorder.records)
+        recs = self.recorder.records
         return recs if n is None else recs[-n:]
