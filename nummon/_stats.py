@@ -20,6 +20,7 @@ from ._policy import Policy
 from ._types import StepRecord
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+_HALF = (torch.float16, torch.bfloat16)
 _STATE_KEYS = ("momentum_buffer", "exp_avg")  # the first-moment state of SGD / Adam-family optimizers
 
 
@@ -350,8 +351,9 @@ class StatsEngine:
             if t.dtype == torch.float32 and t.is_contiguous():
                 f = t.view(-1)
                 torch.dot(f, f, out=v)
-            else:  # other dtypes and layouts: exact enough, and rare on a CPU
-                torch.square(torch.linalg.vector_norm(t, dtype=torch.float32), out=v)
+            else:  # other dtypes and layouts (rare on a CPU); float32 overflow is recomputed later
+                n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else torch.linalg.vector_norm(t)
+                v.copy_(n.square())
         return buf.view(-1).sqrt_()
 
     def _grad_extremes(self, grads: list[torch.Tensor], distributed: bool) -> tuple[str, torch.Tensor]:

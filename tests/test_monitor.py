@@ -212,3 +212,74 @@ def test_vanishing_gradients_on_a_dead_layer_of_a_real_model():
     mon.close()
     assert {a.location for a in found} == {"fc1.weight", "fc1.bias", "fc2.weight"}
     assert all(a.step == 19 and a.severity is Severity.WARNING for a in found)
+
+
+class Mixed(nn.Module):
+    """Every layout and dtype the CPU statistics take a different path for."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)  # dense, not contiguous
+        self.wide = nn.Linear(8, 8).double()
+        self.lowp = nn.Linear(8, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = self.conv(x).mean(dim=(2, 3))
+        h = self.wide(h.double()).float()
+        return self.lowp(h.to(torch.bfloat16)).float()
+
+
+def test_statistics_are_exact_for_every_dtype_and_layout():
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mon = Monitor(model, opt)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        rec = mon.post_step(loss).record
+    mon.close()
+    named = dict(model.named_parameters())
+    for name, p in named.items():
+        ref = p.grad.double().norm().item()
+        assert rec.layer_grad_norms[name] == pytest.approx(ref, rel=1e-5), name
+    assert rec.grad_max == pytest.approx(max(p.grad.double().abs().max().item() for p in named.values()), rel=1e-6)
+    assert rec.param_norm == pytest.approx(sum(p.double().square().sum().item() for p in named.values()) ** 0.5, rel=1e-5)
+    moms = [opt.state[p]["momentum_buffer"].double() for p in named.values()]
+    assert rec.optim_state_norm == pytest.approx(sum(m.square().sum().item() for m in moms) ** 0.5, rel=1e-5)
+    assert set(rec.layer_activation_max) == {"conv", "wide", "lowp"}
+    assert mon.stats._buffers  # the CPU path wrote into its preallocated buffers
+
+
+def test_a_module_whose_output_dtype_changes_between_steps():
+    """Autocast on one step, off the next: each step reads the buffer its modules wrote to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    mon = Monitor(model)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_bf16 = model(x)
+    r1 = mon.post_step(out_bf16.float().sum()).record
+    out = model(x * 1000)
+    r2 = mon.post_step(out.sum()).record
+    with torch.no_grad():
+        ref = model[0](x * 1000).abs().max().item()
+    mon.close()
+    assert r1.layer_activation_max["2"] == pytest.approx(out_bf16.float().abs().max().item(), rel=1e-6)
+    assert r2.layer_activation_max["0"] == pytest.approx(ref, rel=1e-6)  # not the stale bf16 value
+    assert r2.layer_activation_max["0"] > 100 * r1.layer_activation_max["0"]
+
+
+def test_nonfinite_bfloat16_output_is_located():
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 2).to(torch.bfloat16))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    mon = Monitor(model, policy={"recorder": {"write": False}})
+    out = model(-torch.ones(3, 4, dtype=torch.bfloat16) * torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.bfloat16))
+    rec = mon.post_step(out.float().sum()).record
+    mon.close()
+    assert "activations" in rec.nonfinite_parts
+    assert rec.nonfinite_location == "output of `1` (forward)"
