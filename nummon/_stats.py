@@ -97,7 +97,7 @@ class StatsEngine:
         self._act_dtype: str | None = None
         self._hist_acts: dict[str, torch.Tensor] = {}
         self._want_act_hist = False
-        self._state_cache: tuple[int, list[torch.Tensor]] = (-1, [])
+        self._state_cache: tuple[Any, int, list[torch.Tensor]] = (None, -1, [])
         self._fp_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._pinned: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         if model is not None and policy.sampling.activations:
@@ -168,17 +168,19 @@ class StatsEngine:
         opt = self.optimizer
         if opt is None:
             return []
-        n = len(opt.state)
-        if n != self._state_cache[0]:  # state appears lazily after the first step
+        state = opt.state
+        cached_state, cached_n, found = self._state_cache
+        # state appears lazily after the first step; load_state_dict replaces the whole mapping
+        if state is not cached_state or len(state) != cached_n:
             found = []
-            for st in opt.state.values():
+            for st in state.values():
                 for key in _STATE_KEYS:
                     t = st.get(key) if isinstance(st, dict) else None
                     if isinstance(t, torch.Tensor) and t.is_floating_point():
                         found.append(t)
                         break
-            self._state_cache = (n, found)
-        return self._state_cache[1]
+            self._state_cache = (state, len(state), found)
+        return found
 
     def _lr(self) -> float | None:
         if self.optimizer is None or not self.optimizer.param_groups:

@@ -283,3 +283,29 @@ def test_nonfinite_bfloat16_output_is_located():
     mon.close()
     assert "activations" in rec.nonfinite_parts
     assert rec.nonfinite_location == "output of `1` (forward)"
+
+
+def test_optimizer_state_is_reread_after_load_state_dict():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def step():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    mon = Monitor(model, opt)
+    for _ in range(3):
+        before = mon.post_step(step()).record.optim_state_norm
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["momentum_buffer"] = st["momentum_buffer"] * 100  # new tensors, same count
+    opt.load_state_dict(sd)
+    after = mon.post_step(step()).record.optim_state_norm
+    mon.close()
+    expected = sum(opt.state[p]["momentum_buffer"].double().square().sum().item() for p in model.parameters()) ** 0.5
+    assert after == pytest.approx(expected, rel=1e-5) and after > 10 * before
