@@ -78,9 +78,10 @@ class NonfiniteDetector:
                     location="input batch",
                 )
             )
-        bad = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
-        bad += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
-        parts = list(rec.nonfinite_parts) or bad
+        parts = list(rec.nonfinite_parts)
+        if not parts and not rec.is_finite():  # records from traces carry no parts: find them
+            parts = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
+            parts += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
         if not parts:
             self._first = None
             return out
@@ -157,7 +158,7 @@ class SpikeDetector:
                             details={"ratio": F.pow10(up), "baseline": base},
                         )
                     )
-            hist.append(F.log10_safe(v))
+            hist.append(lv)
         return out
 
 

@@ -127,10 +127,15 @@ class StepRecord:
 
     def is_finite(self) -> bool:
         """True when every measured value is finite."""
-        vals = list(self.scalars().values())
-        vals += list(self.layer_grad_norms.values()) + list(self.layer_activation_max.values())
-        return not self.nonfinite_parts and not self.input_nonfinite and all(
-            math.isfinite(v) for v in vals
+        if self.nonfinite_parts or self.input_nonfinite:
+            return False
+        isfinite = math.isfinite
+        for k in SCALAR_FIELDS:
+            v = getattr(self, k)
+            if v is not None and not isfinite(v):
+                return False
+        return all(isfinite(v) for v in self.layer_grad_norms.values()) and all(
+            isfinite(v) for v in self.layer_activation_max.values()
         )
 
 
