@@ -181,7 +181,7 @@ class _NullHistSink(nummon.BaseSink):
     wants_histograms = True
 
 
-def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
+def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None) -> dict:
     """Every variant trains the same model with the same optimizer, in turn.
 
     Separate model copies per variant looked fair and were not: on the 2-core VM three
@@ -197,6 +197,12 @@ def measure(device: str, rounds: int, steps: int, warmup: int) -> dict:
     opt = make_opt(model)
     tmp = tempfile.mkdtemp()
     main_phase, background_phase = variants(tmp, dev)
+    if only is not None:
+        unknown = only - set(main_phase) - set(background_phase)
+        if unknown:
+            raise SystemExit(f"unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join([*main_phase, *background_phase])}")
+        main_phase = {k: v for k, v in main_phase.items() if k in only}
+        background_phase = {k: v for k, v in background_phase.items() if k in only}
 
     def sync():
         if dev.type == "cuda":
@@ -323,12 +329,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
+    ap.add_argument("--only", default=None, help="comma-separated variant names to run (the bare step always runs)")
     a = ap.parse_args(argv)
     steady = False if a.system_malloc else steady_allocator()
     cuda = a.device.startswith("cuda")
     rounds = a.rounds or (7 if cuda else 60)
     steps = a.steps or (10 if cuda else 5)
-    res = measure(a.device, rounds, steps, a.warmup)
+    only = {v.strip() for v in a.only.split(",")} | {"bare"} if a.only else None
+    res = measure(a.device, rounds, steps, a.warmup, only)
     res["steady_allocator"] = steady
     print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
           f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)")

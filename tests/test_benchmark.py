@@ -1,0 +1,25 @@
+"""The overhead benchmark keeps running: one tiny round of two variants on the CPU."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import overhead  # noqa: E402
+
+
+def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert overhead.main(["--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1",
+                          "--only", "nummon default", "--system-malloc", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("ratio_to_bare", "paired_ratio", "mean_ratio"):
+        assert set(res[key]) == {"bare", "nummon default"} and res[key]["bare"] == 1.0
+        assert res[key]["nummon default"] > 0.5
+    assert "nummon default" in capsys.readouterr().out
+
+
+def test_overhead_benchmark_rejects_an_unknown_variant():
+    with pytest.raises(SystemExit, match="unknown variant"):
+        overhead.main(["--device", "cpu", "--rounds", "1", "--steps", "1", "--warmup", "1", "--only", "nope", "--system-malloc"])
