@@ -350,10 +350,10 @@ class StatsEngine:
             return _stack_float(torch._foreach_norm(tensors))
         buf, views = self._cached_views("norms", len(tensors), 1, dev)
         for t, (v,) in zip(tensors, views):
-            if t.dtype == torch.float32 and t.is_contiguous():
+            if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
                 f = t.view(-1)
                 torch.dot(f, f, out=v)
-            else:  # other dtypes and layouts (rare on a CPU); float32 overflow is recomputed later
+            else:  # other dtypes, layouts, devices (rare); float32 overflow is recomputed later
                 n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else torch.linalg.vector_norm(t)
                 v.copy_(n.square())
         return buf.view(-1).sqrt_()
