@@ -1,9 +1,12 @@
 """The statistics engine: the only part of nummon that touches tensors.
 
-Per step it launches fused multi-tensor reductions on the device (``torch._foreach_norm`` over
-gradients, parameters and optimizer state; one ``aminmax`` per gradient and per watched module
-output, written into preallocated buffers, for max |x| and finiteness), packs every scalar into one float64 vector and copies that vector to the host once
-(non-blocking into pinned memory on CUDA, read one step later). Only plain floats leave here.
+Per step it launches reductions on the device: L2 norms of gradients, parameters and optimizer
+state (one fused ``torch._foreach_norm`` on CUDA; a BLAS dot per tensor into a preallocated
+buffer on CPU), max |g| (a fused inf-norm on CUDA; ``aminmax`` into a buffer on CPU) and the
+(min, max) of every watched module output (``aminmax`` from a forward hook, into a buffer of the
+output's dtype). It packs every scalar into one vector, copies that to the host once
+(non-blocking into pinned memory on CUDA, read one step later) and turns it into plain floats,
+the only thing that leaves here.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ class StatsEngine:
         self._act_names: list[str] = []
         # per output dtype, a (modules, 2) buffer of each output's min and max in this step
         self._act_bufs: dict[torch.dtype, torch.Tensor] = {}
-        self._act_views: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._act_view_cache: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._act_src: list[torch.dtype | None] = []  # the buffer each module wrote to this step
         self._act_order: list[int] = []
         self._act_dtype: str | None = None
@@ -127,14 +130,14 @@ class StatsEngine:
                 return
             t = t.detach()
             if self._act_src[idx] is None:  # the first call of this module in this step
-                lo, hi = self._act_views_for(t)[idx]
+                lo, hi = self._act_views(t.dtype, t.device)[idx]
                 # one kernel, no conversion: min and max of bf16/fp16 values are exact in their own dtype
                 torch.aminmax(t, out=(lo, hi))
                 self._act_src[idx] = t.dtype
                 self._act_order.append(idx)
                 self._act_dtype = _narrowest(self._act_dtype, _dtype_name(t.dtype))
             else:  # a module called twice in one step (weight sharing, loops)
-                lo, hi = self._act_views_for_dtype(self._act_src[idx], t.device)[idx]
+                lo, hi = self._act_views(self._act_src[idx], t.device)[idx]
                 mn, mx = torch.aminmax(t)
                 torch.minimum(lo, mn.to(lo.dtype), out=lo)
                 torch.maximum(hi, mx.to(hi.dtype), out=hi)
@@ -143,19 +146,13 @@ class StatsEngine:
 
         return hook
 
-    def _act_views_for(self, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        views = self._act_views.get(t.dtype)
-        if views is None or views[0][0].device != t.device:
-            views = self._act_views_for_dtype(t.dtype, t.device)
-        return views
-
-    def _act_views_for_dtype(self, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _act_views(self, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-module (min, max) 0-d views of a (modules, 2) buffer of this dtype, made once:
         on a GPU every per-call tensor op is a launch to pay for."""
-        views = self._act_views.get(dtype)
+        views = self._act_view_cache.get(dtype)
         if views is None or views[0][0].device != device:  # first forward, or the model moved
             buf = self._act_bufs[dtype] = torch.zeros(len(self._act_names), 2, dtype=dtype, device=device)
-            views = self._act_views[dtype] = [(buf[i, 0], buf[i, 1]) for i in range(len(self._act_names))]
+            views = self._act_view_cache[dtype] = [(buf[i, 0], buf[i, 1]) for i in range(len(self._act_names))]
         return views
 
     def remove_hooks(self) -> None:
@@ -381,7 +378,7 @@ class StatsEngine:
                 lo.copy_(mn)
                 hi.copy_(mx)
         if distributed:  # ranks combine maxima; a (min, max) pair would need its own rule
-            return "grad_absmax", torch.maximum(buf[:, 1], buf[:, 0].neg())
+            return "grad_absmax", _absmax_rows(buf)
         return "grad_minmax", buf.view(-1)
 
     def _act_extremes(self, act_src: list[torch.dtype | None], distributed: bool) -> list[tuple[str, torch.Tensor]]:
@@ -390,7 +387,7 @@ class StatsEngine:
         for dtype in {d for d in act_src if d is not None}:
             buf = self._act_bufs[dtype]
             if distributed:
-                parts.append((f"act_max:{dtype}", torch.maximum(buf[:, 1], buf[:, 0].neg())))
+                parts.append((f"act_max:{dtype}", _absmax_rows(buf)))
             else:
                 parts.append((f"act_minmax:{dtype}", buf.view(-1)))
         return parts
@@ -409,7 +406,7 @@ class StatsEngine:
         return norm_kinds(tensors)
 
     def _pinned_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Two pinned host buffers per size, used alternately (pinned allocation is slow, and the
+        """Two pinned host buffers per size and dtype, used alternately (pinned allocation is slow, and the
         lagged step's buffer must survive until it is read)."""
         pool = self._pinned.get((n, dtype))
         if pool is None:
@@ -525,8 +522,7 @@ class StatsEngine:
                 continue
             s = lay.get(f"act_minmax:{dtype}")
             if s is not None:
-                lo, hi = vals[s.start + 2 * i], vals[s.start + 2 * i + 1]
-                out[i] = math.nan if lo != lo or hi != hi else max(hi, -lo)
+                out[i] = _absmax(vals[s.start + 2 * i], vals[s.start + 2 * i + 1])
             else:  # distributed: maxima already taken on the device
                 out[i] = vals[lay[f"act_max:{dtype}"].start + i]
         return out
@@ -702,12 +698,19 @@ def _l2(values: Sequence[float]) -> float:
         return math.inf
 
 
+def _absmax_rows(buf: torch.Tensor) -> torch.Tensor:
+    """max |x| of each (min, max) row of a (n, 2) buffer, on the device."""
+    return torch.maximum(buf[:, 1], buf[:, 0].neg())
+
+
+def _absmax(lo: float, hi: float) -> float:
+    """max |x| from a tensor's min and max; NaN if either is NaN."""
+    return math.nan if lo != lo or hi != hi else max(hi, -lo)
+
+
 def _absmax_pairs(flat: Sequence[float]) -> list[float]:
-    """max(|min|, |max|) of each (min, max) pair of a flat list; NaN if either is NaN."""
-    out = []
-    for lo, hi in zip(flat[0::2], flat[1::2]):
-        out.append(math.nan if lo != lo or hi != hi else max(hi, -lo))
-    return out
+    """max |x| of each (min, max) pair of a flat list."""
+    return [_absmax(lo, hi) for lo, hi in zip(flat[0::2], flat[1::2])]
 
 
 def _nanmax(values: Sequence[float]) -> float:
