@@ -148,7 +148,7 @@ class AlertPolicy(_Section):
 class SamplingPolicy(_Section):
     """How often each statistic is computed (the hot path reads gradients every step)."""
 
-    params_every: int = Field(1, ge=1, description="parameter norm and max |param| every this many steps")
+    params_every: int = Field(1, ge=1, description="parameter L2 norms every this many steps")
     optimizer_every: int = Field(1, ge=1, description="optimizer-state norm every this many steps")
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
     histogram_every: int = Field(0, ge=0, description="histograms for sinks every this many steps (0: never)")
