@@ -2,7 +2,8 @@
 # One prepared GPU run (about 5 minutes on an H200 machine of the device tool): installs
 # nummon and the carried wheels (pydantic is not in that image), runs the CUDA no-sync test and
 # the CPU suites under that image's torch, the demo on CPU and CUDA, then the GPT-2-small
-# overhead benchmark with the statistics-pass bandwidth. Results land under $OUT.
+# overhead benchmark with the statistics-pass bandwidth and the hook-reduction probe (which
+# reduction the activation hooks should use on this device). Results land under $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_SILENT=true
@@ -17,4 +18,4 @@ repo=$PWD
 for dev in cpu cuda; do  # from /tmp: the checkout's nummon/ must not shadow the installed package
   (cd /tmp && timeout 90 python3 -m nummon demo --device $dev --no-wandb --no-tensorboard --out /tmp/demo_$dev 2>&1 | grep -E "warned|no warning|first NaN|\(.* s;|error") | tee -a "$out/gpu_demo.txt"
 done
-timeout 300 python3 benchmarks/overhead.py --device cuda --rounds 7 --steps 10 --warmup 3 --json "$out/gpu_overhead.json" 2>&1 | grep -v Warning | tail -12 | tee "$out/gpu_overhead.txt"
+timeout 300 python3 benchmarks/overhead.py --device cuda --rounds 7 --steps 10 --warmup 3 --json "$out/gpu_overhead.json" 2>&1 | grep -v Warning | tail -20 | tee "$out/gpu_overhead.txt"

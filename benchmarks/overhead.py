@@ -181,7 +181,8 @@ class _NullHistSink(nummon.BaseSink):
     wants_histograms = True
 
 
-def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None) -> dict:
+def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None,
+            probe_hooks: bool = False) -> dict:
     """Every variant trains the same model with the same optimizer, in turn.
 
     Separate model copies per variant looked fair and were not: on the 2-core VM three
@@ -252,9 +253,11 @@ def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | 
     med = {k: statistics.median(v) for k, v in times.items()}
     bare = med["bare"]
     res_bw = stats_bandwidth(model, opt, loss_fn, dev) if dev.type == "cuda" else None
+    probe = hook_reductions(model, loss_fn, autocast, dev) if probe_hooks else None
     return {
         "paired_ratio": paired,
         "stats_bandwidth": res_bw,
+        "hook_reductions": probe,
         "device": str(dev),
         "workload": "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW" if dev.type == "cuda" else "DemoCNN 28x28, batch 64, SGD momentum 0.9",
         "torch": torch.__version__,
@@ -265,6 +268,64 @@ def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | 
         "ratio_to_bare": {k: v / bare for k, v in med.items()},
         "mean_ratio": mean_ratio,
     }
+
+
+def hook_reductions(model, loss_fn, autocast, dev, reps: int = 5) -> dict:
+    """Ways to get max |output| of every module a Monitor hooks, timed over one forward's real
+    outputs, and whether each propagates NaN. Answers which reduction the hooks should use on
+    this device (aminmax into a buffer of the output's dtype is what they use now)."""
+    outs = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: outs.append(o.detach()) if isinstance(o, torch.Tensor) else None)
+             for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
+    with torch.no_grad(), autocast():
+        loss_fn(model)
+    for h in hooks:
+        h.remove()
+    outs = [o for o in outs if o.is_floating_point() and o.numel()]
+    nbytes = sum(o.numel() * o.element_size() for o in outs)
+
+    def rows(dtype_of):  # one preallocated (min, max) row per output, as the hooks keep them
+        bufs = {}
+        for o in outs:
+            bufs.setdefault(dtype_of(o), [])
+        tables = {dt: torch.zeros(len(outs), 2, dtype=dt, device=dev) for dt in bufs}
+        return [tables[dtype_of(o)][i] for i, o in enumerate(outs)]
+
+    def copy_pair(r, pair):
+        r[0].copy_(pair[0])
+        r[1].copy_(pair[1])
+
+    methods = {  # name: (reduction writing into a (min, max) row, the row's dtype)
+        "aminmax into own dtype": (lambda o, r: torch.aminmax(o, out=(r[0], r[1])), lambda o: o.dtype),
+        # what the hooks did before: a float32 buffer, two converting copies
+        "aminmax + 2 copies": (lambda o, r: copy_pair(r, torch.aminmax(o)), lambda o: torch.float32),
+        "inf-norm to float32": (lambda o, r: torch.linalg.vector_norm(o, float("inf"), dtype=torch.float32, out=r[1]),
+                                lambda o: torch.float32),
+        "amax + amin": (lambda o, r: (torch.amin(o, dim=(), out=r[0]), torch.amax(o, dim=(), out=r[1])), lambda o: o.dtype),
+    }
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    nan_probe = torch.tensor([1.0, float("nan"), -3.0], device=dev)
+    res = {"outputs": len(outs), "bytes": nbytes, "methods": {}}
+    for name, (fn, dtype_of) in methods.items():
+        rs = rows(dtype_of)
+        for o, r in zip(outs, rs):
+            fn(o, r)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for o, r in zip(outs, rs):
+                fn(o, r)
+        sync()
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        r = torch.zeros(2, device=dev)
+        fn(nan_probe, r)
+        res["methods"][name] = {"ms_per_step": ms, "GBps": nbytes / ms / 1e6,
+                                "propagates_nan": bool(torch.isnan(r).any())}
+    return res
 
 
 def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
@@ -329,6 +390,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
+    ap.add_argument("--probe-hooks", action="store_true", help="also time ways of reducing the hooked outputs (on by default on CUDA)")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run (the bare step always runs)")
     a = ap.parse_args(argv)
     steady = False if a.system_malloc else steady_allocator()
@@ -336,7 +398,7 @@ def main(argv=None) -> int:
     rounds = a.rounds or (7 if cuda else 60)
     steps = a.steps or (10 if cuda else 5)
     only = {v.strip() for v in a.only.split(",")} | {"bare"} if a.only else None
-    res = measure(a.device, rounds, steps, a.warmup, only)
+    res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda)
     res["steady_allocator"] = steady
     print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
           f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)")
@@ -347,6 +409,11 @@ def main(argv=None) -> int:
         b = res["stats_bandwidth"]
         print(f"statistics pass: {b['bytes_read'] / 1e9:.2f} GB in {b['stats_ms']:.2f} ms = {b['stats_GBps']:.0f} GB/s; "
               f"device copy {b['copy_GBps']:.0f} GB/s; {b['fraction_of_copy']:.0%} of copy bandwidth")
+    if res["hook_reductions"]:
+        h = res["hook_reductions"]
+        print(f"max |output| of {h['outputs']} hooked outputs ({h['bytes'] / 1e9:.2f} GB):")
+        for name, m in h["methods"].items():
+            print(f"  {name:26s} {m['ms_per_step']:8.2f} ms {m['GBps']:8.0f} GB/s  NaN propagates: {m['propagates_nan']}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -12,12 +12,16 @@ import overhead  # noqa: E402
 def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert overhead.main(["--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1",
-                          "--only", "nummon default", "--system-malloc", "--json", str(out)]) == 0
+                          "--only", "nummon default", "--system-malloc", "--probe-hooks", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     for key in ("ratio_to_bare", "paired_ratio", "mean_ratio"):
         assert set(res[key]) == {"bare", "nummon default"} and res[key]["bare"] == 1.0
         assert res[key]["nummon default"] > 0.5
     assert "nummon default" in capsys.readouterr().out
+    probe = res["hook_reductions"]
+    assert probe["outputs"] == 4  # conv1, conv2, fc1, fc2 of the demo CNN
+    # what the hooks use must see a NaN (a max kernel that skipped NaN would hide the first one)
+    assert probe["methods"]["aminmax into own dtype"]["propagates_nan"]
 
 
 def test_overhead_benchmark_rejects_an_unknown_variant():
