@@ -451,7 +451,7 @@ class StatsEngine:
                 pending.meta["bad_grads"] = bad_grads
         pn = get("param_norms")
         if pn is not None:
-            pn = _exact_where_overflowed(pn, [p for _, p in self.named_params], self.dist is None)
+            pn = _exact_where_overflowed(pn, self._params, self.dist is None)
             rec.param_norm = _l2(pn)
             if not all(math.isfinite(v) for v in pn):
                 parts.append("parameters")
