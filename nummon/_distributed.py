@@ -105,6 +105,26 @@ class DistributedReducer:
         return out, ranks
 
 
+    def exact_norms(self, local_sum_sq: Sequence[float], kinds: Sequence[str]) -> list[float]:
+        """Global L2 norms from each rank's exact float64 sums of squares (one more collective).
+
+        For the failure path only: float32 norms overflow to inf for finite values above ~1e19,
+        and every rank sees the same combined inf, so every rank makes this call together.
+        """
+        k = len(local_sum_sq)
+        gathered = self.gather(torch.tensor(list(local_sum_sq), dtype=torch.float64)).tolist()
+        out = []
+        for j in range(k):
+            col = [gathered[r * k + j] for r in range(self.world)]
+            if any(math.isnan(v) for v in col):
+                out.append(math.nan)
+            elif kinds[j] == _SUM_SQ:  # shards: the squares add up
+                out.append(math.sqrt(math.fsum(col)))
+            else:  # replicated: every rank holds the whole tensor
+                out.append(math.sqrt(max(col)))
+        return out
+
+
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     # all_gather_single supersedes all_gather_into_tensor in newer torch; both are one collective
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

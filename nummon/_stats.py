@@ -424,6 +424,9 @@ class StatsEngine:
         if self.dist is not None:
             vals, ranks = self.dist.combine(vals, lay, pending.meta.get("kinds", {}))
 
+        if self.dist is not None:
+            vals = self._exact_overflowed_across_ranks(vals, lay, pending)
+
         def get(name: str) -> list[float] | None:
             s = lay.get(name)
             return None if s is None else vals[s]
@@ -512,6 +515,40 @@ class StatsEngine:
             gm = get("grad_absmax")
             rec.rank = src[max(range(len(gm)), key=lambda i: gm[i])] if gm else None
         return rec
+
+    def _exact_overflowed_across_ranks(self, vals: list[float], lay: dict[str, slice], pending: Pending) -> list[float]:
+        """Under torch.distributed, recompute norms that overflowed float32 (combined +inf) from
+        every rank's exact float64 sums of squares, so a finite-but-extreme tensor is not taken
+        for a non-finite one. Every rank sees the same combined values, so every rank either
+        makes the one extra collective or none does."""
+        families = {
+            "grad_norms": pending.meta.get("grads", []),
+            "param_norms": [local_tensor(p) for p in self._params],
+            "state_norms": [local_tensor(t) for t in pending.meta.get("state", [])],
+        }
+        over: list[tuple[int, torch.Tensor, str]] = []
+        for name, tensors in families.items():
+            s = lay.get(name)
+            if s is None or len(tensors) != s.stop - s.start:
+                continue
+            kinds = pending.meta.get("kinds", {}).get(name, ["replicated"] * len(tensors))
+            for j, i in enumerate(range(s.start, s.stop)):
+                if vals[i] == math.inf:
+                    over.append((i, tensors[j], kinds[j]))
+        if not over:
+            return vals
+        local = []
+        for _, t, _ in over:
+            t = t.detach()
+            if t.is_sparse:
+                t = t.coalesce().values()
+            n = float(torch.linalg.vector_norm(t.double()))
+            local.append(n * n)  # inf past ~1e154, where float ** 2 would raise
+        exact = self.dist.exact_norms(local, [kind for _, _, kind in over])
+        vals = list(vals)
+        for (i, _, _), v in zip(over, exact):
+            vals[i] = v
+        return vals
 
     @staticmethod
     def _act_values(vals: list[float], lay: dict[str, slice], act_src: list[Any]) -> list[float]:

@@ -211,3 +211,35 @@ def fsdp1_grad_norm(rank, world, port, out_dir):
     _out(out_dir, rank, res)
     teardown()
     _exit()
+
+
+def ddp_finite_but_extreme(rank, world, port, out_dir):
+    """DDP with weights near 1e20: every value finite, every float32 sum of squares overflows."""
+    import nummon
+
+    setup(rank, world, port)
+    model = Net()
+    with torch.no_grad():
+        model.fc2.weight.mul_(1e21)  # random signs: the gradients reaching fc1 are ~1e20 too
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    mon = nummon.Monitor(ddp, opt, policy={"recorder": {"write": False}})
+    x, y, _, _ = data_for(rank, world)
+    records = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        r = mon.post_step(loss)
+        records.append({"health": r.health.value, "grad_norm": r.record.grad_norm, "param_norm": r.record.param_norm})
+    params = list(model.parameters())
+    ref = {
+        "grad_norm": sum(float(p.grad.double().square().sum()) for p in params) ** 0.5,
+        "param_norm": sum(float(p.detach().double().square().sum()) for p in params) ** 0.5,
+    }
+    mon.close()
+    _out(out_dir, rank, {"records": records, "ref": ref, "alerts": [(a.kind.value, a.severity.value) for a in mon.alerts]})
+    del ddp
+    teardown()
+    _exit()

@@ -62,3 +62,16 @@ def test_fsdp1_flat_params_grad_norm_equals_single_process(tmp_path):
     for r in res:
         for got, want in zip(r["got"], r["want"]):
             assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_finite_but_extreme_is_not_taken_for_nonfinite_across_ranks(tmp_path):
+    """float32 sums of squares overflow above ~1e19; the combined norms are recomputed exactly."""
+    res = spawn(W.ddp_finite_but_extreme, 2, tmp_path)
+    for r in res:
+        assert r["ref"]["param_norm"] > 1e20 and r["ref"]["grad_norm"] > 1e19  # float32 squares overflow
+        for rec in r["records"]:
+            assert rec["health"] != "nonfinite"
+            assert rec["param_norm"] == pytest.approx(r["ref"]["param_norm"], rel=1e-6)
+            assert rec["grad_norm"] == pytest.approx(r["ref"]["grad_norm"], rel=1e-5)
+        assert not any(kind == "nonfinite" for kind, _ in r["alerts"])
+    assert res[0]["alerts"] == res[1]["alerts"]
