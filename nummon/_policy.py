@@ -151,6 +151,7 @@ class SamplingPolicy(_Section):
     params_every: int = Field(1, ge=1, description="parameter L2 norms every this many steps")
     optimizer_every: int = Field(1, ge=1, description="optimizer-state norm every this many steps")
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
+    activations_exclude: tuple[str, ...] = Field((), description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read")
     histogram_every: int = Field(0, ge=0, description="histograms for sinks every this many steps (0: never)")
     lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
 

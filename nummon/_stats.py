@@ -10,6 +10,7 @@ the only thing that leaves here.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -110,7 +111,10 @@ class StatsEngine:
     def _install_hooks(self, model: nn.Module) -> None:
         # only modules that own parameters: they are where a runaway shows, and hooking every
         # module (activations, containers) costs more than it tells
+        exclude = self.policy.sampling.activations_exclude
         for name, mod in model.named_modules():
+            if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+                continue
             if name and any(True for _ in mod.parameters(recurse=False)):
                 idx = len(self._act_names)
                 self._act_names.append(name)

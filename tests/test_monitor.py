@@ -309,3 +309,16 @@ def test_optimizer_state_is_reread_after_load_state_dict():
     mon.close()
     expected = sum(opt.state[p]["momentum_buffer"].double().square().sum().item() for p in model.parameters()) ** 0.5
     assert after == pytest.approx(expected, rel=1e-5) and after > 10 * before
+
+
+def test_activation_hooks_skip_excluded_modules():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 100))
+    mon = Monitor(model, policy={"sampling": {"activations_exclude": ["3", "9*"]}})
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))  # the first module's output goes NaN...
+    rec = mon.post_step(model(torch.randn(2, 4)).sum()).record
+    mon.close()
+    assert set(rec.layer_activation_max) == {"0", "2"}  # ...and "3" (the head) is not watched
+    assert rec.nonfinite_location == "output of `0` (forward)"
+    with pytest.raises(NummonError, match="activations_exclude"):
+        Monitor(model, policy={"sampling": {"activations_exclude": "3"}})
