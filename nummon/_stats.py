@@ -631,18 +631,27 @@ class StatsEngine:
         for n, t in self._hist_acts.items():
             tensors.append((f"activations/{n}", t))
         self._hist_acts = {}
+        tensors = [(n, t) for n, t in tensors if t.numel()]
         if not tensors:
             return {}
         lo_dec, hi_dec = -30.0, 39.0
         rows = []
-        for _, t in tensors:
-            x = torch.nan_to_num(t.float().reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
-            mn, mx = torch.aminmax(x)
-            span = torch.clamp(mx - mn, min=1e-30)
-            lin = torch.histc((x - mn) / span, bins=bins, min=0.0, max=1.0)
-            lg = torch.histc(torch.log10(x.abs().clamp(min=1e-30)), bins=bins, min=lo_dec, max=hi_dec)
-            moments = torch.stack([x.double().sum(), x.double().square().sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
-            rows.append(torch.cat([mn.reshape(1).double(), mx.reshape(1).double(), moments, lin.double(), lg.double()]))
+        with torch.no_grad():
+            for _, t in tensors:
+                # a private float32 copy (NaN/Inf zeroed), so the passes below may work in place
+                x = torch.nan_to_num(t.float().reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+                mn, mx = torch.aminmax(x)
+                if x.is_cpu:  # reading the range costs no sync here: bin over it directly
+                    lo, hi = mn.item(), mx.item()
+                    lin = torch.histc(x, bins=bins, min=lo, max=hi) if hi > lo else _first_bin(bins, x.numel())
+                else:  # on a GPU, normalise on the device rather than wait for the range
+                    span = torch.clamp(mx - mn, min=1e-30)
+                    lin = torch.histc((x - mn) / span, bins=bins, min=0.0, max=1.0)
+                # float32 sums (float64 ones would cost a widened copy of every tensor): they only
+                # feed the histograms' displayed mean and spread
+                moments = torch.stack([x.sum(), torch.dot(x, x), torch.tensor(float(x.numel()), device=x.device)]).double()
+                lg = torch.histc(x.abs_().clamp_(min=1e-30).log10_(), bins=bins, min=lo_dec, max=hi_dec)  # x is spent
+                rows.append(torch.cat([mn.reshape(1).double(), mx.reshape(1).double(), moments, lin.double(), lg.double()]))
         host = torch.stack(rows).cpu().numpy()  # one copy for all histograms
         log_edges = np.linspace(lo_dec, hi_dec, bins + 1)
         out = {}
@@ -660,6 +669,13 @@ class StatsEngine:
                 "log10_edges": log_edges,
             }
         return out
+
+
+def _first_bin(bins: int, n: int) -> torch.Tensor:
+    """The histogram of a tensor whose values are all equal: everything in the first bin."""
+    counts = torch.zeros(bins)
+    counts[0] = n
+    return counts
 
 
 def _pack(parts: list[tuple[str, torch.Tensor]], dev: torch.device) -> tuple[torch.Tensor, dict[str, slice]]:

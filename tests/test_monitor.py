@@ -322,3 +322,34 @@ def test_activation_hooks_skip_excluded_modules():
     assert rec.nonfinite_location == "output of `0` (forward)"
     with pytest.raises(NummonError, match="activations_exclude"):
         Monitor(model, policy={"sampling": {"activations_exclude": "3"}})
+
+
+def test_histograms_match_a_reference():
+    """Counts, range and moments of every histogram, against numpy over the same edges."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.bias.fill_(0.5)  # all values equal: one bin
+        model.fc2.weight[0, 0] = float("nan")  # zeroed, as in the sinks
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    mon = Monitor(model)
+    hist = mon.stats.histograms(bins=16)
+    mon.close()
+    for name, p in model.named_parameters():
+        h = hist[f"params/{name}"]
+        v = torch.nan_to_num(p.detach(), nan=0.0).double().reshape(-1).numpy()
+        assert (h["min"], h["max"]) == pytest.approx((v.min(), v.max()))
+        assert h["counts"].sum() == v.size == h["num"] == h["log10_counts"].sum()
+        assert h["sum"] == pytest.approx(v.sum(), rel=1e-6, abs=1e-9)
+        assert h["sum_squares"] == pytest.approx((v * v).sum(), rel=1e-6)
+        if v.max() > v.min():
+            ref, _ = np.histogram(v, bins=h["edges"])
+            assert np.abs(h["counts"] - ref).sum() <= 2  # float32 rounding at bin edges
+        else:
+            assert h["counts"][0] == v.size
+        ref_log, _ = np.histogram(np.log10(np.maximum(np.abs(v), 1e-30)), bins=h["log10_edges"])
+        assert np.abs(h["log10_counts"] - ref_log).sum() <= 2
+    assert torch.isnan(model.fc2.weight[0, 0])  # the model itself untouched by the in-place passes
