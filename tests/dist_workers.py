@@ -216,6 +216,7 @@ def fsdp1_grad_norm(rank, world, port, out_dir):
 def ddp_finite_but_extreme(rank, world, port, out_dir):
     """DDP with weights near 1e20: every value finite, every float32 sum of squares overflows."""
     import nummon
+    from models import train_step
 
     setup(rank, world, port)
     model = Net()
@@ -227,11 +228,7 @@ def ddp_finite_but_extreme(rank, world, port, out_dir):
     x, y, _, _ = data_for(rank, world)
     records = []
     for _ in range(2):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        r = mon.post_step(loss)
+        r = mon.post_step(train_step(ddp, opt, x, y))
         records.append({"health": r.health.value, "grad_norm": r.record.grad_norm, "param_norm": r.record.param_norm})
     params = list(model.parameters())
     ref = {
