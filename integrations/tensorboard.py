@@ -9,14 +9,12 @@ import os
 from typing import Any
 
 from nummon._format import alert_text, scalar_tags
-from nummon._sinks import BaseSink
-from nummon._types import Alert, Health, StepRecord
+from nummon._sinks import BaseSink, RunContext
+from nummon._types import HEALTH_LEGEND, Alert, Health, StepRecord
 
 from ._lazy import require
 
 __all__ = ["TensorBoardSink"]
-
-_HEALTH_CODE = {Health.HEALTHY: 0.0, Health.EXTREME: 1.0, Health.NONFINITE: 2.0}
 
 
 class TensorBoardSink(BaseSink):
@@ -34,11 +32,15 @@ class TensorBoardSink(BaseSink):
         self.histogram_every = histogram_every
         self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs)
 
-    def on_step(self, record: StepRecord, health: Health) -> None:
+    def bind(self, context: RunContext) -> None:
+        self.writer.add_text("nummon/legend", HEALTH_LEGEND, global_step=0)
+
+    def on_step(self, record: StepRecord, health: Health | None) -> None:
         w = self.writer
         for tag, value in scalar_tags(record).items():
             w.add_scalar(tag, value, global_step=record.step)
-        w.add_scalar("nummon/health", _HEALTH_CODE[health], global_step=record.step)
+        if health is not None:
+            w.add_scalar("nummon/health", float(health.code), global_step=record.step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         if self.histogram_every and step % self.histogram_every:

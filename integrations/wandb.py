@@ -11,9 +11,10 @@ import os
 import time
 from typing import Any
 
+from nummon._errors import NummonError
 from nummon._format import alert_text, scalar_tags
-from nummon._sinks import BaseSink
-from nummon._types import Alert, Health, Severity, StepRecord
+from nummon._sinks import BaseSink, RunContext
+from nummon._types import HEALTH_LEGEND, Alert, Health, Severity, StepRecord
 
 from ._lazy import require
 
@@ -23,6 +24,7 @@ log = logging.getLogger("nummon")
 
 _LEVEL = {Severity.INFO: "INFO", Severity.WARNING: "WARN", Severity.CRITICAL: "ERROR"}
 MAX_BINS = 512  # W&B's limit for a histogram
+_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
 def _has_credentials() -> bool:
@@ -63,27 +65,52 @@ class WandbSink(BaseSink):
         if run is None:
             run = wandb.run
         if run is None:
-            mode = os.environ.get("WANDB_MODE") or init_kwargs.pop("mode", None)
-            if mode is None and not _has_credentials():
-                mode = "offline"
-            if mode == "offline":
-                self.offline = True
-            run = wandb.init(project=project, mode=mode, **init_kwargs)
+            run = self._init_run(wandb, project, init_kwargs)
             self._owns_run = True
-            if self.offline:
-                log.warning("nummon: W&B is offline (no credentials); sync later with `wandb sync %s`", run.dir.rsplit("/files", 1)[0] if getattr(run, "dir", None) else "wandb/offline-run-*")
         self.run = run
         self._last_sent: dict[str, tuple[float, int]] = {}
         self.sent_alerts: list[tuple[str, str, str]] = []  # (title, level, text) actually sent
 
+    def _init_run(self, wandb: Any, project: str, init_kwargs: dict[str, Any]) -> Any:
+        """A run of our own: offline (said once) when there are no credentials to go online."""
+        mode = init_kwargs.pop("mode", None) or os.environ.get("WANDB_MODE") or None
+        if mode is not None and mode not in _MODES:
+            raise NummonError(f"W&B mode {mode!r} is not one of {', '.join(_MODES)} (from WANDB_MODE or mode=)")
+        if mode in (None, "online", "run") and not _has_credentials():
+            if mode is not None:
+                log.warning("nummon: W&B mode %r needs an API key (WANDB_API_KEY or `wandb login`); running offline", mode)
+            mode = "offline"
+        self.offline = mode in ("offline", "dryrun")
+        env_mode = os.environ.pop("WANDB_MODE", None)  # an explicit mode wins over the environment's
+        try:
+            run = wandb.init(project=project, mode=mode, **init_kwargs)
+        finally:
+            if env_mode is not None:
+                os.environ["WANDB_MODE"] = env_mode
+        if self.offline:
+            log.warning("nummon: W&B is offline; sync later with `wandb sync %s`", self.run_dir_of(run) or "wandb/offline-run-*")
+        return run
+
+    @staticmethod
+    def run_dir_of(run: Any) -> str | None:
+        """A run's own folder (`.../offline-run-<date>-<id>`): its `dir` without the `/files` tail."""
+        d = getattr(run, "dir", None)
+        return os.path.dirname(d.rstrip("/")) if d else None
+
     @property
     def run_dir(self) -> str | None:
-        d = getattr(self.run, "dir", None)
-        return d.rsplit("/files", 1)[0] if d else None
+        return self.run_dir_of(self.run)
 
-    def on_step(self, record: StepRecord, health: Health) -> None:
+    def bind(self, context: RunContext) -> None:
+        try:  # the legend of the health chart, where people look for it
+            self.run.config.update({"nummon/health_legend": HEALTH_LEGEND}, allow_val_change=True)
+        except Exception:  # a run that refuses config updates still gets the metrics
+            pass
+
+    def on_step(self, record: StepRecord, health: Health | None) -> None:
         data: dict[str, Any] = {k: v for k, v in scalar_tags(record).items()}
-        data["nummon/health"] = {"healthy": 0, "extreme": 1, "nonfinite": 2}[health.value]
+        if health is not None:
+            data["nummon/health"] = health.code
         self.run.log(data, step=record.step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:

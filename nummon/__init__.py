@@ -33,7 +33,9 @@ __all__ = [
     "Sink",
     "StepRecord",
     "StepReport",
+    "TensorBoardSink",
     "TraceError",
+    "WandbSink",
     "diagnose",
     "load_policy",
     "preset_names",
@@ -41,11 +43,19 @@ __all__ = [
     "replay",
 ]
 
-_LAZY = {"Monitor": "._monitor", "DistributedError": "._distributed"}  # need torch: imported on first use
+# imported on first use: Monitor needs torch, the integrations their backends
+_LAZY = {
+    "Monitor": "._monitor",
+    "DistributedError": "._distributed",
+    "TensorBoardSink": ".integrations.tensorboard",
+    "WandbSink": ".integrations.wandb",
+}
 
 if TYPE_CHECKING:
     from ._distributed import DistributedError
     from ._monitor import Monitor
+    from .integrations.tensorboard import TensorBoardSink
+    from .integrations.wandb import WandbSink
 
 
 def __getattr__(name: str) -> Any:

@@ -2,50 +2,29 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import numbers
 import os
-from collections import deque
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from . import _shutdown
+from ._dispatch import SinkDispatcher
 from ._engine import HealthEngine
 from ._errors import NummonError
 from ._policy import PolicyLike, load_policy
-from ._sinks import ConsoleSink, JsonlSink, SinkDispatcher
+from ._recorder import FlightRecorder, RunFolder
+from ._sinks import ConsoleSink, JsonlSink, RunContext
 from ._stats import Pending, StatsEngine
 from ._types import Alert, Health, Severity, StepRecord, StepReport
 
 __all__ = ["Monitor"]
 
 log = logging.getLogger("nummon")
-
-
-class FlightRecorder:
-    """A ring buffer of the last N steps' statistics, dumped to JSON on the first critical alert."""
-
-    def __init__(self, steps: int) -> None:
-        # records are kept as they are and turned into dicts only when read (rarely)
-        self._ring: deque[tuple[StepRecord, Health]] = deque(maxlen=steps)
-
-    def add(self, rec: StepRecord, health: Health) -> None:
-        self._ring.append((rec, health))
-
-    @property
-    def records(self) -> list[dict[str, Any]]:
-        """The kept steps, oldest first, as plain dicts."""
-        return [{**rec.to_dict(), "health": health.value} for rec, health in self._ring]
-
-    def dump(self, path: Path, alert: Alert) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"alert": alert.to_dict(), "records": self.records}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, path)
-        return path
 
 
 def _check_loss(loss: Any) -> Any:
@@ -56,6 +35,8 @@ def _check_loss(loss: Any) -> Any:
         if loss.dtype == torch.bool or loss.is_complex():
             raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
         return loss
+    if isinstance(loss, numbers.Complex) and not isinstance(loss, numbers.Real):  # numpy complex has __float__
+        raise NummonError(f"loss must be a real number, got {type(loss).__name__} {loss!r:.40}")
     # python and numpy numbers (anything with __float__), but not bools or strings
     if isinstance(loss, (bool, str, bytes)) or not hasattr(loss, "__float__"):
         raise NummonError(f"loss must be a float or a 0-d tensor, got {type(loss).__name__} {loss!r:.40}")
@@ -68,7 +49,7 @@ def _check_loss(loss: Any) -> Any:
 class Monitor:
     """Watches a training run's numerical health, one `post_step` per optimizer step.
 
-    >>> mon = Monitor(model, optimizer=opt, policy="default", sinks=[JsonlSink("run.jsonl")])
+    >>> mon = Monitor(model, optimizer=opt, policy="default", sinks=[JsonlSink("runs/x/events.jsonl")])
     >>> report = mon.post_step(loss)        # after optimizer.step()
     >>> if report.should_stop: ...
 
@@ -76,7 +57,9 @@ class Monitor:
     a step the scaler skipped for overflowing gradients is an info alert, not a critical one.
 
     On CUDA (policy.sampling.lag_one_step) the statistics of step t are read at step t+1 with a
-    non-blocking copy, so the GPU never waits; alerts keep their true step; `flush()` forces.
+    non-blocking copy, so the GPU never waits; alerts keep their true step; the first report is
+    `pending` (no health yet); `flush()` forces. Files (flight records) go to `run_dir`, else the
+    first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
     """
 
     def __init__(
@@ -96,7 +79,12 @@ class Monitor:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise NummonError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.policy = load_policy(policy)
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        sp = self.policy.sinks
+        sink_list = list(sinks)
+        if sp.jsonl:
+            sink_list.append(JsonlSink(sp.jsonl))
+        if sp.console:
+            sink_list.append(ConsoleSink())
         self._dist = None
         if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             from ._distributed import DistributedReducer
@@ -106,19 +94,20 @@ class Monitor:
         self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
-        sink_list = list(sinks)
-        if self._dist is not None and self.policy.sinks.rank0_only and self.rank != 0:
+        # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
+        self.run_folder = RunFolder(self.policy.recorder.directory, run_dir, sink_list)
+        if self._dist is not None and sp.rank0_only and self.rank != 0:
             sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
-        else:
-            if self.policy.sinks.jsonl:
-                sink_list.append(JsonlSink(self.policy.sinks.jsonl))
-            if self.policy.sinks.console:
-                sink_list.append(ConsoleSink())
-        self._sinks = SinkDispatcher(sink_list, self.policy.sinks.queue_size, block=self.policy.sinks.when_full == "block")
+        self._sinks = SinkDispatcher(sink_list, sp.queue_size,
+                                     block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None)
+        world = self._dist.world if self._dist else 1
+        self._sinks.bind(RunContext(rank=self.rank, world_size=world, run_dir=self.run_folder.known,
+                                    flush_every_steps=sp.flush_every_steps))
         self.alerts: list[Alert] = []
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: Pending | None = None
+        self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
         # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50))
@@ -126,6 +115,7 @@ class Monitor:
         self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
+        _shutdown.register(self, sp.handle_sigterm)
 
     # ------------------------------------------------------------------ public
     def post_step(self, loss: Any, batch: Any = None) -> StepReport:
@@ -134,9 +124,13 @@ class Monitor:
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
         tensor, tuple/list/dict of tensors) is checked for non-finite inputs and fingerprinted.
         """
-        if self._closed:
-            raise NummonError("post_step on a closed Monitor")
         loss = _check_loss(loss)
+        with self._lock:
+            if self._closed:
+                raise NummonError("post_step on a closed Monitor")
+            return self._post_step(loss, batch)
+
+    def _post_step(self, loss: Any, batch: Any) -> StepReport:
         s = self.step
         sp = self.policy.sampling
         pending = self.stats.launch(
@@ -154,30 +148,34 @@ class Monitor:
         # the GPU after the Monitor was made is handled too
         if self.policy.sampling.lag_one_step and pending.event is not None:
             previous, self._pending = self._pending, pending
-            if previous is None:
-                return StepReport(step=s, health=Health.HEALTHY, should_stop=self._stop)
+            if previous is None:  # nothing measured yet: say so rather than guess "healthy"
+                return StepReport(step=s, health=None, should_stop=self._stop, pending=True)
             return self._evaluate(previous)
         return self._evaluate(pending)
 
     def flush(self) -> StepReport | None:
-        """Evaluate a step still in flight (lagged mode) and flush the sinks."""
-        report = None
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            report = self._evaluate(pending)
-        self._sinks.flush(timeout=5.0)
-        return report
+        """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
+        with self._lock:
+            report = None
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                report = self._evaluate(pending)
+            self._sinks.flush(timeout=self.policy.sinks.flush_timeout_s)
+            return report
 
     def close(self) -> None:
-        """Evaluate what is in flight, flush and close every sink, remove the hooks."""
-        if self._closed:
-            return
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._evaluate(pending)
-        self._closed = True
-        self.stats.remove_hooks()
-        self._sinks.close()
+        """Evaluate what is in flight, then flush and close every sink (within
+        `sinks.close_timeout_s`) and remove the hooks. Called at exit and on SIGTERM too."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._evaluate(pending)
+            self._closed = True
+            self.stats.remove_hooks()
+            self._sinks.close(timeout=self.policy.sinks.close_timeout_s)
+            _shutdown.unregister(self)
 
     def __enter__(self) -> "Monitor":
         return self
@@ -191,7 +189,7 @@ class Monitor:
 
     @property
     def sink_stats(self) -> dict[str, dict[str, int]]:
-        """Errors and dropped step records per sink."""
+        """Errors and dropped step records per sink (two sinks of one class: `Name`, `Name#2`)."""
         return self._sinks.stats()
 
     # ------------------------------------------------------------------ internals
@@ -203,11 +201,14 @@ class Monitor:
         alerts, health = self.engine.process(rec)
         self.recorder.add(rec, health)
         routed = []
+        critical = False
         for a in alerts:
-            if a.severity is Severity.CRITICAL and self.flight_record is None and self.policy.recorder.write:
-                a = self._dump_flight_record(a)
-            if a.severity is Severity.CRITICAL and self.policy.alerts.stop_on_critical:
-                self._stop = True
+            if a.severity is Severity.CRITICAL:
+                critical = True
+                if self.flight_record is None and self.policy.recorder.write:
+                    a = self._dump_flight_record(a)
+                if self.policy.alerts.stop_on_critical:
+                    self._stop = True
             if self._dist is not None and a.rank is None and rec.rank is not None:
                 a = dataclasses.replace(a, rank=rec.rank)
             if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
@@ -216,14 +217,14 @@ class Monitor:
             self.alerts.append(a)
             self._sinks.alert(a)
         self._sinks.step(rec, health)
-        report = StepReport(step=rec.step, health=health, alerts=tuple(routed), should_stop=self._stop, record=rec)
-        return report
+        if critical:  # the alert that precedes a crash is on disk before post_step returns
+            self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s)
+        return StepReport(step=rec.step, health=health, alerts=tuple(routed), should_stop=self._stop, record=rec)
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
-        folder = self.policy.recorder.directory or self.run_dir or Path.cwd()
         name = f"nummon-flight-record-step{alert.step}" + (f"-rank{self.rank}" if self._dist else "") + ".json"
         try:
-            path = self.recorder.dump(Path(folder) / name, alert)
+            path = self.recorder.dump(self.run_folder.path() / name, alert)
         except OSError as e:
             log.warning("nummon: could not write the flight record: %s", e)
             return alert

@@ -158,13 +158,19 @@ class SamplingPolicy(_Section):
 
 class RecorderPolicy(_Section):
     steps: int = Field(64, ge=1, description="steps of statistics kept by the flight recorder")
-    directory: str | None = Field(None, description="where the flight record is written on the first critical alert (default: the JsonlSink's folder, else the current folder)")
+    directory: str | None = Field(None, description="where the flight record is written on the first critical alert (default: the Monitor's run_dir, else the first JsonlSink's folder, else nummon-runs/<timestamp>/)")
     write: bool = Field(True, description="write the flight record to a JSON file on the first critical alert")
 
 
 class SinkPolicy(_Section):
     queue_size: int = Field(1024, ge=1, description="step records buffered per sink thread (alerts are never dropped and not counted here)")
-    when_full: Literal["drop", "block"] = Field("drop", description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room")
+    when_full: Literal["drop", "block"] = Field("drop", description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room, at most block_timeout_s")
+    block_timeout_s: float = Field(10.0, gt=0, le=3600, description="in block mode, the longest a step waits for room in a sink's queue; then the record is dropped and the wait logged (seconds)")
+    critical_timeout_s: float = Field(5.0, ge=0, le=3600, description="post_step waits at most this long for every sink to write and flush a critical alert (seconds)")
+    flush_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.flush() waits at most this long for the sinks (seconds)")
+    close_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.close() waits at most this long for the sinks to write, flush and close (seconds)")
+    flush_every_steps: int = Field(1, ge=1, le=1_000_000, description="a JSONL log flushes step records to the OS at least every this many steps (alerts: at once)")
+    handle_sigterm: bool = Field(True, description="on SIGTERM (when no other handler is installed), close live monitors so their logs are complete, then exit as SIGTERM would")
     rank0_only: bool = Field(True, description="under torch.distributed, only rank 0 feeds the sinks")
     jsonl: str | None = Field(None, description="path of a JSONL event log to add (a JsonlSink)")
     console: bool = Field(False, description="add a ConsoleSink (stdlib logging)")

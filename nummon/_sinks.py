@@ -1,26 +1,32 @@
-"""Sinks: where step statistics and alerts go, dispatched off the training thread.
+"""Sinks: where step statistics, histograms and alerts go. Every argument is plain data.
 
-Each sink runs on its own worker thread behind a bounded queue, so a slow sink delays only
-itself. When a queue is full, step statistics are dropped (and counted); alerts are never
-dropped. A sink that raises is isolated: the error is logged once, counted, and the other
-sinks keep running.
+The dispatcher (`_dispatch.py`) runs each sink on its own thread; a sink only writes.
 """
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import os
-import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
-from ._errors import NummonError
+from ._json import dumps
 from ._types import Alert, Health, Severity, StepRecord
 
-__all__ = ["Sink", "BaseSink", "JsonlSink", "ConsoleSink", "MemorySink", "SinkDispatcher"]
+__all__ = ["Sink", "BaseSink", "RunContext", "JsonlSink", "ConsoleSink", "MemorySink"]
 
 log = logging.getLogger("nummon")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the Monitor tells its sinks before the first step."""
+
+    rank: int = 0
+    world_size: int = 1
+    run_dir: Path | None = None
+    flush_every_steps: int = 1  # a JSONL log flushes step records at least this often (steps)
 
 
 @runtime_checkable
@@ -37,10 +43,15 @@ class Sink(Protocol):
 
 
 class BaseSink:
-    """No-op defaults; subclass and override what you need. `on_histograms` is optional."""
+    """No-op defaults; subclass and override what you need. `on_histograms` and `bind` are optional."""
 
-    #: sinks that want histograms every `histogram_every` steps set this to True
+    #: sinks that want histograms set this to True
     wants_histograms = False
+    #: True: called on the training thread, in order with the user's own prints (console output)
+    synchronous = False
+
+    def bind(self, context: RunContext) -> None:
+        """Called once by the Monitor with the rank and run folder, before any other call."""
 
     def on_step(self, record: StepRecord, health: Health) -> None:
         pass
@@ -59,50 +70,76 @@ class BaseSink:
 
 
 class JsonlSink(BaseSink):
-    """Append-only local event log: one JSON object per step record and per alert.
+    """Append-only local event log: one strict-JSON object per step record and per alert.
 
-    Under torch.distributed, put ``{rank}`` in the path (e.g. ``events-rank{rank}.jsonl``) and set
-    the policy's ``sinks.rank0_only: false`` for one log per rank.
-
-    Flushed on every alert and fsync'ed on critical ones, so the alert that precedes a crash
-    is on disk.
+    ``{rank}`` in the path (e.g. ``events-rank{rank}.jsonl``) is the Monitor's rank in its process
+    group (set the policy's ``sinks.rank0_only: false`` for one log per rank). Alerts are flushed
+    at once (critical ones fsync'ed); step records at least every ``flush_every_steps`` steps.
+    The file is opened at the first write.
     """
 
     def __init__(self, path: str | os.PathLike[str], steps: bool = True) -> None:
-        # "{rank}" in the path gives one file per rank under torchrun (RANK is set per process)
-        self.path = Path(os.fspath(path).replace("{rank}", os.environ.get("RANK", "0")))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self.template = os.fspath(path)
+        self._rank = int(os.environ.get("RANK", "0") or 0) if "{rank}" in self.template else 0
         self._steps = steps
+        self._fh: IO[str] | None = None
+        self._flush_every = 1
+        self._unflushed = 0
 
-    def _write(self, obj: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(obj, default=_json_default) + "\n")
+    @property
+    def path(self) -> Path:
+        """The log's path, `{rank}` filled in."""
+        return Path(self.template.replace("{rank}", str(self._rank)))
+
+    def bind(self, context: RunContext) -> None:
+        self._rank = context.rank
+        self._flush_every = context.flush_every_steps
+
+    def _file(self) -> IO[str]:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")
+        return self._fh
 
     def on_step(self, record: StepRecord, health: Health) -> None:
-        if self._steps:
-            self._write({"type": "step", "health": health.value, **record.to_dict()})
+        if not self._steps:
+            return
+        fh = self._file()
+        fh.write(dumps({"type": "step", "health": health.value if health else None, **record.to_dict()}) + "\n")
+        self._unflushed += 1
+        if self._unflushed >= self._flush_every:
+            fh.flush()
+            self._unflushed = 0
 
     def on_alert(self, alert: Alert) -> None:
-        self._write({"type": "alert", **alert.to_dict()})
-        self._fh.flush()
+        fh = self._file()
+        fh.write(dumps({"type": "alert", **alert.to_dict()}) + "\n")
+        fh.flush()
+        self._unflushed = 0
         if alert.severity is Severity.CRITICAL:
-            os.fsync(self._fh.fileno())
+            os.fsync(fh.fileno())
 
     def flush(self) -> None:
-        if not self._fh.closed:
+        if self._fh is not None and not self._fh.closed:
             self._fh.flush()
+            self._unflushed = 0
 
     def close(self) -> None:
-        if not self._fh.closed:
+        if self._fh is not None and not self._fh.closed:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
 
 
 class ConsoleSink(BaseSink):
-    """One readable log line per alert (stdlib logging, logger "nummon"), with its hint."""
+    """One readable log line per alert (stdlib logging, logger "nummon"), with its hint.
 
-    def __init__(self, logger: logging.Logger | None = None, min_severity: Severity = Severity.INFO) -> None:
+    Synchronous: its lines appear in order with the training script's own output.
+    """
+
+    synchronous = True
+
+    def __init__(self, logger: logging.Logger | None = None, min_severity: Severity | str = Severity.INFO) -> None:
         self.logger = logger or log
         self.min_severity = Severity(min_severity)
 
@@ -124,7 +161,12 @@ class MemorySink(BaseSink):
         self.healths: list[Health] = []
         self.alerts: list[Alert] = []
         self.histograms: list[tuple[int, dict[str, Any]]] = []
+        self.context: RunContext | None = None
         self.closed = False
+        self.closed_at = 0.0
+
+    def bind(self, context: RunContext) -> None:
+        self.context = context
 
     def on_step(self, record: StepRecord, health: Health) -> None:
         self.records.append(record)
@@ -138,137 +180,4 @@ class MemorySink(BaseSink):
 
     def close(self) -> None:
         self.closed = True
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if hasattr(o, "value"):
-        return o.value
-    return str(o)
-
-
-class _Worker:
-    """One sink on its own thread: a bounded queue of step events, an unbounded one of alerts."""
-
-    def __init__(self, sink: Any, queue_size: int, block: bool = False) -> None:
-        self.sink = sink
-        self.queue_size = queue_size
-        self.block = block
-        self.steps: collections.deque = collections.deque()
-        self.alerts: collections.deque = collections.deque()
-        self.cv = threading.Condition()
-        self.closing = False
-        self.errors = 0
-        self.dropped = 0
-        self._reported = False
-        self.name = type(sink).__name__
-        self.thread = threading.Thread(target=self._run, name=f"nummon-sink-{self.name}", daemon=True)
-        self.thread.start()
-
-    def put_step(self, item: tuple) -> None:
-        with self.cv:
-            if self.block:
-                while len(self.steps) >= self.queue_size and self.thread.is_alive():
-                    self.cv.wait(0.1)
-            elif len(self.steps) >= self.queue_size:
-                self.dropped += 1  # statistics may be dropped; alerts never are
-                return
-            self.steps.append(item)
-            self.cv.notify_all()
-
-    def put_alert(self, alert: Alert) -> None:
-        with self.cv:
-            self.alerts.append(alert)
-            self.cv.notify_all()
-
-    def _call(self, method: str, *args: Any) -> None:
-        fn = getattr(self.sink, method, None)
-        if fn is None:
-            return
-        try:
-            fn(*args)
-        except Exception as e:  # isolate: one broken sink must not stop training or the others
-            self.errors += 1
-            if not self._reported:
-                self._reported = True
-                log.warning("nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
-                            self.name, method, type(e).__name__, e)
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                while not (self.alerts or self.steps or self.closing):
-                    self.cv.wait()
-                if self.alerts:
-                    kind, item = "alert", self.alerts.popleft()
-                elif self.steps:
-                    kind, item = "step", self.steps.popleft()
-                    self.cv.notify_all()  # room for a producer blocked on a full queue
-                else:
-                    return
-            if kind == "alert":
-                self._call("on_alert", item)
-            elif item[0] == "step":
-                self._call("on_step", item[1], item[2])
-            elif item[0] == "hist":
-                self._call("on_histograms", item[1], item[2])
-            elif item[0] == "flush":
-                self._call("flush")
-                item[1].set()
-
-    def drain(self, timeout: float) -> bool:
-        done = threading.Event()
-        with self.cv:
-            self.steps.append(("flush", done))  # flush markers bypass the size limit
-            self.cv.notify()
-        return done.wait(timeout)
-
-    def stop(self, timeout: float) -> None:
-        with self.cv:
-            self.closing = True
-            self.cv.notify()
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            log.warning("nummon: sink %s did not finish within %.0f s; closing without it", self.name, timeout)
-            return
-        self._call("close")
-
-
-class SinkDispatcher:
-    """Fans step records, histograms and alerts out to every sink, off the training thread."""
-
-    def __init__(self, sinks: list[Any], queue_size: int = 1024, block: bool = False) -> None:
-        for s in sinks:
-            if not any(hasattr(s, m) for m in ("on_step", "on_alert", "on_histograms")):
-                raise NummonError(f"{type(s).__name__} is not a sink: it has none of on_step/on_alert/on_histograms")
-        self.workers = [_Worker(s, queue_size, block) for s in sinks]
-
-    @property
-    def wants_histograms(self) -> bool:
-        return any(getattr(w.sink, "wants_histograms", False) for w in self.workers)
-
-    def step(self, record: StepRecord, health: Health) -> None:
-        for w in self.workers:
-            w.put_step(("step", record, health))
-
-    def histograms(self, step: int, hists: dict[str, Any]) -> None:
-        for w in self.workers:
-            if getattr(w.sink, "wants_histograms", False):
-                w.put_step(("hist", step, hists))
-
-    def alert(self, alert: Alert) -> None:
-        for w in self.workers:
-            w.put_alert(alert)
-
-    def flush(self, timeout: float = 30.0) -> None:
-        for w in self.workers:
-            w.drain(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        for w in self.workers:
-            w.stop(timeout)
-
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Errors and dropped step records per sink."""
-        return {w.name: {"errors": w.errors, "dropped": w.dropped} for w in self.workers}
+        self.closed_at = time.monotonic()

@@ -69,6 +69,16 @@ class Health(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def code(self) -> int:
+        """The number plotting backends chart (see HEALTH_LEGEND)."""
+        return _HEALTH_CODES[self]
+
+
+_HEALTH_CODES = {Health.HEALTHY: 0, Health.EXTREME: 1, Health.NONFINITE: 2}
+#: What the plotted health numbers mean.
+HEALTH_LEGEND = "health: 0 = healthy (finite), 1 = extreme (finite, but running away or near the dtype's limit), 2 = non-finite (NaN/Inf)"
+
 
 #: Scalar fields of a step record, in the order sinks and tables show them.
 SCALAR_FIELDS = (
@@ -236,10 +246,11 @@ class StepReport:
     """What `Monitor.post_step` returns."""
 
     step: int
-    health: Health
+    health: Health | None  # None only while `pending`
     alerts: tuple[Alert, ...] = ()
     should_stop: bool = False
     record: StepRecord | None = None
+    pending: bool = False  # lagged (CUDA) mode: this step's statistics are still on their way
 
     @property
     def warned(self) -> bool:

@@ -8,13 +8,6 @@ DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus"
 
 
-@pytest.fixture(autouse=True)
-def _quiet_cwd(tmp_path, monkeypatch):
-    # flight records and run folders land in a temp dir, never in the checkout
-    monkeypatch.chdir(tmp_path)
-    yield
-
-
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
     """Hermetic offline W&B: every directory in tmp, nothing reaches a server."""
@@ -38,3 +31,12 @@ def wandb_env(tmp_path, monkeypatch):
 def nummon_cmd():
     """The CLI as a subprocess command (the installed console script's module)."""
     return [sys.executable, "-m", "nummon"]
+
+
+try:  # hypothesis keeps no example database in the checkout
+    from hypothesis import settings
+
+    settings.register_profile("nummon", database=None, deadline=None)
+    settings.load_profile("nummon")
+except ImportError:
+    pass

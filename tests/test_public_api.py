@@ -6,7 +6,7 @@ import nummon
 
 EXPECTED = {
     "Alert", "AlertKind", "BaseSink", "ConsoleSink", "DistributedError", "Health", "JsonlSink", "MemorySink", "Monitor", "NummonError",
-    "Policy", "PolicyError", "Severity", "Sink", "StepRecord", "StepReport", "TraceError",
+    "Policy", "PolicyError", "Severity", "Sink", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
     "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
 

@@ -1,0 +1,34 @@
+"""Strict JSON for everything nummon writes: non-finite floats become the strings "NaN",
+"Infinity" and "-Infinity", so `jq`, JavaScript's `JSON.parse` and every other parser read the
+event log and flight records (nummon's readers take both these strings and bare literals)."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+__all__ = ["json_safe", "dumps"]
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (at any depth) replaced by its JSON-safe string."""
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return "NaN" if obj != obj else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "tolist"):  # numpy arrays and scalars
+        return json_safe(obj.tolist())
+    if hasattr(obj, "value") and not isinstance(obj, (str, int)):  # enums
+        return json_safe(obj.value)
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """Strict JSON text of `obj` (never a bare NaN or Infinity)."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kwargs)

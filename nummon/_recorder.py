@@ -1,0 +1,72 @@
+"""The flight recorder and the run folder it writes into."""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+from ._json import dumps
+from ._types import Alert, Health, StepRecord
+
+__all__ = ["FlightRecorder", "RunFolder"]
+
+log = logging.getLogger("nummon")
+
+
+class RunFolder:
+    """Where a run's own files go, resolved once, on first use: the policy's
+    `recorder.directory`, else the Monitor's `run_dir`, else the first JSONL log's folder, else a
+    new `nummon-runs/<timestamp>/` (announced once)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None,
+                 sinks: Iterable[Any]) -> None:
+        self._explicit = directory if directory is not None else run_dir
+        self._sinks = list(sinks)
+        self._path: Path | None = None
+
+    @property
+    def known(self) -> Path | None:
+        """The folder if the user named one (directly or through a JSONL log), else None."""
+        if self._explicit is not None:
+            return Path(self._explicit)
+        jsonl = next((s for s in self._sinks if hasattr(s, "template") and hasattr(s, "path")), None)
+        return jsonl.path.parent if jsonl is not None else None
+
+    def path(self) -> Path:
+        if self._path is None:
+            known = self.known
+            if known is None:
+                known = Path("nummon-runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+                log.warning("nummon: no run folder given (Monitor(run_dir=...) or a JsonlSink); writing to %s", known)
+            self._path = known
+        return self._path
+
+
+class FlightRecorder:
+    """A ring buffer of the last N steps' statistics, dumped to JSON on the first critical alert."""
+
+    def __init__(self, steps: int) -> None:
+        # records are kept as they are and turned into dicts only when read (rarely)
+        self._ring: deque[tuple[StepRecord, Health | None]] = deque(maxlen=steps)
+
+    def add(self, rec: StepRecord, health: Health | None) -> None:
+        self._ring.append((rec, health))
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The kept steps, oldest first, as plain dicts."""
+        return [{**rec.to_dict(), "health": health.value if health else None} for rec, health in self._ring]
+
+    def dump(self, path: Path, alert: Alert) -> Path:
+        """Write the record atomically (a temporary file, then a rename)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(dumps({"alert": alert.to_dict(), "records": self.records}, indent=1))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return path
