@@ -10,15 +10,14 @@ import sys
 
 import pytest
 
-from conftest import DATA, ROOT
+from conftest import DATA
 
 __all__ = []
 
 REAL = DATA / "real"
 LABELS = json.loads((REAL / "labels.json").read_text())
-# score.py in shared/ knows the `diverge_abrupt` label; the older copy in tests/data does not.
-SHARED_SCORER = ROOT.parent / "shared" / "corpus" / "score.py"
-SCORER = SHARED_SCORER if SHARED_SCORER.exists() else DATA / "score.py"
+# a copy of the shared corpus scorer (../shared/corpus/score.py): tests read nothing outside the repository
+SCORER = DATA / "score.py"
 # one verbose score.py line: "ok   healthy         name    why" or "FAIL ..."
 LINE = re.compile(r"^(ok|FAIL)\s+(\S+)\s+(\S+)\s+(.*)$")
 
