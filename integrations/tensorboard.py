@@ -24,13 +24,23 @@ class TensorBoardSink(BaseSink):
 
     wants_histograms = True
 
-    def __init__(self, log_dir: str | os.PathLike[str], histogram_every: int | None = None, flush_secs: int = 10) -> None:
-        require("tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, log_dir: str | os.PathLike[str] | None = None, histogram_every: int | None = None,
+                 flush_secs: int = 10, writer: Any = None) -> None:
+        """Give `log_dir` for a writer of its own, or `writer` (a `SummaryWriter`, e.g. Lightning's
+        `TensorBoardLogger.experiment`) to write into an existing run's event files."""
+        if writer is None:
+            if log_dir is None:
+                raise TypeError("TensorBoardSink needs a log_dir or a writer")
+            require("tensorboard", "tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = os.fspath(log_dir)
+            writer = SummaryWriter(log_dir=os.fspath(log_dir), flush_secs=flush_secs)
+            self._owns_writer = True
+        else:
+            self._owns_writer = False
+        self.writer = writer
+        self.log_dir = os.fspath(log_dir) if log_dir is not None else getattr(writer, "log_dir", None)
         self.histogram_every = histogram_every
-        self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs)
 
     def bind(self, context: RunContext) -> None:
         self.writer.add_text("nummon/legend", HEALTH_LEGEND, global_step=0)
@@ -71,4 +81,7 @@ class TensorBoardSink(BaseSink):
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self._owns_writer:
+            self.writer.close()
+        else:  # the framework owns it and closes it
+            self.writer.flush()
