@@ -133,7 +133,7 @@ def test_a_nan_weight_is_named_as_the_parameter():
     with torch.no_grad():
         model[2].weight[0, 3] = float("nan")
     report = explain_nonfinite(lambda: model(torch.randn(5, 3)).sum())
-    assert (report.cause, report.module) == ("nonfinite_input", "2")
+    assert (report.op, report.cause, report.module) == ("aten::addmm", "nonfinite_input", "2")
     assert report.input_ranges.startswith("parameter 2.weight (shape (1, 4)) holds 1 NaN")
 
 
@@ -145,6 +145,33 @@ def test_nan_of_an_unused_where_branch_is_traced_from_the_backward_to_the_forwar
     report = explain_nonfinite(lambda: torch.where(w > 0, torch.sqrt(w), torch.zeros_like(w)).sum())
     _assert_report(report, "aten::sqrt", "invalid_operation", "forward", where)
     assert "negative" in report.input_ranges
+
+
+def test_a_deliberate_infinity_that_reaches_the_loss_is_reported_as_a_constant_input():
+    x = torch.randn(4)
+    mask = torch.tensor([False, True, False, False])
+    where = _next_line()
+    report = explain_nonfinite(lambda: x.masked_fill(mask, float("-inf")).sum())
+    _assert_report(report, "aten::masked_fill", "nonfinite_input", "forward", where)
+    assert report.input_ranges == "a non-finite constant (-inf) enters the computation in aten::masked_fill"
+
+
+def test_infinite_literals_that_stay_harmless_are_not_reported():
+    x = nn.Parameter(torch.randn(4))
+    assert explain_nonfinite(lambda: (x + torch.tensor(float("-inf"))).exp().sum() + x.sum()) is None
+
+
+def test_a_dict_result_is_judged_by_its_loss_not_by_masked_logits():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    x, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    def step():
+        logits = model(x).masked_fill(torch.tensor([False, False, False, True]), float("-inf"))
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+    assert explain_nonfinite(step) is None
+    x[0, 0] = float("nan")
+    report = explain_nonfinite(step)
+    assert (report.op, report.cause, report.module) == ("aten::addmm", "nonfinite_input", "Linear")
 
 
 # -- module paths ----------------------------------------------------------------------------------

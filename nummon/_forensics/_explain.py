@@ -42,8 +42,9 @@ def explain_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Nonf
         interceptor = NonfiniteInterceptor(scope)
         with interceptor:
             result = fn(*args, **kwargs)
-            origin = _first_nonfinite(interceptor, tree_leaves(result))
-            outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
+            losses = _loss_tensors(result)
+            origin = _first_nonfinite(interceptor, losses)
+            outputs = [t for t in losses if t.requires_grad]
             if origin is None and outputs:
                 scope.remove()  # the backward runs no module forwards
                 interceptor.stage = "backward"
@@ -58,6 +59,14 @@ def explain_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Nonf
         scope.restore_buffers()
         rng.restore()
     return _report(origin) if origin is not None else None
+
+
+def _loss_tensors(result: Any) -> list[torch.Tensor]:
+    """The loss inside `result`: its first floating scalar (a dict or a model output with a
+    "loss" and "logits" is judged by the loss), else all its floating tensors."""
+    tensors = [t for t in tree_leaves(result) if _checked(t)]
+    scalars = [t for t in tensors if t.numel() == 1]
+    return scalars[:1] if scalars else tensors
 
 
 def _first_nonfinite(interceptor: NonfiniteInterceptor, values: list[Any]) -> Origin | None:

@@ -27,6 +27,10 @@ __all__ = ["NonfiniteInterceptor", "Origin"]
 
 Location = tuple[str, int]
 _LIFTS = {"lift_fresh", "lift_fresh_copy", "lift"}  # torch.tensor(float("-inf")) in the user's code
+# Outputs that hold whatever was in memory: garbage NaNs there are nobody's cause.
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize", "set"}
+# In-place ops that overwrite their first argument whole: its old value is not an input.
+_OVERWRITES = {"copy", "fill", "zero", "uniform", "normal", "bernoulli", "random", "exponential", "geometric", "cauchy", "log_normal"}
 
 _OUTSIDE_REMEDIES = {
     "parameter": "the weights are already non-finite, so an earlier update broke them: lower the LR, clip gradients, restore a checkpoint",
@@ -81,13 +85,19 @@ class NonfiniteInterceptor(TorchDispatchMode):
         op = func._schema.name
         if self.stage == "forward":
             self._note_node(op)
+        base = op_base(op)
+        operands = tree_leaves(args) + tree_leaves({k: v for k, v in kwargs.items() if k != "out"})
+        if base in _OVERWRITES and func._schema.is_mutable:
+            operands = operands[1:]
         before = {}
         if func._schema.is_mutable:  # an in-place op overwrites the inputs we must judge
-            before = {id(a): a.detach().clone() for a in tree_leaves((args, kwargs)) if _checked(a)}
+            before = {id(a): a.detach().clone() for a in operands if _checked(a)}
         out = func(*args, **kwargs)
+        if base in _UNINITIALISED:
+            return out
         bad = [t for t in tree_leaves(out) if _checked(t) and not _finite(t)]
         if bad:
-            self._trace(op, tree_leaves(args) + tree_leaves(kwargs), before, bad)
+            self._trace(func, op, operands, before, bad)
         return out
 
     def _note_node(self, op: str) -> None:
@@ -113,7 +123,7 @@ class NonfiniteInterceptor(TorchDispatchMode):
             if ptr is not None:
                 self._by_storage[ptr] = origin
 
-    def _trace(self, op: str, operands: list[Any], before: dict[int, torch.Tensor], bad: list[torch.Tensor]) -> None:
+    def _trace(self, func: Any, op: str, operands: list[Any], before: dict[int, torch.Tensor], bad: list[torch.Tensor]) -> None:
         values = [before.get(id(a), a) for a in operands]
         nonfinite = [(a, v) for a, v in zip(operands, values) if _checked(v) and not _finite(v)]
         scalar_nonfinite = [a for a in operands if isinstance(a, float) and not math.isfinite(a)]
@@ -127,6 +137,8 @@ class NonfiniteInterceptor(TorchDispatchMode):
             known = [self.origin_of(a) for a, _ in nonfinite]
             unknown = [(a, v) for (a, v), o in zip(nonfinite, known) if o is None]
             roots = [o for o in known if o is not None and o.kind != "constant"]
+            if unknown and func.is_view:
+                return  # a view of the batch or a weight (aten::t, view): blame the op that computes with it
             if unknown:  # already non-finite when it reached the traced ops
                 origin = self._outside(op, *unknown[0])
                 self._register([unknown[0][0]], origin)
@@ -159,7 +171,10 @@ class NonfiniteInterceptor(TorchDispatchMode):
         return self._new("failure", op, classify(op, values, out))
 
     def _outside(self, op: str, tensor: torch.Tensor, value: torch.Tensor) -> Origin:
-        return self._new("outside", op, describe_outside(self.scope.describe(tensor), value))
+        named = self.scope.describe(tensor)
+        if named is None:
+            return self._new("outside", op, describe_outside(None, value))
+        return self._new("outside", op, describe_outside(named[0], named[1].detach()))
 
 
 def describe_outside(source: str | None, value: torch.Tensor) -> Cause:

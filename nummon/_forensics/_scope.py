@@ -69,6 +69,7 @@ class ModuleScope:
     def __init__(self) -> None:
         self._stack: list[tuple[nn.Module, str]] = []
         self._roots: list[nn.Module] = []
+        self._names: dict[int, dict[int, str]] = {}  # id(root) -> {id(module): dotted path}
         self._seen: set[int] = set()
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.inputs: list[tuple[torch.Tensor, str]] = []  # (tensor, "input to <module>")
@@ -88,7 +89,7 @@ class ModuleScope:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         path = self._path_of(module)
-        if not self._stack:
+        if not self._stack and all(root is not module for root in self._roots):
             self._roots.append(module)
         self._stack.append((module, path))
         if id(module) not in self._seen:
@@ -105,17 +106,15 @@ class ModuleScope:
             self._stack.pop()
 
     def _path_of(self, module: nn.Module) -> str:
-        """Dotted path from the outermost running module ("" for that root itself)."""
+        """Dotted path from the outermost running module ("" for that root itself); the
+        roots' name tables are built once, so a deep model costs O(modules), not O(modules²)."""
         if not self._stack:
+            self._names.setdefault(id(module), {id(m): name for name, m in module.named_modules()})
             return ""
-        parent, parent_path = self._stack[-1]
-        for name, child in parent.named_modules():
-            if child is module and name:
-                return f"{parent_path}.{name}" if parent_path else name
-        for root in self._roots:  # a shared module called from elsewhere
-            for name, child in root.named_modules():
-                if child is module and name:
-                    return name
+        for table in [self._names[id(self._stack[0][0])], *self._names.values()]:
+            name = table.get(id(module))
+            if name:
+                return name
         return type(module).__name__
 
     @property
@@ -127,18 +126,18 @@ class ModuleScope:
         return path or type(module).__name__
 
     # -- naming tensors that came from outside -----------------------------------------------
-    def describe(self, tensor: torch.Tensor) -> str | None:
-        """'parameter encoder.fc1.weight', 'buffer bn.running_var' or 'input to Net', when the
-        tensor is (a view of) one of those; None otherwise."""
+    def describe(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """('parameter encoder.fc1.weight' | 'buffer bn.running_var' | 'input to Net', that
+        tensor) when `tensor` is (a view of) one of those; None otherwise."""
         ptr = _storage_ptr(tensor)
         for root in self._roots:
             for kind, named in (("parameter", root.named_parameters()), ("buffer", root.named_buffers())):
                 for name, value in named:
                     if value is tensor or (ptr is not None and _storage_ptr(value) == ptr):
-                        return f"{kind} {name}"
+                        return f"{kind} {name}", value
         for value, label in self.inputs:
             if value is tensor or (ptr is not None and _storage_ptr(value) == ptr):
-                return label
+                return label, value
         return None
 
     # -- buffers -----------------------------------------------------------------------------
