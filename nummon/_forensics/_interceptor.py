@@ -82,6 +82,8 @@ class NonfiniteInterceptor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not isinstance(func, torch._ops.OpOverload):  # higher-order ops (compiled regions): no schema
+            return func(*args, **kwargs)
         op = func._schema.name
         if self.stage == "forward":
             self._note_node(op)
