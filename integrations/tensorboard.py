@@ -38,7 +38,7 @@ class TensorBoardSink(BaseSink):
         w = self.writer
         for tag, value in scalar_tags(record).items():
             w.add_scalar(tag, value, global_step=record.step)
-        w.add_scalar("nummon/health", _HEALTH_CODE[health], global_step=record.step)
+        w.add_scalar("nummon/health", health.code, global_step=record.step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         if self.histogram_every and step % self.histogram_every:

@@ -83,7 +83,7 @@ class WandbSink(BaseSink):
 
     def on_step(self, record: StepRecord, health: Health) -> None:
         data: dict[str, Any] = {k: v for k, v in scalar_tags(record).items()}
-        data["nummon/health"] = {"healthy": 0, "extreme": 1, "nonfinite": 2}[health.value]
+        data["nummon/health"] = health.code
         self.run.log(data, step=record.step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
