@@ -173,7 +173,8 @@ class IncidentEvent:
 
 class IncidentTracker:
     """The run-level state machine: none/resolved -> open (warning) -> critical -> nonfinite,
-    and back to resolved after ``quiet_steps`` steps with no open condition and no new alert.
+    and back to resolved after ``quiet_steps`` steps with no open condition and no alert (the
+    count starts at the last alert, a "cleared" one included).
 
     A condition counts as open from its warning/critical alert until its "cleared" alert; the
     engine may also say directly whether any condition is still open (``conditions_open``).
@@ -184,7 +185,7 @@ class IncidentTracker:
         self.state = IncidentState.NONE
         self.number = 0
         self._opened_step = 0
-        self._last_alert_step = 0
+        self._quiet_since = 0  # last step with an alert or an open condition
         self._open: set[tuple[str, str, str]] = set()
         self._contributors: dict[tuple[str, str, str], Contributor] = {}
         self._hint: tuple[int, str] | None = None  # (state rank, hint) of the worst alert with one
@@ -211,7 +212,6 @@ class IncidentTracker:
                 self._open.clear()
                 self._contributors.clear()
                 self._hint, self._flight_record = None, None
-            self._last_alert_step = step
             for a in loud:
                 self._note(a)
             target = max((_state_of(a) for a in loud), key=lambda s: s.rank)
@@ -219,7 +219,9 @@ class IncidentTracker:
                 self.state = target
         self._flight_record = flight_record or next((a.flight_record for a in alerts if a.flight_record), None) or self._flight_record
         still_open = bool(self._open) if conditions_open is None else conditions_open
-        if self.state.active and not loud and not still_open and step - self._last_alert_step >= self.quiet_steps:
+        if alerts or still_open:
+            self._quiet_since = step
+        if self.state.active and step - self._quiet_since >= self.quiet_steps:
             self.state = IncidentState.RESOLVED
             self._open.clear()
         if self.state is previous:
@@ -239,7 +241,9 @@ class IncidentTracker:
             self._hint = (_state_of(a).rank, a.hint)
 
     def _event(self, step: int, previous: IncidentState) -> IncidentEvent:
-        worst = sorted(self._contributors.values(), key=lambda c: (-c.severity.rank, c.step))
+        # worst first: non-finite, then critical, then warning; earliest first within each
+        lost = lambda c: c.kind is AlertKind.NONFINITE and c.severity is Severity.CRITICAL  # noqa: E731
+        worst = sorted(self._contributors.values(), key=lambda c: (-c.severity.rank - lost(c), c.step))
         return IncidentEvent(
             step=step,
             state=self.state,

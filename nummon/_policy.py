@@ -176,7 +176,7 @@ class TrendPolicy(_Section):
     baseline_records: int = Field(10, ge=1, le=MAX_WINDOW, description="the starting level is the lowest running median of the first this many finite losses, so a run that blows up early is still judged against where it started (records)")
     min_span: int = Field(100, ge=10, le=MAX_WINDOW, description="shortest trend window: the median of its second half is compared against its first (steps)")
     min_records: int = Field(10, ge=4, le=MAX_WINDOW, description="finite losses a window must hold before it is judged (records)")
-    span_fraction: float = Field(0.5, gt=0, le=1, description="the window grows to this fraction of the steps the run has lasted (fraction)")
+    span_fraction: float = Field(1.0, gt=0, le=1, description="the window grows to this fraction of the steps the run has lasted (fraction)")
 
 
 class StallPolicy(_Section):
