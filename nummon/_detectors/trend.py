@@ -62,7 +62,11 @@ class LossTrend:
     Span = max(min_span, span_fraction x steps so far, min_records x the run's logging cadence),
     so a 100-step demo and a 100,000-step pretraining log (every 50 steps) are both judged over a
     meaningful stretch. The numbers are recomputed every span/20 steps and held in between.
+    Memory is bounded: past ``MAX_POINTS`` losses, every other one is dropped and only every
+    second (then fourth, ...) new loss is kept, so the window stays evenly sampled.
     """
+
+    MAX_POINTS = 4096
 
     def __init__(self, p: TrendPolicy, level: StartLevel) -> None:
         self._p = p
@@ -70,6 +74,8 @@ class LossTrend:
         self._values: deque[tuple[int, float]] = deque()
         self._first_step: int | None = None
         self._records = 0  # records seen, for the cadence
+        self._stride = 1  # keep every `stride`-th finite loss (doubles when MAX_POINTS is reached)
+        self._finite = 0
         self._seen: StepRecord | None = None
         self._judged_at: int | None = None
         self._stats: TrendStats | None = None
@@ -93,7 +99,12 @@ class LossTrend:
             self._first_step = step
         self._records += 1
         if F.is_finite(rec.loss):
-            self._values.append((step, float(rec.loss)))
+            if self._finite % self._stride == 0:
+                self._values.append((step, float(rec.loss)))
+            self._finite += 1
+            if len(self._values) > self.MAX_POINTS:
+                self._values = deque(list(self._values)[1::2])
+                self._stride *= 2
         span = self.span(step)
         while self._values and self._values[0][0] <= step - span:
             self._values.popleft()
