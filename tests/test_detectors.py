@@ -222,3 +222,17 @@ def test_traces_logged_every_n_steps(every):
             assert any(a.kind is AlertKind.STALL for a in loud), name
         else:
             assert not any(a.severity is Severity.CRITICAL for a in loud), name
+
+
+def test_every_detector_declares_its_section_kinds_and_shared_needs():
+    import inspect
+
+    shared = shared_values(P)
+    kinds = [k for cls in DETECTORS for k in cls.kinds]
+    assert len(kinds) == len(set(kinds)) == len(AlertKind), "each kind has exactly one owner"
+    for cls in DETECTORS:
+        assert cls.section in type(P).model_fields
+        params = list(inspect.signature(cls.__init__).parameters)[1:]
+        assert params == ["p", *cls.needs] and set(cls.needs) <= set(shared)
+    off = Policy.model_validate({"stall": {"enabled": False}, "spike": {"enabled": False}})
+    assert {d.section for d in build_detectors(off)} == {c.section for c in DETECTORS} - {"stall", "spike"}
