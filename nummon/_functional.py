@@ -2,7 +2,25 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Sequence
+
+__all__ = [
+    "DTYPE_MAX",
+    "MAD_TO_SIGMA",
+    "is_finite",
+    "median",
+    "quantile",
+    "robust_center",
+    "log10_safe",
+    "jump_decades",
+    "growth_per_step",
+    "steps_to_overflow",
+    "headroom_decades",
+    "relative_change",
+    "relative_spread",
+    "pow10",
+    "fmt",
+]
 
 #: Largest finite value per dtype (so detectors need no torch to reason about headroom).
 DTYPE_MAX = {
@@ -95,10 +113,11 @@ def relative_spread(values: Sequence[float]) -> float:
     return (quantile(values, 0.75) - quantile(values, 0.25)) / max(abs(m), 1e-12)
 
 
-def finite_only(values: Iterable[float | None]) -> list[float]:
-    return [float(v) for v in values if is_finite(v)]
-
-
 def pow10(x: float) -> float:
     """10**x without OverflowError (inf past float64's range)."""
     return math.inf if x > 308.25 else 10.0**x
+
+
+def fmt(v: float | None) -> str:
+    """A number for a one-line message: 4 significant digits, "n/a" when absent."""
+    return "n/a" if v is None else f"{v:.4g}"

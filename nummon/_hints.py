@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from ._types import AlertKind, Finding
 
+__all__ = ["hint_for"]
+
 _BASE = {
     AlertKind.NONFINITE: "find the first non-finite tensor named here; check for log/div/sqrt of 0 "
     "(use log_softmax, add an epsilon), then lower the LR or clip gradients",

@@ -10,6 +10,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "Severity",
+    "AlertKind",
+    "INSTABILITY_KINDS",
+    "Health",
+    "HEALTH_LEGEND",
+    "SCALAR_FIELDS",
+    "StepRecord",
+    "Finding",
+    "Alert",
+    "StepReport",
+]
+
 
 class Severity(str, enum.Enum):
     """How bad an alert is; ordered info < warning < critical."""
@@ -60,24 +73,27 @@ INSTABILITY_KINDS = frozenset(
 
 
 class Health(str, enum.Enum):
-    """The three numerical states nummon separates."""
+    """The numerical state of one record, worst first: nonfinite > extreme > incident > healthy."""
 
     HEALTHY = "healthy"
-    EXTREME = "extreme"  # finite, but already running away or near the dtype's limit
+    EXTREME = "extreme"  # finite, but close to the dtype's limit (few decades of headroom left)
     NONFINITE = "nonfinite"
+    INCIDENT = "incident"  # finite and within the dtype's range, but a warning or critical condition is open
+
+    @property
+    def code(self) -> float:
+        """A number for scalar dashboards: healthy 0, incident 0.5, extreme 1, nonfinite 2."""
+        return _HEALTH_CODE[self]
 
     def __str__(self) -> str:
         return self.value
 
-    @property
-    def code(self) -> int:
-        """The number plotting backends chart (see HEALTH_LEGEND)."""
-        return _HEALTH_CODES[self]
 
 
-_HEALTH_CODES = {Health.HEALTHY: 0, Health.EXTREME: 1, Health.NONFINITE: 2}
+_HEALTH_CODE = {Health.HEALTHY: 0.0, Health.INCIDENT: 0.5, Health.EXTREME: 1.0, Health.NONFINITE: 2.0}
 #: What the plotted health numbers mean.
-HEALTH_LEGEND = "health: 0 = healthy (finite), 1 = extreme (finite, but running away or near the dtype's limit), 2 = non-finite (NaN/Inf)"
+HEALTH_LEGEND = ("health: 0 = healthy, 0.5 = incident (finite, but a warning or critical condition is open), "
+                 "1 = extreme (finite, few decades left before the dtype overflows), 2 = non-finite (NaN/Inf)")
 
 
 #: Scalar fields of a step record, in the order sinks and tables show them.
@@ -96,8 +112,11 @@ SCALAR_FIELDS = (
 
 @dataclass
 class StepRecord:
-    """Host-side statistics of one optimizer step (plain floats; NaN means "not measured" only
-    when listed in ``missing``; a NaN value of a measured field is a real NaN)."""
+    """Host-side statistics of one optimizer step, as plain floats.
+
+    ``None`` means "not measured at this step" (sampling cadence, a trace without the column); a
+    NaN or Inf value is a real non-finite measurement.
+    """
 
     step: int
     loss: float | None = None
@@ -123,6 +142,15 @@ class StepRecord:
     def scalars(self) -> dict[str, float]:
         """The measured scalar fields as a flat dict (absent ones left out)."""
         return {k: float(v) for k in SCALAR_FIELDS if (v := getattr(self, k)) is not None}
+
+    def measures(self, metric: str) -> bool:
+        """Whether this record carries a value for a finding's `metric` (a scalar field name or
+        "layer_grad_norm"); metrics that are not record fields count as measured."""
+        if metric in SCALAR_FIELDS:
+            return getattr(self, metric) is not None
+        if metric == "layer_grad_norm":
+            return bool(self.layer_grad_norms)
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step}

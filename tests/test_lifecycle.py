@@ -1,7 +1,9 @@
-"""Alert lifecycle: dedup, cooldown, escalation, clearing."""
+"""Alert lifecycle: dedup, cooldown, escalation, clearing; transitions as data, alerts in one place."""
+import math
+
 from nummon import AlertKind, Policy, Severity
-from nummon._engine import AlertLifecycle, HealthEngine
-from nummon._types import Finding, StepRecord
+from nummon._engine import AlertLifecycle, HealthEngine, Transition
+from nummon._types import Finding, Health, StepRecord
 
 P = Policy.load("default")
 
@@ -10,39 +12,63 @@ def f(sev=Severity.WARNING, metric="grad_norm"):
     return Finding(AlertKind.EXPLOSION, sev, metric, 1.0, 1.0, "x")
 
 
-def lifecycle_run(seq, policy=P):
-    lc = AlertLifecycle(policy)
+def alerts_of(seq, policy=P):
+    """The alerts the engine builds from the lifecycle's transitions, per step."""
+    lc = AlertLifecycle(policy.alerts)
     eng = HealthEngine(policy)
-    return [lc.update(step, fs, eng._make_alert) for step, fs in enumerate(seq)]
+    return [[a for t in lc.update(step, fs) if (a := eng.alert_for(step, t))] for step, fs in enumerate(seq)]
+
+
+def test_transitions_are_plain_data():
+    lc = AlertLifecycle(P.alerts)
+    assert lc.update(0, [f()]) == [Transition("opened", f())]
+    assert lc.update(1, [f(Severity.CRITICAL)]) == [Transition("escalated", f(Severity.CRITICAL), Severity.WARNING)]
+    assert lc.update(2, []) == [Transition("cleared", f(Severity.CRITICAL), Severity.CRITICAL)]
 
 
 def test_one_alert_while_condition_holds_then_info_when_it_clears():
-    out = lifecycle_run([[f()], [f()], [f()], []])
+    out = alerts_of([[f()], [f()], [f()], []])
     assert [len(o) for o in out] == [1, 0, 0, 1]
     assert out[3][0].severity is Severity.INFO and out[3][0].cleared
 
 
 def test_escalation_warning_to_critical_is_a_new_alert():
-    out = lifecycle_run([[f()], [f(Severity.CRITICAL)], [f(Severity.CRITICAL)]])
+    out = alerts_of([[f()], [f(Severity.CRITICAL)], [f(Severity.CRITICAL)]])
     assert [a.severity for o in out for a in o] == [Severity.WARNING, Severity.CRITICAL]
     assert out[1][0].details["escalated_from"] == "warning"
 
 
 def test_cooldown_suppresses_repeats_but_not_escalation():
     seq = [[f()], [], [f()], [], [f(Severity.CRITICAL)]]
-    out = lifecycle_run(seq)
-    sev = [[a.severity for a in o] for o in out]
+    sev = [[a.severity for a in o] for o in alerts_of(seq)]
     assert sev[0] == [Severity.WARNING]
     assert sev[2] == []  # same key within cooldown: quiet
     assert sev[3] == []  # a quiet condition clears quietly
     assert sev[4] == [Severity.CRITICAL]
     no_cd = Policy.model_validate({"alerts": {"cooldown_steps": 0}})
-    out = lifecycle_run([[f()], [], [], [f()]], no_cd)
-    assert [len(o) for o in out] == [1, 1, 0, 1]
+    assert [len(o) for o in alerts_of([[f()], [], [], [f()]], no_cd)] == [1, 1, 0, 1]
+
+
+def test_recurring_nonfinite_alerts_again_after_the_cooldown():
+    """Issue 12 item 7: NaN at steps 5, 10, 24 and 30 gave one critical alert, because each quiet
+    stretch restarted the cooldown. It counts from the last alert sent: 30 - 5 > 20 alerts again."""
+    eng = HealthEngine(P)
+    crit = []
+    for step in range(40):
+        loss = math.nan if step in (5, 10, 24, 30) else 1.0
+        alerts, _ = eng.process(StepRecord(step=step, loss=loss))
+        crit += [a.step for a in alerts if a.severity is Severity.CRITICAL]
+    assert crit == [5, 30]
+
+
+def test_a_condition_held_silently_is_announced_once_the_cooldown_is_over():
+    seq = [[f()], []] + [[f()]] * 30
+    steps = [i for i, o in enumerate(alerts_of(seq)) for a in o if a.severity is Severity.WARNING]
+    assert steps == [0, 21]
 
 
 def test_distinct_metrics_are_distinct_alerts():
-    out = lifecycle_run([[f(metric="grad_norm"), f(metric="grad_max")]])
+    out = alerts_of([[f(metric="grad_norm"), f(metric="grad_max")]])
     assert len(out[0]) == 2
 
 
@@ -53,5 +79,29 @@ def test_nonfinite_record_does_not_clear_open_conditions():
     alerts, _ = eng.process(StepRecord(step=10, grad_norm=100.0))
     assert any(a.kind is AlertKind.EXPLOSION for a in alerts)
     alerts, health = eng.process(StepRecord(step=11, grad_norm=float("nan")))
-    assert health.value == "nonfinite"
+    assert health is Health.NONFINITE
     assert not any(a.cleared for a in alerts)
+
+
+def test_a_record_without_the_metric_neither_opens_nor_clears_its_condition():
+    """Issue 13: a Hugging Face eval row (no `loss`) cleared an active divergence alert."""
+    eng = HealthEngine(P)
+    got = []
+    for i in range(30):
+        loss = 2.0 if i < 10 else 1.5e7
+        got += eng.process(StepRecord(step=2 * i, loss=loss))[0]
+    assert any(a.kind is AlertKind.DIVERGENCE and not a.cleared for a in got)
+    eval_row, health = eng.process(StepRecord(step=61, lr=1e-4))  # an eval-only row: no loss
+    assert not any(a.cleared for a in eval_row) and health is Health.INCIDENT
+    nxt, _ = eng.process(StepRecord(step=62, loss=1.5e7))
+    assert nxt == []  # still the same open condition: no new alert either
+
+
+def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
+    eng = HealthEngine(P)
+    healths = [eng.process(StepRecord(step=i, grad_norm=1.0))[1] for i in range(10)]
+    assert set(healths) == {Health.HEALTHY}
+    _, h = eng.process(StepRecord(step=10, grad_norm=100.0))  # an explosion: finite, 36 decades left
+    assert h is Health.INCIDENT
+    _, h = eng.process(StepRecord(step=11, grad_norm=1e35))  # 3.5 decades of float32 left
+    assert h is Health.EXTREME

@@ -1,0 +1,97 @@
+"""Sustained geometric growth over consecutive records, with steps left until overflow."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .. import _functional as F
+from .._policy import RunawayPolicy
+from .._types import AlertKind, Finding, Severity, StepRecord
+
+__all__ = ["RunawayDetector"]
+
+
+class RunawayDetector:
+    """A metric that keeps growing by at least ``min_growth`` per step, far above its recent level.
+
+    Shared value: ``default_dtype``, the dtype whose overflow is forecast when a record does not
+    name one.
+    """
+
+    section = "runaway"
+    kinds = (AlertKind.RUNAWAY,)
+    needs = ("default_dtype",)
+
+    def __init__(self, p: RunawayPolicy, default_dtype: str = "float32") -> None:
+        self._p = p
+        self._dtype = default_dtype
+        # per metric: (last step, last value, streak length in steps, streak start step, streak start value)
+        self._state: dict[str, tuple[int, float, int, int, float]] = {}
+        self._records: dict[str, int] = {}  # growth records in the current streak
+        self._hist: dict[str, deque[float]] = {m: deque(maxlen=p.history) for m in p.metrics}
+
+    def update(self, rec: StepRecord) -> list[Finding]:
+        out: list[Finding] = []
+        for metric in self._p.metrics:
+            v = getattr(rec, metric)
+            if not F.is_finite(v) or v <= 0:
+                if v is not None:
+                    self._state.pop(metric, None)  # a NaN ends the streak; the nonfinite detector takes over
+                continue
+            finding = self._observe(metric, rec.step, float(v), rec.headroom_dtype or self._dtype)
+            if finding is not None:
+                out.append(finding)
+        return out
+
+    def _observe(self, metric: str, step: int, v: float, dtype: str) -> Finding | None:
+        p = self._p
+        hist = self._hist[metric]
+        prev = self._state.get(metric)
+        if prev is None or step <= prev[0]:
+            self._state[metric] = (step, v, 0, step, v)
+            self._records[metric] = 0
+            hist.append(F.log10_safe(v))
+            return None
+        step0, v0, streak, start_step, start = prev
+        if F.growth_per_step(v0, v, step - step0) >= p.min_growth:
+            # a streak is counted in steps: one record 5 steps after the last, grown at the
+            # minimum rate per step, is 5 steps of sustained growth (logs every N steps)
+            streak += step - step0
+            self._records[metric] += 1
+        else:
+            streak, start_step, start = 0, step, v
+            self._records[metric] = 0
+        self._state[metric] = (step, v, streak, start_step, start)
+        hist.append(F.log10_safe(v))
+        if streak == 0:
+            return None
+        total = v / start
+        warn_f, crit_f = p.warning_total_factor, p.critical_total_factor
+        if len(hist) < p.short_history:
+            # early in a run (or trace) growth from tiny initial values is normal: demand more
+            warn_f, crit_f = warn_f**p.short_history_multiplier, crit_f**p.short_history_multiplier
+        if streak < p.warning_steps or total < warn_f:
+            return None
+        # the value must also stand above the metric's recent level (median of earlier samples)
+        earlier = list(hist)[:-1]
+        above = v / F.pow10(F.median(earlier)) if earlier else math.inf
+        # critical needs `critical_steps` growth observations too: with logs every N steps a
+        # noise blip followed by one spike would otherwise look sustained
+        if streak >= p.critical_steps and self._records[metric] >= p.critical_steps and total >= crit_f and above >= crit_f:
+            severity, threshold = Severity.CRITICAL, crit_f
+        elif total >= warn_f and above >= warn_f:
+            severity, threshold = Severity.WARNING, warn_f
+        else:
+            return None
+        mean_rate = total ** (1.0 / max(step - start_step, 1))
+        left = F.steps_to_overflow(v, mean_rate, F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"]))
+        return Finding(
+            AlertKind.RUNAWAY,
+            severity,
+            metric,
+            v,
+            threshold,
+            f"{metric} grew {total:.3g}x over {streak} consecutive steps (x{mean_rate:.3g} per step); "
+            f"~{left:.0f} steps left until {dtype} overflow at this rate",
+            details={"growth": total, "rate_per_step": mean_rate, "steps_to_overflow": left, "streak": streak},
+        )

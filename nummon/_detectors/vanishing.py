@@ -1,0 +1,52 @@
+"""Some layers' gradients ~0 for many steps while other layers' are not."""
+from __future__ import annotations
+
+from .. import _functional as F
+from .._policy import VanishingPolicy
+from .._types import AlertKind, Finding, Severity, StepRecord
+
+__all__ = ["VanishingDetector"]
+
+
+class VanishingDetector:
+    """One finding per step for every vanished layer together, naming the worst few (no
+    location: the set of layers may change while the condition holds, its key must not)."""
+
+    section = "vanishing"
+    kinds = (AlertKind.VANISHING,)
+    needs = ()
+
+    def __init__(self, p: VanishingPolicy) -> None:
+        self._p = p
+        self._count: dict[str, int] = {}
+
+    def update(self, rec: StepRecord) -> list[Finding]:
+        norms = {k: v for k, v in rec.layer_grad_norms.items() if F.is_finite(v)}
+        if len(norms) < 2:
+            return []
+        top = max(norms.values())
+        if top <= 0:
+            return []
+        limit = self._p.ratio * top
+        for name, v in norms.items():
+            self._count[name] = self._count.get(name, 0) + 1 if v <= limit else 0
+        gone = sorted((v, name) for name, v in norms.items() if self._count[name] >= self._p.patience)
+        if not gone:
+            return []
+        worst = gone[: self._p.max_named]
+        named = ", ".join(f"{name} ({F.fmt(v)})" for v, name in worst)
+        more = f" and {len(gone) - len(worst)} more" if len(gone) > len(worst) else ""
+        held = min(self._count[name] for _, name in gone)
+        layers = "layer has" if len(gone) == 1 else f"{len(gone)} layers have"
+        return [
+            Finding(
+                AlertKind.VANISHING,
+                Severity.WARNING,
+                "layer_grad_norm",
+                worst[0][0],
+                limit,
+                f"gradient of {layers} been ~0 (< {self._p.ratio:g} of the largest layer's {F.fmt(top)}) "
+                f"for {held}+ steps: {named}{more}",
+                details={"layers": {name: v for v, name in worst}, "count": len(gone)},
+            )
+        ]
