@@ -1,4 +1,4 @@
-"""Fan-out of step records, histograms and alerts to sinks, off the training thread.
+"""Fan-out of step records, histograms, alerts and incident events to sinks, off the training thread.
 
 Each sink runs on its own worker thread behind a bounded queue, so a slow sink delays only
 itself. Every wait on a sink is bounded (policy `sinks.*_timeout_s`) and logged when it is hit:
@@ -60,9 +60,10 @@ class _Worker:
             self.steps.append(item)
             self.cv.notify_all()
 
-    def put_alert(self, alert: Alert) -> None:
+    def put_alert(self, method: str, payload: Any) -> None:
+        """An alert or incident event: never dropped, handled before queued step records."""
         with self.cv:
-            self.alerts.append(alert)
+            self.alerts.append((method, payload))
             self.cv.notify_all()
 
     def marker(self) -> threading.Event:
@@ -102,7 +103,7 @@ class _Worker:
                 else:
                     break
             if kind == "alert":
-                self.call("on_alert", item)
+                self.call(item[0], item[1])
             elif item[0] == "step":
                 self.call("on_step", item[1], item[2])
             elif item[0] == "hist":
@@ -176,10 +177,18 @@ class SinkDispatcher:
                 w.put_step(("hist", step, hists))
 
     def alert(self, alert: Alert) -> None:
+        self._urgent("on_alert", alert)
+
+    def incident(self, event: Any) -> None:
+        """An incident event, for the sinks that notify people (those with `on_incident`)."""
+        self._urgent("on_incident", event)
+
+    def _urgent(self, method: str, payload: Any) -> None:
         for s, n in self._sync:
-            self._call_sync(s, n, "on_alert", alert)
+            self._call_sync(s, n, method, payload)
         for w in self.workers:
-            w.put_alert(alert)
+            if hasattr(w.sink, method):
+                w.put_alert(method, payload)
 
     def flush(self, timeout: float) -> bool:
         """Wait, at most `timeout` seconds in all, until every sink has written what it was

@@ -104,6 +104,7 @@ class Monitor:
         self._sinks.bind(RunContext(rank=self.rank, world_size=world, run_dir=self.run_folder.known,
                                     flush_every_steps=sp.flush_every_steps))
         self.alerts: list[Alert] = []
+        self.incidents: list[Any] = []  # IncidentEvents: one per opened / escalated / resolved incident
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: Pending | None = None
@@ -198,11 +199,11 @@ class Monitor:
 
     def _evaluate(self, pending: Pending) -> StepReport:
         rec = self.stats.resolve(pending)
-        alerts, health = self.engine.process(rec)
-        self.recorder.add(rec, health)
+        got = self.engine.step(rec)
+        self.recorder.add(rec, got.health)
         routed = []
         critical = False
-        for a in alerts:
+        for a in got.alerts:
             if a.severity is Severity.CRITICAL:
                 critical = True
                 if self.flight_record is None and self.policy.recorder.write:
@@ -216,10 +217,18 @@ class Monitor:
             routed.append(a)
             self.alerts.append(a)
             self._sinks.alert(a)
-        self._sinks.step(rec, health)
+        events = []
+        for ev in got.incidents:
+            if self.flight_record is not None and ev.state.active:
+                ev = ev.with_flight_record(str(self.flight_record))
+            events.append(ev)
+            self.incidents.append(ev)
+            self._sinks.incident(ev)
+        self._sinks.step(rec, got.health)
         if critical:  # the alert that precedes a crash is on disk before post_step returns
             self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s)
-        return StepReport(step=rec.step, health=health, alerts=tuple(routed), should_stop=self._stop, record=rec)
+        return StepReport(step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop,
+                          record=rec, incidents=tuple(events))
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
         name = f"nummon-flight-record-step{alert.step}" + (f"-rank{self.rank}" if self._dist else "") + ".json"

@@ -62,6 +62,9 @@ class BaseSink:
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         pass
 
+    def on_incident(self, event: Any) -> None:
+        """One transition of the run's incident (opened, escalated, resolved): notify people here."""
+
     def flush(self) -> None:
         pass
 
@@ -119,6 +122,12 @@ class JsonlSink(BaseSink):
         if alert.severity is Severity.CRITICAL:
             os.fsync(fh.fileno())
 
+    def on_incident(self, event: Any) -> None:
+        fh = self._file()
+        fh.write(dumps({"type": "incident", **event.to_dict()}) + "\n")
+        fh.flush()
+        self._unflushed = 0
+
     def flush(self) -> None:
         if self._fh is not None and not self._fh.closed:
             self._fh.flush()
@@ -132,23 +141,34 @@ class JsonlSink(BaseSink):
 
 
 class ConsoleSink(BaseSink):
-    """One readable log line per alert (stdlib logging, logger "nummon"), with its hint.
+    """One readable line per incident event (opened, escalated, resolved) on the "nummon"
+    logger, with the incident's summary; with `per_alert=True`, one line per alert as well.
 
     Synchronous: its lines appear in order with the training script's own output.
     """
 
     synchronous = True
 
-    def __init__(self, logger: logging.Logger | None = None, min_severity: Severity | str = Severity.INFO) -> None:
+    def __init__(self, logger: logging.Logger | None = None, min_severity: Severity | str = Severity.INFO,
+                 per_alert: bool = False) -> None:
         self.logger = logger or log
         self.min_severity = Severity(min_severity)
+        self.per_alert = per_alert
 
     def on_alert(self, alert: Alert) -> None:
-        if alert.severity.rank < self.min_severity.rank:
+        if not self.per_alert or alert.severity.rank < self.min_severity.rank:
             return
         level = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.CRITICAL: logging.ERROR}[alert.severity]
         hint = f" | hint: {alert.hint}" if alert.hint and not alert.cleared else ""
         self.logger.log(level, "nummon %s%s", alert, hint)
+
+    def on_incident(self, event: Any) -> None:
+        rank = getattr(event.state, "rank", 1)
+        level = logging.INFO if rank == 0 else (logging.WARNING if rank == 1 else logging.ERROR)
+        if level == logging.INFO and self.min_severity.rank > Severity.INFO.rank:
+            return
+        body = event.summary().replace("\n", "\n    ")
+        self.logger.log(level, "%s\n    %s", event.title, body)
 
 
 class MemorySink(BaseSink):
@@ -160,6 +180,7 @@ class MemorySink(BaseSink):
         self.records: list[StepRecord] = []
         self.healths: list[Health] = []
         self.alerts: list[Alert] = []
+        self.incidents: list[Any] = []
         self.histograms: list[tuple[int, dict[str, Any]]] = []
         self.context: RunContext | None = None
         self.closed = False
@@ -177,6 +198,9 @@ class MemorySink(BaseSink):
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         self.histograms.append((step, histograms))
+
+    def on_incident(self, event: Any) -> None:
+        self.incidents.append(event)
 
     def close(self) -> None:
         self.closed = True

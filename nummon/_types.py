@@ -279,6 +279,7 @@ class StepReport:
     should_stop: bool = False
     record: StepRecord | None = None
     pending: bool = False  # lagged (CUDA) mode: this step's statistics are still on their way
+    incidents: tuple[Any, ...] = ()  # IncidentEvents of this step (opened, escalated, resolved)
 
     @property
     def warned(self) -> bool:
