@@ -114,10 +114,14 @@ class IncidentEvent:
     contributors: tuple[Contributor, ...] = ()  # worst first
     flight_record: str | None = None
     hint: str | None = None
+    action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
 
     @property
     def title(self) -> str:
         """A short title naming the state (under 64 characters)."""
+        if self.action:
+            text = f"nummon: {self.action}"
+            return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
         head = _HEADLINE.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
@@ -127,7 +131,9 @@ class IncidentEvent:
 
     def summary(self) -> str:
         """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
-        if self.state is IncidentState.RESOLVED:
+        if self.action:
+            head = f"Incident {self.number} at step {self.step}: {self.action}. Now **{self.state.value}**."
+        elif self.state is IncidentState.RESOLVED:
             head = (f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
                     "no open condition and no new alert since.")
         else:
@@ -164,6 +170,7 @@ class IncidentEvent:
             "contributors": [c.to_dict() for c in self.contributors],
             "flight_record": self.flight_record,
             "hint": self.hint,
+            **({"action": self.action} if self.action else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":
@@ -227,6 +234,23 @@ class IncidentTracker:
         if self.state is previous:
             return []
         return [self._event(step, previous)]
+
+    def acted(self, step: int, alert: Alert, action: str) -> IncidentEvent:
+        """An event saying what was done about the incident (a rollback, a recovery that gave
+        up): always one, whatever the state; the incident stays open, at least as a warning."""
+        previous = self.state
+        if not self.state.active:
+            self.number += 1
+            self._opened_step = step
+            self._open.clear()
+            self._contributors.clear()
+        self._note(alert)
+        if alert.severity is Severity.CRITICAL:
+            self.state = max(self.state, IncidentState.CRITICAL, key=lambda s: s.rank)
+        elif not self.state.active:
+            self.state = IncidentState.OPEN
+        self._quiet_since = step
+        return replace(self._event(step, previous), action=action)
 
     def _note(self, a: Alert) -> None:
         key = _key(a)

@@ -116,6 +116,12 @@ class Monitor:
         self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
+        # recovery (issue 17, opt-in): guard on optimizer.step, snapshots, rollbacks; logic in _recovery/
+        self.recovery = None
+        if self.policy.recovery.enabled:
+            from ._recovery import Recovery
+
+            self.recovery = Recovery(self)
         _shutdown.register(self, sp.handle_sigterm)
 
     # ------------------------------------------------------------------ public
@@ -175,6 +181,8 @@ class Monitor:
                 self._evaluate(pending)
             self._closed = True
             self.stats.remove_hooks()
+            if self.recovery is not None:  # recovery: give optimizer.step back
+                self.recovery.close()
             self._sinks.close(timeout=self.policy.sinks.close_timeout_s)
             _shutdown.unregister(self)
 
@@ -189,6 +197,11 @@ class Monitor:
         return self._stop
 
     @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """What recovery did (skips, rollbacks, budget spent), oldest first; empty when it is off."""
+        return list(self.recovery.log) if self.recovery is not None else []
+
+    @property
     def sink_stats(self) -> dict[str, dict[str, int]]:
         """Errors and dropped step records per sink (two sinks of one class: `Name`, `Name#2`)."""
         return self._sinks.stats()
@@ -201,14 +214,18 @@ class Monitor:
         rec = self.stats.resolve(pending)
         got = self.engine.step(rec)
         self.recorder.add(rec, got.health)
+        alerts = list(got.alerts)
+        recovered = False  # recovery: True when this step's critical alerts were handled (skip/rollback)
+        if self.recovery is not None:
+            alerts, recovered = self.recovery.on_record(rec, got.health, alerts)
         routed = []
         critical = False
-        for a in got.alerts:
+        for a in alerts:
             if a.severity is Severity.CRITICAL:
                 critical = True
                 if self.flight_record is None and self.policy.recorder.write:
                     a = self._dump_flight_record(a)
-                if self.policy.alerts.stop_on_critical:
+                if self.policy.alerts.stop_on_critical and not recovered:
                     self._stop = True
             if self._dist is not None and a.rank is None and rec.rank is not None:
                 a = dataclasses.replace(a, rank=rec.rank)
@@ -217,11 +234,14 @@ class Monitor:
             routed.append(a)
             self.alerts.append(a)
             self._sinks.alert(a)
-        events = []
-        for ev in got.incidents:
-            if self.flight_record is not None and ev.state.active:
-                ev = ev.with_flight_record(str(self.flight_record))
-            events.append(ev)
+        events = list(got.incidents)
+        for a in alerts:  # every recovery (rollback, budget spent) is an incident event of its own
+            if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
+                events.append(self.engine.incidents.acted(a.step, a, a.message))
+        if self.flight_record is not None:
+            events = [ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
+                      for ev in events]
+        for ev in events:
             self.incidents.append(ev)
             self._sinks.incident(ev)
         self._sinks.step(rec, got.health)

@@ -246,6 +246,34 @@ class SinkPolicy(_Section):
     console: bool = Field(False, description="add a ConsoleSink (stdlib logging)")
 
 
+class RecoveryPolicy(_Section):
+    """Opt-in self-repair (issue 17): skip a poisoned update, roll a runaway back to a healthy snapshot.
+
+    Costs when enabled: one host read per optimizer step (the guard's total gradient norm, read
+    at `optimizer.step()` time; under torch.distributed one more small all_reduce), and a copy of
+    the model and optimizer state in host memory (about 1x the model's bytes for SGD, 3x for SGD
+    momentum/Adam), refreshed every `snapshot_every` steps (non-blocking copies on CUDA).
+    """
+
+    enabled: bool = Field(False, description="turn recovery on: wrap optimizer.step with a gradient guard and keep rollback snapshots (off: nummon only watches)")
+    skip_nonfinite: bool = Field(True, description="skip an update whose gradients hold a NaN/Inf (parameters and optimizer state untouched, gradients zeroed)")
+    skip_outliers: bool = Field(True, description="skip an update whose total gradient norm is far above its robust recent range")
+    guard_window: int = Field(50, ge=4, description="accepted steps of total gradient norm kept for the guard's baseline (median and MAD of log10 values) (steps)")
+    guard_min_history: int = Field(10, ge=2, description="accepted steps needed before an outlier can be judged (steps)")
+    guard_factor: float = Field(10.0, gt=1, description="an outlier is at least this multiple of the recent median grad norm (ratio)")
+    guard_mad: float = Field(6.0, gt=0, description="and at least this many robust standard deviations (1.4826 * MAD of log10 values) above it")
+    skip_window: int = Field(20, ge=1, description="window in which repeated skips are counted (steps)")
+    max_skips: int = Field(3, ge=0, description="more skips than this within skip_window is a warning; more than twice this triggers a rollback (skips)")
+    rollback: bool = Field(True, description="on a critical trigger, restore the last healthy snapshot and lower the learning rate")
+    snapshot_every: int = Field(50, ge=1, description="take a snapshot every this many steps, when the last this-many steps raised no warning (steps)")
+    lr_factor: float = Field(0.5, gt=0, le=1, description="after a rollback every param group's learning rate is multiplied by this (ratio)")
+    max_rollbacks: int = Field(3, ge=0, description="retry budget: rollbacks allowed in a run; when spent, a critical alert stops the run as without recovery")
+    triggers: tuple[Literal["nonfinite", "runaway", "divergence", "extreme"], ...] = Field(
+        ("nonfinite", "runaway", "divergence", "extreme"),
+        description="critical alert kinds that trigger a rollback (a non-finite step always does unless its update was skipped)",
+    )
+
+
 class Policy(_Section):
     """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
 
@@ -263,6 +291,7 @@ class Policy(_Section):
     sampling: SamplingPolicy = SamplingPolicy()
     recorder: RecorderPolicy = RecorderPolicy()
     sinks: SinkPolicy = SinkPolicy()
+    recovery: RecoveryPolicy = RecoveryPolicy()
 
     @model_validator(mode="after")
     def _windows(self) -> "Policy":

@@ -1,0 +1,8 @@
+"""Opt-in recovery (policy section `recovery`, issue 17): a pre-step gradient guard that skips a
+poisoned update, host snapshots of the model and optimizer state, and rollbacks with a lower
+learning rate on a critical runaway or a non-finite step."""
+from ._guard import GradientGuard, SkipDecision
+from ._recovery import Recovery
+from ._snapshot import Snapshot
+
+__all__ = ["GradientGuard", "Recovery", "SkipDecision", "Snapshot"]
