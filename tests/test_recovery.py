@@ -167,7 +167,7 @@ def test_rollback_restores_exact_weights_and_optimizer_state_and_lowers_lr(tmp_p
     # carries on: the detectors were re-baselined, the next steps are healthy and train
     for _ in range(3):
         r = _step(model, opt, mon, x, y)
-        assert r.health.value == "healthy" and not r.should_stop
+        assert r.health.value in ("healthy", "incident") and not r.should_stop  # the incident stays open until its quiet period
     assert not torch.equal(w["fc1.weight"], model.fc1.weight)
     mon.close()
 
