@@ -87,7 +87,7 @@ def walk_files(root: str, max_depth: int = 8) -> Iterator[str]:
         base = _local(root)
         depth0 = base.rstrip(os.sep).count(os.sep)
         for d, dirs, files in os.walk(base):
-            if d.count(os.sep) - depth0 >= max_depth:
+            if d.count(os.sep) - depth0 >= max_depth - 1:
                 dirs[:] = []
             dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
             for f in sorted(files):

@@ -1,6 +1,7 @@
 """Pick the reader a path needs (by name, then by content) and read whole logs for `replay`."""
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 from .._types import StepRecord
@@ -28,14 +29,15 @@ def detect_format(path: str) -> str:
     """The format of one file or run folder: by name first, then by its first bytes."""
     name = fs.basename(path)
     if fs.is_dir(path):
-        files = [fs.basename(f) for f in fs.walk_files(path, max_depth=1)]
-        if any(EVENT in f for f in files for EVENT in ("events.out.tfevents.",)):
+        files = list(fs.walk_files(path, max_depth=2))
+        top = [fs.basename(f) for f in files if fs.dirname(f).rstrip("/") == path.rstrip("/").rstrip(os.sep)]
+        if any(is_event_file(f) for f in top):
             return "tensorboard"
-        if STATE_NAME in files or any(f.startswith("checkpoint-") for f in files):
+        if STATE_NAME in top or any(fs.basename(f) == STATE_NAME and fs.basename(fs.dirname(f)).startswith("checkpoint-") for f in files):
             return "hf"
-        if "metrics.csv" in files:
+        if "metrics.csv" in top:
             return "csv"
-        if any(is_wandb_file(f) for f in files):
+        if any(is_wandb_file(f) for f in top):
             return "wandb"
         raise NotALogError(f"{path}: a folder with no log nummon reads (use the folder as a watch root, or --format)")
     if is_event_file(path):
