@@ -32,11 +32,27 @@ def _kind(path: str) -> tuple[str, str] | None:
         return "hf", lineage_root(path)
     if is_wandb_file(path):
         return "wandb", path
-    if name.endswith(".csv"):
+    if name == "metrics.csv":  # Lightning's name; other CSVs under a root are usually data
         return "csv", path
-    if name.endswith(".jsonl"):
+    if name.endswith(".jsonl") and _looks_like_steps(path):
         return "jsonl", path
     return None
+
+
+_not_steps: dict[str, object] = {}  # JSONL files under roots that hold no step records (datasets)
+
+
+def _looks_like_steps(path: str) -> bool:
+    """True when the first line of a JSONL file is a step record (or empty yet): a dataset's
+    `{"text": ...}` lines under a watch root are not a run."""
+    st = fs.stat(path)
+    if _not_steps.get(path) == st:
+        return False
+    head = fs.read_bytes(path, 0, 4096).split(b"\n", 1)[0].strip()
+    if not head or b'"step"' in head or b'"type"' in head:
+        return True
+    _not_steps[path] = st
+    return False
 
 
 def _norm(path: str) -> str:

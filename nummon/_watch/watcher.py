@@ -8,6 +8,7 @@ import threading
 import time
 from typing import IO, Any
 
+from .._errors import NummonError
 from .._policy import Policy
 from .base import NotALogError
 from .discovery import RunSpec, discover
@@ -95,7 +96,7 @@ class Watcher:
             run = WatchedRun(spec.id, follower, self.policy)
             if spec.id in self.saved_runs:
                 run.load_state(self.saved_runs[spec.id])
-        except (NotALogError, ImportError) as e:
+        except (NummonError, ImportError) as e:  # not a log, a missing extra, a broken saved state
             self.bad.add(spec.id)
             self.say(str(e))
             return
