@@ -51,7 +51,8 @@ class Watcher:
     ) -> None:
         self.roots = roots
         self.policy = policy
-        self.targets = targets
+        # the JSONL record of events is written before any other target is tried
+        self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
         self.format = format
         self.keymap = keymap or KeyMap()
         self.state = StateFile(state_path)
