@@ -3,4 +3,6 @@ import sys
 
 from .command import main
 
+__all__: list[str] = []
+
 sys.exit(main())
