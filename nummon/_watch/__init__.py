@@ -1,0 +1,18 @@
+"""`nummon watch`: follow training logs written by other tools (TensorBoard, Hugging Face
+trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and notify incidents."""
+from __future__ import annotations
+
+from .base import Follower, NotALogError
+from .keymap import DEFAULT_KEYS, KeyMap
+from .readers import FORMATS, detect_format, make_follower, read_records
+
+__all__ = [
+    "DEFAULT_KEYS",
+    "FORMATS",
+    "Follower",
+    "KeyMap",
+    "NotALogError",
+    "detect_format",
+    "make_follower",
+    "read_records",
+]

@@ -1,0 +1,109 @@
+"""`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
+`python -m nummon._watch`). Exit codes: 0 ok, 2 bad input (one line on stderr)."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Sequence
+
+from .._errors import NummonError
+from . import fs
+from .readers import FORMATS
+from .targets import TARGET_SPECS, parse_target
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="log files, run folders or roots with many runs (fsspec URLs when fsspec is installed)")
+    parser.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
+    parser.add_argument("--notify", action="append", metavar="TARGET", default=None,
+                        help=f"where incident events go, repeatable: {TARGET_SPECS} (default: console)")
+    parser.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="seconds between polls (default: 5)")
+    parser.add_argument("--once", action="store_true", help="read what is there, notify, and exit")
+    parser.add_argument("--state", default=None, metavar="FILE",
+                        help="state file: read positions and incident state survive a restart")
+    parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="force one log format")
+    parser.add_argument("--idle-timeout", type=float, default=1800.0, metavar="S",
+                        help="retire a run after this many seconds without new records (default: 1800)")
+    parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
+                        help="extra key map entry, e.g. my/loss=loss (repeatable)")
+
+
+def _keymap(pairs: list[str]):
+    from .keymap import KeyMap
+
+    extra = {}
+    for p in pairs:
+        tag, sep, field = p.rpartition("=")
+        if not sep or not tag:
+            raise NummonError(f"--key {p!r}: expected TAG=FIELD")
+        extra[tag] = field
+    try:
+        return KeyMap(extra)
+    except ValueError as e:
+        raise NummonError(f"--key: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Watch until SIGINT/SIGTERM (or one pass with --once)."""
+    from .._policy import load_policy
+    from .watcher import Watcher
+
+    if args.interval <= 0:
+        raise NummonError(f"--interval must be > 0 seconds, got {args.interval}")
+    if args.idle_timeout <= 0:
+        raise NummonError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout}")
+    for p in args.paths:
+        if not fs.is_url(p) and fs.stat(p) is None:
+            raise NummonError(f"{p}: not found")
+    policy = load_policy(args.policy)
+    keymap = _keymap(args.key)
+    targets = []
+    try:
+        for spec in args.notify or ["console"]:
+            targets.append(parse_target(spec))
+    except BaseException:
+        for t in targets:
+            t.close()
+        raise
+    exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
+    watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
+                      idle_timeout_s=args.idle_timeout, exclude=exclude)
+    previous = {}
+
+    def _stop(signum, frame):  # stop within one interval: the loop waits on this event
+        watcher.stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, _stop)
+        except ValueError:  # not the main thread: the caller stops us through watcher.stop
+            pass
+    try:
+        watcher.run(interval_s=args.interval, once=args.once)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.once and watcher.bad:
+        return 2
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"nummon watch: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="nummon watch", description="Follow training logs written by other tools and notify incidents.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except NummonError as e:
+        print(f"nummon: error: {e}", file=sys.stderr)
+        return 2

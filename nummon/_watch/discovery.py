@@ -1,0 +1,91 @@
+"""Find the runs under watch roots: one event folder, one trainer_state.json lineage, one
+metrics CSV, one W&B run file or one nummon JSONL log each."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import fs
+from .read_hf import STATE_NAME, lineage_root
+from .read_tb import is_event_file
+from .read_wandb import is_wandb_file
+from .readers import detect_format
+
+__all__ = ["RunSpec", "discover"]
+
+
+@dataclass
+class RunSpec:
+    """A run found on disk: its id (path of its folder or file), format and files."""
+
+    id: str
+    format: str
+    files: list[str] = field(default_factory=list)
+
+
+def _kind(path: str) -> tuple[str, str] | None:
+    """(format, run id) of a file found under a root, or None for files that are not logs."""
+    name = fs.basename(path)
+    if is_event_file(path):
+        return "tensorboard", fs.dirname(path)
+    if name == STATE_NAME:
+        return "hf", lineage_root(path)
+    if is_wandb_file(path):
+        return "wandb", path
+    if name == "metrics.csv":  # Lightning's name; other CSVs under a root are usually data
+        return "csv", path
+    if name.endswith(".jsonl") and _looks_like_steps(path):
+        return "jsonl", path
+    return None
+
+
+_not_steps: dict[str, object] = {}  # JSONL files under roots that hold no step records (datasets)
+
+
+def _looks_like_steps(path: str) -> bool:
+    """True when the first line of a JSONL file is a step record (or empty yet): a dataset's
+    `{"text": ...}` lines under a watch root are not a run."""
+    st = fs.stat(path)
+    if _not_steps.get(path) == st:
+        return False
+    head = fs.read_bytes(path, 0, 4096).split(b"\n", 1)[0].strip()
+    if not head or b'"step"' in head or b'"type"' in head:
+        return True
+    _not_steps[path] = st
+    return False
+
+
+def _norm(path: str) -> str:
+    return path if fs.is_url(path) else os.path.abspath(path)
+
+
+def discover(roots: list[str], format: str | None = None, exclude: set[str] = frozenset()) -> tuple[dict[str, RunSpec], list[str]]:
+    """Runs under `roots` by id, and one line per root that does not exist or holds no log.
+
+    A root that is a file is one run (its format detected from its content when its name says
+    nothing); a folder is searched (8 levels deep)."""
+    runs: dict[str, RunSpec] = {}
+    problems: list[str] = []
+    for root in roots:
+        root = _norm(root)
+        if fs.stat(root) is None and not fs.is_dir(root):
+            problems.append(f"{root}: not found")
+            continue
+        if not fs.is_dir(root):
+            try:
+                fmt = format or detect_format(root)
+            except Exception as e:  # NotALogError: named in its message
+                problems.append(str(e))
+                continue
+            runs.setdefault(root, RunSpec(root, fmt, [root]))
+            continue
+        for f in fs.walk_files(root):
+            if _norm(f) in exclude:
+                continue
+            kind = _kind(f)
+            if kind is None or (format and kind[0] != format):
+                continue
+            fmt, run_id = kind
+            spec = runs.setdefault(run_id, RunSpec(run_id, fmt))
+            spec.files.append(f)
+    return runs, problems

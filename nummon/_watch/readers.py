@@ -1,0 +1,91 @@
+"""Pick the reader a path needs (by name, then by content) and read whole logs for `replay`."""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from .._types import StepRecord
+from . import fs
+from .base import Follower, NotALogError
+from .keymap import KeyMap
+from .read_csv import CsvFollower
+from .read_hf import STATE_NAME, HfStateFollower
+from .read_jsonl import JsonlFollower
+from .read_tb import TensorBoardFollower, is_event_file
+from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file
+
+__all__ = ["FORMATS", "detect_format", "make_follower", "read_records"]
+
+FORMATS: dict[str, type[Follower]] = {
+    "jsonl": JsonlFollower,
+    "tensorboard": TensorBoardFollower,
+    "hf": HfStateFollower,
+    "csv": CsvFollower,
+    "wandb": WandbFollower,
+}
+
+
+def detect_format(path: str) -> str:
+    """The format of one file or run folder: by name first, then by its first bytes."""
+    name = fs.basename(path)
+    if fs.is_dir(path):
+        files = list(fs.walk_files(path, max_depth=2))
+        top = [fs.basename(f) for f in files if fs.dirname(f).rstrip("/") == path.rstrip("/").rstrip(os.sep)]
+        if any(is_event_file(f) for f in top):
+            return "tensorboard"
+        if STATE_NAME in top or any(fs.basename(f) == STATE_NAME and fs.basename(fs.dirname(f)).startswith("checkpoint-") for f in files):
+            return "hf"
+        if "metrics.csv" in top:
+            return "csv"
+        if any(is_wandb_file(f) for f in top):
+            return "wandb"
+        raise NotALogError(f"{path}: a folder with no log nummon reads (use the folder as a watch root, or --format)")
+    if is_event_file(path):
+        return "tensorboard"
+    if name == STATE_NAME:
+        return "hf"
+    if is_wandb_file(path) or name.endswith(".wandb"):
+        return "wandb"
+    if name.endswith(".csv"):
+        return "csv"
+    if name.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    st = fs.stat(path)
+    if st is None:
+        raise NotALogError(f"{path}: not found")
+    head = fs.read_bytes(path, 0, 4096)
+    if head.startswith(WANDB_MAGIC):
+        return "wandb"
+    text = head.lstrip()
+    if text.startswith(b"{") and b'"log_history"' in head:
+        return "hf"
+    if text.startswith(b"{"):
+        return "jsonl"
+    if b"," in head.split(b"\n", 1)[0] and b"step" in head.split(b"\n", 1)[0]:
+        return "csv"
+    raise NotALogError(f"{path}: not a log nummon reads (JSONL, TensorBoard, trainer_state.json, metrics.csv, W&B run file)")
+
+
+def make_follower(path: str, format: str | None = None, keymap: KeyMap | None = None) -> Follower:
+    """A follower for one file or run folder (`format` forces one of FORMATS)."""
+    fmt = format or detect_format(path)
+    if fmt not in FORMATS:
+        raise NotALogError(f"unknown log format {fmt!r} (one of {', '.join(FORMATS)})")
+    return FORMATS[fmt](path, keymap)
+
+
+def read_records(path: str, format: str | None = None, keymap: KeyMap | None = None) -> Iterator[StepRecord]:
+    """Every step record of a finished log (any format), in file order; raises NotALogError
+    (a NummonError naming the path) when the path is not a log."""
+    path = str(path)
+    if not fs.is_url(path) and fs.stat(path) is None:
+        raise NotALogError(f"{path}: not found")
+    follower = make_follower(path, format, keymap)
+    try:
+        empty = 0
+        while empty < 2:  # a whole-file format that fails to parse twice raises NotALogError
+            got = follower.poll(final=True)
+            empty = 0 if got else empty + 1
+            yield from got
+    finally:
+        follower.close()

@@ -1,0 +1,80 @@
+"""One watched run: its follower, detectors, incident state and a bounded history of recent
+records (saved in the state file to re-warm the detectors after a restart)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from .._engine import HealthEngine
+from .._json import json_safe
+from .._policy import Policy
+from .._trace import record_from_dict
+from .._types import StepRecord
+from .base import Follower
+from .incidents import IncidentEvent, IncidentGrouper
+
+__all__ = ["WatchedRun"]
+
+
+class WatchedRun:
+    """Memory held is bounded: `history` recent records, `first` starting records (the
+    divergence baseline), the detectors' own policy-sized windows and one follower."""
+
+    def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
+        self.id = run_id
+        self.follower = follower
+        self.engine = HealthEngine(policy)
+        self.incidents = IncidentGrouper(run_id, quiet_records=max(1, policy.alerts.cooldown_steps))
+        self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        self.first: list[dict[str, Any]] = []
+        self._first_max = first
+        self.records = 0  # records processed since the run was first seen (all restarts)
+        self.last_step: int | None = None
+        self.last_activity = time.monotonic()
+
+    def poll(self, final: bool = False) -> list[IncidentEvent]:
+        """Read what is new and run it through the detectors; the incident events it caused."""
+        events: list[IncidentEvent] = []
+        for rec in self.follower.poll(final=final):
+            events.extend(self.process(rec))
+        return events
+
+    def process(self, rec: StepRecord) -> list[IncidentEvent]:
+        alerts, health = self.engine.process(rec)
+        d = json_safe(rec.to_dict())
+        if len(self.first) < self._first_max:
+            self.first.append(d)
+        else:
+            self.history.append(d)
+        self.records += 1
+        self.last_step = rec.step
+        self.last_activity = time.monotonic()
+        return self.incidents.update(rec, alerts, health)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "format": self.follower.format,
+            "position": self.follower.position(),
+            "incident": self.incidents.to_state(),
+            "records": self.records,
+            "last_step": self.last_step,
+            "first": self.first,
+            "history": list(self.history),
+        }
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        """Resume: the read position and incident state as saved; the detectors re-warmed by
+        running the saved records through them (their alerts are not notified again)."""
+        self.follower.restore(d.get("position") or {})
+        for i, obj in enumerate(list(d.get("first") or []) + list(d.get("history") or [])):
+            rec = record_from_dict(obj, f"{self.id} (state)", i)
+            self.engine.process(rec)
+        self.first = list(d.get("first") or [])
+        self.history.extend(d.get("history") or [])
+        self.incidents.load_state(d.get("incident") or {})
+        self.records = int(d.get("records", 0))
+        self.last_step = d.get("last_step")
+
+    def close(self) -> None:
+        self.follower.close()

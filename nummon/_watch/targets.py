@@ -1,0 +1,113 @@
+"""Notification targets for incident events: console, JSONL, W&B (and the webhook in
+webhook.py). Each has `notify(event)` and `close()`; an event has `.title`, `.summary()`,
+`.to_dict()` and `.run`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import IO, Any, Protocol
+
+from .._errors import NummonError
+from .._json import dumps
+
+__all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
+
+TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT]"
+
+
+class Target(Protocol):
+    def notify(self, event: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ConsoleTarget:
+    """The title and summary on stdout, flushed at once (the watcher's own process)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self.stream = stream
+
+    def notify(self, event: Any) -> None:
+        out = self.stream or sys.stdout
+        body = "\n".join("    " + line for line in event.summary().splitlines())
+        out.write(f"{event.title}\n{body}\n")
+        out.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlTarget:
+    """One strict-JSON line per event, flushed and fsync'ed (it is the record of what was sent);
+    events whose id is already in the file (a restart after a crash) are not written twice."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._ids = self._existing_ids(path)
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        self._fh = open(path, "a", encoding="utf-8")
+
+    @staticmethod
+    def _existing_ids(path: str) -> set[str]:
+        ids: set[str] = set()
+        try:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        ids.add(json.loads(line).get("id"))
+                    except (ValueError, AttributeError):
+                        continue
+        except OSError:
+            pass
+        return ids
+
+    def notify(self, event: Any) -> None:
+        d = event.to_dict()
+        if d.get("id") in self._ids:
+            return
+        self._ids.add(d.get("id"))
+        self._fh.write(dumps(d) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+class WandbTarget:
+    """A W&B alert on a run of the watcher's own (offline when there are no credentials)."""
+
+    _LEVELS = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
+
+    def __init__(self, project: str = "nummon-watch") -> None:
+        from nummon.integrations.wandb import WandbSink
+
+        self._sink = WandbSink(project=project, job_type="watch")
+        self.sent: list[tuple[str, str]] = []
+
+    def notify(self, event: Any) -> None:
+        level = self._LEVELS.get(getattr(event, "level", 1), "WARN")
+        self._sink.run.alert(title=event.title[:63], text=event.summary(), level=level, wait_duration=1)
+        self.sent.append((event.title, level))
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+def parse_target(spec: str) -> Target:
+    """A target from its command-line spec; NummonError naming a bad one."""
+    kind, _, arg = spec.partition(":")
+    if kind == "console" and not arg:
+        return ConsoleTarget()
+    if kind == "jsonl" and arg:
+        return JsonlTarget(arg)
+    if kind == "webhook" and arg:
+        from .webhook import WebhookTarget
+
+        return WebhookTarget(arg)
+    if kind == "wandb":
+        return WandbTarget(arg or "nummon-watch")
+    raise NummonError(f"--notify {spec!r}: expected one of {TARGET_SPECS}")

@@ -1,0 +1,362 @@
+"""`nummon watch` end to end: real writer processes, a real watcher process, a webhook receiver
+on 127.0.0.1, SIGKILL and restart with the same state file."""
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from nummon._json import dumps
+from nummon._policy import load_policy
+from nummon._watch import make_follower
+from nummon._watch.runs import WatchedRun
+
+WATCH = [sys.executable, "-m", "nummon._watch"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def two_incident_rows():
+    """A run that runs away and recovers (incident 1: opened, escalated, resolved), then runs
+    away into NaN (incident 2: opened, escalated, escalated to non-finite)."""
+    out = []
+    for s in range(130):
+        if 40 <= s < 45:
+            loss, g = 2.0 * 4 ** (s - 39), 2.0 ** (s - 39)
+        elif s >= 120:
+            loss, g = 1.0 * 4 ** (s - 119), 2.0 ** (s - 119)
+        else:
+            loss, g = 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s)), 1 + 0.1 * math.sin(s)
+        out.append({"type": "step", "step": s, "loss": loss, "grad_norm": g})
+    out.append({"type": "step", "step": 130, "loss": math.nan, "grad_norm": math.inf})
+    return out
+
+
+def write_lines(path, rows, mode="w"):
+    with open(path, mode) as fh:
+        for r in rows:
+            fh.write(dumps(r) + "\n")
+
+
+def reference_ids(path):
+    """Incident event ids the detectors give over the whole finished log, in-process."""
+    run = WatchedRun(str(Path(path).resolve()), make_follower(str(path)), load_policy("default"))
+    return [e.id for e in run.poll(final=True)]
+
+
+def read_events(path):
+    try:
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for(cond, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Receiver:
+    """A webhook endpoint on 127.0.0.1 recording every JSON body posted to it."""
+
+    def __init__(self):
+        bodies = self.bodies = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                bodies.append(json.loads(self.rfile.read(n)))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def ids(self):
+        return [b["nummon"]["id"] for b in self.bodies]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def start_watch(*args, cwd=None):
+    return subprocess.Popen(WATCH + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd or ROOT)
+
+
+def stop(proc, sig=signal.SIGTERM):
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_webhook_gets_exactly_one_message_per_incident_event(tmp_path, receiver):
+    log = tmp_path / "events.jsonl"
+    write_lines(log, two_incident_rows())
+    notes = tmp_path / "notes.jsonl"
+    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"webhook:{receiver.url}", "--notify", f"jsonl:{notes}"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    expect = reference_ids(log)
+    assert [e.split(":", 1)[1] for e in expect] == [
+        "opened:1", "escalated:2", "resolved:0", "opened:1", "escalated:2", "escalated:3"]
+    assert receiver.ids() == expect  # one message per event, no more, none lost
+    assert all(b["text"].startswith("*nummon: incident") for b in receiver.bodies)
+    assert [e["id"] for e in read_events(notes)] == expect
+
+
+def test_dead_webhook_never_blocks_reading_and_jsonl_holds_every_event(tmp_path):
+    blackhole = socket.socket()  # accepts connections into its backlog, never answers
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(16)
+    url = f"http://127.0.0.1:{blackhole.getsockname()[1]}/hook"
+    rows = two_incident_rows()
+    log = tmp_path / "events.jsonl"
+    notes = tmp_path / "notes.jsonl"
+    write_lines(log, rows[:50])
+    proc = start_watch(log, "--interval", "0.2", "--notify", f"webhook:{url}", "--notify", f"jsonl:{notes}")
+    try:
+        wait_for(lambda: len(read_events(notes)) >= 2, what="incident 1 in the JSONL log")
+        write_lines(log, rows[50:], mode="a")  # the webhook is still hanging on incident 1
+        wait_for(lambda: len(read_events(notes)) >= 6, what="every event in the JSONL log")
+    finally:
+        rc, out, err = stop(proc)
+        blackhole.close()
+    assert rc == 0, err
+    assert [e["id"] for e in read_events(notes)] == reference_ids(log)
+
+
+def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
+    rows = two_incident_rows()
+    full = tmp_path / "full.jsonl"
+    write_lines(full, rows)
+    log = tmp_path / "run" / "events.jsonl"
+    log.parent.mkdir()
+    log.touch()
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "src, dst = sys.argv[1:3]\n"
+        "with open(dst, 'a') as out:\n"
+        "    for line in open(src):\n"
+        "        out.write(line); out.flush(); time.sleep(0.05)\n"), str(full), str(log)])
+    state = tmp_path / "watch-state.json"
+    notes = tmp_path / "notes.jsonl"
+    args = (tmp_path / "run", "--interval", "0.1", "--state", state,
+            "--notify", f"webhook:{receiver.url}", "--notify", f"jsonl:{notes}")
+    watcher = start_watch(*args)
+    try:
+        wait_for(lambda: len(receiver.bodies) >= 3, what="incident 1 resolved at the receiver")
+        wait_for(lambda: state.exists() and json.loads(state.read_text())["outbox"] == [], what="state after sending")
+        watcher.kill()  # SIGKILL: no cleanup at all
+        watcher.wait(timeout=30)
+        lines_at_kill = len(log.read_text().splitlines())
+        wait_for(lambda: len(log.read_text().splitlines()) >= lines_at_kill + 10, what="records written while down")
+        watcher = start_watch(*args)
+        writer.wait(timeout=120)
+        wait_for(lambda: len(receiver.bodies) >= 6, what="incident 2 at the receiver")
+    finally:
+        writer.kill()
+        rc, out, err = stop(watcher)
+    assert rc == 0, err
+    assert receiver.ids() == reference_ids(log)  # nothing sent twice, nothing missed
+    saved = json.loads(state.read_text())["runs"][str(log.resolve())]
+    assert saved["records"] == len(rows) and saved["last_step"] == rows[-1]["step"]
+
+
+TRAINER = r'''
+import json, math, shutil, sys, time
+from pathlib import Path
+import torch
+
+fmt, out, notify, marker = sys.argv[1:5]
+out = Path(out)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+x = torch.randn(64, 8)
+y = x @ torch.randn(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+if fmt == "tensorboard":
+    from torch.utils.tensorboard import SummaryWriter
+    tb = SummaryWriter(str(out / "runs" / "exp1"))
+    def write(step, loss, gn, lr):
+        tb.add_scalar("train/loss", loss, step)
+        tb.add_scalar("train/grad_norm", gn, step)
+        tb.add_scalar("train/learning_rate", lr, step)
+        tb.flush()
+elif fmt == "csv":
+    from lightning.fabric.loggers import CSVLogger
+    logger = CSVLogger(str(out), name="lightning_logs", flush_logs_every_n_steps=1)
+    def write(step, loss, gn, lr):
+        logger.log_metrics({"train_loss": loss, "grad_norm": gn, "lr-SGD": lr}, step=step)
+else:
+    from transformers.trainer_callback import TrainerState
+    state = TrainerState(max_steps=400)
+    def write(step, loss, gn, lr):  # Trainer-style: log every step, save every 2 (rewrite)
+        state.log_history.append({"epoch": step / 100, "grad_norm": gn, "learning_rate": lr, "loss": loss, "step": step})
+        state.global_step = step
+        if step % 2 == 0:
+            ckpt = out / f"checkpoint-{step}"
+            ckpt.mkdir(parents=True, exist_ok=True)
+            state.save_to_json(str(ckpt / "trainer_state.json"))
+            for old in sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+                shutil.rmtree(old)
+
+def notified():
+    try:
+        return any(json.loads(l)["transition"] == "opened" for l in open(notify) if l.strip())
+    except OSError:
+        return False
+
+before, bad_step = None, None
+for step in range(400):
+    if step == 15:
+        for g in opt.param_groups:
+            g["lr"] = 3.0  # the run goes bad
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    l = float(loss)
+    if bad_step is None and not (math.isfinite(l) and math.isfinite(gn)):
+        bad_step = step  # before writing the first non-finite step: has the watcher warned?
+        deadline = time.time() + 120
+        while not notified() and time.time() < deadline:
+            time.sleep(0.1)
+        before = notified()
+    write(step, l, gn, opt.param_groups[0]["lr"])
+    opt.step()
+    time.sleep(0.05)
+    if bad_step is not None and step >= bad_step + 4:
+        break
+json.dump({"notified_before_nonfinite": before, "nonfinite_step": bad_step}, open(marker, "w"))
+'''
+
+
+@pytest.mark.parametrize("fmt", ["tensorboard", "csv", "hf"])
+def test_live_run_warned_before_its_first_nonfinite_step(tmp_path, fmt):
+    out = tmp_path / "out"
+    out.mkdir()
+    notes = tmp_path / "notes.jsonl"
+    marker = tmp_path / "marker.json"
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    watcher = start_watch(out, "--interval", "0.2", "--notify", f"jsonl:{notes}", "--notify", "console")
+    trainer = subprocess.Popen([sys.executable, str(script), fmt, str(out), str(notes), str(marker)])
+    try:
+        assert trainer.wait(timeout=300) == 0
+        wait_for(lambda: any(e["state"] == "nonfinite" for e in read_events(notes)), what="the non-finite escalation")
+    finally:
+        trainer.kill()
+        rc, stdout, err = stop(watcher)
+    assert rc == 0, err
+    got = json.loads(marker.read_text())
+    assert got["nonfinite_step"] is not None and got["notified_before_nonfinite"] is True
+    events = read_events(notes)
+    assert events[0]["transition"] == "opened" and events[0]["step"] < got["nonfinite_step"]
+    assert len({e["id"] for e in events}) == len(events)
+    assert "nummon: incident opened" in stdout
+
+
+def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
+    good = tmp_path / "good" / "events.jsonl"
+    good.parent.mkdir()
+    write_lines(good, two_incident_rows())
+    bad_tb = tmp_path / "bad" / "events.out.tfevents.1.host"
+    bad_tb.parent.mkdir()
+    bad_tb.write_text("not an event file, just text that is long enough")
+    p = subprocess.run(WATCH + [str(tmp_path), "--once"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(bad_tb) in lines[0] and "Traceback" not in p.stderr
+    assert p.stdout.count("nummon: incident opened") == 2
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["{log}", "--notify", "pager:me"], "--notify 'pager:me'"),
+        (["{log}", "--notify", "webhook:ftp://x"], "webhook URL"),
+        (["{tmp}/missing.jsonl"], "missing.jsonl: not found"),
+        (["{log}", "--interval", "0"], "--interval"),
+        (["{log}", "--policy", "nope"], "unknown policy preset"),
+        (["{log}", "--key", "x"], "TAG=FIELD"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
+    from nummon._watch.command import main
+
+    log = tmp_path / "events.jsonl"
+    write_lines(log, two_incident_rows()[:3])
+    rc = main([a.format(log=log, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
+    from nummon._watch.targets import JsonlTarget
+    from nummon._watch.watcher import Watcher
+
+    rows = two_incident_rows()
+    a = tmp_path / "a" / "events.jsonl"
+    a.parent.mkdir()
+    write_lines(a, rows[:60])
+    notes = tmp_path / "notes.jsonl"
+    w = Watcher([str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=0.2,
+                exclude={str(notes)})
+    w.poll_once()
+    assert list(w.runs) == [str(a)]
+    b = tmp_path / "b" / "events.jsonl"
+    b.parent.mkdir()
+    write_lines(b, rows[:45])
+    time.sleep(0.3)
+    w.poll_once()  # b is new; a had nothing new for longer than the idle timeout
+    assert list(w.runs) == [str(b)]
+    write_lines(a, rows[60:], mode="a")
+    w.poll_once()  # a wakes up where it stopped: its detectors re-warmed, nothing re-read
+    assert str(a) in w.runs and w.runs[str(a)].records == len(rows)
+    w.close()
+    ids = [e["id"] for e in read_events(notes)]
+    assert [i for i in ids if i.startswith(str(a))] == reference_ids(a)
+
+
+def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
+    from nummon._watch.command import main
+    from wandb_reader import alerts, find_run_file, read_records
+
+    log = tmp_path / "events.jsonl"
+    write_lines(log, two_incident_rows())
+    assert main([str(log), "--once", "--notify", "wandb:watch-test"]) == 0
+    import wandb
+
+    wandb.teardown()
+    sent = alerts(read_records(find_run_file(wandb_env / "wandb_dir")))
+    assert [a.title for a in sent] == [
+        "nummon: incident opened (warning)", "nummon: incident escalated (critical)", "nummon: incident resolved",
+        "nummon: incident opened (warning)", "nummon: incident escalated (critical)",
+        "nummon: incident escalated (nonfinite)"]
