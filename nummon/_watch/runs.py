@@ -12,7 +12,7 @@ from .._policy import Policy
 from .._trace import record_from_dict
 from .._types import StepRecord
 from .base import Follower
-from .incidents import IncidentEvent, IncidentGrouper
+from .incidents import RunIncident
 
 __all__ = ["WatchedRun"]
 
@@ -25,7 +25,6 @@ class WatchedRun:
         self.id = run_id
         self.follower = follower
         self.engine = HealthEngine(policy)
-        self.incidents = IncidentGrouper(run_id, quiet_records=max(1, policy.alerts.cooldown_steps))
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.first: list[dict[str, Any]] = []
         self._first_max = first
@@ -33,15 +32,15 @@ class WatchedRun:
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
 
-    def poll(self, final: bool = False) -> list[IncidentEvent]:
+    def poll(self, final: bool = False) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused."""
-        events: list[IncidentEvent] = []
+        events: list[RunIncident] = []
         for rec in self.follower.poll(final=final):
             events.extend(self.process(rec))
         return events
 
-    def process(self, rec: StepRecord) -> list[IncidentEvent]:
-        alerts, health = self.engine.process(rec)
+    def process(self, rec: StepRecord) -> list[RunIncident]:
+        got = self.engine.step(rec)
         d = json_safe(rec.to_dict())
         if len(self.first) < self._first_max:
             self.first.append(d)
@@ -50,13 +49,13 @@ class WatchedRun:
         self.records += 1
         self.last_step = rec.step
         self.last_activity = time.monotonic()
-        return self.incidents.update(rec, alerts, health)
+        return [RunIncident(self.id, ev) for ev in got.incidents]
 
     def to_state(self) -> dict[str, Any]:
         return {
             "format": self.follower.format,
             "position": self.follower.position(),
-            "incident": self.incidents.to_state(),
+            "incident": self.engine.incidents.to_state(),
             "records": self.records,
             "last_step": self.last_step,
             "first": self.first,
@@ -72,7 +71,7 @@ class WatchedRun:
             self.engine.process(rec)
         self.first = list(d.get("first") or [])
         self.history.extend(d.get("history") or [])
-        self.incidents.load_state(d.get("incident") or {})
+        self.engine.incidents.load_state(d.get("incident") or {})
         self.records = int(d.get("records", 0))
         self.last_step = d.get("last_step")
 

@@ -12,7 +12,7 @@ from .._errors import NummonError
 from .._policy import Policy
 from .base import NotALogError
 from .discovery import RunSpec, discover
-from .incidents import IncidentEvent
+from .incidents import RunIncident
 from .keymap import KeyMap
 from .readers import make_follower
 from .runs import WatchedRun
@@ -22,7 +22,7 @@ __all__ = ["Watcher"]
 
 
 class _SavedEvent:
-    """An event read back from the state file's outbox (same interface as IncidentEvent)."""
+    """An event read back from the state file's outbox (same interface as RunIncident)."""
 
     def __init__(self, d: dict[str, Any]) -> None:
         self._d = d
@@ -110,7 +110,7 @@ class Watcher:
         if self._outbox:  # sent before a crash, maybe not: targets skip what they already hold
             self._send(self._outbox)
         self.discover()
-        events: list[IncidentEvent] = []
+        events: list[RunIncident] = []
         now = time.monotonic()
         for run_id, run in list(self.runs.items()):
             if self.stop.is_set():
