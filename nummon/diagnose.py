@@ -19,17 +19,8 @@ from torch import nn
 from ._errors import NummonError
 
 __all__ = [
-    "Status",
-    "Report",
-    "Diagnosis",
-    "LRRangeReport",
-    "overfit_one_batch",
-    "check_gradients",
-    "check_data",
-    "check_loader",
-    "check_weights",
-    "lr_range_test",
-    "run_all",
+    "Status", "Report", "Diagnosis", "LRRangeReport", "overfit_one_batch", "check_gradients", "check_data",
+    "check_loader", "check_weights", "lr_range_test", "run_all",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
