@@ -1,28 +1,46 @@
-"""`nummon audit`: NaN/Inf census of checkpoints, and a comparison of two.
+"""Checkpoint audit: NaN/Inf census of checkpoints, and an exact comparison of two.
 
-Checkpoints load with ``torch.load(..., weights_only=True)``: a file that needs pickled code is
-refused unless the user passes ``--trust``.
+Files are recognised by their first bytes (torch zip archive, legacy pickle, safetensors; other
+known formats and text are named in the error). Torch checkpoints load with
+``torch.load(..., weights_only=True, mmap=True)`` where the format allows, and tensors are read
+in chunks, so a 1 GB checkpoint needs little more than its own pages. A file that needs pickled
+code is refused unless the caller passes ``trust=True``. Printing is the CLI's job.
 """
 from __future__ import annotations
 
 import json
 import math
 import pickle
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from ._audit_compare import compare, iter_tensors, key_name, numeric_chunks, numeric_view
 from ._errors import NummonError
-from ._functional import headroom_decades
+from ._format import clean_text
 
-_DT = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
-
+__all__ = [
+    "AuditReport",
+    "CheckpointAudit",
+    "TensorAudit",
+    "audit",
+    "audit_object",
+    "audit_tensor",
+    "compare",
+    "iter_tensors",
+    "key_name",
+    "load_checkpoint",
+    "report_json",
+    "sniff_format",
+]
 
 @dataclass
 class TensorAudit:
-    """Census of one tensor (counts exact; max_abs over finite values; headroom in decades)."""
+    """Census of one tensor (counts exact; max_abs over finite values, exact for integers;
+    headroom in decades below the dtype's largest finite value; `note` for special tensors)."""
 
     key: str
     shape: list[int]
@@ -31,194 +49,241 @@ class TensorAudit:
     nan: int
     posinf: int
     neginf: int
-    max_abs: float | None
+    max_abs: float | int | None
     headroom: float | None
+    note: str | None = None
 
     @property
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
 
 
-def load_checkpoint(path: str | Path, trust: bool = False) -> Any:
-    """Load a checkpoint safely (weights_only unless `trust`); raise NummonError on any failure."""
+@dataclass
+class CheckpointAudit:
+    """One file's census: its format and one row per tensor."""
+
+    path: str
+    format: str
+    tensors: list[TensorAudit] = field(default_factory=list)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        heads = [r.headroom for r in self.tensors if r.headroom is not None]
+        return {
+            "tensors": len(self.tensors),
+            "elements": sum(r.numel for r in self.tensors),
+            "nonfinite_tensors": sum(r.nonfinite > 0 for r in self.tensors),
+            "nan": sum(r.nan for r in self.tensors),
+            "posinf": sum(r.posinf for r in self.tensors),
+            "neginf": sum(r.neginf for r in self.tensors),
+            "min_headroom": min(heads) if heads else None,
+        }
+
+
+@dataclass
+class AuditReport:
+    """The census of one or two checkpoints and, for two, their comparison."""
+
+    first: CheckpointAudit
+    second: CheckpointAudit | None = None
+    comparison: dict[str, Any] | None = None
+
+    @property
+    def nonfinite_tensors(self) -> int:
+        """Tensors holding NaN/Inf over both files (the CLI exits 1 when > 0)."""
+        return sum(c.summary["nonfinite_tensors"] for c in (self.first, self.second) if c is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (non-finite floats as None)."""
+        out: dict[str, Any] = {"checkpoint": self.first.path, "format": self.first.format,
+                               "tensors": [asdict(r) for r in self.first.tensors], "summary": self.first.summary}
+        if self.second is not None:
+            out.update({"checkpoint2": self.second.path, "format2": self.second.format,
+                        "tensors2": [asdict(r) for r in self.second.tensors], "summary2": self.second.summary,
+                        "comparison": self.comparison})
+        return _json_ready(out)
+
+
+def _json_ready(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_ready(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_ready(x) for x in v]
+    return v
+
+
+# ------------------------------------------------------------------ loading
+
+_OTHER_FORMATS = (
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5?)"),
+    (b"\x93NUMPY", "a NumPy .npy array"),
+    (b"\x1f\x8b", "a gzip archive"),
+    (b"GGUF", "a GGUF model file"),
+    (b"\x89PNG", "a PNG image"),
+    (b"%PDF", "a PDF document"),
+)
+
+
+def sniff_format(path: Path) -> str:
+    """'zip' (torch.save), 'pickle' (legacy torch.save), 'safetensors', 'text', or a description
+    of another known format / 'unknown'."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(512)
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "zip"
+    if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        return "pickle"
+    if len(head) >= 10 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        return "safetensors"
+    for magic, what in _OTHER_FORMATS:
+        if head.startswith(magic):
+            return what
+    if not head:
+        return "empty"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None  # a multi-byte character cut at 512 bytes still reads as text below
+        try:
+            text = head[:-4].decode("utf-8") if len(head) == 512 else None
+        except UnicodeDecodeError:
+            pass
+    if text is not None and all(c.isprintable() or c in "\r\n\t" for c in text):
+        return "text"
+    return "unknown"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal colour / bold sequences in torch's messages
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message, with terminal escapes removed."""
+    text = _ANSI.sub("", str(e)).strip()
+    return clean_text(text.splitlines()[0]) if text else type(e).__name__
+
+
+def _refusal_reason(e: BaseException) -> str | None:
+    """What weights_only refused ("Unsupported global: GLOBAL fractions.Fraction ..."), or None
+    when the error is not a weights_only refusal."""
+    text = _ANSI.sub("", str(e))
+    for line in text.splitlines():
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            reason = line.strip().removeprefix("WeightsUnpickler error:").strip()
+            return clean_text(reason.split(" was not an allowed global")[0])
+    return "weights_only refused it" if "weights only load failed" in text.lower() else None
+
+
+def _load_safetensors(p: Path) -> Any:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise NummonError(f"{p} is a safetensors file; reading it needs the safetensors package: pip install 'nummon[safetensors]'") from None
+    try:
+        return load_file(str(p))
+    except Exception as e:
+        raise NummonError(f"cannot read safetensors file {p}: {_first_line(e)[:160]}") from None
+
+
+def load_checkpoint(path: str | Path, trust: bool = False) -> tuple[Any, str]:
+    """(loaded object, format) of a checkpoint, safely (weights_only unless `trust`, memory-
+    mapped for zip archives); NummonError with one line on any failure."""
     p = Path(path)
     if not p.exists():
         raise NummonError(f"checkpoint not found: {p}")
     if p.is_dir():
         raise NummonError(f"checkpoint is a directory: {p}")
-    if p.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise NummonError("reading .safetensors needs the safetensors package: pip install 'nummon[safetensors]'") from None
-        try:
-            return load_file(str(p))
-        except Exception as e:
-            raise NummonError(f"cannot read checkpoint {p}: {_first_line(e)}") from None
     try:
-        return torch.load(p, map_location="cpu", weights_only=not trust)
+        fmt = sniff_format(p)
+    except OSError as e:
+        raise NummonError(f"cannot read checkpoint {p}: {e.strerror}") from None
+    if fmt == "safetensors":
+        return _load_safetensors(p), fmt
+    if fmt == "empty":
+        raise NummonError(f"{p} is not a PyTorch checkpoint: the file is empty")
+    if fmt == "text":
+        raise NummonError(f"{p} is not a PyTorch checkpoint: it is a text file")
+    if fmt == "unknown":
+        raise NummonError(f"{p} is not a PyTorch checkpoint: neither a torch zip archive, a pickle nor a safetensors file")
+    if fmt not in ("zip", "pickle"):
+        raise NummonError(f"{p} is not a PyTorch checkpoint: it looks like {fmt}")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=not trust, mmap=fmt == "zip"), fmt
     except pickle.UnpicklingError as e:
-        if not trust:
+        reason = None if trust else _refusal_reason(e)
+        if reason is not None:
             raise NummonError(
                 f"checkpoint {p} needs pickled code to load and was refused (weights_only=True); "
-                f"pass --trust only if you trust its source ({_first_line(e)[:120]})"
+                f"pass --trust only if you trust its source ({reason[:120]})"
             ) from None
-        raise NummonError(f"cannot read checkpoint {p}: {_first_line(e)}") from None
-    except Exception as e:  # truncated zip, garbage bytes, EOF: all one message
-        msg = _first_line(e)
-        if "weights_only" in msg.lower() or "unsupported global" in msg.lower():
-            raise NummonError(f"checkpoint {p} needs pickled code to load and was refused; pass --trust only if you trust its source") from None
-        raise NummonError(f"cannot read checkpoint {p}: file is truncated or not a checkpoint ({msg[:160]})") from None
+        raise NummonError(f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})") from None
+    except Exception as e:  # truncated zip, EOF, a torch version that cannot read it: one message
+        raise NummonError(f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})") from None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+# ------------------------------------------------------------------ census
 
-
-def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(dotted key, tensor) for every tensor in nested dicts / lists / tuples / objects."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "<root>", obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))
-    elif hasattr(obj, "state_dict") and callable(obj.state_dict):  # a pickled module (with --trust)
-        yield from iter_tensors(obj.state_dict(), prefix)
+def _headroom(max_abs: float, dtype: torch.dtype) -> float:
+    """Decades between the largest finite magnitude and the dtype's largest finite value."""
+    top = torch.finfo(dtype).max
+    if max_abs <= 0:
+        return math.log10(top) + 30.0
+    return math.log10(top) - math.log10(max_abs)
 
 
 def audit_tensor(key: str, t: torch.Tensor) -> TensorAudit:
+    """Exact NaN/+Inf/-Inf counts and max |finite value| of one tensor, read in chunks."""
     t = t.detach()
-    if t.is_sparse:
-        t = t.coalesce().values()
+    dtype = str(t.dtype).replace("torch.", "")
+    shape = list(t.shape)
+    data, note = numeric_view(t)
+    if data is None:
+        return TensorAudit(key, shape, dtype, t.numel(), 0, 0, 0, None, None, note)
     nan = posinf = neginf = 0
-    max_abs = headroom = None
-    if t.is_floating_point() or t.is_complex():
-        x = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        if t.is_complex():
-            x = torch.view_as_real(t)
-        nan = int(torch.isnan(x).sum())
-        posinf = int(torch.isposinf(x).sum())
-        neginf = int(torch.isneginf(x).sum())
-        fin = x[torch.isfinite(x)]
-        if fin.numel():
-            max_abs = float(fin.abs().max())
-            headroom = headroom_decades(max_abs, _DT.get(t.dtype, "float32"))
-    elif t.numel() and t.dtype != torch.bool:
-        max_abs = float(t.abs().max())
-    return TensorAudit(key, list(t.shape), str(t.dtype).replace("torch.", ""), t.numel(), nan, posinf, neginf, max_abs, headroom)
+    top: float | int | None = None
+    if data.is_floating_point():
+        for c in numeric_chunks(data):
+            nan += int(torch.isnan(c).sum())
+            posinf += int(torch.isposinf(c).sum())
+            neginf += int(torch.isneginf(c).sum())
+            fin = torch.where(torch.isfinite(c), c.abs(), torch.zeros((), dtype=c.dtype))
+            if fin.numel():
+                m = float(fin.max())
+                top = m if top is None else max(top, m)
+        headroom = _headroom(top, t.dtype if t.dtype.is_floating_point or t.is_complex() else torch.float32) \
+            if top is not None and not t.is_quantized else None
+        if nan + posinf + neginf == data.numel():
+            top = headroom = None  # no finite value: nothing to measure
+    elif data.dtype == torch.bool:
+        headroom = None
+    else:
+        for c in numeric_chunks(data):
+            if c.numel():
+                values = c.tolist() if c.dtype == torch.uint64 else (int(c.min()), int(c.max()))
+                m = max(abs(int(v)) for v in values)  # Python ints: |int64 min| does not overflow
+                top = m if top is None else max(top, m)
+        headroom = None
+    return TensorAudit(key, shape, dtype, t.numel(), nan, posinf, neginf, top, headroom, note)
 
 
-def audit(obj: Any) -> list[TensorAudit]:
-    return [audit_tensor(k, t) for k, t in iter_tensors(obj)]
+def audit_object(obj: Any) -> list[TensorAudit]:
+    """One row per tensor of a loaded checkpoint object."""
+    return [audit_tensor(key_name(k), t) for k, t in iter_tensors(obj)]
 
 
-def compare(a: Any, b: Any) -> dict[str, Any]:
-    """Differences between two checkpoints: keys, shapes/dtypes, max |difference|, non-finite in one only."""
-    ta, tb = dict(iter_tensors(a)), dict(iter_tensors(b))
-    only_a = sorted(set(ta) - set(tb))
-    only_b = sorted(set(tb) - set(ta))
-    changed, diffs, nonfinite_one = [], [], []
-    for k in sorted(set(ta) & set(tb)):
-        x, y = ta[k], tb[k]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            changed.append({"key": k, "a": [list(x.shape), str(x.dtype)], "b": [list(y.shape), str(y.dtype)]})
-            continue
-        if x.is_floating_point() or x.is_complex():
-            fa, fb = bool(torch.isfinite(x).all()), bool(torch.isfinite(y).all())
-            if fa != fb:
-                nonfinite_one.append({"key": k, "nonfinite_in": "a" if not fa else "b"})
-            equal = torch.equal(x, y) or bool(torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all())
-            if not equal:
-                d = (x.double() - y.double()).abs()
-                mismatch = int((torch.isfinite(x) != torch.isfinite(y)).sum())
-                d = d[torch.isfinite(d)]
-                diffs.append({"key": k, "max_abs_diff": float(d.max()) if d.numel() else math.nan,
-                              "nonfinite_mismatch": mismatch})
-        elif not torch.equal(x, y):
-            diffs.append({"key": k, "max_abs_diff": float((x.double() - y.double()).abs().max())})
-    identical = not (only_a or only_b or changed or diffs)
-    return {
-        "identical": identical,
-        "only_in_a": only_a,
-        "only_in_b": only_b,
-        "shape_or_dtype_changed": changed,
-        "different": diffs,
-        "nonfinite_in_one_only": nonfinite_one,
-        "compared": len(set(ta) & set(tb)),
-    }
+def audit(path: str | Path, second: str | Path | None = None, trust: bool = False) -> AuditReport:
+    """Census of `path` (and `second`, with their comparison); NummonError on unreadable input."""
+    obj, fmt = load_checkpoint(path, trust=trust)
+    report = AuditReport(CheckpointAudit(str(path), fmt, audit_object(obj)))
+    if second is not None:
+        obj2, fmt2 = load_checkpoint(second, trust=trust)
+        report.second = CheckpointAudit(str(second), fmt2, audit_object(obj2))
+        report.comparison = compare(obj, obj2)
+    return report
 
 
-def _fmt(v: float | None) -> str:
-    return "—" if v is None else f"{v:.4g}"
-
-
-def run_audit(args: Any) -> int:
-    """CLI: exit 1 when any tensor holds NaN/Inf, 0 otherwise; errors exit 2 (raised)."""
-    first = load_checkpoint(args.ckpt, trust=args.trust)
-    second = load_checkpoint(args.ckpt2, trust=args.trust) if args.ckpt2 else None
-    rows = audit(first)
-    rows2 = audit(second) if second is not None else []
-    cmp = compare(first, second) if second is not None else None
-    bad = sum(r.nonfinite > 0 for r in rows) + sum(r.nonfinite > 0 for r in rows2)
-    if args.format == "json":
-        out: dict[str, Any] = {"checkpoint": str(args.ckpt), "tensors": [asdict(r) for r in rows],
-                               "summary": _summary(rows)}
-        if second is not None:
-            out["checkpoint2"] = str(args.ckpt2)
-            out["tensors2"] = [asdict(r) for r in rows2]
-            out["summary2"] = _summary(rows2)
-            out["comparison"] = cmp
-        print(json.dumps(out, indent=1, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v)))
-        return 1 if bad else 0
-    for path, rs in ((args.ckpt, rows), (args.ckpt2, rows2)) if second is not None else ((args.ckpt, rows),):
-        print(f"{path}:")
-        _print_table(rs)
-        s = _summary(rs)
-        print(f"  {s['tensors']} tensors, {s['elements']} elements; {s['nonfinite_tensors']} with non-finite values "
-              f"({s['nan']} NaN, {s['posinf']} +Inf, {s['neginf']} -Inf); min headroom {_fmt(s['min_headroom'])} decades")
-    if cmp is not None:
-        print()
-        if cmp["identical"]:
-            print(f"identical: {cmp['compared']} tensors compared, no difference")
-        else:
-            print("different:")
-            for k in cmp["only_in_a"]:
-                print(f"  only in {args.ckpt}: {k}")
-            for k in cmp["only_in_b"]:
-                print(f"  only in {args.ckpt2}: {k}")
-            for c in cmp["shape_or_dtype_changed"]:
-                print(f"  {c['key']}: {c['a']} -> {c['b']}")
-            for d in cmp["different"]:
-                extra = f"; {d['nonfinite_mismatch']} positions finite in one only" if d.get("nonfinite_mismatch") else ""
-                print(f"  {d['key']}: max |difference| {_fmt(d['max_abs_diff'])} over finite values{extra}")
-            for n in cmp["nonfinite_in_one_only"]:
-                print(f"  {n['key']}: non-finite only in {args.ckpt if n['nonfinite_in'] == 'a' else args.ckpt2}")
-    return 1 if bad else 0
-
-
-def _summary(rows: list[TensorAudit]) -> dict[str, Any]:
-    heads = [r.headroom for r in rows if r.headroom is not None]
-    return {
-        "tensors": len(rows),
-        "elements": sum(r.numel for r in rows),
-        "nonfinite_tensors": sum(r.nonfinite > 0 for r in rows),
-        "nan": sum(r.nan for r in rows),
-        "posinf": sum(r.posinf for r in rows),
-        "neginf": sum(r.neginf for r in rows),
-        "min_headroom": min(heads) if heads else None,
-    }
-
-
-def _print_table(rows: list[TensorAudit]) -> None:
-    head = ("tensor", "shape", "dtype", "NaN", "+Inf", "-Inf", "max|x|", "headroom")
-    cells = [(r.key, "x".join(map(str, r.shape)) or "scalar", r.dtype, str(r.nan), str(r.posinf), str(r.neginf),
-              _fmt(r.max_abs), _fmt(r.headroom)) for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
-    print("  " + "  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    for c in cells:
-        mark = " !" if any(x != "0" for x in c[3:6]) else ""
-        print("  " + "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))) + mark)
+def report_json(report: AuditReport) -> str:
+    """The report as strict JSON text."""
+    return json.dumps(report.to_dict(), indent=1, allow_nan=False, default=str)

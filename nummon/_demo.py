@@ -1,242 +1,233 @@
-"""`nummon demo`: reproduce the motivating failure on synthetic data, with every sink attached.
+"""The demo run: reproduce the motivating failure on synthetic data, with every sink attached.
 
-A small CNN (two conv layers, fc1, fc2, LeakyReLU 0.01, no normalisation) trained with SGD and
-momentum 0.9 on five of ten synthetic classes, then switched to the other five, recorded by a
-sensor with three times the contrast (a domain switch). At the default learning rate the switch
-starts a runaway that ends in a NaN some 20 steps later; nummon warns at the switch. With
-`--healthy` the same model trains at a safe learning rate on all ten classes, with no switch.
+A small CNN (`_demo_model.DemoCNN`) trained with SGD and momentum 0.9 on five of ten synthetic
+classes, then switched to the other five, recorded by a sensor with three times the contrast
+(a domain switch). At the default learning rate the switch starts a runaway that ends in a NaN
+some 20 steps later; nummon warns at the switch. With `healthy` the same model trains at a safe
+learning rate on all ten classes, with no switch.
+
+`prepare` checks every input and creates nothing; `run` trains and returns a `DemoResult`.
+Printing is the CLI's job (`nummon._cli.demo`).
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
-import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ._demo_config import HEALTHY_LR, RUNAWAY_LR, DemoConfig
+from ._demo_model import DemoCNN, SyntheticDigits
 from ._errors import NummonError
+from ._policy import Policy, load_policy
+from ._types import Alert, Health, Severity
 
-DEFAULT_STEPS = 120
-SWITCH_STEP = 60
-RUNAWAY_LR = 0.02  # runs away after the switch for every seed tried (0.015..0.03 all do)
-HEALTHY_LR = 0.005
-DOMAIN_B_GAIN = 3.0
-BATCH = 64
+__all__ = ["DemoConfig", "DemoPlan", "DemoResult", "StepCallback", "prepare", "run"]
 
+#: W&B's run modes (`wandb.init(mode=...)`); "online", "run" and "shared" need credentials.
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+_ONLINE = ("online", "run", "shared")
+HISTOGRAM_EVERY = 20  # steps between histograms, unless the policy asks for them
 
-class DemoCNN(nn.Module):
-    """Two conv layers (32, 64 channels) on 28x28 inputs, max-pool, fc1 12544->128, fc2 128->10."""
-
-    def __init__(self, width: int = 32, hidden: int = 128, classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.fc1 = nn.Linear(2 * width * 14 * 14, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-        self.act = nn.LeakyReLU(0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act(self.conv1(x))
-        x = self.pool(self.act(self.conv2(x)))
-        x = self.act(self.fc1(x.flatten(1)))
-        return self.fc2(x)
+#: Called after each step with (step, loss, health name); steps count from 0.
+StepCallback = Callable[[int, float, str], None]
 
 
-class SyntheticDigits:
-    """Ten classes of 28x28 images: a shared pattern plus a weaker pattern per class plus noise
-    (learnable, not trivially), made on the fly from a seeded CPU generator (the same bytes on
-    every machine and torch version)."""
+@dataclass
+class DemoPlan:
+    """A checked configuration: nothing is created until `run`."""
 
-    def __init__(self, seed: int = 0, noise: float = 1.0, separation: float = 0.6) -> None:
-        g = torch.Generator().manual_seed(seed)
-        base = torch.rand(1, 1, 7, 7, generator=g)
-        per_class = torch.rand(10, 1, 7, 7, generator=g)
-        # nearest-neighbour upsampling by 4 is a pure repeat: identical on every backend
-        coarse = base + separation * per_class
-        self.prototypes = coarse.repeat_interleave(4, dim=2).repeat_interleave(4, dim=3)
-        self.noise = noise
-        self.gen = torch.Generator().manual_seed(seed + 1)
+    config: DemoConfig
+    out: Path
+    lr: float
+    device: torch.device
+    policy: Policy
+    wandb_mode: str | None  # the WANDB_MODE the W&B sink will see (None: W&B decides)
+    notes: list[str] = field(default_factory=list)  # one-line remarks for the user
 
-    def batch(self, classes: range, size: int = BATCH, gain: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of `size` images of the given classes; `gain` scales the images (contrast)."""
-        lo, n = classes.start, len(classes)
-        y = torch.randint(0, n, (size,), generator=self.gen) + lo
-        x = self.prototypes[y] + self.noise * torch.randn(size, 1, 28, 28, generator=self.gen)
-        return x * gain, y
 
-    def stream(self, step: int, healthy: bool = False, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
-        """The demo's batch at `step`: domain A (classes 0-4) then domain B (5-9, 3x contrast)."""
-        if healthy:
-            return self.batch(range(0, 10), size)
-        if step < SWITCH_STEP:
-            return self.batch(range(0, 5), size)
-        return self.batch(range(5, 10), size, gain=DOMAIN_B_GAIN)
+@dataclass
+class DemoResult:
+    """What happened: the records, the alerts and the first step of each severity."""
+
+    plan: DemoPlan
+    steps_run: int
+    elapsed_s: float
+    records: list[dict]  # the flight recorder's last steps
+    alerts: list[Alert]  # raised (not cleared) alerts, in order
+    first_warning: int | None
+    first_critical: int | None
+    first_nonfinite: int | None
+    flight_record: str | None
+    tensorboard_dir: Path | None
+    wandb_run_dir: str | None
+    wandb_offline: bool
+    wandb_url: str | None
+    notes: list[str]
+
+    @property
+    def events_path(self) -> Path:
+        return self.plan.out / "events.jsonl"
+
+    @property
+    def first_warning_alert(self) -> Alert | None:
+        return next((a for a in self.alerts if a.step == self.first_warning and a.severity.rank >= Severity.WARNING.rank), None)
+
+    @property
+    def nonfinite_location(self) -> str | None:
+        return next((a.location for a in self.alerts if a.kind.value == "nonfinite"), None)
+
+    def closing_rows(self) -> list[dict]:
+        """Rows around the event: two before the first warning to two after, then the last
+        steps up to the first non-finite (or critical) step; a {"step": "..."} row marks a gap."""
+        warn = self.first_warning
+        end = self.first_nonfinite if self.first_nonfinite is not None else self.first_critical
+        if end is None or warn is None:
+            return self.records[-8:]
+        head = [r for r in self.records if warn - 2 <= r["step"] <= warn + 2]
+        tail = [r for r in self.records if max(warn + 3, end - 8) <= r["step"] <= end]
+        gap = tail and head and tail[0]["step"] > head[-1]["step"] + 1
+        return head + ([{"step": "..."}] if gap else []) + tail
 
 
 def _default_out() -> Path:
     return Path("nummon-runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-class _Progress:
-    """A one-line progress bar with the current health state (plain lines when not a tty)."""
+def _wandb_mode(notes: list[str]) -> str | None:
+    """WANDB_MODE checked before anything starts: an unknown mode is an error; an online mode
+    without credentials falls back to offline with a note."""
+    raw = os.environ.get("WANDB_MODE")
+    if raw is None or not raw.strip():
+        return None
+    mode = raw.strip().lower()
+    if mode not in WANDB_MODES:
+        raise NummonError(f"WANDB_MODE={raw!r} is not a W&B mode (one of {', '.join(WANDB_MODES)}); fix it or pass --no-wandb")
+    if mode in _ONLINE:
+        from .integrations.wandb import _has_credentials
 
-    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
-        self.total, self.stream = total, stream
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-        self.last = -1
-
-    def update(self, step: int, loss: float, health: str) -> None:
-        width = 30
-        done = int(width * (step + 1) / self.total)
-        line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1:4d}/{self.total}  loss {loss:10.4g}  {health}"
-        if self.tty:
-            self.stream.write("\r" + line)
-            self.stream.flush()
-        elif step // 20 != self.last:
-            self.last = step // 20
-            self.stream.write(line + "\n")
-
-    def done(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+        if not _has_credentials():
+            notes.append(f"W&B: WANDB_MODE={raw} but no API key is set: logging offline instead (sync later with `wandb sync`)")
+            return "offline"
+    return mode
 
 
-def run_demo(args: Any) -> int:
-    """The CLI entry: train, monitor, print the closing table and the commands to look further."""
-    from ._format import records_table
-    from ._monitor import Monitor
-    from ._policy import load_policy
-    from ._sinks import ConsoleSink, JsonlSink
-    from ._types import Health, Severity
-
-    steps = args.steps if args.steps is not None else DEFAULT_STEPS
-    if steps < 1:
-        raise NummonError(f"--steps must be >= 1, got {steps}")
-    lr = args.lr if args.lr is not None else (HEALTHY_LR if args.healthy else RUNAWAY_LR)
+def prepare(config: DemoConfig) -> DemoPlan:
+    """Check every input (steps, lr, device, policy, W&B mode); raise NummonError on the first
+    bad one. Creates no file or folder."""
+    if config.steps < 1:
+        raise NummonError(f"--steps must be >= 1, got {config.steps}")
+    lr = config.lr if config.lr is not None else (HEALTHY_LR if config.healthy else RUNAWAY_LR)
     if not (lr > 0 and math.isfinite(lr)):
         raise NummonError(f"--lr must be a positive number, got {lr}")
     try:
-        device = torch.device(args.device)
+        device = torch.device(config.device)
         torch.empty(0, device=device)
     except Exception as e:
-        raise NummonError(f"--device {args.device!r} is not usable here ({str(e).splitlines()[0]})") from None
-    out = Path(args.out) if args.out else _default_out()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NummonError(f"cannot create the output folder {out}: {e.strerror}") from None
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    torch.manual_seed(args.seed)
-    model = DemoCNN().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    data = SyntheticDigits(args.seed)
-
-    sinks: list[Any] = [ConsoleSink(min_severity=Severity.WARNING), JsonlSink(out / "events.jsonl")]
+        raise NummonError(f"--device {config.device!r} is not usable here ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    policy = load_policy(config.policy)
+    if not policy.sampling.histogram_every:  # the demo shows histograms unless the policy says otherwise
+        policy = policy.model_copy(update={"sampling": policy.sampling.model_copy(update={"histogram_every": HISTOGRAM_EVERY})})
     notes: list[str] = []
-    if not args.no_tensorboard:
+    wandb_mode = _wandb_mode(notes) if config.wandb else None
+    out = Path(config.out) if config.out else _default_out()
+    if out.exists() and not out.is_dir():
+        raise NummonError(f"cannot use the output folder {out}: a file of that name exists")
+    return DemoPlan(config, out, lr, device, policy, wandb_mode, notes)
+
+
+def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | None, Any]:
+    """Console, JSONL, and TensorBoard / W&B when asked for and installed (else a note)."""
+    from ._sinks import ConsoleSink, JsonlSink
+
+    out, cfg = plan.out, plan.config
+    sinks: list[Any] = [ConsoleSink(min_severity=Severity.WARNING), JsonlSink(out / "events.jsonl")]
+    tb_dir = None
+    if cfg.tensorboard:
         try:
             from .integrations.tensorboard import TensorBoardSink
 
             sinks.append(TensorBoardSink(out / "tensorboard"))
-            notes.append(f"tensorboard --logdir {out / 'tensorboard'}")
+            tb_dir = out / "tensorboard"
         except ImportError as e:
-            print(f"(TensorBoard sink skipped: {e})", file=sys.stderr)
+            notes.append(f"TensorBoard sink skipped: {e}")
     wandb_sink = None
-    if not args.no_wandb:
+    if cfg.wandb and plan.wandb_mode != "disabled":
         try:
             from .integrations.wandb import WandbSink
 
             os.environ.setdefault("WANDB_SILENT", "true")
             os.environ.setdefault("WANDB_CONSOLE", "off")
-            wandb_sink = WandbSink(project="nummon-demo", dir=str(out), config={"lr": lr, "seed": args.seed, "steps": steps})
+            if plan.wandb_mode is not None:
+                os.environ["WANDB_MODE"] = plan.wandb_mode  # the sink reads the mode from the environment
+            wandb_sink = WandbSink(project="nummon-demo", dir=str(out), config={"lr": plan.lr, "seed": cfg.seed, "steps": cfg.steps})
             sinks.append(wandb_sink)
         except ImportError as e:
-            print(f"(W&B sink skipped: {e})", file=sys.stderr)
+            notes.append(f"W&B sink skipped: {e}")
+        except Exception as e:  # a W&B service that fails to start must not stop the demo
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            notes.append(f"W&B sink skipped: {type(e).__name__}: {first[:200]}")
+    return sinks, tb_dir, wandb_sink
 
-    policy = load_policy(args.policy)
-    if not policy.sampling.histogram_every:  # the demo shows histograms unless the policy says otherwise
-        policy = policy.model_copy(update={"sampling": policy.sampling.model_copy(update={"histogram_every": 20})})
-    mon = Monitor(model, opt, policy=policy, sinks=sinks, run_dir=out)
-    mode = "healthy" if args.healthy else "runaway"
-    story = "all 10 classes, no switch" if args.healthy else f"classes 0-4, then 5-9 at 3x contrast from step {SWITCH_STEP}"
-    print(f"nummon demo ({mode}): DemoCNN, SGD lr={lr:g} momentum=0.9, {story}, {steps} steps on {device}; output in {out}")
-    bar = _Progress(steps)
+
+def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
+    """Create the output folder and sinks, train, monitor; the result holds what happened."""
+    from ._monitor import Monitor
+
+    cfg = plan.config
+    try:
+        plan.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NummonError(f"cannot create the output folder {plan.out}: {e.strerror}") from None
+    notes = list(plan.notes)
+    torch.manual_seed(cfg.seed)
+    model = DemoCNN().to(plan.device)
+    opt = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=0.9)
+    data = SyntheticDigits(cfg.seed)
+    sinks, tb_dir, wandb_sink = _make_sinks(plan, notes)
+    mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
     first_nonfinite = None
+    steps_run = 0
     t0 = time.perf_counter()
     try:
-        for step in range(steps):
-            x, y = data.stream(step, healthy=args.healthy)
-            x, y = x.to(device), y.to(device)
+        for step in range(cfg.steps):
+            x, y = data.stream(step, healthy=cfg.healthy)
+            x, y = x.to(plan.device), y.to(plan.device)
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             report = mon.post_step(loss, batch=(x, y))
-            bar.update(step, float(loss.detach()), report.health.value)
+            steps_run = step + 1
+            if on_step is not None:
+                on_step(step, float(loss.detach()), report.health.value if report.health is not None else "pending")
             if report.health is Health.NONFINITE:
                 first_nonfinite = report.step
                 break
-            if args.stop_at_critical and report.should_stop:
+            if cfg.stop_at_critical and report.should_stop:
                 break
         final = mon.flush()
         if final is not None and final.health is Health.NONFINITE and first_nonfinite is None:
             first_nonfinite = final.step
     finally:
-        bar.done()
         mon.close()
     elapsed = time.perf_counter() - t0
-
     alerts = [a for a in mon.alerts if not a.cleared]
-    warned = [a for a in alerts if a.severity.rank >= Severity.WARNING.rank]
-    crit = [a for a in alerts if a.severity is Severity.CRITICAL]
-    first_warn = min((a.step for a in warned), default=None)
-    first_crit = min((a.step for a in crit), default=None)
-    records = mon.recent()
-    print()
-    print(records_table(_closing_rows(records, first_warn, first_crit, first_nonfinite)))
-    print()
-    if first_warn is None:
-        print(f"no warning in {len(records) and records[-1]['step'] + 1} steps: the run stayed healthy.")
-    else:
-        parts = [f"warned at step {first_warn}"]
-        parts.append(f"critical at step {first_crit}" if first_crit is not None else "no critical alert")
-        if first_nonfinite is not None:
-            parts.append(f"first non-finite at step {first_nonfinite}")
-            sentence = ", ".join(parts) + f" — {first_nonfinite - first_warn} steps of warning."
-        else:
-            sentence = ", ".join(parts) + " — no non-finite value."
-        print(sentence)
-        nf = next((a for a in alerts if a.kind.value == "nonfinite"), None)
-        if nf is not None:
-            print(f"The first NaN appeared in: {nf.location}.")
-        first = next(a for a in warned if a.step == first_warn)
-        print(f"First warning: {first.kind.value} — {first.message}")
-    print(f"({elapsed:.1f} s; events: {out / 'events.jsonl'}"
-          + (f"; flight record: {mon.flight_record}" if mon.flight_record else "") + ")")
-    for n in notes:
-        print(f"View in TensorBoard:  {n}")
-    if wandb_sink is not None and wandb_sink.run_dir:
-        if wandb_sink.offline:
-            print(f"Upload to W&B:        wandb sync {wandb_sink.run_dir}")
-        else:
-            print(f"W&B run:              {getattr(wandb_sink.run, 'url', '')}")
-    return 0
-
-
-def _closing_rows(records: list[dict], warn: int | None, crit: int | None, nonfinite: int | None) -> list[dict]:
-    """Rows around the event: two before the first warning to two after, then the last steps."""
-    end = nonfinite if nonfinite is not None else crit
-    if end is None or warn is None:
-        return records[-8:]
-    head = [r for r in records if warn - 2 <= r["step"] <= warn + 2]
-    tail = [r for r in records if max(warn + 3, end - 8) <= r["step"] <= end]
-    gap = tail and head and tail[0]["step"] > head[-1]["step"] + 1
-    return head + ([{"step": "..."}] if gap else []) + tail
+    warned = [a.step for a in alerts if a.severity.rank >= Severity.WARNING.rank]
+    crit = [a.step for a in alerts if a.severity is Severity.CRITICAL]
+    return DemoResult(
+        plan=plan, steps_run=steps_run, elapsed_s=elapsed, records=mon.recent(), alerts=alerts,
+        first_warning=min(warned, default=None), first_critical=min(crit, default=None),
+        first_nonfinite=first_nonfinite, flight_record=mon.flight_record and str(mon.flight_record),
+        tensorboard_dir=tb_dir,
+        wandb_run_dir=wandb_sink.run_dir if wandb_sink is not None else None,
+        wandb_offline=bool(wandb_sink is not None and wandb_sink.offline),
+        wandb_url=getattr(wandb_sink.run, "url", None) if wandb_sink is not None else None,
+        notes=notes,
+    )

@@ -2,23 +2,44 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 from ._types import Alert, StepRecord
 
+__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "fmt_num", "records_table", "scalar_tags"]
+
 TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
 
 
-def fmt_num(v: Any) -> str:
+def fmt_num(v: Any, none: str = "—") -> str:
+    """The one number format of tables and messages: integers exactly, floats to 4 significant
+    digits, non-finite as nan/inf/-inf, None as `none`."""
     if v is None:
-        return "—"
+        return none
     if isinstance(v, str):
         return v
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, bool):
+        return str(v)
     if isinstance(v, int):
         return str(v)
+    v = float(v)
+    if not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.4g}"
+
+
+# C0/C1 control characters (ANSI escapes start with ESC) and lone surrogates, which a terminal
+# would act on or an encoder would refuse
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def clean_text(text: str, one_line: bool = True) -> str:
+    """`text` safe to print: control characters and lone surrogates escaped (\\x1b, \\ud800),
+    and with `one_line` newlines and tabs folded to spaces."""
+    if one_line:
+        text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
 
 
 def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:

@@ -1,20 +1,43 @@
-"""Replay: the same detectors over recorded traces (no torch import)."""
+"""Replay: the same detectors over recorded traces (no torch import).
+
+A step number that goes backwards or repeats (a resumed or restarted run appended to the same
+file) starts a new segment: a one-line warning names file:line and the detectors start afresh,
+so no alert of one segment is raised or cleared by the other's steps.
+"""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Iterator
 
 from ._engine import HealthEngine
 from ._policy import Policy, PolicyLike, load_policy
-from ._trace import read_trace
+from ._trace import WarnFn, iter_steps
 from ._types import Alert
 
+__all__ = ["iter_replay", "replay"]
 
-def replay(path: str | Path, policy: PolicyLike = None) -> list[Alert]:
-    """Every alert the detectors raise over one JSONL trace, in step order."""
+_log = logging.getLogger("nummon")
+
+
+def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> Iterator[Alert]:
+    """Alerts as the detectors raise them over one JSONL trace, in step order, streaming.
+
+    Warnings (a torn last line, a new segment) go to `warn` (default: the "nummon" logger); a
+    broken line in the middle raises TraceError after the alerts before it were yielded."""
     pol: Policy = load_policy(policy)
+    warn = warn or _log.warning
     engine = HealthEngine(pol)
-    alerts: list[Alert] = []
-    for rec in read_trace(Path(path)):
+    prev: int | None = None
+    for lineno, rec in iter_steps(Path(path), warn):
+        if prev is not None and rec.step <= prev:
+            warn(f"{path}:{lineno}: step {rec.step} after step {prev}: a new segment, detectors restarted")
+            engine = HealthEngine(pol)
+        prev = rec.step
         got, _ = engine.process(rec)
-        alerts.extend(got)
-    return alerts
+        yield from got
+
+
+def replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> list[Alert]:
+    """Every alert the detectors raise over one JSONL trace, in step order."""
+    return list(iter_replay(path, policy, warn))

@@ -16,18 +16,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ._errors import NummonError
+
 __all__ = [
-    "Status",
-    "Report",
-    "Diagnosis",
-    "LRRangeReport",
-    "overfit_one_batch",
-    "check_gradients",
-    "check_data",
-    "check_loader",
-    "check_weights",
-    "lr_range_test",
-    "run_all",
+    "Status", "Report", "Diagnosis", "LRRangeReport", "overfit_one_batch", "check_gradients", "check_data",
+    "check_loader", "check_weights", "lr_range_test", "run_all",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,7 +104,7 @@ def _copy_model(model: nn.Module) -> nn.Module:
 def _split(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    raise ValueError("batch must be an (inputs, targets) pair")
+    raise NummonError("batch must be an (inputs, targets) pair")
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -136,6 +129,8 @@ def overfit_one_batch(
 ) -> Report:
     """Train a copy on one batch for `steps` steps; PASS when the loss falls below
     `target_fraction` (1%) of its start, PARTIAL when it at least halves, FAIL otherwise."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise NummonError(f"overfit_one_batch needs steps >= 1, got {steps!r}")
     clone, x, y = _copy_with_batch(model, batch)
     opt = optimizer_cls(clone.parameters(), lr=lr)
     losses: list[float] = []
@@ -349,7 +344,7 @@ def lr_range_test(
     from ._types import Health, StepRecord
 
     if not (0 < start < end):
-        raise ValueError("lr_range_test needs 0 < start < end")
+        raise NummonError(f"lr_range_test needs 0 < start < end, got start={start!r}, end={end!r}")
     clone = _copy_model(model)
     dev = _device_of(clone)
     opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
@@ -449,15 +444,3 @@ def run_all(model: nn.Module, loader: Iterable, loss_fn: LossFn, num_classes: in
         if rep.status is Status.FAIL:
             return Diagnosis(reports, stopped_at=rep.name)
     return Diagnosis(reports)
-
-
-def run_cli(args: Any) -> int:
-    """`nummon diagnose`: run_all on the demo model and data, to show the report format."""
-    from ._demo import DemoCNN, SyntheticDigits
-
-    torch.manual_seed(args.seed)
-    data = SyntheticDigits(args.seed)
-    loader = [data.batch(range(0, 10)) for _ in range(4)]
-    diag = run_all(DemoCNN(), loader, nn.functional.cross_entropy, num_classes=10, overfit_steps=60)
-    print(diag)
-    return 0 if diag.status is not Status.FAIL else 1

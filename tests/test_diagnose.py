@@ -7,9 +7,7 @@ import torch
 from torch import nn
 
 import nummon
-from nummon import AlertKind, Monitor, Severity
-from nummon._hints import hint_for
-from nummon._types import Finding
+from nummon import Monitor, NummonError
 from nummon.diagnose import (
     Status,
     check_data,
@@ -156,65 +154,10 @@ def test_diagnostics_do_not_fire_the_users_monitor_hooks(user):
     mon.close()
 
 
-# ------------------------------------------------------------------ fingerprints and hints
-
-def _fingerprints(seed, poke=None):
-    torch.manual_seed(seed)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor(model, opt)
-    out = []
-    g = torch.Generator().manual_seed(seed)
-    for step in range(5):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        if poke == step:
-            x[2, 3] += 1e-3
-        opt.zero_grad()
-        loss = CE(model(x), y)
-        loss.backward()
-        opt.step()
-        out.append(mon.post_step(loss, batch=(x, y)).record.fingerprint)
-    mon.close()
-    return out
-
-
-def test_fingerprints_are_deterministic_and_sensitive():
-    a, b = _fingerprints(0), _fingerprints(0)
-    assert a == b and len(set(a)) == 5
-    c = _fingerprints(0, poke=3)
-    assert [i for i in range(5) if a[i] != c[i]] == [3]
-
-
-def test_fingerprint_is_in_alerts_and_flight_record(tmp_path):
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor(model, opt, run_dir=tmp_path)
-    x, y = batch(8)
-    x[0, 0] = float("nan")
-    loss = CE(model(x), y)
-    loss.backward()
-    r = mon.post_step(loss, batch=(x, y))
-    a = next(a for a in r.alerts if a.kind is AlertKind.NONFINITE)
-    assert a.details["batch_fingerprint"] == r.record.fingerprint
-    assert mon.recent()[-1]["fingerprint"] == r.record.fingerprint
-    mon.close()
-
-
-@pytest.mark.parametrize("kind", list(AlertKind))
-def test_every_alert_kind_has_a_specific_hint(kind):
-    h = hint_for(Finding(kind, Severity.WARNING, "loss", 1.0, 1.0, "m"))
-    assert h and len(h) > 30
-    assert hint_for(Finding(AlertKind.RUNAWAY, Severity.CRITICAL, "loss", 1.0, 1.0, "m"), {"optimizer": "sgd_momentum"}).startswith("momentum SGD")
-    assert "bfloat16" in hint_for(Finding(AlertKind.EXTREME, Severity.WARNING, "headroom", 0.5, 1.0, "m", details={"dtype": "float16"}))
-
-
-def test_console_sink_shows_the_hint(caplog):
-    import logging
-
-    sink = nummon.ConsoleSink()
-    with caplog.at_level(logging.WARNING, logger="nummon"):
-        sink.on_alert(nummon.Alert(step=3, kind=AlertKind.RUNAWAY, severity=Severity.CRITICAL, message="m", metric="loss", hint="lower the LR"))
-    assert "hint: lower the LR" in caplog.text
+@pytest.mark.parametrize("steps", [0, -3])
+def test_overfit_one_batch_needs_at_least_one_step(user, steps):
+    with pytest.raises(NummonError, match=r"^overfit_one_batch needs steps >= 1, got -?\d+$"):
+        overfit_one_batch(user[0], batch(), CE, steps=steps)
 
 
 def test_diagnose_cli_prints_reports():

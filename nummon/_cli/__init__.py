@@ -1,0 +1,42 @@
+"""The `nummon` command line: replay, demo, audit, policy, diagnose (one module per command).
+
+Commands parse arguments, call the library (which returns data) and print. Bad input exits 2
+with one line on stderr and no traceback. Commands that need torch import it only when they
+run, so `nummon replay` works without torch.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from .._errors import NummonError
+from . import audit, demo, diagnose, policy, replay
+from ._common import EXIT_ERROR, Parser, error
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = (replay, demo, audit, policy, diagnose)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="nummon", description="Numerical-health monitor for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in _COMMANDS:
+        command.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the exit status: 0 fine, 1 a finding (audit: NaN/Inf), 2 bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args, parser)
+    except NummonError as e:
+        error(str(e))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("nummon: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

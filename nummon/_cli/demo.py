@@ -1,0 +1,117 @@
+"""`nummon demo`: reproduce a runaway on synthetic data with every sink, then print the closing
+table and the commands to look further. Every option is checked before anything is created."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, TextIO
+
+from .._demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
+from .._format import clean_text, records_table
+from ._common import note
+
+__all__ = ["Progress", "add_parser", "run"]
+
+PROGRESS_EVERY = 20  # steps between progress lines when stderr is not a terminal
+
+
+def add_parser(sub: Any) -> None:
+    d = sub.add_parser("demo", help="reproduce a runaway on synthetic data, with every sink")
+    d.add_argument("--out", default=None, help="output folder (default: ./nummon-runs/<timestamp>)")
+    d.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
+    d.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default: runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g})")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--healthy", action="store_true", help="a safe learning rate: must end with no warning")
+    d.add_argument("--stop-at-critical", action="store_true", help="stop at the first critical alert")
+    d.add_argument("--no-wandb", action="store_true", help="skip the W&B sink")
+    d.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard sink")
+    d.add_argument("--policy", default="default")
+    d.set_defaults(run=run)
+
+
+class Progress:
+    """A one-line progress bar with the current health state (plain lines when not a tty).
+    Steps count from 0, as in the table and the alerts: the last of 120 steps is step 119."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.stream = total, stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.last = -1
+
+    def line(self, step: int, loss: float, health: str) -> str:
+        width = 30
+        done = int(width * (step + 1) / self.total)
+        return f"[{'#' * done}{'.' * (width - done)}] step {step:4d} (last {self.total - 1})  loss {loss:10.4g}  {health}"
+
+    def update(self, step: int, loss: float, health: str) -> None:
+        line = self.line(step, loss, health)
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif step // PROGRESS_EVERY != self.last:
+            self.last = step // PROGRESS_EVERY
+            self.stream.write(line + "\n")
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .. import _demo
+    from .._demo_config import DemoConfig
+
+    config = DemoConfig(
+        out=args.out, steps=args.steps, lr=args.lr, seed=args.seed, device=args.device, healthy=args.healthy,
+        stop_at_critical=args.stop_at_critical, wandb=not args.no_wandb, tensorboard=not args.no_tensorboard,
+        policy=args.policy,
+    )
+    plan = _demo.prepare(config)  # every check first: bad input creates nothing
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    mode = "healthy" if args.healthy else "runaway"
+    story = ("all 10 classes, no switch" if args.healthy
+             else f"classes 0-4, then 5-9 at {DOMAIN_B_GAIN:g}x contrast from step {SWITCH_STEP}")
+    print(f"nummon demo ({mode}): DemoCNN, SGD lr={plan.lr:g} momentum=0.9, {story}, steps 0-{config.steps - 1} "
+          f"on {plan.device}; output in {plan.out}", flush=True)
+    bar = Progress(config.steps)
+    try:
+        result = _demo.run(plan, on_step=bar.update)
+    finally:
+        bar.done()
+    for n in result.notes:
+        note(n)
+    _print_summary(result)
+    return 0
+
+
+def _print_summary(result: Any) -> None:
+    print()
+    print(records_table(result.closing_rows()))
+    print()
+    if result.first_warning is None:
+        print(f"no warning in {result.steps_run} steps: the run stayed healthy.")
+    else:
+        parts = [f"warned at step {result.first_warning}"]
+        parts.append(f"critical at step {result.first_critical}" if result.first_critical is not None else "no critical alert")
+        if result.first_nonfinite is not None:
+            parts.append(f"first non-finite at step {result.first_nonfinite}")
+            print(", ".join(parts) + f" — {result.first_nonfinite - result.first_warning} steps of warning.")
+        else:
+            print(", ".join(parts) + " — no non-finite value.")
+        if result.nonfinite_location is not None:
+            print(clean_text(f"The first NaN appeared in: {result.nonfinite_location}."))
+        first = result.first_warning_alert
+        if first is not None:
+            print(clean_text(f"First warning: {first.kind.value} — {first.message}"))
+    print(f"({result.elapsed_s:.1f} s; events: {result.events_path}"
+          + (f"; flight record: {result.flight_record}" if result.flight_record else "") + ")")
+    if result.tensorboard_dir is not None:
+        print(f"View in TensorBoard:  tensorboard --logdir {result.tensorboard_dir}")
+    if result.wandb_run_dir:
+        if result.wandb_offline:
+            print(f"Upload to W&B:        wandb sync {result.wandb_run_dir}")
+        else:
+            print(f"W&B run:              {result.wandb_url or ''}")

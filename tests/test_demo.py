@@ -1,0 +1,129 @@
+"""`nummon demo` end to end (real training, real sinks, a real subprocess)."""
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import nummon_cmd
+from nummon import _demo
+from nummon._cli import main
+from nummon._demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, DemoConfig
+
+
+def cli(*args, env=None, timeout=300):
+    return subprocess.run(nummon_cmd() + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def demo_env(wandb_env):
+    return dict(os.environ)
+
+
+def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(tmp_path, demo_env):
+    out = tmp_path / "run"
+    p = cli("demo", "--out", str(out), env=demo_env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning", p.stdout)
+    assert m, p.stdout[-3000:]
+    warn, crit, nf, lead = map(int, m.groups())
+    assert warn <= crit <= nf and lead == nf - warn and lead >= 3
+    assert "The first NaN appeared in: output of `" in p.stdout and "(forward)" in p.stdout
+    # the closing table: header and the first non-finite row
+    assert re.search(r"step\s+loss\s+grad_norm\s+activation_max\s+optim_state_norm\s+health", p.stdout)
+    assert re.search(rf"^\s*{nf}\s+nan\s+.*nonfinite$", p.stdout, re.M)
+    assert f"tensorboard --logdir {out / 'tensorboard'}" in p.stdout
+    assert "wandb sync " in p.stdout
+    events = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
+    assert any(e["type"] == "alert" and e["severity"] == "critical" for e in events)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert list(out.rglob("run-*.wandb"))
+    # the progress lines count from 0, like the table and the alerts (one line per 20 steps)
+    shown = [int(n) for n in re.findall(r"\] step\s+(\d+)", p.stderr)]
+    assert shown[:4] == [0, 20, 40, 60] and all(n <= nf for n in shown)
+
+
+def test_demo_healthy_ends_with_no_warning(tmp_path, demo_env):
+    p = cli("demo", "--healthy", "--no-wandb", "--out", str(tmp_path / "h"), env=demo_env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "no warning in 120 steps: the run stayed healthy." in p.stdout
+    events = [json.loads(l) for l in (tmp_path / "h" / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["type"] == "alert" and e["severity"] != "info"]
+    assert len([e for e in events if e["type"] == "step"]) == 120
+
+
+def test_demo_stop_at_critical(tmp_path, demo_env):
+    p = cli("demo", "--stop-at-critical", "--no-wandb", "--no-tensorboard", "--out", str(tmp_path / "s"), env=demo_env)
+    assert p.returncode == 0
+    assert "critical at step" in p.stdout and "no non-finite value" in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["demo", "--steps", "0"], "--steps must be >= 1"),
+    (["demo", "--lr", "-1"], "--lr must be a positive number"),
+    (["demo", "--device", "tpu:9"], "--device 'tpu:9' is not usable"),
+    (["demo", "--steps", "abc"], "invalid int value"),
+])
+def test_demo_bad_options(args, needle, tmp_path):
+    p = cli(*args, "--out", str(tmp_path / "x"))
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def run_main(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # --help
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_demo_help_states_the_defaults_it_runs():
+    rc, out, _ = run_main("demo", "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    assert f"(default: {DEFAULT_STEPS})" in text and f"runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g}" in text
+    assert _demo.prepare(DemoConfig(wandb=False)).lr == RUNAWAY_LR and DemoConfig().steps == DEFAULT_STEPS
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({}, "unknown policy preset 'typo'"),
+    ({"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not a W&B mode"),
+])
+def test_bad_input_creates_nothing(tmp_path, monkeypatch, env, needle):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "d"
+    rc, stdout, err = run_main("demo", "--policy", "typo", "--out", out) if not env else run_main("demo", "--out", out)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() and not stdout
+
+
+def test_bad_policy_file_creates_nothing(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("spike: {grad_factr: 3}\n")
+    rc, _, err = run_main("demo", "--policy", bad, "--out", tmp_path / "d")
+    assert rc == 2 and "grad_factr" in err and not (tmp_path / "d").exists()
+
+
+def test_demo_run_returns_its_result(tmp_path):
+    plan = _demo.prepare(DemoConfig(out=tmp_path / "r", steps=4, wandb=False, tensorboard=False))
+    assert not plan.out.exists()  # prepare creates nothing
+    seen = []
+    result = _demo.run(plan, on_step=lambda step, loss, health: seen.append(step))
+    assert seen == [0, 1, 2, 3] and result.steps_run == 4 and [r["step"] for r in result.records] == [0, 1, 2, 3]
+    assert result.first_warning is None and result.events_path.exists() and result.closing_rows() == result.records
+
+
+def test_wandb_online_without_a_key_falls_back_to_offline(tmp_path, demo_env):
+    env = dict(demo_env, WANDB_MODE="online")
+    env.pop("WANDB_API_KEY", None)
+    env["NETRC"] = str(tmp_path / "no-netrc")
+    p = cli("demo", "--steps", "3", "--no-tensorboard", "--out", str(tmp_path / "w"), env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "WANDB_MODE=online but no API key is set: logging offline instead" in p.stderr
+    assert "wandb sync " in p.stdout and "Traceback" not in p.stderr
