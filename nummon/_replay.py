@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ._engine import HealthEngine
 from ._policy import Policy, PolicyLike, load_policy
 from ._trace import WarnFn, iter_steps
-from ._types import Alert
+from ._types import Alert, StepRecord
 
-__all__ = ["iter_replay", "replay"]
+__all__ = ["iter_replay", "iter_replay_records", "replay"]
 
 _log = logging.getLogger("nummon")
 
@@ -36,6 +36,19 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
         prev = rec.step
         got, _ = engine.process(rec)
         yield from got
+
+
+def iter_replay_records(records: Iterable[StepRecord], policy: PolicyLike = None) -> Iterator[Alert]:
+    """Alerts over records read by any reader (TensorBoard, HF, CSV, W&B), in order; a step
+    that goes backwards starts a new segment, as in `iter_replay`."""
+    pol: Policy = load_policy(policy)
+    engine = HealthEngine(pol)
+    prev: int | None = None
+    for rec in records:
+        if prev is not None and rec.step <= prev:
+            engine = HealthEngine(pol)
+        prev = rec.step
+        yield from engine.step(rec).alerts
 
 
 def replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> list[Alert]:

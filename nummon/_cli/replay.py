@@ -1,4 +1,7 @@
-"""`nummon replay`: the detectors over recorded JSONL traces, alerts printed as they are found.
+"""`nummon replay`: the detectors over recorded logs, alerts printed as they are found.
+
+nummon JSONL traces, TensorBoard event files or folders, Hugging Face trainer_state.json,
+Lightning metrics.csv and W&B offline run files are read (detected, or `--input-format`).
 
 Alerts found before a broken line are printed before the error; a torn last line and a step
 that goes backwards (a new segment) are one-line warnings.
@@ -15,8 +18,10 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    r = sub.add_parser("replay", help="run the detectors over recorded JSONL traces")
-    r.add_argument("paths", nargs="+", metavar="PATH", help="trace files, or directories of *.jsonl")
+    r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
+    r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders; a folder of *.jsonl means each of them")
+    r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb"), default=None,
+                   help="force the log format (default: detected from the name and first bytes)")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
     r.add_argument("--format", choices=("text", "jsonl"), default="text")
     r.add_argument("--min-severity", choices=("info", "warning", "critical"), default="info",
@@ -27,17 +32,20 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .._format import clean_text
     from .._policy import load_policy
-    from .._replay import iter_replay
-    from .._trace import expand_paths
+    from .._replay import iter_replay, iter_replay_records
     from .._types import Severity
+    from .._watch.readers import read_records
 
     policy = load_policy(args.policy)
-    paths = expand_paths(args.paths)
+    paths = _expand(args.paths, args.input_format)
     floor = Severity(args.min_severity).rank
     n_alerts = 0
     for path in paths:
         shown = 0
-        for a in iter_replay(path, policy, warn=warn):
+        fmt = args.input_format or _format_of(path)
+        alerts = iter_replay(path, policy, warn=warn) if fmt == "jsonl" else \
+            iter_replay_records(read_records(str(path), fmt), policy)
+        for a in alerts:
             if a.severity.rank < floor:
                 continue
             shown += 1
@@ -51,3 +59,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.format == "text":
         print(f"{len(paths)} trace(s), {n_alerts} alert(s)")
     return 0
+
+
+def _format_of(path: Any) -> str:
+    from .._watch.readers import detect_format
+
+    return detect_format(str(path))
+
+
+def _expand(paths: list[str], forced: str | None) -> list[Any]:
+    """Files and run folders as given; a folder holding *.jsonl traces means each of them."""
+    from pathlib import Path
+
+    from .._trace import TraceError, expand_paths
+
+    out: list[Any] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir() and forced in (None, "jsonl") and any(path.glob("*.jsonl")):
+            out.extend(expand_paths([p]))
+        elif path.exists():
+            out.append(path)
+        else:
+            raise TraceError(f"trace not found: {path}")
+    return out
