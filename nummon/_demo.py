@@ -65,6 +65,8 @@ class DemoResult:
     first_critical: int | None
     first_nonfinite: int | None
     flight_record: str | None
+    cause: Any  # a NonfiniteReport: why the first non-finite loss happened (None: no NaN)
+    recoveries: list[dict]  # what recovery did (empty when off)
     tensorboard_dir: Path | None
     wandb_run_dir: str | None
     wandb_offline: bool
@@ -132,6 +134,8 @@ def prepare(config: DemoConfig) -> DemoPlan:
     except Exception as e:
         raise NummonError(f"--device {config.device!r} is not usable here ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
     policy = load_policy(config.policy)
+    if config.recover and not policy.recovery.enabled:
+        policy = policy.model_copy(update={"recovery": load_policy("recover").recovery})
     if not policy.sampling.histogram_every:  # the demo shows histograms unless the policy says otherwise
         policy = policy.model_copy(update={"sampling": policy.sampling.model_copy(update={"histogram_every": HISTOGRAM_EVERY})})
     notes: list[str] = []
@@ -193,6 +197,7 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
     sinks, tb_dir, wandb_sink = _make_sinks(plan, notes)
     mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
     first_nonfinite = None
+    cause = None
     steps_run = 0
     t0 = time.perf_counter()
     try:
@@ -201,16 +206,19 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
             x, y = x.to(plan.device), y.to(plan.device)
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
+            if cause is None and not torch.isfinite(loss.detach()):  # the weights are still those that failed
+                cause = _explain(model, x, y)
             loss.backward()
             opt.step()
             report = mon.post_step(loss, batch=(x, y))
             steps_run = step + 1
             if on_step is not None:
                 on_step(step, float(loss.detach()), report.health.value if report.health is not None else "pending")
-            if report.health is Health.NONFINITE:
+            if report.health is Health.NONFINITE and first_nonfinite is None:
                 first_nonfinite = report.step
-                break
-            if cfg.stop_at_critical and report.should_stop:
+                if not plan.policy.recovery.enabled:
+                    break
+            if report.should_stop and (cfg.stop_at_critical or plan.policy.recovery.enabled):
                 break
         final = mon.flush()
         if final is not None and final.health is Health.NONFINITE and first_nonfinite is None:
@@ -225,9 +233,20 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
         plan=plan, steps_run=steps_run, elapsed_s=elapsed, records=mon.recent(), alerts=alerts,
         first_warning=min(warned, default=None), first_critical=min(crit, default=None),
         first_nonfinite=first_nonfinite, flight_record=mon.flight_record and str(mon.flight_record),
+        cause=cause, recoveries=mon.recoveries,
         tensorboard_dir=tb_dir,
         wandb_run_dir=wandb_sink.run_dir if wandb_sink is not None else None,
         wandb_offline=bool(wandb_sink is not None and wandb_sink.offline),
         wandb_url=getattr(wandb_sink.run, "url", None) if wandb_sink is not None else None,
         notes=notes,
     )
+
+
+def _explain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """Why the loss of this batch is non-finite (operator, line, cause), or None if it cannot say."""
+    from ._forensics import explain_nonfinite
+
+    try:
+        return explain_nonfinite(lambda: nn.functional.cross_entropy(model(x), y))
+    except Exception:  # forensics must never break the demo
+        return None

@@ -37,3 +37,4 @@ class DemoConfig:
     wandb: bool = True
     tensorboard: bool = True
     policy: str = "default"
+    recover: bool = False  # turn on the policy's recovery section (skip poisoned updates, roll back)

@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--no-wandb", action="store_true", help="skip the W&B sink")
     d.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard sink")
     d.add_argument("--policy", default="default")
+    d.add_argument("--recover", action="store_true",
+                   help="opt-in recovery: skip poisoned updates, roll back a runaway and lower the LR")
     d.set_defaults(run=run)
 
 
@@ -67,11 +69,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = DemoConfig(
         out=args.out, steps=args.steps, lr=args.lr, seed=args.seed, device=args.device, healthy=args.healthy,
         stop_at_critical=args.stop_at_critical, wandb=not args.no_wandb, tensorboard=not args.no_tensorboard,
-        policy=args.policy,
+        policy=args.policy, recover=args.recover,
     )
     plan = _demo.prepare(config)  # every check first: bad input creates nothing
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    mode = "healthy" if args.healthy else "runaway"
+    mode = ("healthy" if args.healthy else "runaway") + (", with recovery" if plan.policy.recovery.enabled else "")
     story = ("all 10 classes, no switch" if args.healthy
              else f"classes 0-4, then 5-9 at {DOMAIN_B_GAIN:g}x contrast from step {SWITCH_STEP}")
     print(f"nummon demo ({mode}): DemoCNN, SGD lr={plan.lr:g} momentum=0.9, {story}, steps 0-{config.steps - 1} "
@@ -103,9 +105,21 @@ def _print_summary(result: Any) -> None:
             print(", ".join(parts) + " — no non-finite value.")
         if result.nonfinite_location is not None:
             print(clean_text(f"The first NaN appeared in: {result.nonfinite_location}."))
+        if result.cause is not None:
+            c = result.cause
+            where = f" inside `{c.module}`" if c.module else ""
+            print(clean_text(f"Why: {c.cause.replace('_', ' ')} in `{c.op}` ({c.stage}){where} at {c.location}: {c.input_ranges}"))
+            print(clean_text(f"Try: {c.remedy}"))
         first = result.first_warning_alert
         if first is not None:
             print(clean_text(f"First warning: {first.kind.value} — {first.message}"))
+    for r in result.recoveries:
+        if r.get("action") in ("rollback", "gave_up"):
+            print(clean_text(f"Recovery at step {r['step']}: {r.get('action')}"
+                             + (f" to step {r['to_step']}, lr {r['lr_before'][0]:.4g} -> {r['lr_after'][0]:.4g}" if r.get("action") == "rollback" else "")))
+    skips = sum(1 for r in result.recoveries if r.get("action") == "skip")
+    if skips:
+        print(f"Recovery skipped {skips} poisoned update(s).")
     print(f"({result.elapsed_s:.1f} s; events: {result.events_path}"
           + (f"; flight record: {result.flight_record}" if result.flight_record else "") + ")")
     if result.tensorboard_dir is not None:

@@ -25,7 +25,7 @@ _TORCH_DIR = _dir_prefix(torch.__file__)
 _NUMMON_DIR = os.path.dirname(_dir_prefix(__file__).rstrip(os.sep)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 # nummon's demo is a training script like the user's: its lines are the answer, not machinery.
-_NUMMON_USER_FILES = frozenset({"_demo.py"})
+_NUMMON_USER_FILES = frozenset({"_demo.py", "_demo_model.py"})
 
 
 def _is_library(filename: str) -> bool:
