@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+__all__ = ["require"]
+
 
 def require(module: str, extra: str) -> ModuleType:
     """Import `module` or raise ImportError telling which nummon extra installs it."""
