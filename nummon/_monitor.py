@@ -7,7 +7,7 @@ import numbers
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -108,6 +108,8 @@ class Monitor:
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: Pending | None = None
+        self._recompute: Callable[[], Any] | None = None  # this step's way to re-run its loss (forensics)
+        self.cause: Any = None  # the NonfiniteReport of the first non-finite step, when it could be explained
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
@@ -125,17 +127,28 @@ class Monitor:
         _shutdown.register(self, sp.handle_sigterm)
 
     # ------------------------------------------------------------------ public
-    def post_step(self, loss: Any, batch: Any = None) -> StepReport:
+    def post_step(self, loss: Any, batch: Any = None, *, recompute: Callable[[], Any] | None = None) -> StepReport:
         """Record one optimizer step (call after `optimizer.step()`); returns this step's report.
 
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
         tensor, tuple/list/dict of tensors) is checked for non-finite inputs and fingerprinted.
+        `recompute` (optional: a function returning this batch's loss, e.g.
+        `lambda: loss_fn(model(x), y)`) is called only on a non-finite step, to name the
+        operator, line and cause of the first NaN (policy `forensics`); the explanation is exact
+        when the weights are still those of the failing forward: `post_step` called before
+        `optimizer.step()`, or recovery skipped the poisoned update.
         """
         loss = _check_loss(loss)
+        if recompute is not None and not callable(recompute):
+            raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
         with self._lock:
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
-            return self._post_step(loss, batch)
+            self._recompute = recompute
+            try:
+                return self._post_step(loss, batch)
+            finally:
+                self._recompute = None
 
     def _post_step(self, loss: Any, batch: Any) -> StepReport:
         s = self.step
@@ -215,6 +228,8 @@ class Monitor:
         got = self.engine.step(rec)
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
+        if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
+            alerts = self._explain(alerts)
         recovered = False  # recovery: True when this step's critical alerts were handled (skip/rollback)
         if self.recovery is not None:
             alerts, recovered = self.recovery.on_record(rec, got.health, alerts)
@@ -249,6 +264,26 @@ class Monitor:
             self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s)
         return StepReport(step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop,
                           record=rec, incidents=tuple(events))
+
+    def _explain(self, alerts: list[Alert]) -> list[Alert]:
+        """The cause of this step's first non-finite value, put into its non-finite alert."""
+        from ._forensics import explain_nonfinite
+
+        with self.stats.hooks_paused():  # the re-run is not a training forward
+            try:
+                self.cause = explain_nonfinite(self._recompute)
+            except Exception as e:  # forensics must never break training
+                log.warning("nummon: could not explain the non-finite step (%s: %s)", type(e).__name__, e)
+        if self.cause is None:
+            return alerts
+        why = str(self.cause)
+        out = []
+        for a in alerts:
+            if a.kind.value == "nonfinite" and not a.cleared:
+                a = dataclasses.replace(a, message=f"{a.message}; why: {why}", hint=self.cause.remedy,
+                                        details={**a.details, "cause": self.cause.to_dict()})
+            out.append(a)
+        return out
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
         name = f"nummon-flight-record-step{alert.step}" + (f"-rank{self.rank}" if self._dist else "") + ".json"

@@ -274,6 +274,12 @@ class RecoveryPolicy(_Section):
     )
 
 
+class ForensicsPolicy(_Section):
+    """Why the first non-finite value appeared (operator, line, cause), on the failing step only."""
+
+    enabled: bool = Field(True, description="explain a non-finite step by re-running its forward and backward under operator interception, when the loop passes post_step(..., recompute=fn) or a framework callback can recompute; costs nothing on healthy steps")
+
+
 class Policy(_Section):
     """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
 
@@ -292,6 +298,7 @@ class Policy(_Section):
     recorder: RecorderPolicy = RecorderPolicy()
     sinks: SinkPolicy = SinkPolicy()
     recovery: RecoveryPolicy = RecoveryPolicy()
+    forensics: ForensicsPolicy = ForensicsPolicy()
 
     @model_validator(mode="after")
     def _windows(self) -> "Policy":
