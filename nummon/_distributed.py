@@ -103,6 +103,16 @@ def _describe(field: str, value: int) -> str:
     return f"{value} {field.replace('_', ' ')}"
 
 
+def _difference(head0: list[int], head: list[int], rank: int) -> str:
+    """The first differing header field in words, the telling ones (batch, counts) before the
+    total size and layout checksum that follow from them."""
+    for f in LayoutHeader.FIELDS[2:] + LayoutHeader.FIELDS[:2]:
+        i = LayoutHeader.FIELDS.index(f)
+        if head0[i] != head[i]:
+            return f"{_describe(f, head[i])} on rank {rank}, {_describe(f, head0[i])} on rank 0"
+    return "identical headers"
+
+
 def _group_timeout(group: Any) -> float | None:
     """The process group's own collective timeout in seconds (not the backend's default)."""
     pg = group if group is not None else dist.group.WORLD
@@ -199,11 +209,9 @@ class DistributedReducer:
         heads = [[int(v) for v in row[:h]] for row in rows]
         for r in range(self.world):
             if heads[r] != heads[0]:
-                field = next(f for f, a, b in zip(LayoutHeader.FIELDS, heads[0], heads[r]) if a != b)
-                i = LayoutHeader.FIELDS.index(field)
                 raise DistributedError(
                     f"nummon: rank {r} passed different statistics to post_step than rank 0 at step {step}: "
-                    f"{_describe(field, heads[r][i])} on rank {r}, {_describe(field, heads[0][i])} on rank 0 "
+                    f"{_difference(heads[0], heads[r], r)} "
                     "(every rank must pass the same batch structure, model and optimizer)"
                 )
         n = heads[0][0]

@@ -254,3 +254,54 @@ def ddp_finite_but_extreme(rank, world, port, out_dir):
     del ddp
     teardown()
     _exit()
+
+
+def mismatched_batches(rank, world, port, out_dir, variant):
+    """Rank 0 passes (x, y); rank 1 passes x alone, or no batch."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=20)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    mon = nummon.Monitor(ddp, opt, policy={"recorder": {"write": False}})
+    x, y, _, _ = data_for(rank, world)
+    batch = (x, y) if rank == 0 else {"x_only": x, "none": None}[variant]
+    err = None
+    try:
+        mon.post_step(train_step_ddp(ddp, opt, x, y), batch=batch)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    _out(out_dir, rank, {"error": err})
+    _exit()
+
+
+def train_step_ddp(ddp, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def one_rank_in_a_barrier(rank, world, port, out_dir):
+    """Rank 0 calls post_step while rank 1 waits in a barrier: rank 0 gives up after the
+    monitor's timeout (3 s), well inside the group's (20 s)."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=20)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nummon.Monitor(model, opt, policy={"recorder": {"write": False}})
+    mon._dist.timeout_s = 3.0  # the reducer's bound (a policy value may set it later)
+    err = None
+    try:
+        if rank == 0:
+            x, y, _, _ = data_for(rank, world)
+            mon.post_step(train_step_ddp(model, opt, x, y))
+        else:
+            dist.barrier()
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    _out(out_dir, rank, {"error": err})
+    _exit()
