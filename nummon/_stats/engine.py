@@ -89,21 +89,11 @@ class StatsEngine:
         else:
             loss_host = float(loss)
 
-        grads, grad_names, grad_rules = [p.grad for p in params], watched.names, watched.param_rules
-        if any(g is None for g in grads):
-            if distributed:  # placeholders: the layout is the same on every rank
-                grads = [torch.zeros((), device=dev) if g is None else g for g in grads]
-            else:
-                grad_names = [n for n, g in zip(grad_names, grads) if g is not None]
-                grads = [g for g in grads if g is not None]
+        grads, grad_names, raw_grads = watched.grads(dev, distributed)
+        grad_rules = watched.param_rules
         grad_dtype = None
-        for dt in {g.dtype for g in grads}:
+        for dt in {g.dtype for g in raw_grads}:
             grad_dtype = narrowest(grad_dtype, dtype_name(dt))
-        grads = watched.local(grads)  # DTensor (FSDP2) shards: their rank-local part
-        if any(g.is_sparse for g in grads):
-            grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
-        if watched.has_complex:  # measured through their (re, im) views
-            grads = [as_real(g) for g in grads]
         # every L2 norm of the step (gradients, parameters, optimizer state) in one fused pass
         families: list[tuple[str, list[torch.Tensor], tuple[str, ...]]] = [("grad_norms", grads, grad_rules)]
         measured_params = watched.local(params) if params_due and params else []

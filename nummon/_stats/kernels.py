@@ -38,7 +38,7 @@ class NormKernels:
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]] = {}
 
-    def l2_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def l2_norms(self, tensors: list[torch.Tensor], key: str = "norms") -> torch.Tensor:
         """float32 L2 norm of each tensor.
 
         CUDA: one fused `_foreach_norm`. CPU: a BLAS dot product per dense float32 tensor (half
@@ -48,7 +48,7 @@ class NormKernels:
         dev = tensors[0].device
         if dev.type != "cpu":
             return _stack_float(torch._foreach_norm(tensors))
-        buf, views = self._views("norms", len(tensors), 1, dev)
+        buf, views = self._views(key, len(tensors), 1, dev)
         for t, (v,) in zip(tensors, views):
             if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
                 f = t.view(-1)
@@ -58,9 +58,10 @@ class NormKernels:
                 v.copy_(n.square())
         return buf.view(-1).sqrt_()
 
-    def extremes(self, grads: list[torch.Tensor], distributed: bool) -> tuple[str, torch.Tensor]:
+    def extremes(self, grads: list[torch.Tensor], distributed: bool, key: str = "grad_minmax") -> tuple[str, torch.Tensor]:
         """Each tensor's max |g| ("grad_absmax"), or its (min, max) pair ("grad_minmax"), which
-        the host turns into max |g| (fewer device ops than doing it here).
+        the host turns into max |g| (fewer device ops than doing it here). `key` names the
+        buffer (callers whose results must outlive another caller's use their own).
 
         CUDA: one fused `_foreach_norm(inf)` (148 separate kernels of GPT-2 cost ~9 ms). CPU,
         where that norm is slow: one `aminmax` per gradient written into a preallocated buffer.
@@ -69,7 +70,7 @@ class NormKernels:
         dev = grads[0].device
         if dev.type == "cuda":
             return "grad_absmax", _stack_float(torch._foreach_norm(grads, float("inf")))
-        buf, views = self._views("grad_minmax", len(grads), 2, dev)
+        buf, views = self._views(key, len(grads), 2, dev)
         for g, (lo, hi) in zip(grads, views):
             if g.numel() == 0:
                 lo.zero_()

@@ -86,6 +86,28 @@ class WatchedParams:
         self.scan()
         return len(self.params) != before
 
+    def grads(self, dev: torch.device, distributed: bool) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+        """(what the kernels measure, their names, the gradients as they are).
+
+        Missing gradients are left out, or under torch.distributed replaced by zero placeholders
+        (the layout must be the same on every rank); DTensor shards give their local part,
+        sparse gradients their values, complex ones their (re, im) view.
+        """
+        grads, names = [p.grad for p in self.params], self.names
+        if any(g is None for g in grads):
+            if distributed:
+                grads = [torch.zeros((), device=dev) if g is None else g for g in grads]
+            else:
+                names = [n for n, g in zip(names, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
+        raw = grads
+        grads = self.local(grads)
+        if any(g.is_sparse for g in grads):
+            grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
+        if self.has_complex:
+            grads = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
+        return grads, names, raw
+
     def local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The rank-local parts of DTensor (FSDP2) shards; other tensors as they are."""
         return [local_tensor(t) for t in tensors] if self.local_views else tensors
