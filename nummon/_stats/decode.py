@@ -128,6 +128,11 @@ class Decoder:
             bad_grads = [n for n, v, w in zip(pending.grad_names, gmax, gn) if not math.isfinite(v) or math.isnan(w)]
             if bad_grads:
                 parts.append("gradients")
+        post = get("grad_norms_post")
+        if post is not None and gn is not None:  # gn was measured before clipping
+            post_norm = _l2(post)
+            if rec.grad_norm and math.isfinite(rec.grad_norm) and math.isfinite(post_norm):
+                rec.clip_ratio = post_norm / rec.grad_norm
         pn = get("param_norms")
         if pn is not None:
             pn = exact_where_overflowed(pn, pending.params) if local else pn
@@ -143,7 +148,8 @@ class Decoder:
             if rec.lr is not None and rec.param_norm:
                 rec.update_ratio = rec.lr * rec.optim_state_norm / rec.param_norm
         elif gn is not None and rec.lr is not None and rec.param_norm:
-            rec.update_ratio = rec.lr * rec.grad_norm / rec.param_norm
+            applied = rec.grad_norm * rec.clip_ratio if rec.clip_ratio is not None else rec.grad_norm
+            rec.update_ratio = rec.lr * applied / rec.param_norm
         first_bad_act = None
         acts = pending.acts
         if acts.order:
@@ -165,7 +171,7 @@ class Decoder:
             # after scaler.step() gradients are unscaled; non-finite ones mean the scaler found
             # an overflow and skipped the update: the run is fine, the statistics meaningless
             rec.scaler_skipped = True
-            rec.grad_norm = rec.grad_max = rec.update_ratio = None
+            rec.grad_norm = rec.grad_max = rec.update_ratio = rec.clip_ratio = None
             rec.layer_grad_norms = {}
             parts = []
         origin = _Origin(first_bad_act, bad_grads)

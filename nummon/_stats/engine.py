@@ -23,6 +23,7 @@ from .histograms import histograms
 from .kernels import NormKernels, as_real
 from .optim import OptimizerView
 from .pending import GatherTicket, Pending
+from .preclip import PreClipCapture
 from .probes import ActivationProbes
 from .transport import PinnedPool, Segment, pack, rules_of, signature
 from .watch import WatchedParams
@@ -62,6 +63,10 @@ class StatsEngine:
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
         self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite)
+        # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
+        # their own, which may run after this one), nor with a GradScaler (gradients are still
+        # scaled at the end of backward)
+        self.preclip = PreClipCapture(self.watched, self.kernels) if dist is None and grad_scaler is None else None
         if dist is not None:  # a capacity every rank derives alike from the model (see _distributed)
             n, a = len(self.watched.params), len(self.probes.names)
             dist.capacity = max(dist.capacity, 4 * n + 4 * a + 32)
@@ -74,8 +79,12 @@ class StatsEngine:
 
     def _launch(self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool) -> Pending:
         watched = self.watched
-        if watched.refresh() and self.model is not None and self.policy.sampling.activations:
-            self.probes.install(self.model)  # the model grew: watch the new modules' outputs too
+        if watched.refresh():
+            if self.model is not None and self.policy.sampling.activations:
+                self.probes.install(self.model)  # the model grew: watch the new modules' outputs too
+            if self.preclip is not None:  # its last backward missed the new parameters
+                self.preclip.take()
+                self.preclip.install()
         params = watched.params
         dev = params[0].device if params else self.device  # the model may have moved
         distributed = self.dist is not None
@@ -91,11 +100,19 @@ class StatsEngine:
 
         grads, grad_names, raw_grads = watched.grads(dev, distributed)
         grad_rules = watched.param_rules
+        pre = self.preclip.take() if self.preclip is not None else None
+        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused pass;
+        # with pre-clip statistics, today's gradients are measured only for the clip ratio
+        families: list[tuple[str, list[torch.Tensor], tuple[str, ...]]] = [
+            ("grad_norms" if pre is None else "grad_norms_post", grads, grad_rules)]
+        if pre is not None:
+            segs.append(Segment("grad_norms", pre.norms, Reduce.LOCAL))  # single process only
+            grads, grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
+        else:
+            raw_dtypes = {g.dtype for g in raw_grads}
         grad_dtype = None
-        for dt in {g.dtype for g in raw_grads}:
+        for dt in raw_dtypes:
             grad_dtype = narrowest(grad_dtype, dtype_name(dt))
-        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused pass
-        families: list[tuple[str, list[torch.Tensor], tuple[str, ...]]] = [("grad_norms", grads, grad_rules)]
         measured_params = watched.local(params) if params_due and params else []
         if measured_params:
             families.append(("param_norms", [as_real(p) for p in measured_params] if watched.has_complex else measured_params, watched.param_rules))
@@ -113,7 +130,9 @@ class StatsEngine:
         lr, lr_tensor = self.optim.lr()
         if lr_tensor is not None:
             segs.append(Segment("lr", lr_tensor, Reduce.LOCAL))
-        if grads:
+        if pre is not None:
+            segs.append(Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL))
+        elif grads:
             name, ext = self.kernels.extremes(grads, distributed)
             # (min, max) pairs are packed only for a single process
             segs.append(Segment(name, ext, Reduce.MAX if name == "grad_absmax" else Reduce.LOCAL))
@@ -187,6 +206,8 @@ class StatsEngine:
 
     def remove_hooks(self) -> None:
         self.probes.remove()
+        if self.preclip is not None:
+            self.preclip.remove()
         self.watched.close()
 
     @property
