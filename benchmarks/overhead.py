@@ -336,7 +336,7 @@ def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
     loss = loss_fn(model)
     loss.backward()
     opt.step()
-    ts = [p.grad for p in model.parameters() if p.grad is not None] + list(model.parameters()) + mon.stats._state_tensors()
+    ts = [p.grad for p in model.parameters() if p.grad is not None] + list(model.parameters()) + mon.stats.optim.state_tensors()
     nbytes = sum(t.numel() * t.element_size() for t in ts) + sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     for _ in range(3):
         mon.stats.launch(0, loss)

@@ -138,6 +138,7 @@ class StepRecord:
     fingerprint: str | None = None  # batch fingerprint, when the loop passes the batch
     input_nonfinite: int | None = None  # non-finite values in the input batch
     scaler_skipped: bool | None = None  # True: the AMP GradScaler skipped this step (scaled grads overflowed)
+    clip_ratio: float | None = None  # gradient norm after clipping / before (grad_norm is the unclipped one)
 
     def scalars(self) -> dict[str, float]:
         """The measured scalar fields as a flat dict (absent ones left out)."""

@@ -32,6 +32,26 @@ def data_for(rank, world, n=8, seed=1):
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n], x, y
 
 
+class CountCollectives:
+    """Counts nummon's gathers by wrapping the torch.distributed function it calls."""
+
+    def __init__(self):
+        self.n = 0
+        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self.real = getattr(dist, self.name)
+
+    def _counting(self, *a, **k):
+        self.n += 1
+        return self.real(*a, **k)
+
+    def __enter__(self):
+        setattr(dist, self.name, self._counting)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(dist, self.name, self.real)
+
+
 def teardown():
     # everyone done before the group goes: gloo aborts a process whose peers vanish mid-collective
     dist.barrier()
@@ -60,15 +80,7 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     mem = MemorySink()
     mon = nummon.Monitor(ddp, opt, sinks=[mem, JsonlSink(os.path.join(out_dir, "events-rank{rank}.jsonl"))])
-    calls = {"n": 0}
-    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    real = getattr(dist, name)
-
-    def counting(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    setattr(dist, name, counting)
+    calls = CountCollectives().__enter__()
     x, y, _, _ = data_for(rank, world)
     stopped_at, per_step_collectives = None, []
     for step in range(12):
@@ -80,14 +92,14 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
         opt.step()
         if step == 5 and rank == 1:
             hook.remove()
-        before = calls["n"]
+        before = calls.n
         r = mon.post_step(loss)
-        per_step_collectives.append(calls["n"] - before)
+        per_step_collectives.append(calls.n - before)
         if r.should_stop:
             stopped_at = r.step
             break
     mon.close()
-    setattr(dist, name, real)
+    calls.__exit__()
     _out(out_dir, rank, {
         "alerts": [a.to_dict() | {"rank": a.rank} for a in mon.alerts],
         "stopped_at": stopped_at,
@@ -135,6 +147,7 @@ def _sharded_vs_reference(sharded, initial_state, make_opt, rank, world, steps=3
     ref.load_state_dict(initial_state)
     opt, ref_opt = make_opt(sharded.parameters()), make_opt(ref.parameters())
     mon = nummon.Monitor(sharded, opt)
+    calls = CountCollectives()
     x, y, xa, ya = data_for(rank, world)
     out = {"got": [], "want": [], "pnorm": [], "ref_pnorm": []}
     for _ in range(steps):
@@ -142,7 +155,8 @@ def _sharded_vs_reference(sharded, initial_state, make_opt, rank, world, steps=3
         loss = nn.functional.cross_entropy(sharded(x), y)
         loss.backward()
         opt.step()
-        rec = mon.post_step(loss).record
+        with calls:
+            rec = mon.post_step(loss).record
         out["got"].append(rec.grad_norm)
         out["pnorm"].append(rec.param_norm)
         ref_opt.zero_grad()
@@ -151,7 +165,7 @@ def _sharded_vs_reference(sharded, initial_state, make_opt, rank, world, steps=3
         ref_opt.step()
         out["ref_pnorm"].append(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in ref.parameters())).item())
     mon.close()
-    out["collectives"] = mon._dist.collectives
+    out["collectives"] = calls.n
     return out
 
 
@@ -239,4 +253,55 @@ def ddp_finite_but_extreme(rank, world, port, out_dir):
     _out(out_dir, rank, {"records": records, "ref": ref, "alerts": [(a.kind.value, a.severity.value) for a in mon.alerts]})
     del ddp
     teardown()
+    _exit()
+
+
+def mismatched_batches(rank, world, port, out_dir, variant):
+    """Rank 0 passes (x, y); rank 1 passes x alone, or no batch."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=20)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    mon = nummon.Monitor(ddp, opt, policy={"recorder": {"write": False}})
+    x, y, _, _ = data_for(rank, world)
+    batch = (x, y) if rank == 0 else {"x_only": x, "none": None}[variant]
+    err = None
+    try:
+        mon.post_step(train_step_ddp(ddp, opt, x, y), batch=batch)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    _out(out_dir, rank, {"error": err})
+    _exit()
+
+
+def train_step_ddp(ddp, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def one_rank_in_a_barrier(rank, world, port, out_dir):
+    """Rank 0 calls post_step while rank 1 waits in a barrier: rank 0 gives up after the
+    monitor's timeout (3 s), well inside the group's (20 s)."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=20)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nummon.Monitor(model, opt, policy={"recorder": {"write": False}})
+    mon._dist.timeout_s = 3.0  # the reducer's bound (a policy value may set it later)
+    err = None
+    try:
+        if rank == 0:
+            x, y, _, _ = data_for(rank, world)
+            mon.post_step(train_step_ddp(model, opt, x, y))
+        else:
+            dist.barrier()
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    _out(out_dir, rank, {"error": err})
     _exit()

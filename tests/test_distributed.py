@@ -14,8 +14,8 @@ def _port():
         return s.getsockname()[1]
 
 
-def spawn(fn, world, tmp_path):
-    mp.spawn(fn, args=(world, _port(), str(tmp_path)), nprocs=world, join=True)
+def spawn(fn, world, tmp_path, *extra):
+    mp.spawn(fn, args=(world, _port(), str(tmp_path), *extra), nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -55,6 +55,21 @@ def test_a_dead_rank_does_not_hang_the_monitor(tmp_path):
     res = spawn(W.dead_rank, 2, tmp_path)
     assert res[0]["error"] and "DistributedError" in res[0]["error"]
     assert "gathering step statistics across 2 ranks failed on rank 0" in res[0]["error"]
+    assert "group timeout 5 s" in res[0]["error"]  # the group's own timeout, not the 1800 s default
+
+
+@pytest.mark.parametrize("variant, what", [("x_only", "a batch of 1 tensor(s) on rank 1"), ("none", "no batch on rank 1")])
+def test_ranks_passing_different_batches_get_a_distributed_error(variant, what, tmp_path):
+    res = spawn(W.mismatched_batches, 2, tmp_path, variant)
+    for r in res:  # every rank sees every header: every rank raises the same error
+        assert r["error"].startswith("DistributedError: nummon: rank 1 passed different statistics"), r["error"]
+        assert what in r["error"] and "a batch of 2 tensor(s) on rank 0" in r["error"]
+
+
+def test_a_rank_in_a_barrier_fails_post_step_within_the_monitor_timeout(tmp_path):
+    res = spawn(W.one_rank_in_a_barrier, 2, tmp_path)
+    assert res[0]["error"].startswith("DistributedError"), res[0]["error"]
+    assert "nummon timeout 3 s, group timeout 20 s" in res[0]["error"]
 
 
 def test_fsdp1_flat_params_grad_norm_equals_single_process(tmp_path):
