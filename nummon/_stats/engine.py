@@ -7,7 +7,9 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -203,6 +205,19 @@ class StatsEngine:
         tensors += [(f"activations/{n}", t) for n, t in self.probes.tensors.items()]
         self.probes.tensors = {}
         return histograms(tensors, bins)
+
+    @contextlib.contextmanager
+    def hooks_paused(self) -> Iterator[None]:
+        """Within this block the activation and gradient hooks record nothing."""
+        self.probes.paused = True
+        if self.preclip is not None:
+            self.preclip.paused = True
+        try:
+            yield
+        finally:
+            self.probes.paused = False
+            if self.preclip is not None:
+                self.preclip.paused = False
 
     def remove_hooks(self) -> None:
         self.probes.remove()

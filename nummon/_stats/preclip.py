@@ -43,6 +43,8 @@ class PreClipCapture:
         self._result: PreClipGrads | None = None
         self.install()
 
+    paused = False  # forensics re-runs a backward that is not a training step
+
     def install(self) -> None:
         """Hook the watched parameters not hooked yet (also after the model grew)."""
         for p in self.watched.params:
@@ -51,6 +53,8 @@ class PreClipCapture:
                 self._hooked.add(id(p))
 
     def _on_grad(self, _param: torch.Tensor) -> None:
+        if self.paused:
+            return
         if not self._queued:  # once per backward: the callback runs after every gradient is in
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -42,6 +42,7 @@ class ActivationProbes:
         self._src: list[torch.dtype | None] = []  # the buffer each module wrote to this step
         self._order: list[int] = []
         self._dtype: str | None = None
+        self.paused = False  # forensics re-runs a forward that is not a training step
         self.want_tensors = False  # keep the outputs for histograms
         self.tensors: dict[str, torch.Tensor] = {}
 
@@ -66,6 +67,8 @@ class ActivationProbes:
 
     def _make_hook(self, idx: int) -> Callable:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+            if self.paused:
+                return
             t = out
             if not isinstance(t, torch.Tensor):
                 if not isinstance(out, (tuple, list)):
