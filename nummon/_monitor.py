@@ -266,24 +266,12 @@ class Monitor:
                           record=rec, incidents=tuple(events))
 
     def _explain(self, alerts: list[Alert]) -> list[Alert]:
-        """The cause of this step's first non-finite value, put into its non-finite alert."""
-        from ._forensics import explain_nonfinite
+        """The cause of this step's first non-finite value, put into its non-finite alerts."""
+        from ._forensics import explain_into
 
         with self.stats.hooks_paused():  # the re-run is not a training forward
-            try:
-                self.cause = explain_nonfinite(self._recompute)
-            except Exception as e:  # forensics must never break training
-                log.warning("nummon: could not explain the non-finite step (%s: %s)", type(e).__name__, e)
-        if self.cause is None:
-            return alerts
-        why = str(self.cause)
-        out = []
-        for a in alerts:
-            if a.kind.value == "nonfinite" and not a.cleared:
-                a = dataclasses.replace(a, message=f"{a.message}; why: {why}", hint=self.cause.remedy,
-                                        details={**a.details, "cause": self.cause.to_dict()})
-            out.append(a)
-        return out
+            self.cause, alerts = explain_into(self._recompute, alerts)
+        return alerts
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
         name = f"nummon-flight-record-step{alert.step}" + (f"-rank{self.rank}" if self._dist else "") + ".json"

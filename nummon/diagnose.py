@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from ._errors import NummonError
+from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
 
 __all__ = [
     "Status", "Report", "Diagnosis", "LRRangeReport", "overfit_one_batch", "check_gradients", "check_data",
-    "check_loader", "check_weights", "lr_range_test", "run_all",
+    "check_loader", "check_weights", "lr_range_test", "run_all", "explain_nonfinite", "NonfiniteReport", "CAUSES",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -3,7 +3,8 @@ mathematical cause (overflow, log of zero, division by zero, invalid operation, 
 of the first NaN or inf, with the numbers that show it and a remedy."""
 from __future__ import annotations
 
+from ._alerts import explain_into
 from ._explain import explain_nonfinite
 from ._report import CAUSES, NonfiniteReport
 
-__all__ = ["CAUSES", "NonfiniteReport", "explain_nonfinite"]
+__all__ = ["CAUSES", "NonfiniteReport", "explain_into", "explain_nonfinite"]
