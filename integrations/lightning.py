@@ -136,8 +136,8 @@ class NummonCallback(pl.Callback):
             return
         if hasattr(rec, "clip_ratio") and getattr(rec, "clip_ratio") is None:
             rec.clip_ratio = ratio
-        # through Lightning's own logging, so it reaches every logger at the trainer's cadence
-        pl_module.log("nummon/clip_ratio", ratio, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        if trainer.loggers:  # through Lightning's own logging: every logger, at the trainer's cadence
+            pl_module.log("nummon/clip_ratio", ratio, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 
     @staticmethod
     def _scaler(trainer: Any) -> Any:

@@ -21,7 +21,7 @@ from nummon import MemorySink, Severity  # noqa: E402
 from nummon.integrations.transformers import NummonCallback  # noqa: E402
 
 from preclip_probe import monitor_sees_unclipped_gradients  # noqa: E402
-from wandb_reader import alerts as wandb_alerts, find_run_file, read_records  # noqa: E402
+from wandb_reader import alerts as wandb_alerts, find_run_file, history_rows, read_records  # noqa: E402
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -143,6 +143,9 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
     records = read_records(find_run_file(os.environ["WANDB_DIR"]))
     titles = [a.title for a in wandb_alerts(records)]
     assert any(t.startswith("nummon:") for t in titles), titles
+    # and every step's scalars, charted against nummon/step (the framework logs without step=)
+    logged_steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
+    assert logged_steps == [r.step for r in memory.records]
 
 
 def test_healthy_run_gets_no_warning(tmp_path):
