@@ -118,6 +118,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
     wb = WandbLogger(offline=True, save_dir=str(tmp_path / "wb"), project="nummon-test")
     trainer, model = fit(tmp_path, [cb], runaway=True, steps=RUNAWAY_STEPS, loggers=[tb, wb])
     wandb.finish()
+    wandb.teardown()  # the W&B singleton keeps this test's directories otherwise
 
     warnings_ = [a for a in cb.monitor.alerts if a.severity.rank >= Severity.WARNING.rank]
     assert warnings_, "no warning at all"

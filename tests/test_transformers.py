@@ -107,6 +107,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
     out = tmp_path / "out"
     trainer, recorder = run_trainer(out, [cb], runaway=True, steps=RUNAWAY_STEPS, report_to=["tensorboard", "wandb"])
     wandb.finish()
+    wandb.teardown()  # the W&B singleton keeps this test's directories otherwise
 
     # nummon step s is the optimizer step the Trainer counts as global_step s + 1
     warnings = [a for a in cb.monitor.alerts if a.severity.rank >= Severity.WARNING.rank]
