@@ -1,0 +1,113 @@
+"""What the Lightning and Hugging Face callbacks share: the policy override, the run's own
+event log, and the loss of one optimizer step gathered from its micro-batches.
+
+Imports neither framework (and not torch at module level), so both callbacks can use it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from nummon._policy import Policy, PolicyLike, load_policy
+from nummon._sinks import JsonlSink
+
+__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "events_sink", "resolve_policy"]
+
+EVENTS_FILE = "nummon-events.jsonl"
+
+
+def resolve_policy(policy: PolicyLike, stop_on_critical: bool | None) -> Policy:
+    """The policy, with `alerts.stop_on_critical` overridden when the callback was given one."""
+    pol = load_policy(policy)
+    if stop_on_critical is None:
+        return pol
+    alerts = pol.alerts.model_copy(update={"stop_on_critical": bool(stop_on_critical)})
+    return pol.model_copy(update={"alerts": alerts})
+
+
+def events_sink(run_dir: str | os.PathLike[str], policy: Policy, distributed: bool) -> JsonlSink:
+    """The run's event log in the framework's run folder (one per rank when every rank writes)."""
+    name = EVENTS_FILE
+    if distributed and not policy.sinks.rank0_only:
+        name = "nummon-events-rank{rank}.jsonl"
+    return JsonlSink(Path(run_dir) / name)
+
+
+def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
+    """How much norm clipping scales this step's gradients down (1.0 = not clipped); None when
+    there is no clipping or no finite norm to compare with."""
+    if not max_norm or max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
+        return None
+    if grad_norm <= 0:
+        return 1.0
+    return min(1.0, float(max_norm) / float(grad_norm))
+
+
+class StepLoss:
+    """The loss of one optimizer step, added up from its micro-batches as detached tensors
+    (no host sync): `mean` of the micro-batch losses, or their `sum` when each micro-batch loss
+    is already a share of the step's loss (e.g. divided by the step's token count)."""
+
+    def __init__(self) -> None:
+        self._total: Any = None
+        self._count = 0
+        self._mode = "mean"
+
+    def add(self, loss: Any, share: bool = False) -> None:
+        value = loss.detach().float().reshape(()) if hasattr(loss, "detach") else float(loss)
+        self._total = value if self._total is None else self._total + value
+        self._count += 1
+        self._mode = "sum" if share else "mean"
+
+    @property
+    def empty(self) -> bool:
+        return self._count == 0
+
+    def take(self) -> Any:
+        """This step's loss (a 0-d tensor or float), and start the next step."""
+        if self._count == 0:
+            raise ValueError("no loss was recorded for this step")
+        total = self._total if self._mode == "sum" else self._total / self._count
+        self._total, self._count = None, 0
+        return total
+
+    def reset(self) -> None:
+        self._total, self._count = None, 0
+
+
+class StepAsMetric:
+    """A W&B run shared with a framework's logger, seen through nummon's eyes: `log(data,
+    step=s)` becomes `log({**data, "nummon/step": s})` with `nummon/*` charted against
+    `nummon/step`.
+
+    Lightning's `WandbLogger` and the HF `WandbCallback` log without `step=`, so W&B's own step
+    counter runs ahead of the optimizer step whenever they log twice in one step (train and
+    validation metrics); W&B then drops every later row logged with a smaller `step=`.
+    Everything else (alert, config, dir, ...) goes to the run unchanged.
+    """
+
+    STEP_KEY = "nummon/step"
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+        self._defined: set[str] = set()
+
+    def log(self, data: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        if step is None:
+            self._run.log(data, **kwargs)
+            return
+        # keys defined one by one: an exact definition wins over the framework's "*" glob
+        new = [k for k in data if k not in self._defined]
+        if new:
+            if not self._defined:
+                self._run.define_metric(self.STEP_KEY)
+                self._defined.add(self.STEP_KEY)
+            for key in new:
+                self._run.define_metric(key, step_metric=self.STEP_KEY)
+                self._defined.add(key)
+        self._run.log({**data, self.STEP_KEY: step}, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._run, name)

@@ -1,0 +1,163 @@
+"""Lightning callback: `Trainer(callbacks=[NummonCallback()])` watches every optimizer step.
+
+Needs `lightning` (``pip install 'nummon[lightning]'``). Where the hooks run (Lightning 2.x):
+`on_before_backward` gets each micro-batch's loss (divided by `accumulate_grad_batches`, and
+multiplied by the GradScaler's scale under ``precision="16-mixed"``); `on_before_optimizer_step`
+runs after the gradients are accumulated and unscaled and *before* Lightning clips them, so
+nummon's gradient statistics are the unclipped ones.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from nummon._policy import PolicyLike
+from nummon._types import Severity, StepReport
+
+from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, resolve_policy
+from ._lazy import require
+
+pl = require("lightning.pytorch", "lightning")
+
+__all__ = ["NummonCallback"]
+
+log = logging.getLogger("nummon")
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer inside a `LightningOptimizer`."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class NummonCallback(pl.Callback):
+    """Runs a `nummon.Monitor` on the LightningModule and its (first) optimizer.
+
+    `policy`: a preset name, a YAML path or a `Policy`. `sinks`: extra sinks; the trainer's own
+    `TensorBoardLogger` and `WandbLogger` get nummon's scalars, histograms and alerts unless
+    `follow_loggers=False`. The event log (`nummon-events.jsonl`) and flight records go to
+    `run_dir`, else `trainer.log_dir`. `trainer.should_stop` is set after a critical alert when
+    the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike = "default",
+        sinks: Iterable[Any] = (),
+        stop_on_critical: bool | None = None,
+        *,
+        follow_loggers: bool = True,
+        run_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.policy = resolve_policy(policy, stop_on_critical)
+        self.extra_sinks = list(sinks)
+        self.follow_loggers = follow_loggers
+        self.run_dir = run_dir
+        self.monitor: Any = None
+        self.last_report: StepReport | None = None
+        self.last_clip_ratio: float | None = None  # min(1, gradient_clip_val / unclipped norm)
+        self.stopped_at: int | None = None  # the step whose report stopped training
+        self._optimizer: Any = None
+        self._loss = StepLoss()
+        self._warned_no_loss = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from nummon._monitor import Monitor
+
+        if self.monitor is not None:  # a second fit() with the same callback: a fresh run
+            self.monitor.close()
+        run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir  # log_dir: on every rank
+        optimizers = trainer.optimizers
+        self._optimizer = _unwrap(optimizers[0]) if optimizers else None
+        distributed = trainer.world_size > 1
+        sinks = self.extra_sinks + (self._logger_sinks(trainer) if self.follow_loggers else [])
+        sinks.append(events_sink(run_dir, self.policy, distributed))
+        self.monitor = Monitor(
+            pl_module, self._optimizer, self.policy, sinks,
+            run_dir=run_dir, grad_scaler=self._scaler(trainer), start_step=trainer.global_step,
+        )
+        self._loss.reset()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()  # before the loggers finalize (close) the writers nummon shares
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ------------------------------------------------------------------ per step
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self.monitor is None or not pl_module.training:
+            return
+        scaler = self._scaler(trainer)
+        if scaler is not None:  # 16-mixed: the loss arrives multiplied by the scale
+            scale = getattr(scaler, "_scale", None)
+            loss = loss.detach() / (scale if scale is not None else scaler.get_scale())
+        if pl_module.automatic_optimization:
+            loss = loss.detach() * trainer.accumulate_grad_batches  # undo Lightning's division
+        self._loss.add(loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.monitor is None or _unwrap(optimizer) is not self._optimizer:
+            return
+        if self._loss.empty:  # e.g. training_step returned None and backward was skipped
+            if not self._warned_no_loss:
+                log.warning("nummon: no loss reached backward before optimizer step %d; that step is not monitored",
+                            trainer.global_step)
+                self._warned_no_loss = True
+            return
+        report = self.monitor.post_step(self._loss.take())
+        self.last_report = report
+        self._report_clip_ratio(trainer, pl_module, report)
+        if report.should_stop and not trainer.should_stop:
+            trainer.should_stop = True  # the same decision on every rank: the records are gathered
+            self.stopped_at = report.step
+            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
+            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+
+    # ------------------------------------------------------------------ helpers
+    def _report_clip_ratio(self, trainer: Any, pl_module: Any, report: StepReport) -> None:
+        clip = trainer.gradient_clip_val
+        algorithm = str(trainer.gradient_clip_algorithm or "norm").lower()
+        rec = report.record
+        if rec is None or not clip or "norm" not in algorithm:
+            return
+        ratio = clip_ratio(rec.grad_norm, float(clip))
+        self.last_clip_ratio = ratio
+        if ratio is None:
+            return
+        if hasattr(rec, "clip_ratio") and getattr(rec, "clip_ratio") is None:
+            rec.clip_ratio = ratio
+        if trainer.loggers:  # through Lightning's own logging: every logger, at the trainer's cadence
+            pl_module.log("nummon/clip_ratio", ratio, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+
+    @staticmethod
+    def _scaler(trainer: Any) -> Any:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    @staticmethod
+    def _logger_sinks(trainer: Any) -> list[Any]:
+        """Sinks into the trainer's own TensorBoard and W&B loggers (which live on rank 0 only)."""
+        if trainer.global_rank != 0:
+            return []
+        from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+        from .tensorboard import TensorBoardSink
+        from .wandb import WandbSink
+
+        sinks: list[Any] = []
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                sinks.append(TensorBoardSink(writer=logger.experiment))
+            elif isinstance(logger, WandbLogger):
+                sinks.append(WandbSink(run=StepAsMetric(logger.experiment)))
+        return sinks

@@ -1,0 +1,189 @@
+"""Hugging Face `Trainer` callback: `Trainer(..., callbacks=[NummonCallback()])`.
+
+Needs `transformers` (``pip install 'nummon[transformers]'``). Where things happen
+(transformers 4.40-5.x): the loss of every micro-batch is read from the model's own output by a
+forward hook (the Trainer's logged loss is an average over `logging_steps` with non-finite steps
+replaced by that average); `post_step` runs in `on_optimizer_step`, after `optimizer.step()` and
+before `model.zero_grad()` (which comes before `on_step_end` and would leave no gradients).
+The Trainer clips before `on_pre_optimizer_step`: the unclipped gradient statistics come from
+the Monitor's own gradient hooks where it has them.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any, Iterable
+
+from nummon._policy import PolicyLike
+from nummon._types import Severity, StepReport
+
+from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, resolve_policy
+from ._lazy import require
+
+transformers = require("transformers", "transformers")
+
+__all__ = ["NummonCallback"]
+
+log = logging.getLogger("nummon")
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer`."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if inner is not None and hasattr(inner, "param_groups") else optimizer
+
+
+def _output_loss(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss
+
+
+def _trainer_callbacks() -> list[Any]:
+    """The Trainer's callbacks, found on the `CallbackHandler` that is calling us (callbacks are
+    not given the handler): used to write into the folder the TensorBoard callback chose."""
+    handler_cls = transformers.trainer_callback.CallbackHandler
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, handler_cls):
+                return list(owner.callbacks)
+    finally:
+        del frame
+    return []
+
+
+def tensorboard_dir(args: Any) -> str:
+    """The folder the Trainer's TensorBoard callback writes to (`TENSORBOARD_LOGGING_DIR`, else
+    `args.logging_dir` in 4.x, else `output_dir/runs/<date>_<host>`)."""
+    for cb in _trainer_callbacks():
+        if type(cb).__name__ == "TensorBoardCallback":
+            folder = getattr(cb, "logging_dir", None) or getattr(getattr(cb, "tb_writer", None), "log_dir", None)
+            if folder:
+                return os.fspath(folder)
+    env = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    if env:
+        return os.path.expanduser(env)
+    if getattr(args, "logging_dir", None):
+        return os.fspath(args.logging_dir)
+    from transformers.integrations.integration_utils import default_logdir
+
+    return os.path.join(args.output_dir, default_logdir())
+
+
+class NummonCallback(transformers.TrainerCallback):
+    """Runs a `nummon.Monitor` on the Trainer's model and optimizer, one `post_step` per
+    optimizer step with that step's true loss.
+
+    `policy`: a preset name, a YAML path or a `Policy`. `sinks`: extra sinks; `args.report_to`
+    adds TensorBoard (same run folder as the Trainer's TensorBoard callback) and W&B (the active
+    run) unless `follow_report_to=False`. The event log (`nummon-events.jsonl`) and flight records
+    go to `args.output_dir`. `control.should_training_stop` is set after a critical alert when the
+    policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike = "default",
+        sinks: Iterable[Any] = (),
+        stop_on_critical: bool | None = None,
+        *,
+        follow_report_to: bool = True,
+    ) -> None:
+        self.policy = resolve_policy(policy, stop_on_critical)
+        self.extra_sinks = list(sinks)
+        self.follow_report_to = follow_report_to
+        self.monitor: Any = None
+        self.last_report: StepReport | None = None
+        self.last_clip_ratio: float | None = None  # min(1, max_grad_norm / unclipped norm)
+        self.stopped_at: int | None = None
+        self._loss = StepLoss()
+        self._loss_hook: Any = None
+        self._share_scale = 1.0
+        self._warned_no_loss = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        from nummon._monitor import Monitor
+
+        self._close()
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
+        sinks.append(events_sink(args.output_dir, self.policy, distributed))
+        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, self.policy,
+                               sinks, run_dir=args.output_dir, start_step=state.global_step)
+        # with `average_tokens_across_devices` the Trainer multiplies each rank's share by the world size
+        self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
+        self._loss.reset()
+        self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ------------------------------------------------------------------ per step
+    def _capture_loss(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if not module.training:
+            return
+        loss = _output_loss(output)
+        if loss is None:
+            return
+        # a model given `num_items_in_batch` returns its share of the step's loss (sum / all tokens)
+        share = kwargs.get("num_items_in_batch") is not None
+        self._loss.add(loss * self._share_scale if share and self._share_scale != 1.0 else loss, share=share)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        if self._loss.empty:  # the loss is computed outside the model (custom compute_loss)
+            if not self._warned_no_loss:
+                log.warning("nummon: the model returned no `loss` during training (pass `labels` so the model "
+                            "computes it); steps are not monitored")
+                self._warned_no_loss = True
+            return
+        report = self.monitor.post_step(self._loss.take())
+        self.last_report = report
+        if report.record is not None and args.max_grad_norm:
+            self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))
+        if report.should_stop and not control.should_training_stop:
+            control.should_training_stop = True
+            self.stopped_at = report.step
+            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
+            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+
+    # ------------------------------------------------------------------ helpers
+    def _report_to_sinks(self, args: Any, state: Any) -> list[Any]:
+        """Sinks for the loggers named in `args.report_to` (on the main process, like them)."""
+        if not state.is_world_process_zero:
+            return []
+        report_to = args.report_to or []
+        if isinstance(report_to, str):
+            report_to = [report_to]
+        sinks: list[Any] = []
+        if "tensorboard" in report_to or "all" in report_to:
+            from .tensorboard import TensorBoardSink
+
+            # a writer of our own in the same folder: TensorBoard reads every event file in a run
+            # folder, and the Trainer's writer is closed in its on_train_end, before ours
+            sinks.append(TensorBoardSink(log_dir=tensorboard_dir(args)))
+        if "wandb" in report_to or "all" in report_to:
+            wandb = require("wandb", "wandb")
+            if wandb.run is not None:
+                from .wandb import WandbSink
+
+                sinks.append(WandbSink(run=StepAsMetric(wandb.run)))
+        return sinks

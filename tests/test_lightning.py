@@ -1,0 +1,206 @@
+"""The Lightning callback on a real Trainer (CPU): a tiny pre-norm residual MLP on synthetic data.
+
+The runaway: SGD whose learning rate doubles every step (a warmup to a peak far too high), with
+Lightning clipping gradients at 1.0. Without nummon the loss reaches NaN within ~25 steps.
+"""
+import logging
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("lightning.pytorch")
+
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from nummon import MemorySink, Severity  # noqa: E402
+from nummon.integrations.lightning import NummonCallback  # noqa: E402
+
+from wandb_reader import alerts as wandb_alerts, find_run_file, history_rows, read_records  # noqa: E402
+
+RUNAWAY_STEPS = 28
+FP16_MAX = 65504.0  # "blown up": a loss that half precision could no longer even represent
+
+for _name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", module="lightning")
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block (the shape of a transformer's feed-forward half)."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyRegressor(pl.LightningModule):
+    def __init__(self, lr, growth=1.0, optimizer="sgd"):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 1))
+        self.lr, self.growth, self.optimizer_name = lr, growth, optimizer
+        self.losses = []  # every micro-batch's loss, as training_step computed it
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.detach().float().item())
+        return loss
+
+    def configure_optimizers(self):
+        cls = torch.optim.SGD if self.optimizer_name == "sgd" else torch.optim.AdamW
+        opt = cls(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: self.growth**k)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class PreClipNorm(pl.Callback):
+    """The unclipped gradient norm of each optimizer step, as clip_grad_norm_ would return it."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def synthetic_data(batch=16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.3), batch_size=batch)
+
+
+def fit(root, callbacks, *, runaway, steps, loggers=False, accumulate=1, clip=1.0, precision="32-true", batch=16):
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor(1.0, 2.0) if runaway else TinyRegressor(1e-3, optimizer="adamw")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=loggers, callbacks=callbacks, default_root_dir=str(root),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision, log_every_n_steps=1,
+    )
+    trainer.fit(model, synthetic_data(batch))
+    return trainer, model
+
+
+@pytest.fixture(scope="module")
+def unmonitored_runaway(tmp_path_factory):
+    """The runaway without nummon: per-step losses and the first step that is lost."""
+    _, model = fit(tmp_path_factory.mktemp("plain"), [], runaway=True, steps=RUNAWAY_STEPS)
+    losses = model.losses
+    first_bad = next(i for i, v in enumerate(losses) if not math.isfinite(v) or v > FP16_MAX)
+    return losses, first_bad
+
+
+def test_runaway_without_nummon_reaches_nan(unmonitored_runaway):
+    losses, first_bad = unmonitored_runaway
+    assert not math.isfinite(losses[-1]), losses
+    assert first_bad >= 6, "the run must stay healthy long enough for a warning to mean something"
+
+
+def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp_path, wandb_env, unmonitored_runaway):
+    import wandb
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, first_bad = unmonitored_runaway
+    memory = MemorySink()
+    cb = NummonCallback(sinks=[memory])
+    tb = TensorBoardLogger(str(tmp_path / "tb"))
+    wb = WandbLogger(offline=True, save_dir=str(tmp_path / "wb"), project="nummon-test")
+    trainer, model = fit(tmp_path, [cb], runaway=True, steps=RUNAWAY_STEPS, loggers=[tb, wb])
+    wandb.finish()
+    wandb.teardown()  # the W&B singleton keeps this test's directories otherwise
+
+    warnings_ = [a for a in cb.monitor.alerts if a.severity.rank >= Severity.WARNING.rank]
+    assert warnings_, "no warning at all"
+    assert min(a.step for a in warnings_) <= first_bad - 3, (min(a.step for a in warnings_), first_bad)
+    critical = [a for a in cb.monitor.alerts if a.severity is Severity.CRITICAL]
+    assert critical and cb.stopped_at == critical[0].step
+    assert trainer.global_step == cb.stopped_at + 1 < RUNAWAY_STEPS
+    assert all(math.isfinite(v) for v in model.losses)
+    # the loss nummon saw is each step's own loss
+    assert [r.loss for r in memory.records] == pytest.approx(model.losses, rel=1e-6)
+
+    # the event log and flight record in trainer.log_dir
+    log_dir = tb.log_dir
+    assert os.path.isfile(os.path.join(log_dir, "nummon-events.jsonl"))
+    assert str(cb.monitor.flight_record.parent) == log_dir
+
+    # nummon's scalars and alerts in the TensorBoardLogger's own event files
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("nummon/loss", "nummon/grad_norm", "nummon/activation_max", "nummon/health", "nummon/clip_ratio"):
+        assert tag in scalars, tag
+    assert {e.step for e in acc.Scalars("nummon/loss")} == {r.step for r in memory.records}
+    assert "nummon/alerts/text_summary" in acc.Tags()["tensors"]
+
+    # the alerts in the WandbLogger's offline run file
+    records = read_records(find_run_file(tmp_path / "wb"))
+    titles = [a.title for a in wandb_alerts(records)]
+    assert any(t.startswith("nummon:") for t in titles), titles
+    # and every step's scalars, charted against nummon/step (the framework logs without step=)
+    logged_steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
+    assert logged_steps == [r.step for r in memory.records]
+
+
+def test_healthy_run_gets_no_warning(tmp_path):
+    memory = MemorySink()
+    cb = NummonCallback(sinks=[memory])
+    trainer, _ = fit(tmp_path, [cb], runaway=False, steps=30)
+    assert trainer.global_step == 30 and cb.stopped_at is None
+    assert len(memory.records) == 30
+    assert [a for a in cb.monitor.alerts if a.severity.rank >= Severity.WARNING.rank] == []
+
+
+def test_accumulation_and_clipping_report_the_unclipped_norm_and_step_loss(tmp_path):
+    """4 micro-batches per step, clipping at 0.05 (active on every step): nummon's grad_norm is
+    the norm clip_grad_norm_ would return, its loss the mean of the 4 micro-batch losses."""
+    memory = MemorySink()
+    cb, preclip = NummonCallback(sinks=[memory]), PreClipNorm()
+    trainer, model = fit(tmp_path, [cb, preclip], runaway=False, steps=6, accumulate=4, clip=0.05)
+    assert trainer.global_step == 6 and len(memory.records) == 6
+    assert min(preclip.norms) > 0.05  # clipping really scaled every step down
+    for rec, norm in zip(memory.records, preclip.norms):
+        assert rec.grad_norm == pytest.approx(norm, rel=1e-5)
+    for rec in memory.records:
+        micro = model.losses[4 * rec.step: 4 * rec.step + 4]
+        assert rec.loss == pytest.approx(sum(micro) / 4, rel=1e-5)
+    assert cb.last_clip_ratio == pytest.approx(0.05 / preclip.norms[-1], rel=1e-5)
+
+
+def test_bf16_mixed_precision(tmp_path):
+    memory = MemorySink()
+    cb = NummonCallback(sinks=[memory])
+    trainer, model = fit(tmp_path, [cb], runaway=False, steps=5, precision="bf16-mixed")
+    assert len(memory.records) == 5 and all(r.is_finite() for r in memory.records)
+    assert [r.loss for r in memory.records] == pytest.approx(model.losses, rel=1e-6)
+
+
+def test_import_nummon_imports_neither_framework():
+    code = (
+        "import sys, nummon; nummon.Monitor; "
+        "print('LOADED', [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert "LOADED []" in out
+
+
+def test_missing_lightning_gives_an_install_hint(tmp_path):
+    # a stub package that fails to import stands in for an environment without lightning
+    stub = tmp_path / "lightning"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("raise ImportError('No module named lightning')\n")
+    proc = subprocess.run([sys.executable, "-c", "import nummon.integrations.lightning"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "pip install 'nummon[lightning]'" in proc.stderr.strip().splitlines()[-1]
