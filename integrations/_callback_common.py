@@ -13,7 +13,7 @@ from typing import Any
 from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import JsonlSink
 
-__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "events_sink", "resolve_policy"]
+__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "events_sink", "loss_of", "resolve_policy"]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -33,6 +33,13 @@ def events_sink(run_dir: str | os.PathLike[str], policy: Policy, distributed: bo
     if distributed and not policy.sinks.rank0_only:
         name = "nummon-events-rank{rank}.jsonl"
     return JsonlSink(Path(run_dir) / name)
+
+
+def loss_of(output: Any) -> Any:
+    """The loss in what a training step returned: a tensor, or a mapping / object with `loss`."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    return getattr(output, "loss", output)
 
 
 def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:

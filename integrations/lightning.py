@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from nummon._policy import PolicyLike
 from nummon._types import Severity, StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, resolve_policy
+from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, loss_of, resolve_policy
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -60,6 +60,7 @@ class NummonCallback(pl.Callback):
         self.stopped_at: int | None = None  # the step whose report stopped training
         self._optimizer: Any = None
         self._loss = StepLoss()
+        self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -94,6 +95,16 @@ class NummonCallback(pl.Callback):
             self.monitor.close()
 
     # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._batch = (batch, batch_idx)
+
+    def _recompute(self, pl_module: Any) -> Any:
+        """A way to re-run the step's loss on the weights before the update (forensics)."""
+        if self._batch is None:
+            return None
+        batch, idx = self._batch
+        return lambda: loss_of(pl_module.training_step(batch, idx))
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if self.monitor is None or not pl_module.training:
             return
@@ -114,7 +125,8 @@ class NummonCallback(pl.Callback):
                             trainer.global_step)
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take())
+        # before the optimizer's update: a failing step can be re-run on the weights that failed
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:

@@ -3,7 +3,7 @@
 Needs `transformers` (``pip install 'nummon[transformers]'``). Where things happen
 (transformers 4.40-5.x): the loss of every micro-batch is read from the model's own output by a
 forward hook (the Trainer's logged loss is an average over `logging_steps` with non-finite steps
-replaced by that average); `post_step` runs in `on_optimizer_step`, after `optimizer.step()` and
+replaced by that average); `post_step` runs in `on_pre_optimizer_step`, before `optimizer.step()` and
 before `model.zero_grad()` (which comes before `on_step_end` and would leave no gradients).
 The Trainer clips before `on_pre_optimizer_step`: the unclipped gradient statistics come from
 the Monitor's own gradient hooks where it has them.
@@ -105,6 +105,8 @@ class NummonCallback(transformers.TrainerCallback):
         self.stopped_at: int | None = None
         self._loss = StepLoss()
         self._loss_hook: Any = None
+        self._inputs: tuple[Any, Any, dict[str, Any]] | None = None  # the last micro-batch (forensics)
+        self._rerunning = False
         self._share_scale = 1.0
         self._warned_no_loss = False
 
@@ -137,8 +139,9 @@ class NummonCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------ per step
     def _capture_loss(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if not module.training:
+        if not module.training or self._rerunning:
             return
+        self._inputs = (module, args, kwargs)
         loss = _output_loss(output)
         if loss is None:
             return
@@ -146,7 +149,27 @@ class NummonCallback(transformers.TrainerCallback):
         share = kwargs.get("num_items_in_batch") is not None
         self._loss.add(loss * self._share_scale if share and self._share_scale != 1.0 else loss, share=share)
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _recompute(self) -> Any:
+        """A way to re-run the last micro-batch's loss on the weights before the update."""
+        if self._inputs is None:
+            return None
+        module, args, kwargs = self._inputs
+
+        def loss() -> Any:
+            self._rerunning = True
+            try:
+                return _output_loss(module(*args, **kwargs))
+            finally:
+                self._rerunning = False
+
+        return loss
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # before the update (the gradient statistics are from before clipping all the same): a
+        # failing step can be re-run on the weights that failed
+        self._monitor_step(args, control)
+
+    def _monitor_step(self, args: Any, control: Any) -> None:
         if self.monitor is None:
             return
         if self._loss.empty:  # the loss is computed outside the model (custom compute_loss)
@@ -155,7 +178,7 @@ class NummonCallback(transformers.TrainerCallback):
                             "computes it); steps are not monitored")
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take())
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute())
         self.last_report = report
         if report.record is not None and args.max_grad_norm:
             self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))

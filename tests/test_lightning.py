@@ -204,3 +204,32 @@ def test_missing_lightning_gives_an_install_hint(tmp_path):
                           text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode != 0
     assert "pip install 'nummon[lightning]'" in proc.stderr.strip().splitlines()[-1]
+
+
+class PlantedLogOfZero(TinyRegressor):
+    """From step 30 the loss is the log of a softmax that underflowed to exactly 0."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        if self.trainer.global_step >= 30:
+            probs = torch.softmax(torch.cat([out, out + 1000.0], 1), 1)
+            return -torch.log(probs[:, :1]).mean()  # LOG_OF_ZERO_LINE
+        return nn.functional.mse_loss(out, y)
+
+
+def test_planted_log_of_zero_is_explained_in_the_critical_alert(tmp_path):
+    import inspect
+
+    line = next(i for i, l in enumerate(inspect.getsource(PlantedLogOfZero).splitlines())
+                if "LOG_OF_ZERO_LINE" in l) + inspect.getsourcelines(PlantedLogOfZero)[1]
+    pl.seed_everything(0, verbose=False)
+    model = PlantedLogOfZero(1e-3, optimizer="adamw")
+    cb = NummonCallback()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=40, logger=False, callbacks=[cb], default_root_dir=str(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, synthetic_data())
+    crit = [a for a in cb.monitor.alerts if a.severity is Severity.CRITICAL and a.kind.value == "nonfinite"]
+    assert crit and crit[0].step == 30 and cb.stopped_at == 30
+    assert "log_of_zero" in crit[0].message and f"test_lightning.py:{line}" in crit[0].message
+    assert crit[0].details["cause"]["op"] == "aten::log"

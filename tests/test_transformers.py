@@ -194,3 +194,43 @@ def test_missing_transformers_gives_an_install_hint(tmp_path):
     assert proc.returncode != 0
     assert "pip install 'nummon[transformers]'" in proc.stderr.strip().splitlines()[-1]
 
+
+
+class PlantedLogOfZero(torch.nn.Module):
+    """A tiny GPT-2 whose loss, once `planted`, is the log of a softmax that underflowed to 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        self.planted = False
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = self.gpt(input_ids=input_ids, labels=labels)
+        if self.planted:
+            probs = torch.softmax(out.logits * 1000.0, -1)
+            out.loss = -torch.log(probs).mean()  # LOG_OF_ZERO_LINE
+        return out
+
+
+class PlantAt(TrainerCallback):
+    def __init__(self, model, step):
+        self.model, self.step = model, step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.model.planted = state.global_step >= self.step
+
+
+def test_planted_log_of_zero_is_explained_in_the_critical_alert(tmp_path):
+    import inspect
+
+    src, first = inspect.getsourcelines(PlantedLogOfZero)
+    line = first + next(i for i, l in enumerate(src) if "LOG_OF_ZERO_LINE" in l)
+    model = PlantedLogOfZero()
+    cb = NummonCallback()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", max_steps=40,
+                             per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True, seed=0, learning_rate=1e-3)
+    Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[PlantAt(model, 30), cb]).train()
+    crit = [a for a in cb.monitor.alerts if a.severity is Severity.CRITICAL and a.kind.value == "nonfinite"]
+    assert crit and crit[0].step == 30 and cb.stopped_at == 30
+    assert "log_of_zero" in crit[0].message and f"test_transformers.py:{line}" in crit[0].message
+    assert crit[0].details["cause"]["op"] == "aten::log"
