@@ -44,10 +44,11 @@ MORE_GROUP = "nummon_more"
 LAYER_METRICS = {"grad_norm": "layer_grad_norms", "activation_max": "layer_activation_max"}
 TOP_K = 5
 #: Histograms every this many steps when neither the policy nor the sink sets a cadence. One
-#: histogram pass costs about one training step on the demo CNN on CPU (measured by
-#: benchmarks/histogram_overhead.py), so every 500 steps adds about 0.2% to a step (well inside the
-#: 1.05x CPU budget next to the ~1.045x of the every-step statistics) and gives ~100 histograms per
-#: 50k-step run. The first step (0) always gets one.
+#: histogram pass (weights, gradients, activations, log10|x|, written by the TensorBoard sink)
+#: costs about 1.3 bare steps of the demo CNN on CPU (benchmarks/histogram_overhead.py; the
+#: every-100 row of benchmarks/RESULTS.md agrees). The every-step statistics already take ~1.045x
+#: of the 1.05x budget, so N >= ~270; every 500 steps adds ~0.27% and gives ~100 histograms per
+#: 50k-step run. Step 0 always gets one.
 DEFAULT_HISTOGRAM_EVERY = 500
 
 # incident states by name, for events whose state has no `rank` (see nummon/_incidents.py)
