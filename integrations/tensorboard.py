@@ -1,14 +1,17 @@
-"""TensorBoard sink: nummon scalars, histograms (linear and log10|x|) and alerts as text.
+"""TensorBoard sink: nummon's run-level charts, per-layer groups, log10 companions, histograms
+(linear and log10|x|), a custom-scalars layout, and every alert and incident event as text.
 
 Needs the `tensorboard` package (``pip install 'nummon[tensorboard]'``), imported only when a
-sink is created.
+sink is created. The tags and groups are described in `nummon/_layout.py`.
 """
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from nummon._format import alert_text, scalar_tags
+from nummon._format import alert_text
+from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, VIEWS_LEGEND, TopOffenders,
+                            alert_tag, custom_scalars_layout, histogram_tags, incident_tag, step_scalars)
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, StepRecord
 
@@ -18,14 +21,19 @@ __all__ = ["TensorBoardSink"]
 
 
 class TensorBoardSink(BaseSink):
-    """Writes `nummon/...` scalars every step, histograms every `histogram_every` steps (set on
-    the policy's `sampling.histogram_every`; this argument overrides it when given) and alerts
-    as text (`nummon/alerts`) with the flight-recorder table for critical ones."""
+    """Writes nummon's scalars every step (at most 12 run-level charts in the `nummon` group,
+    per-layer series in groups of their own), histograms every `histogram_every` steps, and each
+    alert and incident event as a text entry of its own.
+
+    `histogram_every`: None follows the policy's `sampling.histogram_every`, or, when that is 0,
+    draws histograms every `DEFAULT_HISTOGRAM_EVERY` steps (500; step 0 included); 0 turns them
+    off for this sink; N draws them every N steps. `top_k`: layers in the "top offenders" charts.
+    """
 
     wants_histograms = True
 
     def __init__(self, log_dir: str | os.PathLike[str] | None = None, histogram_every: int | None = None,
-                 flush_secs: int = 10, writer: Any = None) -> None:
+                 flush_secs: int = 10, writer: Any = None, top_k: int = TOP_K) -> None:
         """Give `log_dir` for a writer of its own, or `writer` (a `SummaryWriter`, e.g. Lightning's
         `TensorBoardLogger.experiment`) to write into an existing run's event files."""
         if writer is None:
@@ -41,41 +49,71 @@ class TensorBoardSink(BaseSink):
         self.writer = writer
         self.log_dir = os.fspath(log_dir) if log_dir is not None else getattr(writer, "log_dir", None)
         self.histogram_every = histogram_every
+        self.top = TopOffenders(top_k)
+        self.incident_state: Any = "none"
+        self._layout_written = False
+        self._texts = 0  # sequence number of alert and incident text entries
+
+    @property
+    def default_histogram_every(self) -> int:
+        """The cadence the Monitor uses when neither the policy nor this sink sets one (0: none)."""
+        return DEFAULT_HISTOGRAM_EVERY if self.histogram_every is None else 0
+
+    def _write_layout(self) -> None:
+        if not self._layout_written:
+            self._layout_written = True
+            self.writer.add_custom_scalars(custom_scalars_layout(self.top.k))
 
     def bind(self, context: RunContext) -> None:
-        self.writer.add_text("nummon/legend", HEALTH_LEGEND, global_step=0)
+        self._write_layout()
+        legend = "  \n".join((HEALTH_LEGEND, INCIDENT_LEGEND, VIEWS_LEGEND))
+        self.writer.add_text("nummon/legend", legend, global_step=0)
 
     def on_step(self, record: StepRecord, health: Health | None) -> None:
-        w = self.writer
-        for tag, value in scalar_tags(record).items():
-            w.add_scalar(tag, value, global_step=record.step)
-        if health is not None:
-            w.add_scalar("nummon/health", float(health.code), global_step=record.step)
+        self._write_layout()  # a sink used without a Monitor is never bound
+        w, step = self.writer, record.step
+        for tag, value in step_scalars(record, health, self.incident_state).items():
+            w.add_scalar(tag, value, global_step=step)
+        for tag, value in self.top.update(record).items():
+            w.add_scalar(tag, value, global_step=step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
-        if self.histogram_every and step % self.histogram_every:
+        if self.histogram_every == 0 or (self.histogram_every and step % self.histogram_every):
             return
         w = self.writer
         for name, h in histograms.items():
             if h["num"] <= 0:
                 continue
+            linear_tag, log_tag = histogram_tags(name)
             w.add_histogram_raw(
-                f"nummon/{name}", min=h["min"], max=h["max"], num=int(h["num"]), sum=h["sum"],
+                linear_tag, min=h["min"], max=h["max"], num=int(h["num"]), sum=h["sum"],
                 sum_squares=h["sum_squares"], bucket_limits=h["edges"][1:].tolist(),
                 bucket_counts=h["counts"].tolist(), global_step=step,
             )
             # log10|x| shows how many decades remain before the dtype overflows
             lc = h["log10_counts"]
             le = h["log10_edges"]
+            mids = (le[:-1] + le[1:]) / 2
             w.add_histogram_raw(
-                f"nummon/log10abs/{name}", min=float(le[0]), max=float(le[-1]), num=int(lc.sum()),
-                sum=float((lc * (le[:-1] + le[1:]) / 2).sum()), sum_squares=float((lc * ((le[:-1] + le[1:]) / 2) ** 2).sum()),
+                log_tag, min=float(le[0]), max=float(le[-1]), num=int(lc.sum()),
+                sum=float((lc * mids).sum()), sum_squares=float((lc * mids ** 2).sum()),
                 bucket_limits=le[1:].tolist(), bucket_counts=lc.tolist(), global_step=step,
             )
 
-    def on_alert(self, alert: Alert) -> None:
-        self.writer.add_text("nummon/alerts", alert_text(alert, markdown=True), global_step=alert.step)
+    def _text(self, tag_of: Any, key: Any, text: str, step: int) -> None:
+        self._texts += 1  # a tag per entry: TensorBoard keeps one text per tag and step
+        self.writer.add_text(tag_of(self._texts, key), text, global_step=step)
         self.writer.flush()
+
+    def on_alert(self, alert: Alert) -> None:
+        self._text(alert_tag, alert.kind, alert_text(alert, markdown=True), alert.step)
+
+    def on_incident(self, event: Any) -> None:
+        """An incident event (nummon/_incidents.py): a text entry, and the state the
+        `nummon/incident_state` chart shows from the next step on."""
+        self.incident_state = event.state
+        body = f"**{event.title}**  \n{event.summary()}"
+        self._text(incident_tag, event.state, body, event.step)
 
     def flush(self) -> None:
         self.writer.flush()

@@ -1,7 +1,10 @@
-"""Weights & Biases sink: metrics, histograms and W&B alerts (Slack / e-mail).
+"""Weights & Biases sink: metrics in sections of their own, histograms, run summary fields and
+W&B alerts (Slack / e-mail).
 
 Needs the `wandb` package (``pip install 'nummon[wandb]'``), imported only when a sink is
-created. Without W&B credentials it runs offline and says once how to sync.
+created. Without W&B credentials it runs offline and says once how to sync. The sections are the
+groups of `nummon/_layout.py`. It never calls `wandb.watch` (whose every-step hooks cost ~1.7x a
+CPU step): histograms come from nummon's own pass, at the Monitor's cadence.
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import time
 from typing import Any
 
 from nummon._errors import NummonError
-from nummon._format import alert_text, scalar_tags
+from nummon._format import alert_text
+from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, TopOffenders, histogram_tags,
+                            incident_code, metric_sections, step_scalars)
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, Severity, StepRecord
 
@@ -25,6 +30,11 @@ log = logging.getLogger("nummon")
 _LEVEL = {Severity.INFO: "INFO", Severity.WARNING: "WARN", Severity.CRITICAL: "ERROR"}
 MAX_BINS = 512  # W&B's limit for a histogram
 _MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
+STEP_METRIC = "nummon_step"  # the x axis of every nummon chart (the training step)
+_INCIDENT_LEVEL = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
+# run-level charts whose run summary is better as an extreme than as the last value
+_SUMMARIES = {"nummon/health": "max", "nummon/incident_state": "max", "nummon/headroom": "min",
+              "nummon/grad_norm": "max", "nummon/activation_max": "max"}
 
 
 def _has_credentials() -> bool:
@@ -39,10 +49,14 @@ def _has_credentials() -> bool:
 
 
 class WandbSink(BaseSink):
-    """Logs nummon's scalars (`run.log(..., step=training step)`), histograms
-    (`wandb.Histogram(np_histogram=...)`), and sends `run.alert` for alerts at or above
-    `alert_min_severity`, throttled on the client to one per kind per `wait_duration`
-    seconds (escalations always go through)."""
+    """Logs nummon's scalars (`run.log(..., step=training step)`, sections as in TensorBoard,
+    `define_metric` with the `nummon_step` step metric), histograms
+    (`wandb.Histogram(np_histogram=...)`) every `histogram_every` steps (None: the policy's
+    cadence, else every `DEFAULT_HISTOGRAM_EVERY`), and sends `run.alert` for alerts at or above
+    `alert_min_severity`, throttled on the client to one per kind per `wait_duration` seconds
+    (escalations always go through). Once incident events arrive (`on_incident`) they are the
+    W&B alerts (one per opened / escalated / resolved incident) and alerts only update the run
+    summary (`nummon/alert_count`, `nummon/last_alert`; incidents: `nummon/incident`, ...)."""
 
     wants_histograms = True
 
@@ -53,6 +67,8 @@ class WandbSink(BaseSink):
         alert_min_severity: str | Severity = "warning",
         wait_duration: float = 300.0,
         histograms: bool = True,
+        histogram_every: int | None = None,
+        top_k: int = TOP_K,
         **init_kwargs: Any,
     ) -> None:
         wandb = require("wandb", "wandb")
@@ -60,6 +76,11 @@ class WandbSink(BaseSink):
         self.alert_min_severity = Severity(alert_min_severity)
         self.wait_duration = float(wait_duration)
         self.histograms = histograms
+        self.histogram_every = histogram_every if histograms else 0
+        self.top = TopOffenders(top_k)
+        self.incident_state: Any = "none"
+        self._incident_events = 0
+        self._alert_count = 0
         self._owns_run = False
         self.offline = False
         if run is None:
@@ -101,33 +122,69 @@ class WandbSink(BaseSink):
     def run_dir(self) -> str | None:
         return self.run_dir_of(self.run)
 
+    @property
+    def default_histogram_every(self) -> int:
+        """The cadence the Monitor uses when neither the policy nor this sink sets one (0: none)."""
+        return DEFAULT_HISTOGRAM_EVERY if self.histogram_every is None else 0
+
     def bind(self, context: RunContext) -> None:
-        try:  # the legend of the health chart, where people look for it
-            self.run.config.update({"nummon/health_legend": HEALTH_LEGEND}, allow_val_change=True)
+        try:  # the legends of the health and incident charts, where people look for them
+            self.run.config.update({"nummon/health_legend": HEALTH_LEGEND, "nummon/incident_legend": INCIDENT_LEGEND},
+                                   allow_val_change=True)
         except Exception:  # a run that refuses config updates still gets the metrics
             pass
+        try:  # one section per group, every chart over the training step
+            self.run.define_metric(STEP_METRIC, hidden=True)
+            for pattern in (*metric_sections(), "nummon_hist_*"):
+                self.run.define_metric(pattern, step_metric=STEP_METRIC)
+            for name, summary in _SUMMARIES.items():
+                self.run.define_metric(name, step_metric=STEP_METRIC, summary=summary)
+        except Exception:  # an old wandb without define_metric: default sections, same data
+            log.debug("nummon: W&B define_metric failed", exc_info=True)
 
     def on_step(self, record: StepRecord, health: Health | None) -> None:
-        data: dict[str, Any] = {k: v for k, v in scalar_tags(record).items()}
-        if health is not None:
-            data["nummon/health"] = health.code
+        data: dict[str, Any] = step_scalars(record, health, self.incident_state)
+        data.update(self.top.update(record))
+        data[STEP_METRIC] = record.step
         self.run.log(data, step=record.step)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
-        if not self.histograms:
+        if self.histogram_every == 0 or (self.histogram_every and step % self.histogram_every):
             return
         H = self._wandb.Histogram
-        data = {}
+        data: dict[str, Any] = {STEP_METRIC: step}
         for name, h in histograms.items():
+            linear_tag, log_tag = histogram_tags(name)
             counts, edges = h["counts"][:MAX_BINS], h["edges"][: MAX_BINS + 1]
-            data[f"nummon/hist/{name}"] = H(np_histogram=(counts.tolist(), edges.tolist()))
+            data[linear_tag] = H(np_histogram=(counts.tolist(), edges.tolist()))
             lc, le = h["log10_counts"][:MAX_BINS], h["log10_edges"][: MAX_BINS + 1]
-            data[f"nummon/log10abs/{name}"] = H(np_histogram=(lc.tolist(), le.tolist()))
+            data[log_tag] = H(np_histogram=(lc.tolist(), le.tolist()))
         self.run.log(data, step=step)
 
+    def _summarise(self, fields: dict[str, Any]) -> None:
+        try:
+            self.run.summary.update(fields)
+        except Exception:  # a summary that cannot be written never stops the alerts
+            log.debug("nummon: W&B summary update failed", exc_info=True)
+
+    def on_incident(self, event: Any) -> None:
+        """An incident event (nummon/_incidents.py): run summary fields and one W&B alert."""
+        self._incident_events += 1
+        self.incident_state = event.state
+        code = incident_code(event.state)
+        state = str(getattr(event.state, "value", event.state))
+        self._summarise({"nummon/incident": state, "nummon/incident_step": event.step,
+                         "nummon/incident_title": event.title, "nummon/incident_events": self._incident_events,
+                         "nummon/incident_number": getattr(event, "number", self._incident_events)})
+        title, text, level = event.title[:63], event.summary(), _INCIDENT_LEVEL.get(code, "WARN")
+        self.run.alert(title=title, text=text, level=level, wait_duration=1)
+        self.sent_alerts.append((title, level, text))
+
     def on_alert(self, alert: Alert) -> None:
-        if alert.severity.rank < self.alert_min_severity.rank:
-            return
+        self._alert_count += 1
+        self._summarise({"nummon/alert_count": self._alert_count, "nummon/last_alert": str(alert)})
+        if self._incident_events or alert.severity.rank < self.alert_min_severity.rank:
+            return  # incident events, once they come, are the notifications
         key = alert.kind.value  # one message per kind: several metrics of one runaway are one event
         now = time.monotonic()
         last = self._last_sent.get(key)

@@ -113,8 +113,11 @@ class Monitor:
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
-        # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50))
+        # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50));
+        # when neither sets one, the default of the sinks that draw them (cost bounded: nummon/_layout.py)
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        if not any(cadences):
+            cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
         self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))

@@ -1,0 +1,182 @@
+"""Chart layout shared by the TensorBoard and W&B sinks: which value goes under which tag.
+
+Plain data in, tag -> value dicts out (no torch). The groups (the part of a tag before its first
+`/`, which both TensorBoard and W&B turn into a section):
+
+- `nummon/`: the run-level charts only, at most 12 whatever the model's size (`MAIN_CHARTS`).
+- `nummon_log10/`: log10|x| of the growth metrics, so a runaway is a straight line.
+- `nummon_health/`: one 0/1 series per health state.
+- `nummon_layers_grad_norm/<param>`, `nummon_layers_activation_max/<module>`: per-layer series.
+- `nummon_top_grad_norm/<param>`, `nummon_top_activation_max/<module>`: the k layers with the
+  largest value so far ("top offenders"), so a big model's culprit is found without scrolling.
+- `nummon_more/`: any other run-level scalar a record carries.
+- `nummon_hist_<kind>/<name>` and `nummon_hist_<kind>_log10abs/<name>`: histograms (kind:
+  params, grads, activations).
+- `nummon_alerts/<seq>_<kind>`, `nummon_incidents/<seq>_<state>`: one text entry each.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+from ._types import Health, StepRecord
+
+__all__ = [
+    "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
+    "LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
+    "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
+    "custom_scalars_layout", "metric_sections",
+]
+
+MAIN_GROUP = "nummon"
+#: The run-level charts, in display order: never more than 12, whatever the model.
+MAIN_CHARTS = (
+    "loss", "grad_norm", "clip_ratio", "grad_max", "param_norm", "optim_state_norm",
+    "update_ratio", "activation_max", "lr", "headroom", "health", "incident_state",
+)
+LOG10_GROUP = "nummon_log10"
+#: Growth metrics that get a log10|x| companion (a runaway is a straight line on it).
+LOG10_FIELDS = ("loss", "grad_norm", "activation_max")
+HEALTH_GROUP = "nummon_health"
+MORE_GROUP = "nummon_more"
+#: Per-layer metric -> the StepRecord field holding {layer name: value}.
+LAYER_METRICS = {"grad_norm": "layer_grad_norms", "activation_max": "layer_activation_max"}
+TOP_K = 5
+#: Histograms every this many steps when neither the policy nor the sink sets a cadence. One
+#: histogram pass (weights, gradients, activations, log10|x|, written by the TensorBoard sink)
+#: costs about 1.3 bare steps of the demo CNN on CPU (benchmarks/histogram_overhead.py; the
+#: every-100 row of benchmarks/RESULTS.md agrees). The every-step statistics already take ~1.045x
+#: of the 1.05x budget, so N >= ~270; every 500 steps adds ~0.27% and gives ~100 histograms per
+#: 50k-step run. Step 0 always gets one.
+DEFAULT_HISTOGRAM_EVERY = 500
+
+# incident states by name, for events whose state has no `rank` (see nummon/_incidents.py)
+_INCIDENT_CODES = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
+INCIDENT_LEGEND = "incident_state: 0 = no incident (or resolved), 1 = open (warning), 2 = critical, 3 = non-finite"
+VIEWS_LEGEND = (
+    "Groups: `nummon` run-level charts (at most 12); `nummon_log10` log10|x| of loss, grad norm and "
+    "max |activation| (a runaway is a straight line); `nummon_health` one 0/1 series per health state; "
+    "`nummon_layers_*` per-layer series (multiline charts in the Custom Scalars tab); `nummon_top_*` the "
+    f"{TOP_K} layers with the largest value so far; histograms under `nummon_hist_*` (linear) and "
+    "`nummon_hist_*_log10abs` (decades of |x|: the distance to the dtype's overflow)."
+)
+
+
+def incident_code(state: Any) -> int:
+    """The number an incident state is plotted as (see INCIDENT_LEGEND); unknown states: 1."""
+    rank = getattr(state, "rank", None)
+    if isinstance(rank, int):
+        return rank
+    name = str(getattr(state, "value", state)).lower()
+    return _INCIDENT_CODES.get(name, 1)
+
+
+def _log10_abs(v: float) -> float | None:
+    """log10|v|; None for 0 (no point rather than -inf); NaN/Inf pass through as NaN/Inf."""
+    if v == 0:
+        return None
+    if not math.isfinite(v):
+        return v if math.isnan(v) else math.inf
+    return math.log10(abs(v))
+
+
+def step_scalars(record: StepRecord, health: Health | None, incident_state: Any = None) -> dict[str, float]:
+    """Every per-step scalar of one record under its tag (run-level, log10, health, per layer)."""
+    values = record.scalars()
+    clip = getattr(record, "clip_ratio", None)  # newer records carry the clipping ratio
+    if clip is not None:
+        values.setdefault("clip_ratio", float(clip))
+    out: dict[str, float] = {}
+    for name, v in values.items():
+        group = MAIN_GROUP if name in MAIN_CHARTS else MORE_GROUP
+        out[f"{group}/{name}"] = v
+    if health is not None:
+        out[f"{MAIN_GROUP}/health"] = float(health.code)
+        for h in Health:
+            out[f"{HEALTH_GROUP}/{h.value}"] = 1.0 if h is health else 0.0
+    if incident_state is not None:
+        out[f"{MAIN_GROUP}/incident_state"] = float(incident_code(incident_state))
+    for name in LOG10_FIELDS:
+        if name in values and (lg := _log10_abs(values[name])) is not None:
+            out[f"{LOG10_GROUP}/{name}"] = lg
+    for metric, field_name in LAYER_METRICS.items():
+        for layer, v in getattr(record, field_name).items():
+            out[f"nummon_layers_{metric}/{layer}"] = v
+    return out
+
+
+class TopOffenders:
+    """The k layers with the largest value so far, per per-layer metric (NaN/Inf rank first).
+
+    `update(record)` returns `nummon_top_<metric>/<layer>: value now` for those layers; a layer
+    that drops out of the top k stops being drawn, so the chart stays at about k lines.
+    """
+
+    def __init__(self, k: int = TOP_K) -> None:
+        self.k = k
+        self.peaks: dict[str, dict[str, float]] = {m: {} for m in LAYER_METRICS}
+
+    def update(self, record: StepRecord) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for metric, field_name in LAYER_METRICS.items():
+            layers = getattr(record, field_name)
+            if not layers:
+                continue
+            peaks = self.peaks[metric]
+            for layer, v in layers.items():
+                v = math.inf if math.isnan(v) else abs(v)
+                if v > peaks.get(layer, -1.0):
+                    peaks[layer] = v
+            for layer in heapq.nlargest(self.k, peaks, key=peaks.__getitem__):
+                if layer in layers:
+                    out[f"nummon_top_{metric}/{layer}"] = layers[layer]
+        return out
+
+
+def histogram_tags(name: str) -> tuple[str, str]:
+    """(linear tag, log10|x| tag) of a histogram named `params/<p>`, `grads/<p>` or `activations/<m>`."""
+    kind, _, rest = name.partition("/")
+    if not rest:
+        kind, rest = "other", name
+    return f"nummon_hist_{kind}/{rest}", f"nummon_hist_{kind}_log10abs/{rest}"
+
+
+def alert_tag(seq: int, kind: Any) -> str:
+    """A tag of its own for the seq-th alert (TensorBoard shows one text per tag and step)."""
+    return f"nummon_alerts/{seq:04d}_{getattr(kind, 'value', kind)}"
+
+
+def incident_tag(seq: int, state: Any) -> str:
+    """A tag of its own for the seq-th incident event."""
+    return f"nummon_incidents/{seq:04d}_{getattr(state, 'value', state)}"
+
+
+def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
+    """TensorBoard custom-scalars layout (`SummaryWriter.add_custom_scalars`): one multiline chart
+    per per-layer metric, the top offenders, the log10 companions and the health states. Tags are
+    regular expressions, so the layout needs no layer names and is written once."""
+    return {
+        "nummon: per layer": {
+            "grad norm per parameter": ["Multiline", [r"^nummon_layers_grad_norm/"]],
+            "max |activation| per module": ["Multiline", [r"^nummon_layers_activation_max/"]],
+        },
+        "nummon: top offenders": {
+            f"grad norm: the {k} largest parameters so far": ["Multiline", [r"^nummon_top_grad_norm/"]],
+            f"max |activation|: the {k} largest modules so far": ["Multiline", [r"^nummon_top_activation_max/"]],
+        },
+        "nummon: growth (log10)": {
+            "log10 |loss|, grad norm, max |activation|": ["Multiline", [rf"^{LOG10_GROUP}/"]],
+            "headroom (decades to the dtype's max)": ["Multiline", [rf"^{MAIN_GROUP}/headroom$"]],
+        },
+        "nummon: health": {
+            "health (1 = in this state)": ["Multiline", [rf"^{HEALTH_GROUP}/"]],
+            "incident state": ["Multiline", [rf"^{MAIN_GROUP}/incident_state$"]],
+        },
+    }
+
+
+def metric_sections() -> list[str]:
+    """Glob patterns of every scalar group, for W&B's `define_metric` (one section each)."""
+    return [f"{MAIN_GROUP}/*", f"{LOG10_GROUP}/*", f"{HEALTH_GROUP}/*", f"{MORE_GROUP}/*",
+            *(f"nummon_layers_{m}/*" for m in LAYER_METRICS), *(f"nummon_top_{m}/*" for m in LAYER_METRICS)]
