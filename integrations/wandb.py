@@ -52,11 +52,11 @@ class WandbSink(BaseSink):
     """Logs nummon's scalars (`run.log(..., step=training step)`, sections as in TensorBoard,
     `define_metric` with the `nummon_step` step metric), histograms
     (`wandb.Histogram(np_histogram=...)`) every `histogram_every` steps (None: the policy's
-    cadence, else every `DEFAULT_HISTOGRAM_EVERY`), and sends `run.alert` for alerts at or above
-    `alert_min_severity`, throttled on the client to one per kind per `wait_duration` seconds
-    (escalations always go through). Once incident events arrive (`on_incident`) they are the
-    W&B alerts (one per opened / escalated / resolved incident) and alerts only update the run
-    summary (`nummon/alert_count`, `nummon/last_alert`; incidents: `nummon/incident`, ...)."""
+    cadence, else every `DEFAULT_HISTOGRAM_EVERY`), and sends one W&B alert (Slack / e-mail) per
+    incident event: opened, escalated, resolved. Alerts update the run summary
+    (`nummon/alert_count`, `nummon/last_alert`; incidents: `nummon/incident`, ...); with
+    `per_alert=True` each alert at or above `alert_min_severity` is a W&B alert too, throttled on
+    the client to one per kind per `wait_duration` seconds (escalations always go through)."""
 
     wants_histograms = True
 
@@ -69,11 +69,13 @@ class WandbSink(BaseSink):
         histograms: bool = True,
         histogram_every: int | None = None,
         top_k: int = TOP_K,
+        per_alert: bool = False,
         **init_kwargs: Any,
     ) -> None:
         wandb = require("wandb", "wandb")
         self._wandb = wandb
         self.alert_min_severity = Severity(alert_min_severity)
+        self.per_alert = per_alert  # also a W&B alert per alert (default: one per incident event)
         self.wait_duration = float(wait_duration)
         self.histograms = histograms
         self.histogram_every = histogram_every if histograms else 0
@@ -183,8 +185,8 @@ class WandbSink(BaseSink):
     def on_alert(self, alert: Alert) -> None:
         self._alert_count += 1
         self._summarise({"nummon/alert_count": self._alert_count, "nummon/last_alert": str(alert)})
-        if self._incident_events or alert.severity.rank < self.alert_min_severity.rank:
-            return  # incident events, once they come, are the notifications
+        if not self.per_alert or alert.severity.rank < self.alert_min_severity.rank:
+            return  # incident events are the notifications: one per opened / escalated / resolved incident
         key = alert.kind.value  # one message per kind: several metrics of one runaway are one event
         now = time.monotonic()
         last = self._last_sent.get(key)

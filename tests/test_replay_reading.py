@@ -98,12 +98,16 @@ def _tensorboard_event_file(tmp_path):
     return next((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+def test_a_tensorboard_event_file_is_replayed_not_refused(tmp_path):
+    p = cli("replay", str(_tensorboard_event_file(tmp_path)))
+    assert p.returncode == 0 and "no alerts" in p.stdout and not p.stderr
+
+
 @pytest.mark.parametrize("make,needle", [
-    (_tensorboard_event_file, ":1: not UTF-8 text"),
     (lambda d: d.joinpath("latin1.jsonl").write_bytes('{"step": 0, "loss": 1.0, "run": "café"}\n{"step": 1}\n'.encode("latin-1")) and d / "latin1.jsonl", ":1: not UTF-8 text"),
     (lambda d: d.joinpath("big.jsonl").write_text('{"step": 0, "loss": ' + "7" * 5000 + "}\n{}\n") and d / "big.jsonl", ":1: not a usable JSON line"),
     (lambda d: d.joinpath("deep.jsonl").write_text('{"step": 0, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n{}\n") and d / "deep.jsonl", ":1: not a usable JSON line (nested too deeply)"),
-    (lambda d: d.joinpath("rand.bin").write_bytes(bytes(range(256)) * 40) and d / "rand.bin", ":1: not valid JSON"),
+    (lambda d: d.joinpath("rand.bin").write_bytes(bytes(range(256)) * 40) and d / "rand.bin", "rand.bin: not a log nummon reads"),
 ])
 def test_foreign_files_give_one_line_errors(tmp_path, make, needle):
     path = make(tmp_path)
