@@ -2,6 +2,7 @@
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -40,16 +41,28 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(tmp_path, demo
     events = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
     assert any(e["type"] == "alert" and e["severity"] == "critical" for e in events)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert list(out.rglob("run-*.wandb"))
+    # why the NaN happened: the operator, the module, the demo's own line, the cause
+    assert re.search(r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M), p.stdout[-2000:]
+    # one notification per incident event, at most 4: opened, escalated (critical), non-finite
+    from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
+
+    sent = wandb_alerts(read_records(find_run_file(out)))
+    assert [a.level for a in sent] == ["WARN", "ERROR", "ERROR"], [(a.title, a.level) for a in sent]
+    console = [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
+    assert console == [a.title for a in sent], console
     # the progress lines count from 0, like the table and the alerts (one line per 20 steps)
     shown = [int(n) for n in re.findall(r"\] step\s+(\d+)", p.stderr)]
     assert shown[:4] == [0, 20, 40, 60] and all(n <= nf for n in shown)
 
 
 def test_demo_healthy_ends_with_no_warning(tmp_path, demo_env):
-    p = cli("demo", "--healthy", "--no-wandb", "--out", str(tmp_path / "h"), env=demo_env)
+    p = cli("demo", "--healthy", "--out", str(tmp_path / "h"), env=demo_env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "no warning in 120 steps: the run stayed healthy." in p.stdout
+    from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
+
+    assert wandb_alerts(read_records(find_run_file(tmp_path / "h"))) == []  # no notification at all
+    assert not [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
     events = [json.loads(l) for l in (tmp_path / "h" / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["type"] == "alert" and e["severity"] != "info"]
     assert len([e for e in events if e["type"] == "step"]) == 120
@@ -127,3 +140,21 @@ def test_wandb_online_without_a_key_falls_back_to_offline(tmp_path, demo_env):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "WANDB_MODE=online but no API key is set: logging offline instead" in p.stderr
     assert "wandb sync " in p.stdout and "Traceback" not in p.stderr
+
+
+def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
+    """Issue 17: every step finite, the new classes learned (median loss of the last 10 <= 1.0,
+    chance is 2.3), one or two rollbacks, each in the event log."""
+    import statistics
+
+    plan = _demo.prepare(DemoConfig(out=tmp_path / "r", recover=True, wandb=False, tensorboard=False))
+    losses = []
+    result = _demo.run(plan, on_step=lambda step, loss, health: losses.append(loss))
+    assert len(losses) == DEFAULT_STEPS and all(map(math.isfinite, losses))
+    assert statistics.median(losses[-10:]) <= 1.0
+    rollbacks = [r for r in result.recoveries if r["action"] == "rollback"]
+    assert 1 <= len(rollbacks) <= 2
+    events = [json.loads(l) for l in result.events_path.read_text().splitlines()]
+    logged = [e for e in events if e["type"] == "alert" and (e.get("details") or {}).get("recovery") == "rollback"]
+    assert [e["step"] for e in logged] == [r["step"] for r in rollbacks]
+    assert any(e["type"] == "incident" and e.get("action", "").startswith("recovered: rolled back") for e in events)
