@@ -158,6 +158,9 @@ class DivergencePolicy(_Section):
     warning_factor: float = Field(10.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
     critical_factor: float = Field(1e4, gt=1, description="critical when it stays above this multiple (ratio)")
     patience: int = Field(5, ge=1, le=MAX_WINDOW, description="the median of the last this many finite losses, and the current loss, must stand above the factor (records)")
+    rebound_factor: float = Field(3.0, gt=1, description="warning when the median of the last `patience` losses stands at least this multiple above the best (lowest) smoothed loss so far: a run that had learned and lost it, however low it started (ratio)")
+    rebound_smoothing: int = Field(3, ge=1, le=MAX_WINDOW, description="the best loss so far is the lowest median of this many consecutive finite losses, so one lucky batch does not set it (records)")
+    rebound_min_level: float = Field(0.25, ge=0, description="a rebound counts only while the held loss is at least this fraction of the starting level: noise around a loss near zero is not divergence (fraction)")
 
     @model_validator(mode="after")
     def _order(self) -> "DivergencePolicy":
@@ -186,6 +189,12 @@ class StallPolicy(_Section):
     min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower (fraction)")
     high_fraction: float = Field(0.5, gt=0, description="the loss counts as still high above this fraction of its starting level (fraction)")
     max_spread: float = Field(0.2, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
+    frozen_records: int = Field(10, ge=2, le=MAX_WINDOW, description="a loss that has not moved for this many consecutive finite records while still above high_fraction of its starting level is a stall, however short the run (records)")
+    frozen_tolerance: float = Field(1e-3, ge=0, lt=1, description="the loss counts as not moving while (max - min) / median of those records stays at or below this; 1e-3 covers losses printed with 4 significant digits (fraction)")
+    chance_match: float = Field(0.01, ge=0, lt=0.1, description="without chance_loss: a loss whose last frozen_records records all lie within this relative distance of ln k (k = 2..10 classes) is stuck at chance (fraction)")
+    chance_loss: float | None = Field(None, gt=0, description="the loss of a model that predicts nothing (a classifier's chance level: ln(number of classes) for balanced classes); when set, the median of the last chance_records losses within chance_tolerance of it, with no improvement across them, is a stall (loss units; default: unknown)")
+    chance_tolerance: float = Field(0.1, gt=0, lt=1, description="relative distance from chance_loss that still counts as at chance (fraction)")
+    chance_records: int = Field(6, ge=2, le=MAX_WINDOW, description="finite losses judged against chance_loss; the run must also have logged trend.min_records finite losses (records)")
 
 
 class OscillationPolicy(_Section):

@@ -80,6 +80,11 @@ class LossTrend:
         self._judged_at: int | None = None
         self._stats: TrendStats | None = None
 
+    @property
+    def min_records(self) -> int:
+        """Finite losses a window must hold before it is judged (the policy's trend.min_records)."""
+        return self._p.min_records
+
     def span(self, step: int) -> int:
         """The window length at `step` (steps)."""
         if self._first_step is None:
