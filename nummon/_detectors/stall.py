@@ -30,9 +30,10 @@ class StallDetector:
     """Three ways a run can be stalled, each a warning of kind ``stall``:
 
     * the trend window shows no improvement while the loss is high and not bouncing;
-    * the loss has not moved at all for ``frozen_records`` records (or stays pinned at ln k, the
-      chance level of a k-class classifier) while still high: however short the run is in steps,
-      a loss printed as 0.6931 twenty times in a row is not learning;
+    * the loss has not moved at all for ``frozen_records`` records while still high: however
+      short the run is in steps, a loss printed as 0.6931 twenty times in a row is not learning;
+      within ``chance_match`` of ln k (the chance level of a k-class classifier) for as many
+      records spanning at least a trend window (``trend.min_span`` steps) is a stall too;
     * with ``chance_loss`` set: the recent losses sit at that chance level and are not falling.
 
     Shared values: ``trend`` (the loss-trend window, also read by oscillation) and ``level``
@@ -48,6 +49,10 @@ class StallDetector:
         self._trend = trend
         self._level = level
         self._recent: deque[float] = deque(maxlen=max(p.frozen_records, p.chance_records))
+        # the current stretch of losses pinned within chance_match of ln k: k, first step, records
+        self._pinned_k: int | None = None
+        self._pinned_since = 0
+        self._pinned_records = 0
         self._finite = 0  # finite losses seen
 
     def update(self, rec: StepRecord) -> list[Finding]:
@@ -56,8 +61,9 @@ class StallDetector:
         if not F.is_finite(rec.loss):  # a record without a loss says nothing about the trend
             return []
         self._recent.append(float(rec.loss))
+        self._track_pinned(rec.step, float(rec.loss))
         self._finite += 1
-        found = self._frozen(base) or self._at_chance()
+        found = self._frozen(base, rec.step) or self._at_chance()
         if found is not None:
             return [found]
         p = self._p
@@ -79,8 +85,19 @@ class StallDetector:
             ]
         return []
 
-    def _frozen(self, base: float | None) -> Finding | None:
-        """The last ``frozen_records`` losses have not moved (or sit pinned at ln k), still high."""
+    def _track_pinned(self, step: int, loss: float) -> None:
+        """Follow the current stretch of losses all within ``chance_match`` of one ln k."""
+        match = self._p.chance_match
+        k = self._pinned_k
+        if k is not None and abs(loss - math.log(k)) <= match * math.log(k):
+            self._pinned_records += 1
+            return
+        self._pinned_k = chance_classes(loss, match)
+        self._pinned_since, self._pinned_records = step, 1
+
+    def _frozen(self, base: float | None, step: int) -> Finding | None:
+        """The last ``frozen_records`` losses have not moved, or the loss has sat pinned at ln k
+        for as many records and a trend window, while still high."""
         p = self._p
         n = p.frozen_records
         if len(self._recent) < n or base is None or base <= 0:
@@ -90,12 +107,15 @@ class StallDetector:
         if held <= 0 or held < p.high_fraction * base:
             return None  # near zero or far below the start: converged, whatever the rounding
         spread = (max(last) - min(last)) / held
-        k = chance_classes(held, p.chance_match)
-        if k is not None and any(abs(v - math.log(k)) > p.chance_match * math.log(k) for v in last):
-            k = None  # near ln k on average but not pinned there
+        k = self._pinned_k if self._pinned_records >= n else None
+        if k is not None and spread > p.frozen_tolerance and step - self._pinned_since < self._trend.min_span:
+            # a freshly initialised classifier starts at ln k and may stay within 1% of it through
+            # a slow warm-up: pinned (not frozen) counts only once it has lasted a trend window
+            k = None
         if spread > p.frozen_tolerance and k is None:
             return None
-        why = f"loss has stayed at {F.fmt(held)} for {n} records (spread {spread * 100:.2g}%)"
+        records = max(n, self._pinned_records) if k is not None else n
+        why = f"loss has stayed at {F.fmt(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
         if k is not None:
             why += f": ln {k} = {math.log(k):.4f}, the chance level of a {k}-class classifier (it predicts the same for every input)"
         else:
