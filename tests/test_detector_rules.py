@@ -36,6 +36,7 @@ def test_a_frozen_loss_is_a_stall_however_short_the_run():
     stalls = [a for a in got if a.kind is AlertKind.STALL]
     assert stalls and stalls[0].step <= 17
     assert "ln 2" in stalls[0].message and "2-class" in stalls[0].message
+    assert "output does not change" in stalls[0].hint  # not the generic "LR tiny?" stall hint
 
 
 @pytest.mark.parametrize("value", [3.7, 0.42, 123.0])
@@ -110,6 +111,7 @@ def test_a_loss_held_three_times_above_its_best_is_a_divergence_warning():
     assert kinds(got) == [AlertKind.DIVERGENCE]
     assert got[0].severity is Severity.WARNING and got[0].step <= 175
     assert got[0].details["rule"] == "rebound"
+    assert "best it had reached" in got[0].hint  # not "far above where it started"
 
 
 def test_a_spike_of_two_records_that_recovers_is_no_rebound():
