@@ -39,4 +39,11 @@ def hint_for(finding: Finding, context: dict | None = None) -> str:
     if kind is AlertKind.NONFINITE and "forward" in (finding.location or ""):
         return ("the forward pass overflowed here: if it is a softmax/log/exp use log_softmax or add an epsilon; "
                 "if values grew step by step, lower the LR and clip gradients")
+    if kind is AlertKind.DIVERGENCE and finding.details.get("rule") == "rebound":
+        return ("the loss climbed back far above the best it had reached: restore a checkpoint from before the rise, "
+                "lower the LR (or lengthen the warm-up), and check what changed in the data at that step")
+    if kind is AlertKind.STALL and ("frozen_records" in finding.details or "chance_loss" in finding.details):
+        return ("the model's output does not change: check that the optimizer holds the model's parameters and the "
+                "LR is not 0, that the loss is not computed on detached tensors, that labels match inputs, and that "
+                "the last layer is not saturated (a sigmoid at 0.5 gives ln 2, a uniform softmax ln k)")
     return _BASE[kind]

@@ -10,12 +10,26 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ._errors import NummonError
-from ._types import SCALAR_FIELDS
+from ._policy_sections import (  # noqa: F401  (re-exported: the detector sections)
+    MAX_WINDOW,
+    Decades,
+    DivergencePolicy,
+    FloatDtype,
+    HeadroomPolicy,
+    NonfinitePolicy,
+    OscillationPolicy,
+    RunawayPolicy,
+    SpikePolicy,
+    StallPolicy,
+    TrendPolicy,
+    VanishingPolicy,
+    _Section,
+)
 
 __all__ = [
     "FloatDtype",
@@ -45,18 +59,8 @@ __all__ = [
     "validation_messages",
 ]
 
-#: Floating-point formats whose limits the headroom detector knows.
-FloatDtype = Literal["float32", "bfloat16", "float16", "float64"]
-
-#: Upper bound of every window, history and patience (steps or records): larger values are
-#: typos that would only fail later (a deque of 1e30 entries), never a real setting.
-MAX_WINDOW = 1_000_000
-
 #: Policy files above this size are refused before parsing (a real policy is a few hundred bytes).
 MAX_POLICY_BYTES = 1_000_000
-
-#: Decades of headroom: float64 spans about 616 decades, so more than that is a typo.
-Decades = Annotated[float, Field(ge=0, le=700)]
 
 #: Keys that moved to another section, so an old policy file gets a pointer, not just "unknown key".
 _MOVED = {
@@ -68,142 +72,6 @@ _MOVED = {
 
 class PolicyError(NummonError):
     """A policy could not be loaded or is invalid; the message is one line per problem."""
-
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: a NaN or infinite threshold silently switches a detector off
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
-
-
-class NonfinitePolicy(_Section):
-    enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
-
-
-class SpikePolicy(_Section):
-    """Sudden jumps against the run's own recent history (loss_spike, explosion)."""
-
-    enabled: bool = True
-    window: int = Field(50, ge=2, le=MAX_WINDOW, description="steps of finite history kept for the robust baseline (median of log10 values)")
-    min_history: int = Field(1, ge=1, le=MAX_WINDOW, description="finite samples needed before a jump can be judged (steps)")
-    loss_factor: float = Field(8.0, gt=1, description="loss_spike when the loss exceeds this multiple of its recent median (ratio)")
-    grad_factor: float = Field(10.0, gt=1, description="explosion when grad norm, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)")
-    robust_z: float = Field(3.0, gt=0, description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)")
-    short_history: int = Field(8, ge=1, le=MAX_WINDOW, description="below this many samples the baseline is uncertain and the factors are multiplied by short_history_multiplier (steps)")
-    short_history_multiplier: float = Field(2.0, ge=1, description="factor multiplier while the history is short (ratio)")
-
-
-class RunawayPolicy(_Section):
-    """Sustained geometric growth over consecutive records."""
-
-    enabled: bool = True
-    min_growth: float = Field(1.5, gt=1, description="a step counts as growth when the value grows by at least this factor per step (ratio)")
-    warning_steps: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a warning (steps)")
-    critical_steps: int = Field(3, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a critical alert (steps)")
-    warning_total_factor: float = Field(10.0, gt=1, description="total growth over the streak needed for a warning (ratio)")
-    critical_total_factor: float = Field(100.0, gt=1, description="total growth over the streak needed for a critical alert (ratio)")
-    metrics: tuple[str, ...] = Field(
-        ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max"),
-        description=f"statistics watched for runaway growth (any of: {', '.join(SCALAR_FIELDS)})",
-    )
-    history: int = Field(50, ge=2, le=MAX_WINDOW, description="earlier finite values kept to judge whether a value stands above the metric's recent level (records)")
-    short_history: int = Field(8, ge=1, le=MAX_WINDOW, description="below this many earlier values the total factors are raised to the power short_history_multiplier: growth from tiny initial values is normal (records)")
-    short_history_multiplier: float = Field(2.0, ge=1, le=10, description="exponent applied to the total factors while the history is short")
-
-    @field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [m for m in v if m not in SCALAR_FIELDS]
-        if unknown:
-            raise ValueError(f"unknown metric {', '.join(map(repr, unknown))} (valid: {', '.join(SCALAR_FIELDS)})")
-        return v
-
-    @model_validator(mode="after")
-    def _order(self) -> "RunawayPolicy":
-        if self.critical_steps < self.warning_steps:
-            raise ValueError("critical_steps must be >= warning_steps")
-        if self.critical_total_factor < self.warning_total_factor:
-            raise ValueError("critical_total_factor must be >= warning_total_factor")
-        return self
-
-
-class HeadroomPolicy(_Section):
-    """Decades left between the largest magnitude and the dtype's largest finite value."""
-
-    enabled: bool = True
-    warning_decades: dict[FloatDtype, Decades] = Field(
-        {"float32": 10.0, "bfloat16": 10.0, "float16": 1.0, "float64": 100.0},
-        description="extreme (warning) below this many decades of headroom, per dtype (log10 units)",
-    )
-    critical_decades: dict[FloatDtype, Decades] = Field(
-        {"float32": 4.0, "bfloat16": 4.0, "float16": 0.3, "float64": 20.0},
-        description="extreme (critical) below this many decades of headroom, per dtype (log10 units)",
-    )
-    default_dtype: FloatDtype = Field(
-        "float32", description="dtype assumed for records that do not say (replayed traces)"
-    )
-
-    @model_validator(mode="after")
-    def _order(self) -> "HeadroomPolicy":
-        for dt, crit in self.critical_decades.items():
-            warn = self.warning_decades.get(dt)
-            if warn is not None and crit >= warn:
-                raise ValueError(f"critical_decades[{dt}] ({crit}) must be < warning_decades[{dt}] ({warn})")
-        return self
-
-
-class DivergencePolicy(_Section):
-    """Loss far above its starting level, held for a while."""
-
-    enabled: bool = True
-    warning_factor: float = Field(10.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
-    critical_factor: float = Field(1e4, gt=1, description="critical when it stays above this multiple (ratio)")
-    patience: int = Field(5, ge=1, le=MAX_WINDOW, description="the median of the last this many finite losses, and the current loss, must stand above the factor (records)")
-
-    @model_validator(mode="after")
-    def _order(self) -> "DivergencePolicy":
-        if self.critical_factor <= self.warning_factor:
-            raise ValueError("critical_factor must be > warning_factor")
-        return self
-
-
-class TrendPolicy(_Section):
-    """The loss's starting level and trend window, shared by divergence, stall and oscillation.
-
-    The window grows with the run: its span is the largest of ``min_span``, ``span_fraction`` of
-    the steps so far, and ``min_records`` records at the run's logging cadence.
-    """
-
-    baseline_records: int = Field(10, ge=1, le=MAX_WINDOW, description="the starting level is the lowest running median of the first this many finite losses, so a run that blows up early is still judged against where it started (records)")
-    min_span: int = Field(100, ge=10, le=MAX_WINDOW, description="shortest trend window: the median of its second half is compared against its first (steps)")
-    min_records: int = Field(10, ge=4, le=MAX_WINDOW, description="finite losses a window must hold before it is judged (records)")
-    span_fraction: float = Field(1.0, gt=0, le=1, description="the window grows to this fraction of the steps the run has lasted (fraction)")
-
-
-class StallPolicy(_Section):
-    """No meaningful improvement over the trend window while the loss is still high."""
-
-    enabled: bool = True
-    min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower (fraction)")
-    high_fraction: float = Field(0.5, gt=0, description="the loss counts as still high above this fraction of its starting level (fraction)")
-    max_spread: float = Field(0.2, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
-
-
-class OscillationPolicy(_Section):
-    """Loss bouncing without a downward trend (minibatch noise of a learning run is not this)."""
-
-    enabled: bool = True
-    min_improvement: float = Field(0.1, ge=0, lt=1, description="relative improvement of the median loss across the trend window below which there is no downward trend; lowered like stall.min_improvement for slow runs (fraction)")
-    min_spread: float = Field(0.15, gt=0, description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)")
-    high_fraction: float = Field(0.25, gt=0, description="only while the loss is above this fraction of its starting level: a converged run's relative noise is not oscillation (fraction)")
-
-
-class VanishingPolicy(_Section):
-    """Some layers' gradients ~0 for many steps while others are not."""
-
-    enabled: bool = True
-    ratio: float = Field(1e-6, gt=0, lt=1, description="a layer's grad norm below this fraction of the largest layer's counts as vanished (ratio)")
-    patience: int = Field(50, ge=1, le=MAX_WINDOW, description="consecutive steps vanished before alerting (steps)")
-    max_named: int = Field(3, ge=1, le=100, description="layers named in the one alert that covers every vanished layer of a step (count)")
 
 
 class AlertPolicy(_Section):

@@ -1,29 +1,74 @@
-"""No meaningful improvement over the trend window while the loss is still high and flat."""
+"""No meaningful improvement while the loss is still high: a flat trend window, a frozen loss, or
+a loss stuck at a classifier's chance level."""
 from __future__ import annotations
 
+import math
+from collections import deque
+
+from .. import _functional as F
 from .._policy import StallPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
-from .trend import LossTrend, improvement_needed
+from .trend import LossTrend, StartLevel, improvement_needed
 
-__all__ = ["StallDetector"]
+__all__ = ["StallDetector", "CHANCE_CLASSES", "chance_classes"]
+
+#: Class counts whose chance loss ln k a pinned loss is matched against when the policy does not
+#: name one: small k only, because ln k for larger k lie so close together that almost any loss
+#: would sit near one of them.
+CHANCE_CLASSES = range(2, 11)
+
+
+def chance_classes(loss: float, match: float) -> int | None:
+    """The k in CHANCE_CLASSES whose ln k lies within `match` (relative) of `loss`, if any."""
+    for k in CHANCE_CLASSES:
+        if abs(loss - math.log(k)) <= match * math.log(k):
+            return k
+    return None
 
 
 class StallDetector:
-    """Shared value: ``trend`` (the loss-trend window, also read by oscillation)."""
+    """Three ways a run can be stalled, each a warning of kind ``stall``:
+
+    * the trend window shows no improvement while the loss is high and not bouncing;
+    * the loss has not moved at all for ``frozen_records`` records while still high: however
+      short the run is in steps, a loss printed as 0.6931 twenty times in a row is not learning;
+      within ``chance_match`` of ln k (the chance level of a k-class classifier) for as many
+      records spanning at least a trend window (``trend.min_span`` steps) is a stall too;
+    * with ``chance_loss`` set: the recent losses sit at that chance level and are not falling.
+
+    Shared values: ``trend`` (the loss-trend window, also read by oscillation) and ``level``
+    (the starting level, for "still high").
+    """
 
     section = "stall"
     kinds = (AlertKind.STALL,)
-    needs = ("trend",)
+    needs = ("trend", "level")
 
-    def __init__(self, p: StallPolicy, trend: LossTrend) -> None:
+    def __init__(self, p: StallPolicy, trend: LossTrend, level: StartLevel) -> None:
         self._p = p
         self._trend = trend
+        self._level = level
+        self._recent: deque[float] = deque(maxlen=max(p.frozen_records, p.chance_records))
+        # the current stretch of losses pinned within chance_match of ln k: k, first step, records
+        self._pinned_k: int | None = None
+        self._pinned_since = 0
+        self._pinned_records = 0
+        self._finite = 0  # finite losses seen
 
     def update(self, rec: StepRecord) -> list[Finding]:
         t = self._trend.observe(rec)
-        if t is None or rec.loss is None:  # a record without a loss says nothing about the trend
+        base = self._level.observe(rec)
+        if not F.is_finite(rec.loss):  # a record without a loss says nothing about the trend
             return []
+        self._recent.append(float(rec.loss))
+        self._track_pinned(rec.step, float(rec.loss))
+        self._finite += 1
+        found = self._frozen(base, rec.step) or self._at_chance()
+        if found is not None:
+            return [found]
         p = self._p
+        if t is None:
+            return []
         need = improvement_needed(p.min_improvement, t.expected)
         if t.change > -need and t.level >= p.high_fraction and t.spread < p.max_spread:
             return [
@@ -39,3 +84,72 @@ class StallDetector:
                 )
             ]
         return []
+
+    def _track_pinned(self, step: int, loss: float) -> None:
+        """Follow the current stretch of losses all within ``chance_match`` of one ln k."""
+        match = self._p.chance_match
+        k = self._pinned_k
+        if k is not None and abs(loss - math.log(k)) <= match * math.log(k):
+            self._pinned_records += 1
+            return
+        self._pinned_k = chance_classes(loss, match)
+        self._pinned_since, self._pinned_records = step, 1
+
+    def _frozen(self, base: float | None, step: int) -> Finding | None:
+        """The last ``frozen_records`` losses have not moved, or the loss has sat pinned at ln k
+        for as many records and a trend window, while still high."""
+        p = self._p
+        n = p.frozen_records
+        if len(self._recent) < n or base is None or base <= 0:
+            return None
+        last = list(self._recent)[-n:]
+        held = F.median(last)
+        if held <= 0 or held < p.high_fraction * base:
+            return None  # near zero or far below the start: converged, whatever the rounding
+        spread = (max(last) - min(last)) / held
+        k = self._pinned_k if self._pinned_records >= n else None
+        if k is not None and spread > p.frozen_tolerance and step - self._pinned_since < self._trend.min_span:
+            # a freshly initialised classifier starts at ln k and may stay within 1% of it through
+            # a slow warm-up: pinned (not frozen) counts only once it has lasted a trend window
+            k = None
+        if spread > p.frozen_tolerance and k is None:
+            return None
+        records = max(n, self._pinned_records) if k is not None else n
+        why = f"loss has stayed at {F.fmt(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
+        if k is not None:
+            why += f": ln {k} = {math.log(k):.4f}, the chance level of a {k}-class classifier (it predicts the same for every input)"
+        else:
+            why += ": the model no longer changes its output (saturated or dead units, a zero learning rate, a detached loss)"
+        return Finding(
+            AlertKind.STALL,
+            Severity.WARNING,
+            "loss",
+            held,
+            p.frozen_tolerance,
+            why,
+            details={"frozen_records": n, "spread": spread, "level": held / base, "chance_classes": k},
+        )
+
+    def _at_chance(self) -> Finding | None:
+        """With ``chance_loss`` set: the recent losses at chance and not falling."""
+        p = self._p
+        chance, n = p.chance_loss, p.chance_records
+        if chance is None or len(self._recent) < n or self._finite < max(self._trend.min_records, n + 1):
+            return None
+        last = list(self._recent)[-n:]
+        held = F.median(last)
+        if abs(held - chance) > p.chance_tolerance * chance:
+            return None
+        half = n // 2
+        if F.relative_change(last[:half], last[half:]) <= -p.min_improvement:
+            return None  # at chance but falling: it is leaving it
+        return Finding(
+            AlertKind.STALL,
+            Severity.WARNING,
+            "loss",
+            held,
+            chance,
+            f"loss has held around {F.fmt(held)} for {n} records, the chance level {F.fmt(chance)} "
+            f"(stall.chance_loss), without falling: the model predicts no better than a guess",
+            details={"chance_loss": chance, "records": n, "level": held / chance},
+        )

@@ -51,9 +51,10 @@ class TrendStats:
 
 def improvement_needed(min_improvement: float, expected: float) -> float:
     """The improvement a window must show to count as progress: ``min_improvement``, lowered to
-    no less than half of it when the run's own average progress is slower (a slow fine-tune
-    is not a stall because it is slow)."""
-    return min(min_improvement, max(0.5 * expected, 0.5 * min_improvement))
+    half the run's own average progress over the same span when that is slower, but never below
+    a fifth of ``min_improvement`` (a slow fine-tune is not a stall because it is slow; a loss
+    that moves by noise only is)."""
+    return min(min_improvement, max(0.5 * expected, 0.2 * min_improvement))
 
 
 class LossTrend:
@@ -73,12 +74,22 @@ class LossTrend:
         self.level = level
         self._values: deque[tuple[int, float]] = deque()
         self._first_step: int | None = None
-        self._records = 0  # records seen, for the cadence
+        self._records = 0  # records that carry a loss (finite or not), for the cadence
         self._stride = 1  # keep every `stride`-th finite loss (doubles when MAX_POINTS is reached)
         self._finite = 0
         self._seen: StepRecord | None = None
         self._judged_at: int | None = None
         self._stats: TrendStats | None = None
+
+    @property
+    def min_span(self) -> int:
+        """The shortest trend window (the policy's trend.min_span, steps)."""
+        return self._p.min_span
+
+    @property
+    def min_records(self) -> int:
+        """Finite losses a window must hold before it is judged (the policy's trend.min_records)."""
+        return self._p.min_records
 
     def span(self, step: int) -> int:
         """The window length at `step` (steps)."""
@@ -94,6 +105,10 @@ class LossTrend:
             return self._stats if self._judged_at is not None else None
         self._seen = rec
         base = self.level.observe(rec)
+        if rec.loss is None:
+            # an eval-only row does not log the training loss: it is no record of the loss's
+            # cadence (counting it would shrink the window) and moves nothing
+            return self._stats if self._judged_at is not None else None
         step = rec.step
         if self._first_step is None:
             self._first_step = step

@@ -1,0 +1,136 @@
+"""The stall and divergence rules that the real-log dev set asked for (issue 13, second round):
+a frozen loss, a loss pinned at a classifier's chance level, an opt-in chance loss, and a loss
+held several times above the best it reached. Each is judged through the whole engine."""
+import math
+import random
+
+import pytest
+
+from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon._engine import HealthEngine
+
+P = Policy.load("default")
+
+
+def loud(points, policy=P):
+    """Warning/critical alerts over (step, loss) points."""
+    eng = HealthEngine(policy)
+    out = []
+    for step, loss in points:
+        out += [a for a in eng.process(StepRecord(step=step, loss=loss))[0] if a.severity is not Severity.INFO]
+    return out
+
+
+def kinds(alerts):
+    return [a.kind for a in alerts]
+
+
+# --------------------------------------------------------------------------- frozen / pinned at chance
+
+
+def test_a_frozen_loss_is_a_stall_however_short_the_run():
+    """TensorFlow issue 12287: after 8 erratic steps the loss prints 0.6931 for 20 steps; the
+    100-step trend window never judged a 28-step log."""
+    erratic = [0.6773, 2.4587, 5.3353, 1.0234, 10.6901, 1.9899, 3.5713, 0.6869]
+    got = loud(enumerate(erratic + [0.6931] * 20))
+    stalls = [a for a in got if a.kind is AlertKind.STALL]
+    assert stalls and stalls[0].step <= 17
+    assert "ln 2" in stalls[0].message and "2-class" in stalls[0].message
+    assert "output does not change" in stalls[0].hint  # not the generic "LR tiny?" stall hint
+
+
+@pytest.mark.parametrize("value", [3.7, 0.42, 123.0])
+def test_a_loss_frozen_at_any_high_level_is_a_stall(value):
+    """Not only at ln k: a loss that does not move at all (a zero learning rate, a detached loss)."""
+    got = loud((s, value) for s in range(12))
+    assert kinds(got) == [AlertKind.STALL]
+    assert "no longer changes" in got[0].message
+
+
+def test_a_converged_loss_printed_at_its_rounding_floor_is_not_frozen():
+    """Whisper fine-tune: 0.30 -> 0.0001, printed with 4 decimals, so 0.0001 repeats for 50
+    records; near zero, repetition is rounding, not a stall."""
+    pts = [(25 * i, 0.3 * math.exp(-i / 3)) for i in range(30)] + [(25 * i, 0.0001) for i in range(30, 90)]
+    assert [a for a in loud(pts) if a.kind is AlertKind.STALL] == []
+
+
+def test_a_loss_pinned_within_one_percent_of_ln_k_for_a_trend_window_is_at_chance():
+    """Logged every 20 steps, within 0.6% of ln 4 for 12 records (220 steps): a stall at chance."""
+    rnd = random.Random(0)
+    pts = [(20 * i, math.log(4) * (1 + 0.006 * rnd.uniform(-1, 1))) for i in range(12)]
+    got = loud(pts)
+    assert kinds(got) == [AlertKind.STALL] and "4-class" in got[0].message
+
+
+def test_a_classifier_starting_at_ln_k_through_its_warm_up_is_not_at_chance():
+    """A freshly initialised 10-class classifier starts within 1% of ln 10 and may stay there for a
+    slow warm-up of 40 per-step records before it falls: too early to call it stuck."""
+    rnd = random.Random(4)
+    start = [math.log(10) * (1 + 0.006 * rnd.uniform(-1, 1)) for _ in range(40)]
+    falling = [math.log(10) * math.exp(-i / 30) * (1 + 0.02 * rnd.uniform(-1, 1)) for i in range(1, 120)]
+    assert loud(enumerate(start + falling)) == []
+
+
+def test_a_noisy_plateau_near_ln_k_is_not_called_chance_without_the_class_count():
+    """A language-model fine-tune plateauing at 1.10-1.20 (near ln 3) with 4% noise, logged per epoch:
+    nothing says it has 3 classes."""
+    rnd = random.Random(1)
+    pts = [(1, 3.56), (2, 2.19), (3, 1.43)] + [(s, 1.15 * (1 + 0.04 * rnd.uniform(-1, 1))) for s in range(4, 14)]
+    assert loud(pts) == []
+
+
+# --------------------------------------------------------------------------- chance_loss (opt-in)
+
+VIT = [3.5604, 2.1893, 1.4335, 1.1844, 1.1453, 1.1861, 1.11, 1.1615, 1.1251, 1.2304]
+
+
+def test_with_chance_loss_a_classifier_stuck_at_chance_is_a_stall():
+    """ViT on 3 classes, per epoch: 3.56 -> 1.11..1.23 (ln 3 = 1.0986), train accuracy 0.27-0.42."""
+    policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
+    got = loud(zip(range(1, 11), VIT), policy)
+    assert kinds(got) == [AlertKind.STALL] and got[0].step == 10
+    assert "chance level" in got[0].message
+    assert loud(zip(range(1, 11), VIT)) == []  # the default policy knows no class count
+
+
+def test_with_chance_loss_a_classifier_leaving_chance_is_not_a_stall():
+    """Starting at chance is what a well-initialised classifier does; falling away from it is learning."""
+    policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
+    pts = [(s, math.log(3) * math.exp(-s / 15)) for s in range(1, 40)]
+    assert loud(pts, policy) == []
+
+
+# --------------------------------------------------------------------------- rebound above the best
+
+
+def test_a_loss_held_three_times_above_its_best_is_a_divergence_warning():
+    """mlx-examples issue 620: LoRA loss every 25 iterations 1.59, 1.41, then 3.3, 6.4, 5.5, 4.9, 4.9,
+    4.6: never 10x its start, but ~3x the best it had reached, for five reports."""
+    losses = [1.593, 1.406, 3.316, 6.437, 5.478, 4.857, 4.874, 4.604]
+    got = loud(zip(range(25, 225, 25), losses))
+    assert kinds(got) == [AlertKind.DIVERGENCE]
+    assert got[0].severity is Severity.WARNING and got[0].step <= 175
+    assert got[0].details["rule"] == "rebound"
+    assert "best it had reached" in got[0].hint  # not "far above where it started"
+
+
+def test_a_spike_of_two_records_that_recovers_is_no_rebound():
+    rnd = random.Random(2)
+    losses = [4.0 * math.exp(-i / 40) * (1 + 0.03 * rnd.uniform(-1, 1)) for i in range(120)]
+    losses[60] *= 6
+    losses[61] *= 4
+    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+
+
+def test_noise_around_a_loss_near_zero_is_no_rebound():
+    """Overfitting to ~0.001 and bouncing up to 0.005: 5x the best, but 0.1% of the start."""
+    rnd = random.Random(3)
+    losses = [3.0 * math.exp(-i / 10) for i in range(80)] + [0.001 * (1 + 4 * rnd.random()) for _ in range(60)]
+    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+
+
+def test_rebound_settings_are_validated():
+    with pytest.raises(Exception, match="rebound_factor"):
+        Policy.load({"divergence": {"rebound_factor": 1.0}})
+    with pytest.raises(Exception, match="chance_loss"):
+        Policy.load({"stall": {"chance_loss": -1}})
