@@ -1,4 +1,4 @@
-"""Runaway configurations trained with and without recovery (issue 17); results -> docs/recovery.md.
+"""Runaway configurations trained with and without recovery (issue 17); results in benchmarks/RESULTS.md.
 
     python benchmarks/recovery_table.py            # the table (>= 10 configurations)
     python benchmarks/recovery_table.py --demo     # the demo's scenario, with and without recovery
