@@ -5,28 +5,12 @@ import math
 import re
 from typing import Any, Iterable
 
+from ._functional import fmt_num
 from ._types import Alert, StepRecord
 
-__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "fmt_num", "records_table", "scalar_tags"]
+__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "fmt_num", "records_table"]
 
 TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
-
-
-def fmt_num(v: Any, none: str = "—") -> str:
-    """The one number format of tables and messages: integers exactly, floats to 4 significant
-    digits, non-finite as nan/inf/-inf, None as `none`."""
-    if v is None:
-        return none
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, int):
-        return str(v)
-    v = float(v)
-    if not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return f"{v:.4g}"
 
 
 # C0/C1 control characters (ANSI escapes start with ESC) and lone surrogates, which a terminal
@@ -54,16 +38,6 @@ def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TAB
     lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
-
-
-def scalar_tags(record: StepRecord, prefix: str = "nummon") -> dict[str, float]:
-    """Scalars for plotting backends: nummon/<stat>, nummon/grad_norm/<param>, nummon/activation_max/<module>."""
-    out = {f"{prefix}/{k}": v for k, v in record.scalars().items()}
-    for k, v in record.layer_grad_norms.items():
-        out[f"{prefix}/grad_norm/{k}"] = v
-    for k, v in record.layer_activation_max.items():
-        out[f"{prefix}/activation_max/{k}"] = v
-    return out
 
 
 def alert_text(alert: Alert, markdown: bool = False) -> str:

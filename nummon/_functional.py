@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = [
     "DTYPE_MAX",
@@ -19,7 +19,7 @@ __all__ = [
     "relative_change",
     "relative_spread",
     "pow10",
-    "fmt",
+    "fmt_num",
 ]
 
 #: Largest finite value per dtype (so detectors need no torch to reason about headroom).
@@ -118,6 +118,18 @@ def pow10(x: float) -> float:
     return math.inf if x > 308.25 else 10.0**x
 
 
-def fmt(v: float | None) -> str:
-    """A number for a one-line message: 4 significant digits, "n/a" when absent."""
-    return "n/a" if v is None else f"{v:.4g}"
+def fmt_num(v: Any, none: str = "—") -> str:
+    """The one number format of tables and messages: integers exactly, floats to 4 significant
+    digits, non-finite as nan/inf/-inf, None as `none`."""
+    if v is None:
+        return none
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    v = float(v)
+    if not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return f"{v:.4g}"

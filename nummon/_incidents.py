@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from ._functional import fmt
+from ._functional import fmt_num
 from ._types import Alert, AlertKind, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
@@ -74,7 +74,7 @@ class Contributor:
         """One Markdown list item."""
         parts = [f"**{self.severity.value}** {self.kind.value} `{self.metric}`"]
         if self.value is not None:
-            parts.append(f"= {fmt(self.value)}")
+            parts.append(f"= {fmt_num(self.value)}")
         if self.rate_per_step is not None:
             parts.append(f"(x{self.rate_per_step:.3g}/step")
             ov = self.steps_to_overflow

@@ -58,8 +58,8 @@ class DivergenceDetector:
                 "loss",
                 rec.loss,
                 base * thr,
-                f"loss has held around {F.fmt(held)} (median of the last {self._p.patience} records), "
-                f"{ratio:.3g}x its starting level {F.fmt(base)}",
+                f"loss has held around {F.fmt_num(held)} (median of the last {self._p.patience} records), "
+                f"{ratio:.3g}x its starting level {F.fmt_num(base)}",
                 details={"ratio": ratio, "baseline": base},
             )
         ]
@@ -80,8 +80,8 @@ class DivergenceDetector:
                 "loss",
                 loss,
                 best * p.rebound_factor,
-                f"loss has held around {F.fmt(held)} (median of the last {p.patience} records), "
-                f"{ratio:.3g}x the best {F.fmt(best)} it had reached: the run is losing what it learned",
+                f"loss has held around {F.fmt_num(held)} (median of the last {p.patience} records), "
+                f"{ratio:.3g}x the best {F.fmt_num(best)} it had reached: the run is losing what it learned",
                 details={"ratio": ratio, "best": best, "baseline": base, "rule": "rebound"},
             )
         ]

@@ -57,7 +57,7 @@ class SpikeDetector:
                             metric,
                             v,
                             base * F.pow10(need),
-                            f"{metric} jumped to {F.fmt(v)}, {F.pow10(up):.3g}x its recent median {F.fmt(base)}",
+                            f"{metric} jumped to {F.fmt_num(v)}, {F.pow10(up):.3g}x its recent median {F.fmt_num(base)}",
                             details={"ratio": F.pow10(up), "baseline": base},
                         )
                     )

@@ -115,7 +115,7 @@ class StallDetector:
         if spread > p.frozen_tolerance and k is None:
             return None
         records = max(n, self._pinned_records) if k is not None else n
-        why = f"loss has stayed at {F.fmt(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
+        why = f"loss has stayed at {F.fmt_num(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
         if k is not None:
             why += f": ln {k} = {math.log(k):.4f}, the chance level of a {k}-class classifier (it predicts the same for every input)"
         else:
@@ -149,7 +149,7 @@ class StallDetector:
             "loss",
             held,
             chance,
-            f"loss has held around {F.fmt(held)} for {n} records, the chance level {F.fmt(chance)} "
+            f"loss has held around {F.fmt_num(held)} for {n} records, the chance level {F.fmt_num(chance)} "
             f"(stall.chance_loss), without falling: the model predicts no better than a guess",
             details={"chance_loss": chance, "records": n, "level": held / chance},
         )
