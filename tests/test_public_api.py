@@ -29,8 +29,9 @@ def test_import_nummon_imports_no_torch_wandb_or_tensorboard():
 
 def test_monitor_import_does_not_pull_backends():
     code = (
-        "import sys, nummon; nummon.Monitor; "
-        "print('LOADED', [m for m in ('wandb', 'tensorboard') if m in sys.modules])"
+        "import sys, nummon; nummon.Monitor; nummon.diagnose; "
+        "print('LOADED', [m for m in ('wandb', 'tensorboard', 'lightning', 'pytorch_lightning', 'transformers', "
+        "'accelerate') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert "LOADED []" in out
