@@ -30,10 +30,7 @@ try:  # the installed package
 except ImportError:  # a bare checkout: run from the source tree
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import nummon
-try:
-    from nummon._demo_model import DemoCNN
-except ImportError:  # before the demo model moved out of the CLI demo module
-    from nummon._demo import DemoCNN
+from nummon._demo_model import DemoCNN  # noqa: E402
 from nummon._layout import DEFAULT_HISTOGRAM_EVERY  # noqa: E402
 from nummon.integrations.tensorboard import TensorBoardSink  # noqa: E402
 from overhead import steady_allocator  # noqa: E402

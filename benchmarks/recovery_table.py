@@ -28,10 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from nummon import Monitor  # noqa: E402
 
-try:  # the demo's model and data (moved to _demo_model by the CLI restructuring)
-    from nummon._demo_model import DemoCNN, SyntheticDigits  # type: ignore
-except ImportError:
-    from nummon._demo import DemoCNN, SyntheticDigits
+from nummon._demo_model import DemoCNN, SyntheticDigits  # noqa: E402
 
 __all__ = ["CONFIGS", "Config", "run_plain", "run_monitored", "demo_with_recovery", "snapshot_cost"]
 

@@ -22,10 +22,7 @@ from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, h
 
 from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
 
-try:
-    from nummon._demo_model import DemoCNN
-except ImportError:  # before the demo model moved out of the CLI demo module
-    from nummon._demo import DemoCNN
+from nummon._demo_model import DemoCNN
 
 NO_STOP = {"alerts": {"stop_on_critical": False}}
 
