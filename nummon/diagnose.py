@@ -358,12 +358,15 @@ def lr_range_test(
             diverged = lr
             break
     suggested = None
+    # The EMA's first ~1/(1 - smooth) points still follow batch-to-batch differences, not the LR:
+    # their slopes are skipped (fastai's skip_start), or a tiny start LR looks like steep descent.
+    skip = min(round(1 / (1 - smooth)) if smooth < 1 else 0, max(len(smoothed) - 3, 0))
     if len(smoothed) >= 3:
         logs = [math.log10(l) for l in lrs]
-        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1, len(smoothed) - 1)]
+        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)]
         j = min(range(len(slopes)), key=lambda k: slopes[k])
         if slopes[j] < 0:
-            suggested = lrs[j + 1]
+            suggested = lrs[j + 1 + skip]
     findings = []
     if suggested is not None:
         findings.append(f"steepest descent at lr {suggested:.3g}")

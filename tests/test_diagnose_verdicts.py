@@ -102,6 +102,8 @@ def test_every_check_passes_a_healthy_model(kind):
     }
     blamed = {name: str(r) for name, r in reports.items() if r.status is not Status.PASS}
     assert not blamed
+    sweep = reports["lr_range_test"]  # the steepest descent is learning, not the EMA's first batches
+    assert 1e-3 < sweep.suggested_lr < (sweep.diverged_lr or sweep.lrs[-1])
     overfit = reports["overfit_one_batch"].numbers
     assert overfit["accuracy"] == 1.0 and overfit["best_over_reference"] <= 0.01
     assert overfit["steps"] <= 200 * len(OVERFIT_LRS)
