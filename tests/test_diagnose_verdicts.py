@@ -234,3 +234,17 @@ def test_zero_matrices_warn_only_when_every_matrix_is_zero():
     with torch.no_grad():
         model[0].weight.zero_()
     assert check_weights(model).status is Status.WARN
+
+
+def test_language_model_logits_are_judged_per_token_with_ignored_positions():
+    """(N, T, V) logits with (N, T) targets (ignore_index -100 left out of the accuracy)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 20, (8, 6))
+    targets = (tokens + 1) % 20
+    targets[:, -1] = -100
+    lm = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 20))
+    lm_loss = lambda out, y: CE(out.flatten(0, 1), y.flatten())  # noqa: E731
+    rep = overfit_one_batch(lm, (tokens, targets), lm_loss)
+    assert rep.status is Status.PASS and rep.numbers["accuracy"] == 1.0
+    mismatched = lambda: (tokens, targets[torch.randperm(8)])  # noqa: E731
+    assert overfit_one_batch(lm, mismatched, lm_loss).status is Status.FAIL
