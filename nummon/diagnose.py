@@ -18,9 +18,10 @@ from torch import nn
 
 from ._errors import NummonError
 from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
+from ._overfit import OVERFIT_LRS, overfit_one_batch
 
 __all__ = [
-    "Status", "Report", "Diagnosis", "LRRangeReport", "overfit_one_batch", "check_gradients", "check_data",
+    "Status", "Report", "Diagnosis", "LRRangeReport", "OVERFIT_LRS", "overfit_one_batch", "check_gradients", "check_data",
     "check_loader", "check_weights", "lr_range_test", "run_all", "explain_nonfinite", "NonfiniteReport", "CAUSES",
 ]
 
@@ -119,44 +120,7 @@ def _to(t: Any, device: torch.device) -> Any:
 
 # ------------------------------------------------------------------ overfit one batch
 
-def overfit_one_batch(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    steps: int = 200,
-    lr: float = 1e-3,
-    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.Adam,
-    target_fraction: float = 0.01,
-) -> Report:
-    """Train a copy on one batch for `steps` steps; PASS when the loss falls below
-    `target_fraction` (1%) of its start, PARTIAL when it at least halves, FAIL otherwise."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise NummonError(f"overfit_one_batch needs steps >= 1, got {steps!r}")
-    clone, x, y = _copy_with_batch(model, batch)
-    opt = optimizer_cls(clone.parameters(), lr=lr)
-    losses: list[float] = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = loss_fn(clone(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if not math.isfinite(losses[-1]):
-            break
-    start, best, end = losses[0], min(losses), losses[-1]
-    nums = {"start_loss": start, "best_loss": best, "final_loss": end, "steps": len(losses), "lr": lr}
-    ratio = best / start if start > 0 else (0.0 if best <= 0 else math.inf)
-    nums["best_over_start"] = ratio
-    if not math.isfinite(end):
-        return Report("overfit one batch", Status.FAIL, [
-            f"the loss became non-finite after {len(losses)} steps at lr {lr:g}: lower the LR, check the loss for log(0)/division"], nums)
-    if ratio <= target_fraction:
-        return Report("overfit one batch", Status.PASS, [f"loss {start:.4g} -> {best:.4g} ({ratio * 100:.3g}% of start) in {len(losses)} steps"], nums)
-    causes = ("likely causes: labels that do not match the inputs, a loss that does not fit the outputs "
-              "(e.g. softmax before CrossEntropyLoss), frozen or detached parameters, a too small model or LR")
-    if ratio <= 0.5:
-        return Report("overfit one batch", Status.PARTIAL, [f"loss only fell to {ratio:.1%} of its start ({start:.4g} -> {best:.4g}); {causes}"], nums)
-    return Report("overfit one batch", Status.FAIL, [f"the model cannot fit a single batch: loss {start:.4g} -> {best:.4g} ({ratio:.0%} of start); {causes}"], nums)
+# `overfit_one_batch` (the learning-rate search and its verdict) lives in ._overfit; re-exported here.
 
 
 # ------------------------------------------------------------------ gradients
@@ -261,11 +225,16 @@ def _data_verdict(name: str, nums: dict[str, Any], num_classes: int | None, imba
     if counts:
         ratio = max(counts) / min(counts)
         nums["imbalance_ratio"] = ratio
-        if ratio > imbalance_limit:
+        # Small samples are judged only where sampling noise cannot explain the finding: a ratio
+        # over the limit needs its largest class to hold >= 2x limit samples, and an unseen class
+        # needs enough samples that a uniform draw shows every class with 99.9% probability.
+        if ratio > imbalance_limit and max(counts) >= 2 * imbalance_limit:
             warns.append(f"class imbalance: the largest class has {ratio:.1f}x the samples of the smallest")
         if num_classes is not None and len(counts) < num_classes:
             missing = [i for i, c in enumerate(present[:num_classes]) if c == 0]
-            warns.append(f"classes never seen: {missing[:10]}")
+            nums["unseen_classes"] = missing
+            if sum(counts) >= num_classes * math.log(1000 * num_classes):
+                warns.append(f"classes never seen: {missing[:10]}")
     status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
     return Report(name, status, fails + warns, nums)
 
@@ -300,8 +269,9 @@ def check_loader(loader: Iterable, max_batches: int = 10, num_classes: int | Non
 
 def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 1e-8) -> Report:
     """Per parameter: non-finite values, near-constant weights (bad initialisation; biases and
-    norm scales are allowed to start constant), absurd scale (max |w| > `max_abs`)."""
-    fails, warns = [], []
+    norm scales are allowed to start constant, and zero matrices unless every matrix is zero),
+    absurd scale (max |w| > `max_abs`)."""
+    fails, warns, zero, matrices = [], [], [], 0
     per = {}
     for name, p in model.named_parameters():
         w = p.detach()
@@ -313,13 +283,18 @@ def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 
             wf = w.double()
             d["std"] = float(wf.std()) if w.numel() > 1 else 0.0
             d["max_abs"] = float(wf.abs().max()) if w.numel() else 0.0
-            if w.dim() >= 2 and w.numel() > 1 and d["std"] <= constant_std * max(1.0, d["max_abs"]):
+            matrices += w.dim() >= 2 and w.numel() > 1
+            if w.dim() >= 2 and w.numel() > 1 and d["max_abs"] == 0.0:
+                zero.append(name)  # zero init is deliberate in many models (LoRA B, position tables)
+            elif w.dim() >= 2 and w.numel() > 1 and d["std"] <= constant_std * max(1.0, d["max_abs"]):
                 warns.append(f"{name}: all weights (near) identical ({float(wf.reshape(-1)[0]):.4g}): units stay symmetric and learn the same thing")
             if d["max_abs"] > max_abs:
                 warns.append(f"{name}: absurd scale (max |w| {d['max_abs']:.3g} > {max_abs:g})")
         per[name] = d
+    if zero and len(zero) == matrices:  # every weight matrix is zero: nothing breaks the symmetry
+        warns += [f"{name}: all weights zero: units stay symmetric and learn the same thing" for name in zero]
     status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
-    return Report("check weights", status, fails + warns, {"per_parameter": per})
+    return Report("check weights", status, fails + warns, {"per_parameter": per, "zero_weights": zero})
 
 
 # ------------------------------------------------------------------ LR range test
@@ -383,12 +358,15 @@ def lr_range_test(
             diverged = lr
             break
     suggested = None
+    # The EMA's first ~1/(1 - smooth) points still follow batch-to-batch differences, not the LR:
+    # their slopes are skipped (fastai's skip_start), or a tiny start LR looks like steep descent.
+    skip = min(round(1 / (1 - smooth)) if smooth < 1 else 0, max(len(smoothed) - 3, 0))
     if len(smoothed) >= 3:
         logs = [math.log10(l) for l in lrs]
-        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1, len(smoothed) - 1)]
+        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)]
         j = min(range(len(slopes)), key=lambda k: slopes[k])
         if slopes[j] < 0:
-            suggested = lrs[j + 1]
+            suggested = lrs[j + 1 + skip]
     findings = []
     if suggested is not None:
         findings.append(f"steepest descent at lr {suggested:.3g}")
@@ -426,8 +404,9 @@ def lr_range_test(
 # ------------------------------------------------------------------ all of it
 
 def run_all(model: nn.Module, loader: Iterable, loss_fn: LossFn, num_classes: int | None = None,
-            overfit_steps: int = 200, overfit_lr: float = 1e-3) -> Diagnosis:
-    """data -> overfit one batch -> gradients -> weights, stopping at the first FAIL."""
+            overfit_steps: int = 200, overfit_lr: float | None = None) -> Diagnosis:
+    """data -> overfit one batch -> gradients -> weights, stopping at the first FAIL.
+    `overfit_steps` caps each learning rate's steps; `overfit_lr`, when given, is tried first."""
     reports: list[Report] = []
     data = check_loader(loader, num_classes=num_classes)
     reports.append(data)

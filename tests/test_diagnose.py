@@ -23,6 +23,15 @@ from models import MLP
 CE = nn.functional.cross_entropy
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a loaded machine they contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def batch(n=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
@@ -50,7 +59,8 @@ def user():
 def test_overfit_one_batch_passes_on_a_learnable_batch(user):
     model, _ = user
     rep = overfit_one_batch(model, batch(), CE, steps=300, lr=1e-2)
-    assert rep.status is Status.PASS and rep.numbers["best_over_start"] < 0.01
+    assert rep.status is Status.PASS and rep.numbers["best_over_reference"] <= 0.01
+    assert rep.numbers["accuracy"] == 1.0 and rep.numbers["trials"][0]["lr"] == 1e-2  # the given lr first
     assert "PASS" in str(rep)
 
 
@@ -61,7 +71,7 @@ def test_overfit_one_batch_fails_when_the_model_cannot_learn(user):
         p.requires_grad_(False)
     frozen.fc2.bias.requires_grad_(True)  # only a bias can move: it cannot fit per-sample labels
     rep = overfit_one_batch(frozen, batch(), CE, steps=100, lr=1e-2)
-    assert rep.status in (Status.FAIL, Status.PARTIAL) and "likely causes" in str(rep)
+    assert rep.status is Status.FAIL and "likely causes" in str(rep)
 
 
 class WithUnused(nn.Module):
