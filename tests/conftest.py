@@ -1,11 +1,24 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
+
+# hypothesis keeps its caches outside the checkout (tests write only into temporary folders)
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "nummon-tests-hypothesis"))
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus"
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own temporary folder: a Monitor given no run folder writes its
+    flight record under ./nummon-runs/ (by design, tested in test_reliability.py), never into
+    the checkout."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture
