@@ -51,3 +51,36 @@ def test_a_step_without_a_backward_measures_the_gradients_as_they_are():
     rec = mon.post_step(1.0).record
     mon.close()
     assert rec.layer_grad_norms["weight"] == pytest.approx(5.0) and rec.clip_ratio is None
+
+
+def test_readme_loop_with_clipping_warns_of_the_gradient_explosion_before_the_nan():
+    """The README's loop plus clip_grad_norm_(..., 1.0): clipping caps every update, yet the
+    unclipped gradient norm nummon sees runs away, and it says so before the loss is lost."""
+    import math
+
+    from nummon import Severity
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 2.0**k)  # a warm-up to a peak far too high
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+    mon = Monitor(model, opt, policy={"alerts": {"stop_on_critical": False}})
+    first_bad, grad_warning = None, None
+    for step in range(60):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        report = mon.post_step(loss)
+        if grad_warning is None and any(a.metric in ("grad_norm", "grad_max") and a.severity.rank >= Severity.WARNING.rank
+                                        for a in report.alerts):
+            grad_warning = step
+        if not math.isfinite(float(loss)) or float(loss) > 65504:
+            first_bad = step
+            break
+    mon.close()
+    assert first_bad is not None, "the run must be lost for the test to mean something"
+    assert grad_warning is not None and grad_warning < first_bad, (grad_warning, first_bad)
