@@ -9,16 +9,7 @@ import pytest
 from nummon import AlertKind, Policy, Severity, StepRecord
 from nummon._engine import HealthEngine
 
-P = Policy.load("default")
-
-
-def loud(points, policy=P):
-    """Warning/critical alerts over (step, loss) points."""
-    eng = HealthEngine(policy)
-    out = []
-    for step, loss in points:
-        out += [a for a in eng.process(StepRecord(step=step, loss=loss))[0] if a.severity is not Severity.INFO]
-    return out
+from loss_curves import P, loud
 
 
 def kinds(alerts):

@@ -1,0 +1,14 @@
+"""Shared by the detector tests: the loud (warning or critical) alerts over a loss curve."""
+from nummon import Policy, Severity, StepRecord
+from nummon._engine import HealthEngine
+
+P = Policy.load("default")
+
+
+def loud(points, policy=P):
+    """Warning/critical alerts over (step, loss) points."""
+    eng = HealthEngine(policy)
+    out = []
+    for step, loss in points:
+        out += [a for a in eng.process(StepRecord(step=step, loss=loss))[0] if a.severity is not Severity.INFO]
+    return out
