@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._engine import HealthEngine
+from nummon import AlertKind, Policy, Severity
 
 from loss_curves import P, loud
 

@@ -3,7 +3,7 @@ blow-ups, slow fine-tunes, long stalls, plateaus), each judged through the whole
 import math
 import random
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, StepRecord
 from nummon._engine import HealthEngine
 
 from loss_curves import P, loud
