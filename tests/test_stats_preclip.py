@@ -78,7 +78,8 @@ def test_readme_loop_with_clipping_warns_of_the_gradient_explosion_before_the_na
         if grad_warning is None and any(a.metric in ("grad_norm", "grad_max") and a.severity.rank >= Severity.WARNING.rank
                                         for a in report.alerts):
             grad_warning = step
-        if not math.isfinite(float(loss)) or float(loss) > 65504:
+        value = loss.item()
+        if not math.isfinite(value) or value > 65504:
             first_bad = step
             break
     mon.close()
