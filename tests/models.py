@@ -31,3 +31,26 @@ def train_step(model, opt, x, y):
     loss.backward()
     opt.step()
     return loss
+
+
+def runaway_run(sinks, tmp_path, steps=80, policy=None):
+    """A real two-layer linear model on SGD+momentum whose LR makes it run away (~step 40)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(64, 8) * 2, torch.randn(64, 1)
+    from nummon import Health, Monitor
+
+    mon = Monitor(model, opt, policy=policy, sinks=sinks, run_dir=tmp_path)
+    reports = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        r = mon.post_step(loss)
+        reports.append(r)
+        if r.health is Health.NONFINITE:
+            break
+    mon.close()
+    return mon, reports

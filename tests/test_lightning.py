@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from nummon import MemorySink, Severity  # noqa: E402
 from nummon.integrations.lightning import NummonCallback  # noqa: E402
 
-from wandb_reader import alerts as wandb_alerts, find_run_file, history_rows, read_records  # noqa: E402
+from wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
 
 RUNAWAY_STEPS = 28
 FP16_MAX = 65504.0  # "blown up": a loss that half precision could no longer even represent
@@ -146,10 +146,9 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
 
     # the alerts in the WandbLogger's offline run file
     records = read_records(find_run_file(tmp_path / "wb"))
-    titles = [a.title for a in wandb_alerts(records)]
+    titles, logged_steps = nummon_alert_titles_and_steps(records)
     assert any(t.startswith("nummon:") for t in titles), titles
     # and every step's scalars, charted against nummon/step (the framework logs without step=)
-    logged_steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
     assert logged_steps == [r.step for r in memory.records]
 
 

@@ -18,31 +18,11 @@ import nummon
 from nummon import AlertKind, ConsoleSink, Health, JsonlSink, MemorySink, Monitor, Severity, StepRecord
 from nummon._types import Alert
 
+from models import runaway_run
 from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
 
 HIST_EVERY = 10
-
-
-def runaway_run(sinks, tmp_path, steps=80, policy=None):
-    """A real two-layer linear model on SGD+momentum whose LR makes it run away (~step 40)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(64, 8) * 2, torch.randn(64, 1)
-    pol = policy or {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}
-    mon = Monitor(model, opt, policy=pol, sinks=sinks, run_dir=tmp_path)
-    reports = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        r = mon.post_step(loss)
-        reports.append(r)
-        if r.health is Health.NONFINITE:
-            break
-    mon.close()
-    return mon, reports
+POLICY = {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}
 
 
 def first_nonfinite(reports):
@@ -57,7 +37,7 @@ def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, w
     tb = TensorBoardSink(tb_dir)
     wb = WandbSink(project="nummon-test")
     assert wb.offline
-    mon, reports = runaway_run([tb, wb, JsonlSink(tmp_path / "events.jsonl")], tmp_path)
+    mon, reports = runaway_run([tb, wb, JsonlSink(tmp_path / "events.jsonl")], tmp_path, policy=POLICY)
     nf = first_nonfinite(reports)
     steps = [r.step for r in reports]
 
@@ -126,7 +106,7 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
     tb_dir = tmp_path / "tb"
-    runaway_run([TensorBoardSink(tb_dir)], tmp_path, steps=25)
+    runaway_run([TensorBoardSink(tb_dir)], tmp_path, steps=25, policy=POLICY)
     port = _free_port()
     exe = Path(sys.executable).with_name("tensorboard")
     proc = subprocess.Popen(

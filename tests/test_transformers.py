@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from nummon import MemorySink, Severity  # noqa: E402
 from nummon.integrations.transformers import NummonCallback  # noqa: E402
 
-from wandb_reader import alerts as wandb_alerts, find_run_file, history_rows, read_records  # noqa: E402
+from wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -141,10 +141,9 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
 
     # the alerts in the offline W&B run file the Trainer's W&B callback opened
     records = read_records(find_run_file(os.environ["WANDB_DIR"]))
-    titles = [a.title for a in wandb_alerts(records)]
+    titles, logged_steps = nummon_alert_titles_and_steps(records)
     assert any(t.startswith("nummon:") for t in titles), titles
     # and every step's scalars, charted against nummon/step (the framework logs without step=)
-    logged_steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
     assert logged_steps == [r.step for r in memory.records]
 
 

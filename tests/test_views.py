@@ -20,6 +20,7 @@ from torch import nn
 from nummon import Health, Monitor, StepRecord
 from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
 
+from models import runaway_run
 from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
 
 from nummon._demo_model import DemoCNN
@@ -85,23 +86,8 @@ def train(model, batch, sinks, tmp_path, steps=3, lr=0.01, policy="default"):
 
 
 def runaway(sinks, tmp_path, steps=80):
-    """A two-layer linear regression on SGD+momentum whose LR makes it run away (~step 40)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(64, 8) * 2, torch.randn(64, 1)
-    mon = Monitor(model, opt, policy=NO_STOP, sinks=sinks, run_dir=tmp_path)
-    reports = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        reports.append(mon.post_step(loss))
-        if reports[-1].health is Health.NONFINITE:
-            break
-    mon.close()
-    return mon, reports
+    """The sink tests' runaway (a two-layer regression on SGD+momentum, ~step 40), run to the end."""
+    return runaway_run(sinks, tmp_path, steps, policy=NO_STOP)
 
 
 def event_tags(log_dir):

@@ -67,3 +67,12 @@ def find_run_file(root):
     files = sorted(Path(root).rglob("run-*.wandb"))
     assert files, f"no .wandb run file under {root}"
     return files[-1]
+
+
+def nummon_alert_titles_and_steps(records):
+    """(W&B alert titles, steps of the rows holding nummon's loss) of a run shared with a
+    framework's logger, whose rows carry the training step as `nummon/step`."""
+    titles = [a.title for a in alerts(records)]
+    steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
+    return titles, steps
+
