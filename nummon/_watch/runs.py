@@ -31,6 +31,7 @@ class WatchedRun:
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
+        self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
     def poll(self, final: bool = False) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused."""
@@ -41,6 +42,8 @@ class WatchedRun:
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
         got = self.engine.step(rec)
+        if self.on_record is not None:
+            self.on_record(self.id, rec, got)
         d = json_safe(rec.to_dict())
         if len(self.first) < self._first_max:
             self.first.append(d)
