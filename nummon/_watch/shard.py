@@ -62,6 +62,7 @@ def parse_shard(spec: str) -> Shard:
     try:
         if not sep:
             raise ValueError
-        return Shard(int(i), int(n))
+        index, count = int(i), int(n)
     except ValueError:
         raise NummonError(f"--shard {spec!r}: expected I/N, e.g. 0/4 (shards are numbered from 0)") from None
+    return Shard(index, count)
