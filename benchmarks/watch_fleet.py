@@ -113,10 +113,39 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
     t0 = time.monotonic()
     procs = start_watchers(root, tmp, shards, am_url, args.interval)
     step, scrapes, written, seen_jsonl, seen_am = args.history, [], {}, {}, {}
-    next_scrape = t0 + 5.0
     notes = [tmp / f"notes-{i}.jsonl" for i in range(shards)]
     run_id = {i: str(runs[i].fh.name) for i in planted}
-    while time.monotonic() - t0 < args.seconds:
+    done = threading.Event()
+
+    def scraper() -> None:  # every watcher's /metrics every 5 s, as a Prometheus would
+        while not done.wait(5.0):
+            for _, url in procs:
+                if url:
+                    try:
+                        scrapes.append(scrape(url))
+                    except OSError:
+                        pass
+
+    def delays() -> None:  # from each planted write to its event and to its alert, every 50 ms
+        while not done.is_set() or (len(seen_jsonl) < len(written) and time.monotonic() - t0 < args.seconds + 60):
+            for i, t in list(written.items()):
+                if i not in seen_jsonl:
+                    text = "".join(n.read_text() for n in notes if n.exists()).replace(" ", "")
+                    if any(f'"run":"{run_id[i]}"' in line and '"nonfinite"' in line for line in text.splitlines()):
+                        seen_jsonl[i] = time.time() - t
+                if am_url and i not in seen_am:
+                    try:
+                        if run_id[i] in am_runs(am_url):
+                            seen_am[i] = time.time() - t
+                    except OSError:
+                        pass
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=scraper, daemon=True), threading.Thread(target=delays, daemon=True)]
+    for t in threads:
+        t.start()
+    ticks, tick_s = 0, []
+    while time.monotonic() - t0 < args.seconds:  # every run logs one step per second (when the writer keeps up)
         tick = time.monotonic()
         for i, r in enumerate(runs):
             if i in plant_at and i not in written and tick - t0 >= plant_at[i]:
@@ -127,28 +156,11 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
             r.log(step, *healthy(step, i))
             r.flush()
         step += 1
-        while time.monotonic() - tick < 1.0:  # the rest of the second: scrapes and delay checks
-            now = time.monotonic()
-            if now >= next_scrape:
-                next_scrape = now + 5.0
-                for _, url in procs:
-                    if url:
-                        try:
-                            scrapes.append(scrape(url))
-                        except OSError:
-                            pass
-            for i in written:
-                if i not in seen_jsonl:
-                    text = "".join(n.read_text() for n in notes if n.exists())
-                    if f'"run":"{run_id[i]}"' in text.replace(" ", "") and '"nonfinite"' in text:
-                        seen_jsonl[i] = time.time() - written[i]
-                if am_url and i not in seen_am:
-                    try:
-                        if run_id[i] in am_runs(am_url):
-                            seen_am[i] = time.time() - written[i]
-                    except OSError:
-                        pass
-            time.sleep(0.05)
+        ticks += 1
+        tick_s.append(time.monotonic() - tick)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+    done.set()
+    threads[1].join()
     time.sleep(args.interval + 1)
     usage = []
     for p, _ in procs:
@@ -175,6 +187,7 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
         "scrape_s_max": round(max(times), 4) if times else None,
         "scrape_kb_median": round(statistics.median(s[1] for s in scrapes) / 1024, 1) if scrapes else None,
         "series_per_scrape_median": statistics.median(s[2] for s in scrapes) if scrapes else None,
+        "writer_ticks": ticks, "writer_tick_s_median": round(statistics.median(tick_s), 2),
         "planted": len(written),
         "delay_to_event_s": sorted(round(v, 2) for v in seen_jsonl.values()),
         "delay_to_alertmanager_s": sorted(round(v, 2) for v in seen_am.values()),

@@ -11,7 +11,6 @@ when a server starts.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -25,8 +24,6 @@ from nummon._watch.metrics import FleetMetrics, WatchSnapshot
 from ._lazy import require
 
 __all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "METRICS"]
-
-log = logging.getLogger("nummon")
 
 #: every series nummon exposes: name -> (type, help)
 METRICS = {
@@ -66,7 +63,6 @@ class _Collector:
 
     def __init__(self, metrics: FleetMetrics) -> None:
         self.metrics = metrics
-        self._pc = require("prometheus_client", "prometheus")
 
     def describe(self) -> list:
         return []  # families are built at each scrape (runs come and go)
