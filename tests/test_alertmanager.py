@@ -214,3 +214,35 @@ def test_runaway_reaches_the_receiver_before_its_nan_is_written_then_resolves(tm
     finally:
         watcher.stop.set()
         loop.join(30)
+
+
+def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink, tmp_path):
+    from nummon._json import dumps
+    from nummon._watch.hooks import Observers
+
+    log = tmp_path / "runs" / "a" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n"
+                           for s in range(66)))  # the runaway is critical, not yet lost
+    state = tmp_path / "state.json"
+
+    def watcher(target):
+        return Watcher([str(tmp_path / "runs")], load_policy("default"), [target], state_path=str(state),
+                       observer=Observers([target]), errors=open(os.devnull, "w"))
+
+    first_target = AlertmanagerTarget(sink.url)
+    first = watcher(first_target)
+    first.poll_once()
+    first.close()
+    firing = [a for a in sink.alerts() if parse_time(a["endsAt"]) > time.time() + 1]
+    assert firing and firing[-1]["labels"]["state"] == "critical"
+    n = len(sink.batches)
+    again = watcher(AlertmanagerTarget(sink.url))
+    try:
+        again.poll_once()  # nothing new in the log: only the resumed alert is posted
+        (resumed,) = wait_for(lambda: [a for _, b in sink.batches[n:] for a in b], 10, "the re-post")
+        assert resumed["labels"] == firing[-1]["labels"]
+        assert "re-posted after the watcher restarted" in resumed["annotations"]["description"]
+        assert parse_time(resumed["endsAt"]) > time.time()
+    finally:
+        again.close()

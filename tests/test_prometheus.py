@@ -264,3 +264,17 @@ def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fire
         for proc, _ in shards:
             proc.terminate()
             proc.wait(30)
+
+
+def test_metrics_port_in_use_exits_2_naming_it(tmp_path):
+    import socket
+
+    (tmp_path / "log.jsonl").write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run(WATCH + [str(tmp_path), "--once", "--metrics", f"127.0.0.1:{port}"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and f"--metrics: metrics endpoint 127.0.0.1:{port}:" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -107,16 +107,35 @@ class AlertmanagerTarget:
                 same = old is not None and old["labels"] == labels
                 if old is not None and not same:  # escalated: a new identity; the old one ends
                     batch.append({**old, "endsAt": _iso(now)})
-                alert = {
-                    "labels": labels,
-                    "annotations": {"summary": str(d.get("title") or event.title),
-                                    "description": str(d.get("summary") or "")},
-                    "startsAt": old["startsAt"] if same else _iso(now),
-                }
+                alert = self._alert(labels, str(d.get("title") or event.title), str(d.get("summary") or ""),
+                                    old["startsAt"] if same else _iso(now))
                 self._active[run] = alert
                 batch.append(self._firing(alert, now))
         if batch:
             self._put(batch)
+
+    def run_started(self, run: Any, spec: Any) -> None:
+        """Watcher hook: a run resumed from the state file with its incident open is firing
+        again (same labels, so Alertmanager sees the alert it already holds, not a new one)."""
+        event = run.engine.incidents.current(run.last_step or 0)
+        if event is None:
+            return
+        lines = [f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "
+                 f"**{event.state.value}** (re-posted after the watcher restarted)."]
+        lines += [c.line() for c in event.contributors[:5]]
+        d = {"run": run.id, "level": event.state.rank, "contributors": [c.to_dict() for c in event.contributors]}
+        now = time.time()
+        with self._lock:
+            if run.id in self._active:
+                return
+            alert = self._alert(alert_labels(d, self.host), event.title, "\n".join(lines), _iso(now))
+            self._active[run.id] = alert
+            batch = [self._firing(alert, now)]
+        self._put(batch)
+
+    @staticmethod
+    def _alert(labels: dict[str, str], summary: str, description: str, starts_at: str) -> dict[str, Any]:
+        return {"labels": labels, "annotations": {"summary": summary, "description": description}, "startsAt": starts_at}
 
     def _firing(self, alert: dict[str, Any], now: float) -> dict[str, Any]:
         # endsAt ahead of the next re-posts: Alertmanager keeps it firing while they arrive
@@ -192,7 +211,8 @@ class AlertmanagerTarget:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued, waiting at most `timeout_s`. Firing alerts are not resolved (the
-        incidents are still open): without re-posts they end at their endsAt."""
+        incidents are still open): a watcher restarted with its state file re-posts them
+        (`run_started`); without re-posts they end at their endsAt."""
         deadline = time.monotonic() + timeout_s
         while not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -96,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
             raise NummonError(f"--metrics: {e}") from None
         observer = MetricsObserver(fleet)
         print(f"nummon watch: serving metrics at {server.url}", file=sys.stderr, flush=True)
+    from .hooks import Observers
+
+    observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
     watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                      idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observer, shard=shard)
+                      idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
     watcher.metrics_server = server
     previous = {}
 
