@@ -43,6 +43,7 @@ __all__ = [
     "NummonError",
     "Policy",
     "PolicyError",
+    "PrometheusSink",
     "RunContext",
     "Severity",
     "Sink",
@@ -63,11 +64,13 @@ __all__ = [
 _LAZY = {
     "Monitor": "._monitor",
     "TensorBoardSink": ".integrations.tensorboard",
+    "PrometheusSink": ".integrations.prometheus",
     "WandbSink": ".integrations.wandb",
 }
 
 if TYPE_CHECKING:
     from ._monitor import Monitor
+    from .integrations.prometheus import PrometheusSink
     from .integrations.tensorboard import TensorBoardSink
     from .integrations.wandb import WandbSink
 

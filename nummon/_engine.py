@@ -134,6 +134,11 @@ class HealthEngine:
         """Where the run's incident stands."""
         return self._incidents.state
 
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open), e.g. for a
+        restarted notifier to re-post."""
+        return self._incidents.current(step)
+
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
@@ -159,15 +164,15 @@ class HealthEngine:
         try:
             first = [record_from_dict(o, origin, i) for i, o in enumerate(state.get("first") or [])]
             recent = [record_from_dict(o, origin, len(first) + i) for i, o in enumerate(state.get("history") or [])]
-            incident = IncidentTracker(self._incidents.quiet_steps)
-            incident.load_state(state.get("incident") or {})
+            incident = state.get("incident") or {}
+            IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
             raise StateError(str(e)) from None
         except (AttributeError, TypeError, ValueError) as e:
             raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
         for rec in first + recent:
-            self.step(rec)
-        self._incidents = incident
+            self.step(rec)  # the contributors come back with the records
+        self._incidents.load_state(incident)
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""

@@ -95,6 +95,13 @@ class IncidentTracker:
         self._quiet_since = step
         return replace(self._event(step, previous), action=action)
 
+    def current(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open): what a restarted
+        notifier re-posts. Its `previous` is its own state (no transition happened)."""
+        if not self.state.active:
+            return None
+        return self._event(step, self.state)
+
     def to_state(self) -> dict[str, Any]:
         """Where the incident stands, as plain data (a restarted watcher resumes from it)."""
         return {"state": self.state.value, "number": self.number, "opened_step": self._opened_step,

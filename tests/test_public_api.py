@@ -6,11 +6,12 @@ import nummon
 
 EXPECTED = {
     "Alert", "AlertKind", "BaseSink", "ConsoleSink", "Contributor", "DistributedError", "Health", "IncidentEvent",
-    "IncidentState", "JsonlSink", "MemorySink", "Monitor", "NummonError", "Policy", "PolicyError", "RunContext", "Severity",
+    "IncidentState", "JsonlSink", "MemorySink", "Monitor", "NummonError", "Policy", "PolicyError", "PrometheusSink", "RunContext", "Severity",
     "Sink", "StateError", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
     "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
-INTEGRATIONS = {"TensorBoardSink": "nummon.integrations.tensorboard", "WandbSink": "nummon.integrations.wandb"}
+INTEGRATIONS = {"TensorBoardSink": "nummon.integrations.tensorboard", "WandbSink": "nummon.integrations.wandb",
+                "PrometheusSink": "nummon.integrations.prometheus"}
 
 
 def test_all_is_pinned_and_resolves():
@@ -47,7 +48,7 @@ def test_public_fields_are_typed_with_the_public_types():
 def test_import_nummon_imports_no_torch_wandb_or_tensorboard():
     code = (
         "import sys, nummon; "
-        "bad = [m for m in ('torch', 'wandb', 'tensorboard', 'tensorboardX') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'wandb', 'tensorboard', 'tensorboardX', 'prometheus_client') if m in sys.modules]; "
         "print('LOADED', bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout

@@ -25,6 +25,7 @@ class WatchedRun:
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
+        self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
     def poll(self, final: bool = False) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused."""
@@ -35,6 +36,8 @@ class WatchedRun:
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
         got = self.engine.step(rec)
+        if self.on_record is not None:
+            self.on_record(self.id, rec, got)
         self.records += 1
         self.last_step = rec.step
         self.last_activity = time.monotonic()

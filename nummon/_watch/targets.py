@@ -13,7 +13,7 @@ from .._json import dumps
 
 __all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
 
-TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT]"
+TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:URL[,URL...]"
 
 
 class Target(Protocol):
@@ -109,6 +109,10 @@ def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Tar
         from .webhook import WebhookTarget
 
         return WebhookTarget(arg)
+    if kind == "alertmanager" and arg:
+        from .alertmanager import AlertmanagerTarget
+
+        return AlertmanagerTarget(arg)
     if kind == "wandb":
         return WandbTarget(arg or "nummon-watch", wandb_sink)
     raise NummonError(f"--notify {spec!r}: expected one of {TARGET_SPECS}")
