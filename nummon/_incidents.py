@@ -52,7 +52,7 @@ class IncidentTracker:
         alerts = list(alerts)
         for a in alerts:
             if a.cleared:
-                self._open.discard(_key(a))
+                self._open.discard(a.key)
         loud = [a for a in alerts if not a.cleared and a.severity.rank >= Severity.WARNING.rank]
         previous = self.state
         if loud:
@@ -114,7 +114,7 @@ class IncidentTracker:
         self._quiet_since = int(d.get("quiet_since", 0))
 
     def _note(self, a: Alert) -> None:
-        key = _key(a)
+        key = a.key
         self._open.add(key)
         old = self._contributors.get(key)
         c = Contributor.from_alert(a)
@@ -139,7 +139,3 @@ class IncidentTracker:
             flight_record=self._flight_record,
             hint=self._hint[1] if self._hint else None,
         )
-
-
-def _key(a: Alert) -> tuple[str, str, str]:
-    return (a.kind.value, a.metric, a.location or "")

@@ -241,6 +241,11 @@ class Alert:
     flight_record: str | None = None  # path of the flight-recorder dump, for critical alerts
 
     @property
+    def key(self) -> tuple[str, str, str]:
+        """The condition this alert is about: (kind, metric, location), as `Finding.key`."""
+        return (self.kind.value, self.metric, self.location or "")
+
+    @property
     def title(self) -> str:
         """A short title (< 64 characters) for alerting backends."""
         word = _TITLES.get(self.kind, self.kind.value)
