@@ -262,18 +262,37 @@ class SlowSink(nummon.BaseSink):
         self.records.append(record.step)
 
 
-def test_when_full_block_keeps_every_record_and_drop_counts(tmp_path):
-    for mode in ("block", "drop"):
-        slow = SlowSink()
-        mon = Monitor(policy={"sinks": {"queue_size": 2, "when_full": mode}}, sinks=[slow])
-        for i in range(30):
-            mon.post_step(1.0)
-        mon.close()
-        dropped = mon.sink_stats["SlowSink"]["dropped"]
-        if mode == "block":
-            assert slow.records == list(range(30)) and dropped == 0
-        else:
-            assert dropped > 0 and len(slow.records) + dropped == 30
+class GatedStepSink(nummon.BaseSink):
+    """A sink that cannot take a step record until the test lets it: slower than any producer."""
+
+    def __init__(self):
+        self.records = []
+        self.release = threading.Event()
+
+    def on_step(self, record, health):
+        self.release.wait(60)
+        self.records.append(record.step)
+
+
+def test_when_full_block_keeps_every_record():
+    slow = SlowSink()
+    mon = Monitor(policy={"sinks": {"queue_size": 2, "when_full": "block", "block_timeout_s": 60}}, sinks=[slow])
+    for _ in range(30):
+        mon.post_step(1.0)
+    mon.close()
+    assert slow.records == list(range(30)) and mon.sink_stats["SlowSink"]["dropped"] == 0
+
+
+def test_when_full_drop_counts_what_it_drops():
+    gated = GatedStepSink()
+    mon = Monitor(policy={"sinks": {"queue_size": 2, "when_full": "drop"}}, sinks=[gated])
+    for _ in range(30):
+        mon.post_step(1.0)
+    gated.release.set()  # the sink held at most one record and a full queue of two
+    mon.close()
+    dropped = mon.sink_stats["GatedStepSink"]["dropped"]
+    assert dropped >= 27 and len(gated.records) + dropped == 30
+    assert gated.records == sorted(gated.records) and gated.records[0] == 0
 
 
 def test_a_non_sink_is_rejected():
