@@ -121,6 +121,7 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
         again.poll_once()
         (s,) = fleet.snapshot().runs
         assert s.incident == 2 and s.last_step == 124  # from the state file: nothing new was read
+        assert s.health is None  # no record read since the restart: no health series
         assert s.last_record_ts == pytest.approx(log.stat().st_mtime)
     finally:
         again.close()
@@ -169,6 +170,23 @@ def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
         scrape(url)
     (s,) = sink.metrics.snapshot().runs
     assert s.open is False and s.last_step == r.step
+
+
+def test_prometheus_sink_on_a_taken_port_warns_and_training_goes_on(tmp_path, caplog):
+    import socket
+
+    from models import runaway_run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sink = PrometheusSink(f"127.0.0.1:{port}", run="r")
+        mon, reports = runaway_run([sink], tmp_path, steps=10)
+    assert len(reports) == 10 and sink.url is None
+    assert f"metrics endpoint 127.0.0.1:{port}" in caplog.text
+    (s,) = sink.metrics.snapshot().runs
+    assert s.last_step == reports[-1].step  # the numbers are kept; only the endpoint is missing
 
 
 def test_prometheus_sink_serves_on_rank_0_only():
