@@ -73,7 +73,7 @@ class Watcher:
         self._last_save = 0.0
         self._dirty = False
         self.notified = 0
-        self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
+        self.observer = observer  # hooks.py: runs started and retired, polls, failures (the metrics)
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
 
     def say(self, line: str) -> None:
@@ -116,13 +116,6 @@ class Watcher:
     def poll_once(self, final: bool = False) -> int:
         """One pass over every run; returns the number of incident events sent."""
         started = time.monotonic()
-        try:
-            return self._poll_once(final)
-        finally:
-            if self.observer is not None:
-                self.observer.polled(time.monotonic() - started, len(self.runs))
-
-    def _poll_once(self, final: bool = False) -> int:
         if self._outbox:  # sent before a crash, maybe not: targets skip what they already hold
             self._send(self._outbox)
         self.discover()
@@ -153,6 +146,8 @@ class Watcher:
             self._send(events)
         elif self._dirty and now - self._last_save >= self.state_every_s:
             self.save()
+        if self.observer is not None:
+            self.observer.polled(time.monotonic() - started, len(self.runs))
         return len(events)
 
     def _send(self, events: list[Any]) -> None:
