@@ -138,6 +138,10 @@ class HealthEngine:
         """Where the run's incident stands."""
         return self._incidents.state
 
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as an event at `step` (None when there is none); changes nothing."""
+        return self._incidents.current(step)
+
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
@@ -171,7 +175,8 @@ class HealthEngine:
             raise EngineStateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
         for rec in first + recent:
             self.step(rec)
-        self._incidents = incident
+        # the replayed records rebuilt the contributors; the saved state says where the incident stands
+        self._incidents.load_state(state.get("incident") or {})
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
