@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from ._functional import fmt_num
+from ._json import json_float
 from ._types import Alert, AlertKind, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
@@ -90,7 +91,7 @@ class Contributor:
         for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
             v = getattr(self, k)
             if v is not None:
-                d[k] = v if not isinstance(v, float) or math.isfinite(v) else str(v)
+                d[k] = json_float(v) if isinstance(v, float) else v
         return d
 
 

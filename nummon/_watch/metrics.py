@@ -177,7 +177,7 @@ class MetricsObserver:
                 self.metrics.apply(run.id, lambda s: setattr(s, "last_record_ts", max(mtimes)))
         if run.last_step is not None:
             self.metrics.apply(run.id, lambda s: setattr(s, "last_step", run.last_step))
-        state = run.engine.incidents.state
+        state = run.engine.incident_state
         self.metrics.apply(run.id, lambda s: setattr(s, "incident", state.rank))
         run.on_record = lambda run_id, rec, got: self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents)
 
