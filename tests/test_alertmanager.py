@@ -15,6 +15,7 @@ import pytest
 from nummon._errors import NummonError
 from nummon._policy import load_policy
 from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
+from nummon._watch.metrics import FleetMetrics
 from nummon._watch.targets import parse_target
 from nummon._watch.watcher import Watcher
 from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
@@ -135,6 +136,10 @@ def test_ha_pair_every_member_gets_each_alert_and_a_dead_member_is_counted(sink,
         wait_for(lambda: t.failed >= 1, 20, "the dead member's failure")
         assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["nonfinite"]
         assert t.sent >= 1  # the live member took it
+        # what the watcher's metrics count, by target kind (never by URL)
+        fleet = FleetMetrics()
+        fleet.targets = [t]
+        assert fleet.snapshot().failed == {"alertmanager": t.failed}
     finally:
         t.close()
 
