@@ -92,9 +92,13 @@ def steps_to_overflow(value: float, rate: float, dtype_max: float) -> float:
     return max(0.0, (math.log(dtype_max) - math.log(value)) / math.log(rate))
 
 
-def headroom_decades(max_abs: float, dtype: str) -> float:
-    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow)."""
-    top = DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
+def headroom_decades(max_abs: float, dtype: str | float) -> float:
+    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow).
+
+    `dtype` is a dtype name ("float32", ...; unknown names count as float32) or that largest
+    finite value itself. The one headroom rule: zero magnitudes get 30 decades more than the
+    dtype's range, non-finite ones -inf."""
+    top = float(dtype) if isinstance(dtype, (int, float)) else DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
     if not math.isfinite(max_abs):
         return -math.inf
     if max_abs <= 0:

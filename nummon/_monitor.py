@@ -93,6 +93,10 @@ class Monitor:
     first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
     """
 
+    alerts: list[Alert]  # every routed alert, oldest first
+    incidents: list[IncidentEvent]  # every incident transition (opened, escalated, resolved, acted on)
+    step: int  # the step the next post_step is for
+
     def __init__(
         self,
         model: nn.Module | None = None,

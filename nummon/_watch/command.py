@@ -6,7 +6,7 @@ import argparse
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .._errors import NummonError
 from . import fs
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     targets = []
     try:
         for spec in args.notify or ["console"]:
-            targets.append(parse_target(spec))
+            targets.append(parse_target(spec, wandb_sink=_wandb_sink))
     except BaseException:
         for t in targets:
             t.close()
@@ -127,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"nummon watch: error: {message}\n")
+
+
+def _wandb_sink(**kwargs: Any) -> Any:
+    """The W&B sink, from the integrations layer (this module is the watch command's front end)."""
+    from ..integrations.wandb import WandbSink
+
+    return WandbSink(**kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

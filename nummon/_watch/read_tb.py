@@ -19,7 +19,7 @@ def is_event_file(path: str) -> bool:
 
 
 def _tb():
-    from nummon.integrations._lazy import require
+    from .._lazy import require
 
     require("tensorboard", "tensorboard")
     from tensorboard.backend.event_processing import event_file_loader

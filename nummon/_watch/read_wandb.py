@@ -26,7 +26,7 @@ def is_wandb_file(path: str) -> bool:
 
 
 def _pb():
-    from nummon.integrations._lazy import require
+    from .._lazy import require
 
     require("wandb", "wandb")
     from wandb.proto import wandb_internal_pb2

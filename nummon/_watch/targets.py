@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Any, Protocol
+from typing import IO, Any, Callable, Protocol
 
 from .._errors import NummonError
 from .._json import dumps
@@ -82,10 +82,10 @@ class WandbTarget:
 
     _LEVELS = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
 
-    def __init__(self, project: str = "nummon-watch") -> None:
-        from nummon.integrations.wandb import WandbSink
-
-        self._sink = WandbSink(project=project, job_type="watch")
+    def __init__(self, project: str = "nummon-watch", make_sink: Callable[..., Any] | None = None) -> None:
+        if make_sink is None:  # the W&B sink is an integration: the command line hands it over
+            raise NummonError("--notify wandb: the W&B integration was not given to the watcher")
+        self._sink = make_sink(project=project, job_type="watch")
         self.sent: list[tuple[str, str]] = []
 
     def notify(self, event: Any) -> None:
@@ -97,8 +97,9 @@ class WandbTarget:
         self._sink.close()
 
 
-def parse_target(spec: str) -> Target:
-    """A target from its command-line spec; NummonError naming a bad one."""
+def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Target:
+    """A target from its command-line spec; NummonError naming a bad one. `wandb_sink` makes
+    the W&B target's sink (`WandbSink`, from the integrations layer)."""
     kind, _, arg = spec.partition(":")
     if kind == "console" and not arg:
         return ConsoleTarget()
@@ -113,5 +114,5 @@ def parse_target(spec: str) -> Target:
 
         return AlertmanagerTarget(arg)
     if kind == "wandb":
-        return WandbTarget(arg or "nummon-watch")
+        return WandbTarget(arg or "nummon-watch", wandb_sink)
     raise NummonError(f"--notify {spec!r}: expected one of {TARGET_SPECS}")
