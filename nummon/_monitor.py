@@ -229,6 +229,7 @@ class Monitor:
     def _evaluate(self, pending: Pending) -> StepReport:
         rec = self.stats.resolve(pending)
         got = self.engine.step(rec)
+        self.stats.watch_all_modules(self.engine.incidents.state.active)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
