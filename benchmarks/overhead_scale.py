@@ -198,6 +198,76 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) 
     return res
 
 
+def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
+    """Where the monitored step's extra time goes, in us per parameter tensor: wall time inside
+    each part (timers wrapped around the Monitor's methods and hooks), paired with bare rounds."""
+    import functools
+    from nummon._engine import HealthEngine
+    from nummon._stats import engine as stats_engine
+
+    model, make_opt, loss_fn = workload(name, dev)
+    opt = make_opt(model)
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    spent: dict[str, float] = {}
+
+    def timed(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    patches = [(stats_engine.StatsEngine, "launch", "statistics launch (kernels, packing, copy)"),
+               (stats_engine.StatsEngine, "resolve", "decode (values -> StepRecord)"),
+               (HealthEngine, "step", "health engine (detectors, incidents)")]
+    try:
+        from nummon._stats import preclip
+        patches.append((preclip.PreClipCapture, "_end_of_backward", "pre-clip end-of-backward pass"))
+        patches.append((preclip.PreClipCapture, "_on_grad", "pre-clip gradient hooks"))
+    except ImportError:
+        pass
+    saved = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in patches]
+    for cls, attr, label in patches:
+        setattr(cls, attr, timed(label, getattr(cls, attr)))
+    from nummon._stats import probes
+    make_hook = probes.ActivationProbes._make_hook
+    probes.ActivationProbes._make_hook = lambda self, idx: timed("activation hooks", make_hook(self, idx))
+    try:
+        mon = nummon.Monitor(model, opt)
+
+        def run(after, k):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model)
+                loss.backward()
+                opt.step()
+                after(loss)
+            return time.perf_counter() - t0
+
+        run(mon.post_step, 3)
+        bare_t, mon_t = [], []
+        for _ in range(rounds):
+            bare_t.append(run(lambda loss: None, steps))
+            mon_t.append(run(mon.post_step, steps))
+        spent.clear()
+        run(mon.post_step, steps * rounds)  # the parts, over the same number of steps
+        mon.close()
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+        probes.ActivationProbes._make_hook = make_hook
+    k = steps * rounds
+    extra = statistics.median(m - b for m, b in zip(mon_t, bare_t)) / steps
+    parts = {label: t / k / n * 1e6 for label, t in spent.items()}
+    parts["post_step rest (records, recorder, sinks)"] = None
+    return {"workload": name, "tensors": n, "bare_ms": statistics.median(bare_t) / steps * 1e3,
+            "extra_us_per_tensor": extra / n * 1e6, "parts_us_per_tensor": parts}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -206,9 +276,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--workloads", default="tiny-20,tiny-100,tiny-1000,tiny-2000,lm12,cnn")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="a workload to profile: us per tensor in each part of the step")
     a = ap.parse_args(argv)
     steady = steady_allocator()
     dev = torch.device(a.device)
+    if a.profile:
+        r = profile(a.profile, dev, a.steps or 4, a.rounds)
+        print(f"{r['workload']}: {r['tensors']} tensors, bare {r['bare_ms']:.2f} ms, monitored +{r['extra_us_per_tensor']:.2f} us per tensor")
+        for label, us in r["parts_us_per_tensor"].items():
+            if us is not None:
+                print(f"  {label:45s} {us:6.2f} us per tensor")
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(r, fh, indent=1)
+        return 0
     default_steps = {"tiny-20": 60, "tiny-100": 20, "tiny-1000": 4, "tiny-2000": 2, "lm12": 5, "cnn": 5}
     out = {"device": str(dev), "torch": torch.__version__, "steady_allocator": steady, "rounds": a.rounds,
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",

@@ -8,6 +8,7 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -186,7 +187,7 @@ class StatsEngine:
             if grads:
                 norms, absmax = self.kernels.norms_and_absmax(grads, key="grads")
                 segs += [Segment("grad_norms", norms, rules), Segment("grad_absmax", absmax, Reduce.MAX)]
-            s.grads, s.grad_names, raw_dtypes = grads, names, {g.dtype for g in raw}
+            s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
         for dt in raw_dtypes:
             s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
         return segs

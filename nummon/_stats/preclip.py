@@ -10,6 +10,7 @@ the clipped gradients again for them.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ class PreClipGrads:
     norms: torch.Tensor  # (n,) float32 L2 norms
     extremes: tuple[str, torch.Tensor]  # ("grad_absmax", (n,) max |g|), as `NormKernels.extremes`
 
+
+_dtype = operator.attrgetter("dtype")
 
 #: anchor parameters hooked: the first and last watched ones and evenly spaced ones between
 ANCHORS = 8
@@ -85,7 +88,7 @@ class PreClipCapture:
             if not grads:
                 return
             norms, absmax = self.kernels.norms_and_absmax(grads, key="preclip")
-            self._result = PreClipGrads(names, grads, {g.dtype for g in raw}, norms, ("grad_absmax", absmax))
+            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, ("grad_absmax", absmax))
 
     def take(self) -> PreClipGrads | None:
         """The statistics of the last backward since the previous call, or None."""
