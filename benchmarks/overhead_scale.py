@@ -4,7 +4,8 @@ Workloads (CPU by default, CUDA with --device cuda):
 - `tiny-N`: N parameter tensors of tiny size (N/2 `Linear(8, 8)` layers in a chain, AdamW), so
   the bare step is mostly framework overhead and any per-tensor host work shows;
 - `lm12`: a 12-block pre-LN transformer language model (d=128, 4 heads, vocab 512, batch 8x64);
-- `cnn`: the demo CNN (batch 64, SGD momentum), the model of `benchmarks/overhead.py`.
+- `cnn`: the demo CNN (batch 64, SGD momentum), the model of `benchmarks/overhead.py`;
+- `gptL` (GPU): GPT-2-small's shape with L blocks, bf16 autocast, fused AdamW.
 
 Per workload, one process, one model and one optimizer: each variant in turn attaches (a
 Monitor, or nothing), trains one untimed and `steps` timed steps, and detaches; the variants
@@ -14,6 +15,9 @@ a second bare variant: its ratio shows the harness's own noise. Medians over rou
 
     python benchmarks/overhead_scale.py [--device cpu|cuda] [--rounds N] [--steps K]
         [--workloads tiny-20,tiny-100,tiny-1000,tiny-2000,lm12,cnn] [--json out.json]
+        [--profile tiny-1000]    # where the extra time goes, in us per tensor
+
+On a GPU, `gpt12` and `gpt48` (GPT-2-small's shape with 12 / 48 blocks, bf16) are workloads too.
 """
 from __future__ import annotations
 
@@ -117,7 +121,29 @@ def cnn_workload(dev: torch.device):
     return model, make_opt, loss_fn
 
 
+def gpt_workload(dev: torch.device, layers: int):
+    """GPT-2-small's shape (d=768, 12 heads, vocab 50257) with `layers` blocks, bf16 autocast,
+    fused AdamW, batch 8x1024 (CUDA)."""
+    from overhead import GPT
+
+    torch.manual_seed(0)
+    model = GPT(layers=layers).to(dev)
+    idx = torch.randint(0, 50257, (8, 1024), device=dev)
+
+    def make_opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-4, fused=dev.type == "cuda")
+
+    def loss_fn(m):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = m(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
+
+    return model, make_opt, loss_fn
+
+
 def workload(name: str, dev: torch.device):
+    if name.startswith("gpt"):
+        return gpt_workload(dev, int(name[3:] or 12))
     if name.startswith("tiny-"):
         return tiny_workload(int(name.split("-", 1)[1]), dev)
     if name.startswith("lm"):
@@ -291,6 +317,8 @@ def main(argv=None) -> int:
                 json.dump(r, fh, indent=1)
         return 0
     default_steps = {"tiny-20": 60, "tiny-100": 20, "tiny-1000": 4, "tiny-2000": 2, "lm12": 5, "cnn": 5}
+    if dev.type == "cuda":  # short steps: more of them per round
+        default_steps = {k: 4 * v for k, v in default_steps.items()} | {"gpt12": 5, "gpt48": 3}
     out = {"device": str(dev), "torch": torch.__version__, "steady_allocator": steady, "rounds": a.rounds,
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
            "date": time.strftime("%Y-%m-%d %H:%M"), "workloads": {}}
