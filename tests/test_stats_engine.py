@@ -111,7 +111,12 @@ def test_a_model_on_the_meta_device_is_a_one_line_error():
         Monitor(model)
 
 
-def test_grouped_kernels_equal_per_tensor_norms_and_maxima():
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("fused,device", [(False, "cpu"), (True, "cpu"), pytest.param(None, "cuda", marks=CUDA)],
+                         ids=["grouped (CPU)", "fused foreach on CPU", "fused foreach on CUDA"])
+def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
     # shapes that share a group, 0-d and empty tensors, a half tensor, one large enough to be
     # measured alone, a non-contiguous view, and NaN in one of a group
     from nummon._stats.kernels import SMALL_NUMEL, NormKernels
@@ -120,7 +125,8 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima():
     ts = [torch.randn(3, 4), torch.randn(3, 4) * 5, torch.randn(()), torch.randn(0), torch.randn(7).half(),
           torch.randn(SMALL_NUMEL + 1), torch.randn(4, 3).t(), torch.randn(3, 4)]
     ts[7][1, 2] = float("nan")
-    k = NormKernels()
+    ts = [t.to(device) for t in ts]
+    k = NormKernels(fused=fused)
     for _ in range(2):  # the second call reuses the plan
         norms, absmax = k.norms_and_absmax(ts, key="t")
         for i, t in enumerate(ts):

@@ -50,20 +50,25 @@ class _Plan:
     """How one list of tensors is measured: groups of positions, and the way back to list order."""
 
     shapes: list[torch.Size]  # the shape at each position when the plan was made
-    groups: list[list[int]]  # CPU: small tensors of one shape; other devices: one dtype
+    groups: list[list[int]]  # CPU: small tensors of one shape; fused: one dtype and device
     big: list[int]  # CPU: tensors measured one by one
     inverse: torch.Tensor | None  # result position of each list position (None: already in order)
     device: torch.device
+    fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
+    pick: list  # per group, a function taking its tensors out of the list (in C)
+    pick_big: object
 
     @staticmethod
-    def make(tensors: Sequence[torch.Tensor]) -> "_Plan":
+    def make(tensors: Sequence[torch.Tensor], fused: bool) -> "_Plan":
         dev = tensors[0].device
         by_key: dict[tuple, list[int]] = {}
         big: list[int] = []
-        cpu = dev.type == "cpu"
+        cpu = not fused
         for i, t in enumerate(tensors):
             if cpu and (t.numel() > SMALL_NUMEL or t.device != dev):
                 big.append(i)
+            elif t.numel() == 0:  # no identity for a max: these read 0
+                by_key.setdefault(("empty",), []).append(i)
             else:  # CPU: one shape and dtype (cat keeps the dtype); elsewhere one dtype for _foreach
                 by_key.setdefault((t.dtype, tuple(t.shape)) if cpu else (t.dtype, t.device), []).append(i)
         groups = list(by_key.values())
@@ -74,7 +79,14 @@ class _Plan:
             for pos, i in enumerate(order):
                 inv[i] = pos
             inverse = torch.tensor(inv, dtype=torch.long, device=dev)
-        return _Plan(list(map(_shape, tensors)), groups, big, inverse, dev)
+        return _Plan(list(map(_shape, tensors)), groups, big, inverse, dev, fused,
+                     [_picker(g) for g in groups], _picker(big) if big else None)
+
+
+def _picker(idx: list[int]):
+    """A function returning the tensors at `idx` of a list, as a list (one C call)."""
+    get = operator.itemgetter(*idx)
+    return (lambda ts: [get(ts)]) if len(idx) == 1 else (lambda ts: list(get(ts)))
 
 
 def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -90,7 +102,8 @@ def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
 class NormKernels:
     """L2 norms and max |x| of tensor lists, into buffers made once per list."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused  # None: fused multi-tensor kernels on every device but the CPU
         # per key: the (n,) or (n, 2) float32 result buffer and, on CPU, its per-row 0-d views
         self.buffers: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]] = {}
         self._plans: dict[str, _Plan] = {}
@@ -114,19 +127,20 @@ class NormKernels:
     def _plan(self, key: str, tensors: list[torch.Tensor]) -> _Plan:
         plan = self._plans.get(key)
         if plan is None or plan.device != tensors[0].device or plan.shapes != list(map(_shape, tensors)):
-            plan = self._plans[key] = _Plan.make(tensors)
+            fused = tensors[0].device.type != "cpu" if self.fused is None else self.fused
+            plan = self._plans[key] = _Plan.make(tensors, fused)
         return plan
 
     def _measure(self, tensors: list[torch.Tensor], key: str, norms: bool, absmax: bool) -> tuple:
         plan = self._plan(key, tensors)
-        if plan.device.type != "cpu":
+        if plan.fused:
             return self._foreach(tensors, plan, norms, absmax)
         nparts: list[torch.Tensor] = []
         mparts: list[torch.Tensor] = []
-        for g in plan.groups:
-            ts = [tensors[i] for i in g]
+        for pick in plan.pick:
+            ts = pick(tensors)
             if ts[0].numel() == 0:
-                zero = torch.zeros(len(g), device=plan.device)
+                zero = torch.zeros(len(ts), device=plan.device)
                 nparts.append(zero)
                 mparts.append(zero)
                 continue
@@ -137,7 +151,7 @@ class NormKernels:
                 # abs + amax: NaN propagates; aminmax(dim=1) is ~1000x slower on CPU
                 mparts.append(x.abs().amax(dim=1).float())
         if plan.big:
-            big = [tensors[i] for i in plan.big]
+            big = plan.pick_big(tensors)
             if norms:
                 nparts.append(self._big_norms(big, key))
             if absmax:
@@ -165,7 +179,11 @@ class NormKernels:
             if not want:
                 out.append(None)
                 continue
-            parts = [_stack_float(torch._foreach_norm([tensors[i] for i in g], order)) for g in plan.groups]
+            parts = []
+            for pick in plan.pick:
+                ts = pick(tensors)
+                parts.append(torch.zeros(len(ts), device=plan.device) if ts[0].numel() == 0
+                             else _stack_float(torch._foreach_norm(ts, order)))
             res = torch.cat(parts) if len(parts) > 1 else parts[0]
             out.append(res if plan.inverse is None else res.index_select(0, plan.inverse))
         return tuple(out)
