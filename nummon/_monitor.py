@@ -285,6 +285,7 @@ class Monitor:
         """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
         rec = self._resolve(pending, clip_norm)
         got = self.engine.step(rec)  # the record is frozen from here on
+        self.stats.watch_all_modules(self.engine.incident_state.active)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:

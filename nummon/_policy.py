@@ -90,6 +90,7 @@ class SamplingPolicy(_Section):
     optimizer_every: int = Field(1, ge=1, le=MAX_WINDOW, description="optimizer-state norm every this many steps")
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
     activations_exclude: tuple[str, ...] = Field((), description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read")
+    activations_all_every: int = Field(50, ge=1, le=MAX_WINDOW, description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)")
     histogram_every: int = Field(0, ge=0, le=MAX_WINDOW, description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)")
     lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
 

@@ -199,9 +199,7 @@ class StepRecord:
             v = getattr(self, k)
             if v is not None and not isfinite(v):
                 return False
-        return all(isfinite(v) for v in self.layer_grad_norms.values()) and all(
-            isfinite(v) for v in self.layer_activation_max.values()
-        )
+        return all(map(isfinite, self.layer_grad_norms.values())) and all(map(isfinite, self.layer_activation_max.values()))
 
 
 @dataclass(frozen=True)
