@@ -1,5 +1,6 @@
 """`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
-`python -m nummon._watch`). Exit codes: 0 ok, 2 bad input (one line on stderr)."""
+`python -m nummon._watch`). Exit codes: 0 ok; 2 bad input (one line on stderr), and with
+--once a run that could not be read; 1 with --once when a notification was lost."""
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if args.idle_timeout <= 0:
         raise NummonError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout}")
     for p in args.paths:
-        if not fs.is_url(p) and fs.stat(p) is None:
+        if not fs.is_url(p) and not os.path.lexists(p):
             raise NummonError(f"{p}: not found")
+        if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
+            raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
     policy = load_policy(args.policy)
     keymap = _keymap(args.key)
     targets = []
@@ -71,8 +74,13 @@ def run(args: argparse.Namespace) -> int:
             t.close()
         raise
     exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
-    watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                      idle_timeout_s=args.idle_timeout, exclude=exclude)
+    try:
+        watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
+                          idle_timeout_s=args.idle_timeout, exclude=exclude)
+    except BaseException:
+        for t in targets:
+            t.close()
+        raise
     previous = {}
 
     def _stop(signum, frame):  # stop within one interval: the loop waits on this event
@@ -88,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if args.once and watcher.lost:
+        return 1
     if args.once and watcher.bad:
         return 2
     return 0

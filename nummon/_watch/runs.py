@@ -24,7 +24,10 @@ class WatchedRun:
     def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
         self.id = run_id
         self.follower = follower
+        self.policy = policy
         self.engine = HealthEngine(policy)
+        self.notes: list[str] = []
+        self.segments = 0
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.first: list[dict[str, Any]] = []
         self._first_max = first
@@ -32,14 +35,27 @@ class WatchedRun:
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
 
-    def poll(self, final: bool = False) -> list[RunIncident]:
-        """Read what is new and run it through the detectors; the incident events it caused."""
+    def poll(self, final: bool = False, stop: Any = None) -> list[RunIncident]:
+        """Read what is new and run it through the detectors; the incident events it caused.
+        The follower reads in bounded chunks; a backlog is streamed chunk after chunk (records
+        are never all held), until it is read or `stop` (an Event) is set."""
         events: list[RunIncident] = []
-        for rec in self.follower.poll(final=final):
-            events.extend(self.process(rec))
-        return events
+        while True:
+            for rec in self.follower.poll(final=final):
+                events.extend(self.process(rec))
+            if not self.follower.more or (stop is not None and stop.is_set()):
+                return events
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
+        if self.last_step is not None and rec.step <= self.last_step:
+            # a log rewritten, rotated or re-run into the same place: its steps start over, and
+            # so do the detectors (as in replay); incident numbers go on, so no event id repeats
+            self.notes.append(f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
+                              f"(a rewritten, rotated or re-run log); detectors restarted")
+            number = self.engine.incidents.number
+            self.engine = HealthEngine(self.policy)
+            self.engine.incidents.number = number
+            self.segments += 1
         got = self.engine.step(rec)
         d = json_safe(rec.to_dict())
         if len(self.first) < self._first_max:
