@@ -193,9 +193,9 @@ class WebhookTarget:
             if 300 <= status < 400:
                 where = resp.getheader("Location") or "?"
                 raise _Refused(f"HTTP {status} redirect to {safe_url(where) if '://' in where else 'another path'} "
-                               f"not followed (a POST is never re-sent elsewhere; fix the URL)")
+                               f"not followed: a POST is never re-sent elsewhere, fix the URL")
             if 400 <= status < 500 and status != 429:
-                raise _Refused(f"HTTP {status} {resp.reason}".strip() + " (the endpoint refuses the message)")
+                raise _Refused(f"HTTP {status} {resp.reason}".strip() + ": the endpoint refuses the message")
             return status
         finally:
             conn.close()
