@@ -14,7 +14,7 @@ from .text import cut_at_word, plain, safe_url
 
 __all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
 
-TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT]"
+TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:URL[,URL...]"
 
 
 class Target(Protocol):
@@ -121,6 +121,10 @@ def parse_target(spec: str) -> Target:
         from .webhook import WebhookTarget
 
         return WebhookTarget(arg)
+    if kind == "alertmanager" and arg:
+        from .alertmanager import AlertmanagerTarget
+
+        return AlertmanagerTarget(arg)
     if kind == "wandb":
         try:
             return WandbTarget(arg or "nummon-watch")

@@ -45,8 +45,12 @@ class Watcher:
         state_every_s: float = 5.0,
         errors: IO[str] | None = None,
         exclude: set[str] = frozenset(),
+        observer: Any = None,
+        shard: Any = None,
     ) -> None:
         self.roots = roots
+        self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
+        self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
         self.policy = policy
         # the JSONL record of events is written before any other target is tried
         self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
@@ -104,6 +108,8 @@ class Watcher:
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
         specs, problems = discover(self.roots, self.format, self.exclude)
+        if self.shard is not None:
+            specs = self.shard.select(specs, self.roots)
         for p in problems:
             if p not in self.bad:
                 self.bad[p] = None
@@ -151,6 +157,8 @@ class Watcher:
                 run = WatchedRun(spec.id, make_follower(spec.id, spec.format, self.keymap), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
+        if self.observer is not None:
+            self.observer.run_started(run, spec)
 
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
         """Name the run's problem once; leave it alone until its files change."""
@@ -160,6 +168,14 @@ class Watcher:
     # --- polling -------------------------------------------------------------------------
     def poll_once(self, final: bool = False) -> int:
         """One pass over every run; returns the number of incident events it found."""
+        started = time.monotonic()
+        try:
+            return self._poll_once(final)
+        finally:
+            if self.observer is not None:
+                self.observer.polled(time.monotonic() - started, len(self.runs))
+
+    def _poll_once(self, final: bool = False) -> int:
         self._settle()
         self.discover()
         found = 0
@@ -222,6 +238,8 @@ class Watcher:
                 try:
                     t.notify(notice)
                 except Exception as e:  # one broken target must not stop the others or the loop
+                    if self.observer is not None:
+                        self.observer.target_failed(t)
                     tries = item["tries"][key] = item["tries"].get(key, 0) + 1
                     if tries >= _SYNC_TRIES:
                         item["pending"].remove(key)
@@ -257,6 +275,8 @@ class Watcher:
                     changed = True
                 if not o.ok:
                     self.lost += 1
+                    if self.observer is not None:
+                        self.observer.target_failed(t)
                     self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
                 break
         for eid, item in list(self.outbox.items()):
@@ -269,6 +289,8 @@ class Watcher:
 
     def _retire(self, run_id: str, keep: bool = True) -> None:
         run = self.runs.pop(run_id)
+        if self.observer is not None:
+            self.observer.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
             self.retired_sig[run_id] = _signature(self.specs.get(run_id))
@@ -350,7 +372,10 @@ class Watcher:
                 if getattr(t, "asynchronous", False):
                     continue
                 try:
-                    t.close()
+                    try:  # targets with threads of their own (Alertmanager) get what is left of the interval
+                        t.close(timeout_s=max(0.0, deadline - time.monotonic()))
+                    except TypeError:
+                        t.close()
                 except Exception as e:
                     self.say(f"notification target {type(t).__name__} did not close: {e}")
             self.state.release()
