@@ -48,9 +48,9 @@ class WatchedRun:
             # so do the detectors (as in replay); incident numbers go on, so no event id repeats
             self.notes.append(f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
                               f"(a rewritten, rotated or re-run log); detectors restarted")
-            number = self.engine.incidents.number
+            number = _tracker(self.engine).number
             self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
-            self.engine.incidents.number = number
+            _tracker(self.engine).number = number
             self.segments += 1
         got = self.engine.step(rec)
         if self.on_record is not None:
@@ -79,3 +79,8 @@ class WatchedRun:
 
     def close(self) -> None:
         self.follower.close()
+
+
+def _tracker(engine: HealthEngine) -> Any:
+    """The engine's incident tracker (a fresh segment gets a fresh one that numbers on)."""
+    return getattr(engine, "_incidents", None) or engine.incidents
