@@ -310,3 +310,47 @@ def test_watch_once_over_a_long_log_holds_a_bounded_part_of_it(tmp_path):
     grown = _peak_kib(tmp_path, big) - _peak_kib(tmp_path, small)
     assert big.stat().st_size > 45e6
     assert grown * 1024 < big.stat().st_size / 3, f"peak grew {grown} KiB for a {big.stat().st_size >> 20} MiB log"
+
+
+# --- issue 24 point 4: one run, the best source -------------------------------------------
+
+def _hf_callback_run(out):
+    """What the HF Trainer with nummon's callback leaves: one event file with nummon's per-step
+    tags and the Trainer's `train/loss` every 10 steps (0.0 after a NaN: its NaN filter), and
+    checkpoints' trainer_state.json."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(out / "runs" / "Dec01_host"))
+    for s in range(1, 61):
+        loss = 2.0 * 0.99 ** s if s < 7 else math.nan
+        w.add_scalar("nummon/loss", loss, s)
+        w.add_scalar("nummon/grad_norm", 1.0 if s < 7 else math.inf, s)
+        if s % 10 == 0:
+            w.add_scalar("train/loss", 0.0 if s > 7 else loss, s)  # the Trainer's filtered average
+    w.add_scalar("train/loss", 1.0, 56)  # a stray record of the Trainer
+    w.close()
+    rows = [(s, 2.0 * 0.99 ** s if s < 7 else 0.0, 1.0) for s in range(10, 61, 10)]
+    write_hf_run(out, rows, save_every=20)
+    return out
+
+
+def test_nummons_own_tags_win_over_the_trainers_copies(tmp_path):
+    out = _hf_callback_run(tmp_path / "out")
+    recs = list(read_records(str(out / "runs" / "Dec01_host")))
+    assert [r.step for r in recs] == list(range(1, 61))  # nummon's steps only, no stray record at 56 twice
+    first_bad = next(r.step for r in recs if not math.isfinite(r.loss))
+    assert first_bad == 7 and all(not math.isfinite(r.loss) for r in recs if r.step >= 7)
+
+
+def test_hf_output_dir_with_event_folder_is_one_run(tmp_path):
+    from nummon._watch.discovery import discover
+
+    out = _hf_callback_run(tmp_path / "out")
+    runs, problems = discover([str(tmp_path)])
+    assert problems == [] and list(runs) == [str(out / "runs" / "Dec01_host")]
+    w, notes = watcher(tmp_path, tmp_path)
+    w.poll_once(final=True)
+    w.close()
+    events = read_events(notes)
+    assert {e["run"] for e in events} == {str(out / "runs" / "Dec01_host")}
+    assert [e["step"] for e in events if e["state"] == "nonfinite"] == [7]
