@@ -30,6 +30,7 @@ from .text import plural
 __all__ = ["Watcher"]
 
 _SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
+_ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 
 
 class Watcher:
@@ -327,7 +328,7 @@ class Watcher:
         try:
             if once:
                 self.poll_once(final=True)
-                self._drain(self.stop, None)
+                self._drain(self.stop, _ONCE_DRAIN_S)
                 return
             while not self.stop.is_set():
                 self.poll_once()

@@ -83,7 +83,7 @@ class WebhookTarget:
         retries: int = 3,
         backoff_s: float = 0.5,
         queue_size: int = 100,
-        answer_timeout_s: float = 60.0,
+        answer_timeout_s: float = 30.0,
         on_outcome: Callable[[Outcome], None] | None = None,
     ) -> None:
         check_url(url)
