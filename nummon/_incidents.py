@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+from ._format import cut_at_word
 from ._functional import fmt_num
 from ._types import Alert, AlertKind, Severity
 
@@ -62,13 +63,14 @@ class Contributor:
     steps_to_overflow: float | None = None
     location: str | None = None
     rank: int | None = None
+    overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
 
     @classmethod
     def from_alert(cls, a: Alert) -> "Contributor":
         d = a.details or {}
         num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
         return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
-                   num("steps_to_overflow"), a.location, a.rank)
+                   num("steps_to_overflow"), a.location, a.rank, bool(d.get("overflow_bound")))
 
     def line(self) -> str:
         """One Markdown list item."""
@@ -78,7 +80,11 @@ class Contributor:
         if self.rate_per_step is not None:
             parts.append(f"(x{self.rate_per_step:.3g}/step")
             ov = self.steps_to_overflow
-            parts[-1] += f", ~{ov:.0f} steps to overflow)" if ov is not None and math.isfinite(ov) else ")"
+            if ov is not None and math.isfinite(ov):
+                n = max(1, round(ov))
+                parts[-1] += f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+            else:
+                parts[-1] += ")"
         if self.location:
             parts.append(f"at {self.location}")
         if self.rank is not None:
@@ -120,14 +126,12 @@ class IncidentEvent:
     def title(self) -> str:
         """A short title naming the state (under 64 characters)."""
         if self.action:
-            text = f"nummon: {self.action}"
-            return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
+            return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
         head = _HEADLINE.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"
-        text = f"nummon: {head}"
-        return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
+        return cut_at_word(f"nummon: {head}", TITLE_MAX)
 
     def summary(self) -> str:
         """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from ._format import plain_text
 from ._json import dumps
 from ._types import Alert, Health, Severity, StepRecord
 
@@ -167,7 +168,7 @@ class ConsoleSink(BaseSink):
         level = logging.INFO if rank == 0 else (logging.WARNING if rank == 1 else logging.ERROR)
         if level == logging.INFO and self.min_severity.rank > Severity.INFO.rank:
             return
-        body = event.summary().replace("\n", "\n    ")
+        body = plain_text(event.summary()).replace("\n", "\n    ")
         self.logger.log(level, "%s\n    %s", event.title, body)
 
 
