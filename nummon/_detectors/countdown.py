@@ -40,7 +40,7 @@ class Countdown:
             return f"not on course to overflow {dtype}"
         n = max(1, round(self.steps))
         steps = f"~{n} step" + ("" if n == 1 else "s")
-        if self.records is not None:
+        if self.records is not None and max(1, round(self.records)) != n:
             r = max(1, round(self.records))
             steps += f" (~{r} record" + ("" if r == 1 else "s") + ")"
         if self.rising:
