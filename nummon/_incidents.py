@@ -121,6 +121,7 @@ class IncidentEvent:
     flight_record: str | None = None
     hint: str | None = None
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
+    explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
 
     @property
     def title(self) -> str:
@@ -144,6 +145,8 @@ class IncidentEvent:
             verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
             head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
         tail = []
+        if self.explanation and self.state is not IncidentState.RESOLVED:
+            tail.append(f"- why: {self.explanation}")
         if self.flight_record:
             tail.append(f"- flight record: `{self.flight_record}`")
         if self.hint and self.state is not IncidentState.RESOLVED:
@@ -175,11 +178,16 @@ class IncidentEvent:
             "flight_record": self.flight_record,
             "hint": self.hint,
             **({"action": self.action} if self.action else {}),
+            **({"explanation": self.explanation} if self.explanation else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":
         """This event naming a flight record written after it was made."""
         return replace(self, flight_record=path)
+
+    def explained(self, explanation: str, hint: str | None) -> "IncidentEvent":
+        """This event with the forensic explanation of its non-finite step (and its remedy)."""
+        return replace(self, explanation=explanation, hint=hint or self.hint)
 
 
 class IncidentTracker:

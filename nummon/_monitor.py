@@ -253,6 +253,9 @@ class Monitor:
             self.alerts.append(a)
             self._sinks.alert(a)
         events = list(got.incidents)
+        why = next((a for a in alerts if (a.details or {}).get("cause") and not a.cleared), None)
+        if why is not None:  # the explanation travels with the incident event too
+            events = [ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events]
         for a in alerts:  # every recovery (rollback, budget spent) is an incident event of its own
             if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
                 events.append(self.engine.incidents.acted(a.step, a, a.message))

@@ -107,8 +107,7 @@ def _print_summary(result: Any) -> None:
             print(clean_text(f"The first NaN appeared in: {result.nonfinite_location}."))
         if result.cause is not None:
             c = result.cause
-            where = f" inside `{c.module}`" if c.module else ""
-            print(clean_text(f"Why: {c.cause.replace('_', ' ')} in `{c.op}` ({c.stage}){where} at {c.location}: {c.input_ranges}"))
+            print(clean_text(f"Why: {c.headline()}"))
             print(clean_text(f"Try: {c.remedy}"))
         first = result.first_warning_alert
         if first is not None:
