@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Union
 
-from ._detectors import build_detectors
+from ._detectors import MAGNITUDE_FIELDS, build_detectors
+from ._functional import is_finite, median
 from ._hints import hint_for
 from ._incidents import IncidentEvent, IncidentTracker
 from ._policy import AlertPolicy, Policy
@@ -112,6 +113,10 @@ class HealthEngine:
         self.detectors = build_detectors(policy)
         self.lifecycle = AlertLifecycle(policy.alerts)
         self.incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
+        # clearing: a condition on a magnitude clears only once the metric is back near where it
+        # stood before the condition opened (median of its last finite values then)
+        self._recent: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
+        self._before: dict[Key, float] = {}
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
@@ -152,8 +157,9 @@ class HealthEngine:
         finite = rec.is_finite()
         # a non-finite record says nothing about whether growth stopped, and a record that does
         # not measure a metric (an eval-only row) says nothing about that metric's condition
-        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric))
+        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric) or self._still_high(f, rec))
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
+        self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
         events = tuple(self.incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
@@ -166,6 +172,32 @@ class HealthEngine:
         else:
             health = Health.HEALTHY
         return EngineStep(alerts, health, events)
+
+    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
+
+    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
+        """The metric of an open condition still stands far above its level from before it
+        opened (a spike's own values must not become the baseline it clears against)."""
+        before = self._before.get(f.key)
+        v = getattr(rec, f.metric, None) if f.metric in self._recent else None
+        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
+
+    def _note_levels(self, rec: StepRecord) -> None:
+        """Remember each newly open condition's pre-incident level, forget closed ones, then
+        add this record's values to the recent ones."""
+        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
+        for key in [k for k in self._before if k not in open_keys]:
+            del self._before[key]
+        for key, f in open_keys.items():
+            recent = self._recent.get(f.metric)
+            if key not in self._before and recent:
+                self._before[key] = median(recent)
+        for m, recent in self._recent.items():
+            v = getattr(rec, m)
+            if is_finite(v) and v > 0:
+                recent.append(abs(float(v)))
+                if len(recent) > 8:
+                    del recent[0]
 
     def process(self, rec: StepRecord) -> tuple[list[Alert], Health]:
         """Alerts raised at this record, and the record's health state."""

@@ -142,7 +142,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
     for tag in ("nummon/loss", "nummon/grad_norm", "nummon/activation_max", "nummon/health", "nummon/clip_ratio"):
         assert tag in scalars, tag
     assert {e.step for e in acc.Scalars("nummon/loss")} == {r.step for r in memory.records}
-    assert any(t.startswith("nummon_alerts/") for t in acc.Tags()["tensors"])
+    assert any(t.startswith("nummon_2_alerts/") for t in acc.Tags()["tensors"])
 
     # the alerts in the WandbLogger's offline run file
     records = read_records(find_run_file(tmp_path / "wb"))

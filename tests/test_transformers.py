@@ -139,7 +139,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
         assert tag in scalars, tag
     nm_loss = {e.step: e.value for e in acc.Scalars("nummon/loss")}
     assert set(nm_loss) == {r.step for r in memory.records}
-    assert any(t.startswith("nummon_alerts/") for t in acc.Tags()["tensors"])
+    assert any(t.startswith("nummon_2_alerts/") for t in acc.Tags()["tensors"])
 
     # the alerts in the offline W&B run file the Trainer's W&B callback opened
     records = read_records(find_run_file(os.environ["WANDB_DIR"]))
