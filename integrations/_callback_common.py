@@ -5,11 +5,11 @@ Imports neither framework (and not torch at module level), so both callbacks can
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
+from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import ConsoleSink, JsonlSink
 from nummon._types import Severity, StepReport
@@ -63,16 +63,6 @@ def loss_of(output: Any) -> Any:
     if isinstance(output, dict):
         return output.get("loss")
     return getattr(output, "loss", output)
-
-
-def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
-    """How much norm clipping scales this step's gradients down (1.0 = not clipped); None when
-    there is no clipping or no finite norm to compare with."""
-    if not max_norm or max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
-        return None
-    if grad_norm <= 0:
-        return 1.0
-    return min(1.0, float(max_norm) / float(grad_norm))
 
 
 class StepLoss:

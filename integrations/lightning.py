@@ -66,6 +66,19 @@ class NummonCallback(pl.Callback):
         self._loss = StepLoss()
         self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
+        self._restored: dict[str, Any] | None = None  # the health engine's state from a checkpoint
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The health engine's state (incident, re-warming records), saved in the trainer's
+        checkpoint so a resumed run does not start its detectors cold. Plain data only."""
+        if self.monitor is not None:
+            return {"engine": self.monitor.engine.state_dict()}
+        return {"engine": self._restored} if self._restored else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint."""
+        self._restored = state_dict.get("engine") or None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -84,6 +97,9 @@ class NummonCallback(pl.Callback):
             pl_module, self._optimizer, self.policy, sinks,
             run_dir=run_dir, grad_scaler=self._scaler(trainer), start_step=trainer.global_step,
         )
+        if self._restored:
+            self.monitor.engine.load_state_dict(self._restored, origin="the checkpoint's nummon state")
+            self._restored = None
         self._loss.reset()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -131,7 +147,8 @@ class NummonCallback(pl.Callback):
                 self._warned_no_loss = True
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module))
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
+                                        clip_norm=self._clip_norm(trainer))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:
@@ -140,19 +157,22 @@ class NummonCallback(pl.Callback):
             log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
-    def _report_clip_ratio(self, trainer: Any, pl_module: Any, report: StepReport) -> None:
+    @staticmethod
+    def _clip_norm(trainer: Any) -> float | None:
+        """The max gradient norm Lightning clips to (None: no norm clipping)."""
         clip = trainer.gradient_clip_val
         algorithm = str(trainer.gradient_clip_algorithm or "norm").lower()
+        return float(clip) if clip and "norm" in algorithm else None
+
+    def _report_clip_ratio(self, trainer: Any, pl_module: Any, report: StepReport) -> None:
+        clip = self._clip_norm(trainer)
         rec = report.record
-        if rec is None or not clip or "norm" not in algorithm:
+        if rec is None or clip is None:
             return
-        ratio = clip_ratio(rec.grad_norm, float(clip))
+        # Lightning clips after this hook: the ratio is computed from the unclipped norm
+        ratio = clip_ratio(rec.grad_norm, clip)
         self.last_clip_ratio = ratio
-        if ratio is None:
-            return
-        if hasattr(rec, "clip_ratio") and getattr(rec, "clip_ratio") is None:
-            rec.clip_ratio = ratio
-        if trainer.loggers:  # through Lightning's own logging: every logger, at the trainer's cadence
+        if ratio is not None and trainer.loggers:  # through Lightning's own logging: every logger, at its cadence
             pl_module.log("nummon/clip_ratio", ratio, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 
     @staticmethod

@@ -40,6 +40,7 @@ __all__ = [
     "NummonError",
     "Policy",
     "PolicyError",
+    "PrometheusSink",
     "Severity",
     "Sink",
     "StepRecord",
@@ -59,12 +60,14 @@ _LAZY = {
     "Monitor": "._monitor",
     "DistributedError": "._distributed",
     "TensorBoardSink": ".integrations.tensorboard",
+    "PrometheusSink": ".integrations.prometheus",
     "WandbSink": ".integrations.wandb",
 }
 
 if TYPE_CHECKING:
     from ._distributed import DistributedError
     from ._monitor import Monitor
+    from .integrations.prometheus import PrometheusSink
     from .integrations.tensorboard import TensorBoardSink
     from .integrations.wandb import WandbSink
 

@@ -20,6 +20,7 @@ __all__ = [
     "relative_spread",
     "pow10",
     "fmt_num",
+    "clip_ratio",
 ]
 
 #: Largest finite value per dtype (so detectors need no torch to reason about headroom).
@@ -116,6 +117,16 @@ def relative_spread(values: Sequence[float]) -> float:
 def pow10(x: float) -> float:
     """10**x without OverflowError (inf past float64's range)."""
     return math.inf if x > 308.25 else 10.0**x
+
+
+def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
+    """How much norm clipping scales a step's gradients down (1.0 = not clipped); None when
+    there is no clipping or no finite norm to compare with."""
+    if not max_norm or max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
+        return None
+    if grad_norm <= 0:
+        return 1.0
+    return min(1.0, float(max_norm) / float(grad_norm))
 
 
 def fmt_num(v: Any, none: str = "—") -> str:

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from ._format import cut_at_word
 from ._functional import fmt_num
+from ._json import json_float
 from ._types import Alert, AlertKind, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
@@ -96,7 +97,7 @@ class Contributor:
         for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
             v = getattr(self, k)
             if v is not None:
-                d[k] = v if not isinstance(v, float) or math.isfinite(v) else str(v)
+                d[k] = json_float(v) if isinstance(v, float) else v
         return d
 
 
@@ -263,6 +264,13 @@ class IncidentTracker:
             self.state = IncidentState.OPEN
         self._quiet_since = step
         return replace(self._event(step, previous), action=action)
+
+    def current(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open): what a restarted
+        notifier re-posts. Its `previous` is its own state (no transition happened)."""
+        if not self.state.active:
+            return None
+        return self._event(step, self.state)
 
     def to_state(self) -> dict[str, Any]:
         """Where the incident stands, as plain data (a restarted watcher resumes from it)."""

@@ -34,8 +34,7 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
             warn(f"{path}:{lineno}: step {rec.step} after step {prev}: a new segment, detectors restarted")
             engine = HealthEngine(pol)
         prev = rec.step
-        got, _ = engine.process(rec)
-        yield from got
+        yield from engine.step(rec).alerts
 
 
 def iter_replay_records(records: Iterable[StepRecord], policy: PolicyLike = None) -> Iterator[Alert]:

@@ -8,7 +8,12 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ._json import json_float
+
+if TYPE_CHECKING:
+    from ._incidents import IncidentEvent
 
 __all__ = [
     "Severity",
@@ -115,7 +120,9 @@ class StepRecord:
     """Host-side statistics of one optimizer step, as plain floats.
 
     ``None`` means "not measured at this step" (sampling cadence, a trace without the column); a
-    NaN or Inf value is a real non-finite measurement.
+    NaN or Inf value is a real non-finite measurement. A record is frozen (read-only) once the
+    health engine has seen it, before any sink gets it: derive a changed one with
+    `dataclasses.replace`.
     """
 
     step: int
@@ -139,6 +146,22 @@ class StepRecord:
     input_nonfinite: int | None = None  # non-finite values in the input batch
     scaler_skipped: bool | None = None  # True: the AMP GradScaler skipped this step (scaled grads overflowed)
     clip_ratio: float | None = None  # gradient norm after clipping / before (grad_norm is the unclipped one)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: a StepRecord is read-only once the engine has seen it "
+                "(use dataclasses.replace)")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> "StepRecord":
+        """Make this record read-only (the engine does, before sinks hold it); returns it."""
+        self.__dict__["_frozen"] = True
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("_frozen"))
 
     def scalars(self) -> dict[str, float]:
         """The measured scalar fields as a flat dict (absent ones left out)."""
@@ -227,8 +250,8 @@ class Alert:
             "severity": self.severity.value,
             "message": self.message,
             "metric": self.metric,
-            "value": _json_float(self.value),
-            "threshold": _json_float(self.threshold),
+            "value": json_float(self.value),
+            "threshold": json_float(self.threshold),
             "location": self.location,
             "hint": self.hint,
         }
@@ -239,7 +262,7 @@ class Alert:
         if self.flight_record:
             d["flight_record"] = self.flight_record
         if self.details:
-            d["details"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.details.items()}
+            d["details"] = {k: json_float(v) if isinstance(v, float) else v for k, v in self.details.items()}
         return d
 
     def __str__(self) -> str:
@@ -260,16 +283,6 @@ _TITLES = {
 }
 
 
-def _json_float(v: float | None) -> float | str | None:
-    """Floats as JSON can carry them: NaN/Inf become strings so any JSON parser reads them."""
-    if v is None:
-        return None
-    v = float(v)
-    if math.isfinite(v):
-        return v
-    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-
-
 @dataclass(frozen=True)
 class StepReport:
     """What `Monitor.post_step` returns."""
@@ -280,7 +293,7 @@ class StepReport:
     should_stop: bool = False
     record: StepRecord | None = None
     pending: bool = False  # lagged (CUDA) mode: this step's statistics are still on their way
-    incidents: tuple[Any, ...] = ()  # IncidentEvents of this step (opened, escalated, resolved)
+    incidents: tuple["IncidentEvent", ...] = ()  # this step's incident transitions (opened, escalated, resolved)
 
     @property
     def warned(self) -> bool:

@@ -56,7 +56,7 @@ def test_recurring_nonfinite_alerts_again_after_the_cooldown():
     crit = []
     for step in range(40):
         loss = math.nan if step in (5, 10, 24, 30) else 1.0
-        alerts, _ = eng.process(StepRecord(step=step, loss=loss))
+        alerts = eng.step(StepRecord(step=step, loss=loss)).alerts
         crit += [a.step for a in alerts if a.severity is Severity.CRITICAL]
     assert crit == [5, 30]
 
@@ -75,10 +75,11 @@ def test_distinct_metrics_are_distinct_alerts():
 def test_nonfinite_record_does_not_clear_open_conditions():
     eng = HealthEngine(P)
     for i in range(10):
-        eng.process(StepRecord(step=i, grad_norm=1.0))
-    alerts, _ = eng.process(StepRecord(step=10, grad_norm=100.0))
+        eng.step(StepRecord(step=i, grad_norm=1.0))
+    alerts = eng.step(StepRecord(step=10, grad_norm=100.0)).alerts
     assert any(a.kind is AlertKind.EXPLOSION for a in alerts)
-    alerts, health = eng.process(StepRecord(step=11, grad_norm=float("nan")))
+    got = eng.step(StepRecord(step=11, grad_norm=float("nan")))
+    alerts, health = got.alerts, got.health
     assert health is Health.NONFINITE
     assert not any(a.cleared for a in alerts)
 
@@ -89,21 +90,22 @@ def test_a_record_without_the_metric_neither_opens_nor_clears_its_condition():
     got = []
     for i in range(30):
         loss = 2.0 if i < 10 else 1.5e7
-        got += eng.process(StepRecord(step=2 * i, loss=loss))[0]
+        got += eng.step(StepRecord(step=2 * i, loss=loss)).alerts
     assert any(a.kind is AlertKind.DIVERGENCE and not a.cleared for a in got)
-    eval_row, health = eng.process(StepRecord(step=61, lr=1e-4))  # an eval-only row: no loss
+    got = eng.step(StepRecord(step=61, lr=1e-4))  # an eval-only row: no loss
+    eval_row, health = got.alerts, got.health
     assert not any(a.cleared for a in eval_row) and health is Health.INCIDENT
-    nxt, _ = eng.process(StepRecord(step=62, loss=1.5e7))
-    assert nxt == []  # still the same open condition: no new alert either
+    nxt = eng.step(StepRecord(step=62, loss=1.5e7)).alerts
+    assert nxt == ()  # still the same open condition: no new alert either
 
 
 def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
     eng = HealthEngine(P)
-    healths = [eng.process(StepRecord(step=i, grad_norm=1.0))[1] for i in range(10)]
+    healths = [eng.step(StepRecord(step=i, grad_norm=1.0)).health for i in range(10)]
     assert set(healths) == {Health.HEALTHY}
-    _, h = eng.process(StepRecord(step=10, grad_norm=100.0))  # an explosion: finite, 36 decades left
+    h = eng.step(StepRecord(step=10, grad_norm=100.0)).health  # an explosion: finite, 36 decades left
     assert h is Health.INCIDENT
-    _, h = eng.process(StepRecord(step=11, grad_norm=1e35))  # 3.5 decades of float32 left
+    h = eng.step(StepRecord(step=11, grad_norm=1e35)).health  # 3.5 decades of float32 left
     assert h is Health.EXTREME
 
 

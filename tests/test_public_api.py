@@ -6,7 +6,7 @@ import nummon
 
 EXPECTED = {
     "Alert", "AlertKind", "BaseSink", "ConsoleSink", "DistributedError", "Health", "JsonlSink", "MemorySink", "Monitor", "NummonError",
-    "Policy", "PolicyError", "Severity", "Sink", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
+    "Policy", "PolicyError", "PrometheusSink", "Severity", "Sink", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
     "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
 
@@ -20,7 +20,7 @@ def test_all_is_pinned_and_resolves():
 def test_import_nummon_imports_no_torch_wandb_or_tensorboard():
     code = (
         "import sys, nummon; "
-        "bad = [m for m in ('torch', 'wandb', 'tensorboard', 'tensorboardX') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'wandb', 'tensorboard', 'tensorboardX', 'prometheus_client') if m in sys.modules]; "
         "print('LOADED', bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout

@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retire a run after this many seconds without new records (default: 1800)")
     parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
                         help="extra key map entry, e.g. my/loss=loss (repeatable)")
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus metrics of every watched run at http://HOST:PORT/metrics (needs nummon[prometheus])")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="follow only the runs of shard I of N (0-based, by a stable hash of each run's path under its root)")
 
 
 def _keymap(pairs: list[str]):
@@ -62,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
             raise NummonError(f"{p}: not found")
     policy = load_policy(args.policy)
     keymap = _keymap(args.key)
+    shard = None
+    if getattr(args, "shard", None):
+        from .shard import parse_shard
+
+        shard = parse_shard(args.shard)
     targets = []
     try:
         for spec in args.notify or ["console"]:
@@ -71,8 +80,28 @@ def run(args: argparse.Namespace) -> int:
             t.close()
         raise
     exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
+    observer = server = None
+    if getattr(args, "metrics", None):
+        from .metrics import FleetMetrics, MetricsObserver
+
+        try:
+            from nummon.integrations.prometheus import serve_metrics
+
+            fleet = FleetMetrics()
+            fleet.targets = targets
+            server = serve_metrics(fleet, args.metrics)
+        except (ImportError, NummonError) as e:
+            for t in targets:
+                t.close()
+            raise NummonError(f"--metrics: {e}") from None
+        observer = MetricsObserver(fleet)
+        print(f"nummon watch: serving metrics at {server.url}", file=sys.stderr, flush=True)
+    from .hooks import Observers
+
+    observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
     watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                      idle_timeout_s=args.idle_timeout, exclude=exclude)
+                      idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
+    watcher.metrics_server = server
     previous = {}
 
     def _stop(signum, frame):  # stop within one interval: the loop waits on this event
@@ -88,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if server is not None:
+            server.close()
     if args.once and watcher.bad:
         return 2
     return 0

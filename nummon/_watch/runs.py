@@ -1,15 +1,12 @@
-"""One watched run: its follower, detectors, incident state and a bounded history of recent
-records (saved in the state file to re-warm the detectors after a restart)."""
+"""One watched run: its follower and its health engine (whose state, incident and a bounded
+history of recent records, goes into the state file to re-warm the detectors after a restart)."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 from .._engine import HealthEngine
-from .._json import json_safe
 from .._policy import Policy
-from .._trace import record_from_dict
 from .._types import StepRecord
 from .base import Follower
 from .incidents import RunIncident
@@ -24,13 +21,11 @@ class WatchedRun:
     def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
         self.id = run_id
         self.follower = follower
-        self.engine = HealthEngine(policy)
-        self.history: deque[dict[str, Any]] = deque(maxlen=history)
-        self.first: list[dict[str, Any]] = []
-        self._first_max = first
+        self.engine = HealthEngine(policy, warm_first=first, warm_recent=history)
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
+        self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
     def poll(self, final: bool = False) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused."""
@@ -41,11 +36,8 @@ class WatchedRun:
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
         got = self.engine.step(rec)
-        d = json_safe(rec.to_dict())
-        if len(self.first) < self._first_max:
-            self.first.append(d)
-        else:
-            self.history.append(d)
+        if self.on_record is not None:
+            self.on_record(self.id, rec, got)
         self.records += 1
         self.last_step = rec.step
         self.last_activity = time.monotonic()
@@ -55,23 +47,16 @@ class WatchedRun:
         return {
             "format": self.follower.format,
             "position": self.follower.position(),
-            "incident": self.engine.incidents.to_state(),
+            **self.engine.state_dict(),  # incident, first, history
             "records": self.records,
             "last_step": self.last_step,
-            "first": self.first,
-            "history": list(self.history),
         }
 
     def load_state(self, d: dict[str, Any]) -> None:
         """Resume: the read position and incident state as saved; the detectors re-warmed by
         running the saved records through them (their alerts are not notified again)."""
         self.follower.restore(d.get("position") or {})
-        for i, obj in enumerate(list(d.get("first") or []) + list(d.get("history") or [])):
-            rec = record_from_dict(obj, f"{self.id} (state)", i)
-            self.engine.process(rec)
-        self.first = list(d.get("first") or [])
-        self.history.extend(d.get("history") or [])
-        self.engine.incidents.load_state(d.get("incident") or {})
+        self.engine.load_state_dict(d, origin=f"{self.id} (state)")
         self.records = int(d.get("records", 0))
         self.last_step = d.get("last_step")
 

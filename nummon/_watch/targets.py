@@ -13,7 +13,7 @@ from .._json import dumps
 
 __all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
 
-TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT]"
+TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:URL[,URL...]"
 
 
 class Target(Protocol):
@@ -108,6 +108,10 @@ def parse_target(spec: str) -> Target:
         from .webhook import WebhookTarget
 
         return WebhookTarget(arg)
+    if kind == "alertmanager" and arg:
+        from .alertmanager import AlertmanagerTarget
+
+        return AlertmanagerTarget(arg)
     if kind == "wandb":
         return WandbTarget(arg or "nummon-watch")
     raise NummonError(f"--notify {spec!r}: expected one of {TARGET_SPECS}")

@@ -48,6 +48,8 @@ class Watcher:
         state_every_s: float = 5.0,
         errors: IO[str] | None = None,
         exclude: set[str] = frozenset(),
+        observer: Any = None,
+        shard: Any = None,
     ) -> None:
         self.roots = roots
         self.policy = policy
@@ -71,6 +73,8 @@ class Watcher:
         self._last_save = 0.0
         self._dirty = False
         self.notified = 0
+        self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
+        self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
 
     def say(self, line: str) -> None:
         self.errors.write(f"nummon watch: {line}\n")
@@ -79,6 +83,8 @@ class Watcher:
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
         specs, problems = discover(self.roots, self.format, self.exclude)
+        if self.shard is not None:
+            specs = self.shard.select(specs, self.roots)
         for p in problems:
             if p not in self.bad:
                 self.bad.add(p)
@@ -103,10 +109,20 @@ class Watcher:
             return
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
+        if self.observer is not None:
+            self.observer.run_started(run, spec)
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self, final: bool = False) -> int:
         """One pass over every run; returns the number of incident events sent."""
+        started = time.monotonic()
+        try:
+            return self._poll_once(final)
+        finally:
+            if self.observer is not None:
+                self.observer.polled(time.monotonic() - started, len(self.runs))
+
+    def _poll_once(self, final: bool = False) -> int:
         if self._outbox:  # sent before a crash, maybe not: targets skip what they already hold
             self._send(self._outbox)
         self.discover()
@@ -146,12 +162,16 @@ class Watcher:
                     t.notify(ev)
                 except Exception as e:  # one broken target must not stop the others or the loop
                     self.say(f"notification target {type(t).__name__} failed: {e}")
+                    if self.observer is not None:
+                        self.observer.target_failed(t)
             self.notified += 1
         self._outbox = []
         self.save(force=True)
 
     def _retire(self, run_id: str, keep: bool = True) -> None:
         run = self.runs.pop(run_id)
+        if self.observer is not None:
+            self.observer.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
             self.retired_sig[run_id] = _signature(self.specs.get(run_id))
