@@ -28,6 +28,7 @@ __all__ = [
     "Contributor",
     "IncidentEvent",
     "TITLE_MAX",
+    "INCIDENT_HEADLINES",
     "SUMMARY_MAX",
 ]
 
@@ -365,7 +366,7 @@ class Contributor:
         return d
 
 
-_HEADLINE = {
+INCIDENT_HEADLINES = {
     IncidentState.OPEN: "run unstable",
     IncidentState.CRITICAL: "run critical",
     IncidentState.NONFINITE: "run lost: non-finite values",
@@ -393,7 +394,7 @@ class IncidentEvent:
         """A short title naming the state (under 64 characters)."""
         if self.action:
             return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
-        head = _HEADLINE.get(self.state, self.state.value)
+        head = INCIDENT_HEADLINES.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"

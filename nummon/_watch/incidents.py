@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .._incidents import _HEADLINE, TITLE_MAX, IncidentEvent, IncidentState
+from .._types import INCIDENT_HEADLINES, TITLE_MAX, IncidentEvent, IncidentState
 from .text import cut_at_word
 
 __all__ = ["RunIncident", "Notice", "event_id"]
@@ -49,7 +49,7 @@ class RunIncident:
         e = self.event
         if e.action:
             return cut_at_word(f"nummon: {e.action}", TITLE_MAX)
-        head = _HEADLINE.get(e.state, e.state.value)
+        head = INCIDENT_HEADLINES.get(e.state, e.state.value)
         if e.contributors and e.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = e.contributors[0]
             head += f": {c.kind.value} in {c.metric}"

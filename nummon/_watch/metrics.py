@@ -32,7 +32,7 @@ class RunSeries:
 
     run: str
     source: str
-    health: int = 0
+    health: int | None = None  # of the latest record read (None: none read yet, e.g. after a restart)
     incident: int = 0  # 0 none, 1 open, 2 critical, 3 non-finite
     loss: float | None = None
     grad_norm: float | None = None
