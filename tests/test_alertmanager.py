@@ -251,3 +251,20 @@ def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink
         assert parse_time(resumed["endsAt"]) > time.time()
     finally:
         again.close()
+
+
+def test_two_alertmanager_targets_are_two_in_the_outbox_and_failures_count_once(sink):
+    from nummon._watch.metrics import MetricsObserver
+
+    a, b = parse_target(f"alertmanager:{sink.url}"), parse_target(f"alertmanager:{sink.url}/other")
+    try:
+        assert a.key != b.key and a.key.startswith("alertmanager:")
+        assert a.shown == f"alertmanager {sink.url}/…"
+        fleet = FleetMetrics()
+        fleet.targets = [a]
+        a.failed = 1  # counted by the target itself; the watcher's hook must not count it again
+        MetricsObserver(fleet).target_failed(a)
+        assert fleet.snapshot().failed == {"alertmanager": 1}
+    finally:
+        a.close()
+        b.close()

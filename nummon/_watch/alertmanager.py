@@ -11,6 +11,7 @@ themselves). Posting runs on a thread of its own with timeouts and retries; a fa
 counted (`failed`, per URL and batch) and logged, and never blocks the watch loop."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
@@ -18,12 +19,13 @@ import socket
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
 from .._errors import NummonError
+from .text import safe_url
+from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]
 
@@ -35,14 +37,6 @@ _STATES = {1: "open", 2: "critical", 3: "nonfinite"}
 
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _redact(url: str) -> str:
-    """The URL without user:password (logs never show a secret)."""
-    p = urllib.parse.urlsplit(url)
-    if p.username or p.password:
-        p = p._replace(netloc=p.hostname + (f":{p.port}" if p.port else ""))
-    return urllib.parse.urlunsplit(p)
 
 
 def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
@@ -73,9 +67,14 @@ class AlertmanagerTarget:
         if not urls:
             raise NummonError("alertmanager: no URL given")
         for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise NummonError(f"alertmanager URL must start with http:// or https://, got {_redact(u)!r}")
+            try:
+                check_url(u)
+            except NummonError as e:
+                raise NummonError(f"alertmanager: {e}".replace("webhook URL", "URL")) from None
         self.urls = [u.rstrip("/") for u in urls]
+        # printed forms carry scheme and host only; the key names this target in the state file's outbox
+        self.shown = "alertmanager " + ", ".join(safe_url(u) for u in self.urls)
+        self.key = "alertmanager:" + hashlib.blake2b(",".join(self.urls).encode(), digest_size=6).hexdigest()
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         if repeat_s <= 0:
             raise NummonError(f"alertmanager: repeat interval must be > 0 seconds, got {repeat_s}")
@@ -199,13 +198,13 @@ class AlertmanagerTarget:
                 return True
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
-                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", _redact(url),
+                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", safe_url(url),
                                 body.count(b'"labels"'), e.code)
                     break
             except (urllib.error.URLError, OSError):
                 pass
         self.failed += 1
-        log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries)", _redact(url),
+        log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries)", safe_url(url),
                     body.count(b'"labels"'), tries)
         return False
 
