@@ -49,10 +49,12 @@ class AlertSink:
 
     def __init__(self):
         batches = self.batches = []
+        auth = self.auth = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))
+                auth.append(self.headers.get("Authorization"))
                 batches.append((self.path, json.loads(self.rfile.read(n))))
                 self.send_response(200)
                 self.end_headers()
@@ -150,14 +152,19 @@ def test_bad_alertmanager_url_is_named(spec):
         parse_target(spec)
 
 
-def test_url_credentials_never_logged(caplog):
-    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()}", timeout_s=0.5, retries=0)
+def test_url_credentials_are_basic_auth_and_never_logged(sink, caplog):
+    import base64
+
+    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()},{sink.url.replace('//', '//am:p%40ss@')}",
+                           timeout_s=0.5, retries=0, repeat_s=0.2)
     try:
         t.notify(Event(1, "opened"))
-        wait_for(lambda: t.failed, 10, "the failure")
+        wait_for(lambda: t.failed >= 3, 20, "three failures of the dead member")  # the first post and re-posts
     finally:
         t.close()
-    assert "s3cret" not in caplog.text and "could not deliver" in caplog.text
+    assert sink.auth[0] == "Basic " + base64.b64encode(b"am:p@ss").decode() and sink.batches[0][0] == "/api/v2/alerts"
+    assert "s3cret" not in caplog.text and "p%40ss" not in caplog.text and "p@ss" not in caplog.text
+    assert caplog.text.count("could not deliver") == 1  # an outage is logged once; every failure is counted
 
 
 # --- the real Alertmanager --------------------------------------------------------------------

@@ -39,6 +39,19 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _basic_auth(url: str) -> tuple[str, str | None]:
+    """(the URL without user:password, its HTTP basic Authorization header or None)."""
+    import base64
+    import urllib.parse
+
+    p = urllib.parse.urlsplit(url)
+    if p.username is None:
+        return url, None
+    netloc = (p.hostname or "") + (f":{p.port}" if p.port else "")
+    token = base64.b64encode(f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}".encode()).decode()
+    return urllib.parse.urlunsplit(p._replace(netloc=netloc)), f"Basic {token}"
+
+
 def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
     """The labels of an incident event (its `to_dict()`): the alert's identity in Alertmanager."""
     level = int(d.get("level") or 0)
@@ -72,6 +85,8 @@ class AlertmanagerTarget:
             except NummonError as e:
                 raise NummonError(f"alertmanager: {e}".replace("webhook URL", "URL")) from None
         self.urls = [u.rstrip("/") for u in urls]
+        self._auth = {u: _basic_auth(u) for u in self.urls}  # user:password@ in a URL: HTTP basic auth
+        self._down: set[str] = set()  # members whose last post failed: logged once per outage
         # printed forms carry scheme and host only; the key names this target in the state file's outbox
         self.shown = "alertmanager " + ", ".join(safe_url(u) for u in self.urls)
         self.key = "alertmanager:" + hashlib.blake2b(",".join(self.urls).encode(), digest_size=6).hexdigest()
@@ -190,11 +205,15 @@ class AlertmanagerTarget:
                     break
                 delay *= 2
             tries += 1
-            req = urllib.request.Request(url + "/api/v2/alerts", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+            target, auth = self._auth[url]
+            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            req = urllib.request.Request(target + "/api/v2/alerts", data=body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     resp.read()
+                if url in self._down:
+                    self._down.discard(url)
+                    log.warning("nummon watch: alertmanager %s takes alerts again", safe_url(url))
                 return True
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
@@ -204,8 +223,10 @@ class AlertmanagerTarget:
             except (urllib.error.URLError, OSError):
                 pass
         self.failed += 1
-        log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries)", safe_url(url),
-                    body.count(b'"labels"'), tries)
+        if url not in self._down:  # every failure is counted; an outage is logged once, and its end
+            self._down.add(url)
+            log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries); further failures "
+                        "are counted, not logged, until it takes alerts again", safe_url(url), body.count(b'"labels"'), tries)
         return False
 
     def close(self, timeout_s: float = 5.0) -> None:
