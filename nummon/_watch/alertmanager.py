@@ -8,9 +8,11 @@ lives, and posts it with ``endsAt`` = now when the incident resolves. An escalat
 labels (state, severity): the old alert is resolved and the new one fires. Several URLs are the
 members of an HA cluster: every alert goes to each of them (they deduplicate among
 themselves). Posting runs on a thread of its own with timeouts and retries; a failure is
-counted (`failed`, per URL and batch) and logged, and never blocks the watch loop."""
+counted (`failed`, per URL and batch), an outage logged once, and nothing blocks the watch
+loop. ``user:password@`` in a URL is sent as HTTP basic auth and never printed."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -19,6 +21,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
 from typing import Any
@@ -41,9 +44,6 @@ def _iso(t: float) -> str:
 
 def _basic_auth(url: str) -> tuple[str, str | None]:
     """(the URL without user:password, its HTTP basic Authorization header or None)."""
-    import base64
-    import urllib.parse
-
     p = urllib.parse.urlsplit(url)
     if p.username is None:
         return url, None
@@ -70,7 +70,8 @@ def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
 class AlertmanagerTarget:
     """Posts incident events to one Alertmanager, or to each member of an HA cluster.
     `sent` counts batches delivered, `failed` batches a URL did not take after its retries,
-    `dropped` batches pushed out of a full queue."""
+    `dropped` batches pushed out of a full queue. `timeout_s` per request, `backoff_s` before
+    the first retry (doubling), `repeat_s` between re-posts of the firing alerts (seconds)."""
 
     kind = "alertmanager"
 
