@@ -285,6 +285,7 @@ class Monitor:
         """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
         rec = self._resolve(pending, clip_norm)
         got = self.engine.step(rec)  # the record is frozen from here on
+        self.stats.watch_all_modules(self.engine.incident_state.active)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
@@ -332,6 +333,9 @@ class Monitor:
         """The engine's incident events, one per recovery action (rollback, budget spent), each
         naming the flight record; kept and sent."""
         events = list(engine_events)
+        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
+        if why is not None:  # the forensic explanation travels with the incident event too
+            events = [ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events]
         for a in alerts:
             if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
                 events.append(self.engine.mark_acted(a))

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._functional import fmt_num
+from ._functional import cut_at_word, fmt_num
 from ._json import json_float
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Contributor",
     "IncidentEvent",
     "TITLE_MAX",
+    "INCIDENT_HEADLINES",
     "SUMMARY_MAX",
 ]
 
@@ -199,9 +200,7 @@ class StepRecord:
             v = getattr(self, k)
             if v is not None and not isfinite(v):
                 return False
-        return all(isfinite(v) for v in self.layer_grad_norms.values()) and all(
-            isfinite(v) for v in self.layer_activation_max.values()
-        )
+        return all(map(isfinite, self.layer_grad_norms.values())) and all(map(isfinite, self.layer_activation_max.values()))
 
 
 @dataclass(frozen=True)
@@ -330,13 +329,14 @@ class Contributor:
     steps_to_overflow: float | None = None
     location: str | None = None
     rank: int | None = None
+    overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
 
     @classmethod
     def from_alert(cls, a: Alert) -> "Contributor":
         d = a.details or {}
         num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
         return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
-                   num("steps_to_overflow"), a.location, a.rank)
+                   num("steps_to_overflow"), a.location, a.rank, bool(d.get("overflow_bound")))
 
     def line(self) -> str:
         """One Markdown list item."""
@@ -346,7 +346,11 @@ class Contributor:
         if self.rate_per_step is not None:
             parts.append(f"(x{self.rate_per_step:.3g}/step")
             ov = self.steps_to_overflow
-            parts[-1] += f", ~{ov:.0f} steps to overflow)" if ov is not None and math.isfinite(ov) else ")"
+            if ov is not None and math.isfinite(ov):
+                n = max(1, round(ov))
+                parts[-1] += f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+            else:
+                parts[-1] += ")"
         if self.location:
             parts.append(f"at {self.location}")
         if self.rank is not None:
@@ -362,7 +366,7 @@ class Contributor:
         return d
 
 
-_HEADLINE = {
+INCIDENT_HEADLINES = {
     IncidentState.OPEN: "run unstable",
     IncidentState.CRITICAL: "run critical",
     IncidentState.NONFINITE: "run lost: non-finite values",
@@ -383,19 +387,18 @@ class IncidentEvent:
     flight_record: str | None = None
     hint: str | None = None
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
+    explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
 
     @property
     def title(self) -> str:
         """A short title naming the state (under 64 characters)."""
         if self.action:
-            text = f"nummon: {self.action}"
-            return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
-        head = _HEADLINE.get(self.state, self.state.value)
+            return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
+        head = INCIDENT_HEADLINES.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"
-        text = f"nummon: {head}"
-        return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
+        return cut_at_word(f"nummon: {head}", TITLE_MAX)
 
     def summary(self) -> str:
         """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
@@ -408,6 +411,8 @@ class IncidentEvent:
             verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
             head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
         tail = []
+        if self.explanation and self.state is not IncidentState.RESOLVED:
+            tail.append(f"- why: {self.explanation}")
         if self.flight_record:
             tail.append(f"- flight record: `{self.flight_record}`")
         if self.hint and self.state is not IncidentState.RESOLVED:
@@ -439,11 +444,16 @@ class IncidentEvent:
             "flight_record": self.flight_record,
             "hint": self.hint,
             **({"action": self.action} if self.action else {}),
+            **({"explanation": self.explanation} if self.explanation else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":
         """This event naming a flight record written after it was made."""
         return replace(self, flight_record=path)
+
+    def explained(self, explanation: str, hint: str | None) -> "IncidentEvent":
+        """This event with the forensic explanation of its non-finite step (and its remedy)."""
+        return replace(self, explanation=explanation, hint=hint or self.hint)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import pytest
 import nummon
 from nummon import (Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity,
                     StepRecord)
+from nummon._layout import INCIDENTS_GROUP
 from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
 
 INCIDENT = IncidentEvent(step=7, state=IncidentState.CRITICAL, previous=IncidentState.OPEN, number=1, opened_step=5,
@@ -41,7 +42,7 @@ def tensorboard_delivered(sink, tmp_path, caplog, wandb_env):
 
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     acc.Reload()
-    incidents = [t for t in acc.Tags()["tensors"] if t.startswith("nummon_incidents/")]
+    incidents = [t for t in acc.Tags()["tensors"] if t.startswith(INCIDENTS_GROUP + "/")]
     assert len(incidents) == 1 and incidents[0].endswith("_critical/text_summary"), incidents
 
 
