@@ -9,7 +9,6 @@ code is refused unless the caller passes ``trust=True``. Printing is the CLI's j
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import re
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,8 @@ import torch
 from ._audit_compare import compare, iter_tensors, key_name, numeric_chunks, numeric_view
 from ._errors import NummonError
 from ._format import clean_text
+from ._functional import headroom_decades
+from ._json import json_safe
 
 __all__ = [
     "METADATA_ROOTS",
@@ -105,24 +106,14 @@ class AuditReport:
         return sum(c.summary["nonfinite_tensors"] for c in (self.first, self.second) if c is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (non-finite floats as None)."""
+        """JSON-ready: strict JSON, non-finite floats as "NaN" / "Infinity" / "-Infinity" (nummon's one encoding)."""
         out: dict[str, Any] = {"checkpoint": self.first.path, "format": self.first.format,
                                "tensors": [asdict(r) for r in self.first.tensors], "summary": self.first.summary}
         if self.second is not None:
             out.update({"checkpoint2": self.second.path, "format2": self.second.format,
                         "tensors2": [asdict(r) for r in self.second.tensors], "summary2": self.second.summary,
                         "comparison": self.comparison})
-        return _json_ready(out)
-
-
-def _json_ready(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_ready(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_ready(x) for x in v]
-    return v
+        return json_safe(out)
 
 
 # ------------------------------------------------------------------ loading
@@ -238,10 +229,7 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> tuple[Any, str]:
 
 def _headroom(max_abs: float, dtype: torch.dtype) -> float:
     """Decades between the largest finite magnitude and the dtype's largest finite value."""
-    top = torch.finfo(dtype).max
-    if max_abs <= 0:
-        return math.log10(top) + 30.0
-    return math.log10(top) - math.log10(max_abs)
+    return headroom_decades(max_abs, float(torch.finfo(dtype).max))
 
 
 def audit_tensor(key: str, t: torch.Tensor) -> TensorAudit:

@@ -9,14 +9,14 @@ from typing import Any, Callable, Literal, Union
 from ._detectors import MAGNITUDE_FIELDS, build_detectors
 from ._functional import is_finite, median
 from ._hints import hint_for
-from ._errors import NummonError
+from ._errors import NummonError, StateError
 from ._incidents import IncidentEvent, IncidentState, IncidentTracker
 from ._json import json_safe
 from ._policy import AlertPolicy, Policy
 from ._trace import record_from_dict
 from ._types import Alert, AlertKind, Finding, Health, Severity, StepRecord
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "EngineStateError"]
+__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine"]
 
 Key = tuple[str, str, str]
 
@@ -108,10 +108,6 @@ class EngineStep:
     incidents: tuple[IncidentEvent, ...] = ()
 
 
-class EngineStateError(NummonError):
-    """A saved engine state that cannot be loaded (wrong types or values)."""
-
-
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
 
@@ -143,6 +139,11 @@ class HealthEngine:
         """Where the run's incident stands."""
         return self._incidents.state
 
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open), e.g. for a
+        restarted notifier to re-post."""
+        return self._incidents.current(step)
+
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
@@ -166,20 +167,20 @@ class HealthEngine:
 
     def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
         """Resume from `state_dict()`: the saved records run through the detectors again (their
-        alerts are not repeated), then the incident state is restored. EngineStateError (no state
+        alerts are not repeated), then the incident state is restored. StateError (no state
         changed) when `state` is not such a dict."""
         try:
             first = [record_from_dict(o, origin, i) for i, o in enumerate(state.get("first") or [])]
             recent = [record_from_dict(o, origin, len(first) + i) for i, o in enumerate(state.get("history") or [])]
-            incident = IncidentTracker(self._incidents.quiet_steps)
-            incident.load_state(state.get("incident") or {})
+            incident = state.get("incident") or {}
+            IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
-            raise EngineStateError(str(e)) from None
+            raise StateError(str(e)) from None
         except (AttributeError, TypeError, ValueError) as e:
-            raise EngineStateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
+            raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
         for rec in first + recent:
-            self.step(rec)
-        self._incidents = incident
+            self.step(rec)  # the contributors come back with the records
+        self._incidents.load_state(incident)
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""

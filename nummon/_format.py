@@ -5,7 +5,7 @@ import math
 import re
 from typing import Any, Iterable
 
-from ._functional import fmt_num
+from ._functional import cut_at_word, fmt_num
 from ._types import Alert, StepRecord
 
 __all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "cut_at_word", "fmt_num", "plain_text", "plural", "records_table"]
@@ -39,17 +39,6 @@ def plural(n: float, word: str) -> str:
     """ "1 step", "3 steps", "~1 step" style counts (n rounded to an integer)."""
     k = int(round(n))
     return f"{k} {word}" + ("" if k == 1 else "s")
-
-
-def cut_at_word(text: str, limit: int) -> str:
-    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
-    if len(text) <= limit:
-        return text
-    head = text[: limit - 1]
-    space = head.rfind(" ")
-    if space > limit // 2:
-        head = head[:space].rstrip(" :,;-")
-    return head + "…"
 
 
 def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:

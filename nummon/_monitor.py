@@ -93,6 +93,10 @@ class Monitor:
     first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
     """
 
+    alerts: list[Alert]  # every routed alert, oldest first
+    incidents: list[IncidentEvent]  # every incident transition (opened, escalated, resolved, acted on)
+    step: int  # the step the next post_step is for
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -291,6 +295,7 @@ class Monitor:
         """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
         rec = self._resolve(pending, clip_norm)
         got = self.engine.step(rec)  # the record is frozen from here on
+        self.stats.watch_all_modules(self.engine.incident_state.active)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
