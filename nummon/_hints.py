@@ -18,7 +18,7 @@ _BASE = {
     "for float16 use bfloat16 or dynamic loss scaling",
     AlertKind.STALL: "no progress: check that the LR is not tiny, that gradients reach every layer, and that "
     "labels match inputs (overfit one batch first: nummon.diagnose.overfit_one_batch)",
-    AlertKind.OSCILLATION: "the loss bounces without progress: lower the LR (or the momentum) about 3x, "
+    AlertKind.OSCILLATION: "the loss swings without progress: lower the LR (or the momentum) about 3x, "
     "or use a LR schedule",
     AlertKind.VANISHING: "some layers get no gradient: check activations (saturating sigmoid/tanh), "
     "initialisation, detached tensors, and consider residual connections or normalisation",

@@ -166,6 +166,7 @@ class Monitor:
         if not self._sinks.wants_histograms:
             return []
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        self._hist_early = not any(cadences)  # the default cadence: log-spaced early steps as well
         if not any(cadences):
             cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
         return sorted({c for c in cadences if c > 0})
@@ -229,7 +230,11 @@ class Monitor:
             if previous is None:  # nothing measured yet: say so rather than guess "healthy"
                 return StepReport(step=s, health=None, should_stop=self._stop, pending=True)
             return self._evaluate(*previous)
-        return self._evaluate(pending, clip_norm)
+        report = self._evaluate(pending, clip_norm)
+        if report.incidents and hist is None and self._hist_every:
+            # the moment of trouble: histograms of this step's parameters and gradients too
+            self._sinks.histograms(s, self.stats.histograms())
+        return report
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -278,7 +283,12 @@ class Monitor:
         return self._sinks.stats()
 
     # ------------------------------------------------------------------ internals
+    #: With the default cadence, histograms at these early steps too: a short run and its start are visible
+    EARLY_HISTOGRAM_STEPS = frozenset({0, 1, 2, 5, 10, 20, 50, 100, 200, 500})
+
     def _hist_due(self, step: int) -> bool:
+        if getattr(self, "_hist_early", False) and step in self.EARLY_HISTOGRAM_STEPS:
+            return True
         return any(step % k == 0 for k in self._hist_every)
 
     def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
