@@ -12,9 +12,10 @@ import logging
 from typing import Any, Iterable
 
 from nummon._policy import PolicyLike
-from nummon._types import Severity, StepReport
+from nummon._types import StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, loss_of, resolve_policy
+from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
+                               stop_line)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -37,6 +38,7 @@ class NummonCallback(pl.Callback):
     `follow_loggers=False`. The event log (`nummon-events.jsonl`) and flight records go to
     `run_dir`, else `trainer.log_dir`. `trainer.should_stop` is set after a critical alert when
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    `console`: one line per incident event on the "nummon" logger (False: none).
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
     """
 
@@ -47,11 +49,13 @@ class NummonCallback(pl.Callback):
         stop_on_critical: bool | None = None,
         *,
         follow_loggers: bool = True,
+        console: bool = True,
         run_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.policy = resolve_policy(policy, stop_on_critical)
         self.extra_sinks = list(sinks)
+        self.console = console  # one console line per incident event (opened, escalated, resolved)
         self.follow_loggers = follow_loggers
         self.run_dir = run_dir
         self.monitor: Any = None
@@ -87,6 +91,7 @@ class NummonCallback(pl.Callback):
         self._optimizer = _unwrap(optimizers[0]) if optimizers else None
         distributed = trainer.world_size > 1
         sinks = self.extra_sinks + (self._logger_sinks(trainer) if self.follow_loggers else [])
+        sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(run_dir, self.policy, distributed))
         self.monitor = Monitor(
             pl_module, self._optimizer, self.policy, sinks,
@@ -149,8 +154,7 @@ class NummonCallback(pl.Callback):
         if report.should_stop and not trainer.should_stop:
             trainer.should_stop = True  # the same decision on every rank: the records are gathered
             self.stopped_at = report.step
-            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
-            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+            log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

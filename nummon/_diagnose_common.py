@@ -27,11 +27,16 @@ class Status(str, enum.Enum):
     WARN = "WARN"
     FAIL = "FAIL"
 
+    @property
+    def rank(self) -> int:
+        """How bad: PASS 0, PARTIAL and WARN 1, FAIL 2 (the one ordering of statuses)."""
+        return _STATUS_RANK[self]
+
     def __str__(self) -> str:
         return self.value
 
 
-_ORDER = {Status.PASS: 0, Status.PARTIAL: 1, Status.WARN: 1, Status.FAIL: 2}
+_STATUS_RANK = {Status.PASS: 0, Status.PARTIAL: 1, Status.WARN: 1, Status.FAIL: 2}
 
 
 @dataclass
@@ -67,7 +72,7 @@ class Diagnosis:
 
     @property
     def status(self) -> Status:
-        return max((r.status for r in self.reports), key=lambda s: _ORDER[s], default=Status.PASS)
+        return max((r.status for r in self.reports), key=lambda s: s.rank, default=Status.PASS)
 
     def __str__(self) -> str:
         body = "\n".join(str(r) for r in self.reports)

@@ -6,16 +6,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
 
-from ._detectors import build_detectors
+from ._detectors import MAGNITUDE_FIELDS, build_detectors
+from ._functional import is_finite, median
 from ._hints import hint_for
-from ._errors import NummonError
+from ._errors import NummonError, StateError
 from ._incidents import IncidentEvent, IncidentState, IncidentTracker
 from ._json import json_safe
 from ._policy import AlertPolicy, Policy
 from ._trace import record_from_dict
 from ._types import Alert, AlertKind, Finding, Health, Severity, StepRecord
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "EngineStateError"]
+__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine"]
 
 Key = tuple[str, str, str]
 
@@ -107,10 +108,6 @@ class EngineStep:
     incidents: tuple[IncidentEvent, ...] = ()
 
 
-class EngineStateError(NummonError):
-    """A saved engine state that cannot be loaded (wrong types or values)."""
-
-
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
 
@@ -132,11 +129,20 @@ class HealthEngine:
         self._first: list[list[Any]] = []
         self._first_max = warm_first
         self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
+        # clearing: a condition on a magnitude clears only once the metric is back near where it
+        # stood before the condition opened (median of its last finite values then)
+        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
+        self._before: dict[Key, float] = {}
 
     @property
     def incident_state(self) -> IncidentState:
         """Where the run's incident stands."""
         return self._incidents.state
+
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open), e.g. for a
+        restarted notifier to re-post."""
+        return self._incidents.current(step)
 
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
@@ -145,6 +151,9 @@ class HealthEngine:
         self.lifecycle = AlertLifecycle(self.policy.alerts)
         self._first.clear()
         self._recent.clear()
+        self._before.clear()
+        for levels in self._levels.values():
+            levels.clear()
 
     def mark_acted(self, alert: Alert) -> IncidentEvent:
         """The incident event saying what was done about it (a rollback, a recovery that gave up),
@@ -158,20 +167,20 @@ class HealthEngine:
 
     def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
         """Resume from `state_dict()`: the saved records run through the detectors again (their
-        alerts are not repeated), then the incident state is restored. EngineStateError (no state
+        alerts are not repeated), then the incident state is restored. StateError (no state
         changed) when `state` is not such a dict."""
         try:
             first = [record_from_dict(o, origin, i) for i, o in enumerate(state.get("first") or [])]
             recent = [record_from_dict(o, origin, len(first) + i) for i, o in enumerate(state.get("history") or [])]
-            incident = IncidentTracker(self._incidents.quiet_steps)
-            incident.load_state(state.get("incident") or {})
+            incident = state.get("incident") or {}
+            IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
-            raise EngineStateError(str(e)) from None
+            raise StateError(str(e)) from None
         except (AttributeError, TypeError, ValueError) as e:
-            raise EngineStateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
+            raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
         for rec in first + recent:
-            self.step(rec)
-        self._incidents = incident
+            self.step(rec)  # the contributors come back with the records
+        self._incidents.load_state(incident)
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
@@ -213,8 +222,9 @@ class HealthEngine:
         finite = rec.is_finite()
         # a non-finite record says nothing about whether growth stopped, and a record that does
         # not measure a metric (an eval-only row) says nothing about that metric's condition
-        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric))
+        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric) or self._still_high(f, rec))
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
+        self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
         events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
@@ -228,6 +238,32 @@ class HealthEngine:
         else:
             health = Health.HEALTHY
         return EngineStep(alerts, health, events)
+
+    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
+
+    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
+        """The metric of an open condition still stands far above its level from before it
+        opened (a spike's own values must not become the baseline it clears against)."""
+        before = self._before.get(f.key)
+        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
+        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
+
+    def _note_levels(self, rec: StepRecord) -> None:
+        """Remember each newly open condition's pre-incident level, forget closed ones, then
+        add this record's values to the recent ones."""
+        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
+        for key in [k for k in self._before if k not in open_keys]:
+            del self._before[key]
+        for key, f in open_keys.items():
+            levels = self._levels.get(f.metric)
+            if key not in self._before and levels:
+                self._before[key] = median(levels)
+        for m, levels in self._levels.items():
+            v = getattr(rec, m)
+            if is_finite(v) and v > 0:
+                levels.append(abs(float(v)))
+                if len(levels) > 8:
+                    del levels[0]
 
     def _keep(self, rec: StepRecord) -> None:
         if len(self._first) < self._first_max:

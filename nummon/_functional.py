@@ -92,9 +92,13 @@ def steps_to_overflow(value: float, rate: float, dtype_max: float) -> float:
     return max(0.0, (math.log(dtype_max) - math.log(value)) / math.log(rate))
 
 
-def headroom_decades(max_abs: float, dtype: str) -> float:
-    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow)."""
-    top = DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
+def headroom_decades(max_abs: float, dtype: str | float) -> float:
+    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow).
+
+    `dtype` is a dtype name ("float32", ...; unknown names count as float32) or that largest
+    finite value itself. The one headroom rule: zero magnitudes get 30 decades more than the
+    dtype's range, non-finite ones -inf."""
+    top = float(dtype) if isinstance(dtype, (int, float)) else DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
     if not math.isfinite(max_abs):
         return -math.inf
     if max_abs <= 0:
@@ -144,3 +148,14 @@ def fmt_num(v: Any, none: str = "—") -> str:
     if not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.4g}"
+
+
+def cut_at_word(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    space = head.rfind(" ")
+    if space > limit // 2:
+        head = head[:space].rstrip(" :,;-")
+    return head + "…"

@@ -93,6 +93,10 @@ class Monitor:
     first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
     """
 
+    alerts: list[Alert]  # every routed alert, oldest first
+    incidents: list[IncidentEvent]  # every incident transition (opened, escalated, resolved, acted on)
+    step: int  # the step the next post_step is for
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -329,6 +333,9 @@ class Monitor:
         """The engine's incident events, one per recovery action (rollback, budget spent), each
         naming the flight record; kept and sent."""
         events = list(engine_events)
+        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
+        if why is not None:  # the forensic explanation travels with the incident event too
+            events = [ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events]
         for a in alerts:
             if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
                 events.append(self.engine.mark_acted(a))

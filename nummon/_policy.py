@@ -217,9 +217,9 @@ def _parse_mapping(text: str, suffix: str, origin: str) -> dict[str, Any]:
 
             data = tomllib.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _yaml_load(text)
+    except PolicyError as e:
+        raise PolicyError(f"cannot parse policy {origin}: {e}") from None
     except RecursionError:
         raise PolicyError(f"cannot parse policy {origin}: nested too deeply") from None
     except Exception as e:  # parser errors differ per format; one line with a position is what the user needs
@@ -229,6 +229,32 @@ def _parse_mapping(text: str, suffix: str, origin: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PolicyError(f"policy {origin} must hold a mapping, got {type(data).__name__}")
     return data
+
+
+def _yaml_load(text: str) -> Any:
+    """YAML through a safe loader that refuses a key given twice in one mapping (the last value
+    would win silently): PolicyError naming the key and both lines."""
+    import yaml
+
+    class _UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the constructor reports it
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise PolicyError(f"duplicate key {key!r} at line {line} (first given at line {first})")
+            seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _parse_problem(e: Exception) -> str:

@@ -117,7 +117,7 @@ class AlertmanagerTarget:
     def run_started(self, run: Any, spec: Any) -> None:
         """Watcher hook: a run resumed from the state file with its incident open is firing
         again (same labels, so Alertmanager sees the alert it already holds, not a new one)."""
-        event = run.engine.incidents.current(run.last_step or 0)
+        event = run.engine.current_incident(run.last_step or 0)
         if event is None:
             return
         lines = [f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "

@@ -1,12 +1,13 @@
 """`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
-`python -m nummon._watch`). Exit codes: 0 ok, 2 bad input (one line on stderr)."""
+`python -m nummon._watch`). Exit codes: 0 ok; 2 bad input (one line on stderr), and with
+--once a run that could not be read; 1 with --once when a notification was lost."""
 from __future__ import annotations
 
 import argparse
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .._errors import NummonError
 from . import fs
@@ -62,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     if args.idle_timeout <= 0:
         raise NummonError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout}")
     for p in args.paths:
-        if not fs.is_url(p) and fs.stat(p) is None:
+        if not fs.is_url(p) and not os.path.lexists(p):
             raise NummonError(f"{p}: not found")
+        if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
+            raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
     policy = load_policy(args.policy)
     keymap = _keymap(args.key)
     shard = None
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     targets = []
     try:
         for spec in args.notify or ["console"]:
-            targets.append(parse_target(spec))
+            targets.append(parse_target(spec, wandb_sink=_wandb_sink))
     except BaseException:
         for t in targets:
             t.close()
@@ -99,8 +102,15 @@ def run(args: argparse.Namespace) -> int:
     from .hooks import Observers
 
     observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
-    watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                      idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
+    try:
+        watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
+                          idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
+    except BaseException:
+        for t in targets:
+            t.close()
+        if server is not None:
+            server.close()
+        raise
     watcher.metrics_server = server
     previous = {}
 
@@ -119,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         if server is not None:
             server.close()
+    if args.once and watcher.lost:
+        return 1
     if args.once and watcher.bad:
         return 2
     return 0
@@ -127,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"nummon watch: error: {message}\n")
+
+
+def _wandb_sink(**kwargs: Any) -> Any:
+    """The W&B sink, from the integrations layer (this module is the watch command's front end)."""
+    from ..integrations.wandb import WandbSink
+
+    return WandbSink(**kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,7 @@ class RunSeries:
 
     run: str
     source: str
-    health: int = 0
+    health: int | None = None  # of the latest record read (None: none read yet, e.g. after a restart)
     incident: int = 0  # 0 none, 1 open, 2 critical, 3 non-finite
     loss: float | None = None
     grad_norm: float | None = None
@@ -177,7 +177,7 @@ class MetricsObserver:
                 self.metrics.apply(run.id, lambda s: setattr(s, "last_record_ts", max(mtimes)))
         if run.last_step is not None:
             self.metrics.apply(run.id, lambda s: setattr(s, "last_step", run.last_step))
-        state = run.engine.incidents.state
+        state = run.engine.incident_state
         self.metrics.apply(run.id, lambda s: setattr(s, "incident", state.rank))
         run.on_record = lambda run_id, rec, got: self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents)
 

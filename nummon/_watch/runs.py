@@ -21,20 +21,37 @@ class WatchedRun:
     def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
         self.id = run_id
         self.follower = follower
+        self.policy = policy
+        self._warm = (first, history)
         self.engine = HealthEngine(policy, warm_first=first, warm_recent=history)
+        self.notes: list[str] = []  # one-line warnings for the watcher to print
+        self.segments = 0
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
         self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
-    def poll(self, final: bool = False) -> list[RunIncident]:
-        """Read what is new and run it through the detectors; the incident events it caused."""
+    def poll(self, final: bool = False, stop: Any = None) -> list[RunIncident]:
+        """Read what is new and run it through the detectors; the incident events it caused.
+        The follower reads in bounded chunks; a backlog is streamed chunk after chunk (records
+        are never all held), until it is read or `stop` (an Event) is set."""
         events: list[RunIncident] = []
-        for rec in self.follower.poll(final=final):
-            events.extend(self.process(rec))
-        return events
+        while True:
+            for rec in self.follower.poll(final=final):
+                events.extend(self.process(rec))
+            if not self.follower.more or (stop is not None and stop.is_set()):
+                return events
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
+        if self.last_step is not None and rec.step <= self.last_step:
+            # a log rewritten, rotated or re-run into the same place: its steps start over, and
+            # so do the detectors (as in replay); incident numbers go on, so no event id repeats
+            self.notes.append(f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
+                              f"(a rewritten, rotated or re-run log); detectors restarted")
+            number = _tracker(self.engine).number
+            self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
+            _tracker(self.engine).number = number
+            self.segments += 1
         got = self.engine.step(rec)
         if self.on_record is not None:
             self.on_record(self.id, rec, got)
@@ -62,3 +79,8 @@ class WatchedRun:
 
     def close(self) -> None:
         self.follower.close()
+
+
+def _tracker(engine: HealthEngine) -> Any:
+    """The engine's incident tracker (a fresh segment gets a fresh one that numbers on)."""
+    return getattr(engine, "_incidents", None) or engine.incidents
