@@ -23,6 +23,7 @@ from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
 from .histograms import histograms
 from .kernels import NormKernels, as_real
+from .mechanisms import MechanismProbes
 from .optim import OptimizerView
 from .pending import GatherTicket, Pending
 from .preclip import PreClipCapture
@@ -65,6 +66,9 @@ class StatsEngine:
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
         self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite)
+        mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
+        self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
+                                          linear_rms=mp.linear_rms) if mp.enabled else None
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
@@ -140,6 +144,10 @@ class StatsEngine:
             segs.append(Segment(name, ext, Reduce.MAX if name == "grad_absmax" else Reduce.LOCAL))
         acts, act_segs = self.probes.take(distributed)
         segs += act_segs
+        mech = None
+        if self.mechanisms is not None:
+            mech, mech_segs = self.mechanisms.take(distributed)
+            segs += mech_segs
         batch_tensors = tensors_in(batch) if batch is not None else None
         if batch_tensors:
             fl = [t for t in batch_tensors if t.is_floating_point() or t.is_complex()]
@@ -162,7 +170,7 @@ class StatsEngine:
         return Pending(
             step=step, packed=host, event=event, layout=layout, grad_names=grad_names, acts=acts,
             grad_dtype=grad_dtype, loss_host=loss_host, loss_dtype=loss_dtype, lr=lr,
-            grads=grads, params=params if measured_params else [], state=state, gather=ticket,
+            grads=grads, params=params if measured_params else [], state=state, gather=ticket, mech=mech,
         )
 
     def resolve(self, pending: Pending) -> StepRecord:
@@ -175,7 +183,10 @@ class StatsEngine:
             rows = self.dist.finish(vals, pending.gather.local, pending.gather.capacity, pending.step)
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
-        return self.decoder.record(pending, vals, sources)
+        rec = self.decoder.record(pending, vals, sources)
+        if self.mechanisms is not None:
+            self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
+        return rec
 
     # ------------------------------------------------------------------ the rest
     def optimizer_kind(self) -> str | None:
@@ -210,17 +221,23 @@ class StatsEngine:
     def hooks_paused(self) -> Iterator[None]:
         """Within this block the activation and gradient hooks record nothing."""
         self.probes.paused = True
+        if self.mechanisms is not None:
+            self.mechanisms.paused = True
         if self.preclip is not None:
             self.preclip.paused = True
         try:
             yield
         finally:
             self.probes.paused = False
+            if self.mechanisms is not None:
+                self.mechanisms.paused = False
             if self.preclip is not None:
                 self.preclip.paused = False
 
     def remove_hooks(self) -> None:
         self.probes.remove()
+        if self.mechanisms is not None:
+            self.mechanisms.remove()
         if self.preclip is not None:
             self.preclip.remove()
         self.watched.close()
