@@ -242,7 +242,7 @@ class AdamMomentPolicy(_Section):
     warning_rms: float = Field(10.0, gt=1, description="warning when a tensor's RMS(g / sqrt(v_hat)) exceeds this: the second moment underestimates g² and the update is that many times its usual size (ratio)")
     critical_rms: float = Field(100.0, gt=1, description="critical above this (ratio)")
     small_fraction: float = Field(0.5, gt=0, le=1, description="warning when more than this fraction of gradient elements is below Adam's eps (the update is eps-dominated) (fraction)")
-    warning_update_ratio: float = Field(0.1, gt=0, description="warning when one tensor's ||update|| / ||param|| exceeds this in one step (ratio)")
+    warning_update_ratio: float = Field(1.0, gt=0, description="warning when one tensor's ||update|| / ||param|| exceeds this in one step (ratio)")
     patience: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive samples a condition must hold (samples)")
     start_step: int = Field(10, ge=0, le=MAX_WINDOW, description="no finding before this step: the first updates are large relative to small initial parameters (steps)")
 

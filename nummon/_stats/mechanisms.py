@@ -19,6 +19,7 @@ flag test. Everything computed here is detached and under no_grad.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -77,12 +78,11 @@ class _Capture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         p = self.p
-        if func is F.multi_head_attention_forward:  # its inner softmax / SDPA call is the one to see
-            with self:
-                return func(*args, **kwargs)
         out = func(*args, **kwargs)
         try:
-            if func in _SOFTMAX:
+            if func is F.multi_head_attention_forward:  # its inner calls run with this mode off
+                p._mha(args, kwargs)
+            elif func in _SOFTMAX:
                 x = args[0]
                 dim = _dim_of(args, kwargs)
                 if isinstance(x, torch.Tensor) and dim is not None and _is_attention_scores(x, dim):
@@ -243,6 +243,39 @@ class MechanismProbes:
             if m.shape[-2] == L and keep < L:
                 m = m.index_select(-2, qi)
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        self._attention(s, None)
+
+    @torch.no_grad()
+    def _mha(self, args: tuple, kwargs: dict) -> None:
+        """nn.MultiheadAttention: its logits recomputed from the projections it was given."""
+        if not self.want_attention:
+            return
+        a = inspect.signature(F.multi_head_attention_forward).bind(*args, **kwargs).arguments
+        query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
+        if query.ndim == 2:  # unbatched (L, E)
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
+        E = query.shape[-1]
+        if a.get("use_separate_proj_weight"):
+            wq, wk = a["q_proj_weight"], a["k_proj_weight"]
+        else:
+            wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
+        b = a.get("in_proj_bias")
+        bq, bk = (b[:E], b[E : 2 * E]) if b is not None else (None, None)
+        L, N, S = query.shape[0], query.shape[1], key.shape[0]
+        q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
+        k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
+        s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = a.get("attn_mask")
+        if a.get("is_causal") and mask is None:
+            mask = torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1)
+        if mask is not None:
+            m = mask.detach()
+            if m.ndim == 3:  # (N * heads, L, S)
+                m = m[:heads]
+            s = s.masked_fill(m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        kpm = a.get("key_padding_mask")
+        if kpm is not None and kpm.dtype == torch.bool:
+            s = s.masked_fill(kpm.detach()[:1].reshape(1, 1, S), -math.inf)
         self._attention(s, None)
 
     @torch.no_grad()
