@@ -167,6 +167,11 @@ class HealthEngine:
             health = Health.HEALTHY
         return EngineStep(alerts, health, events)
 
+    def wants_sample(self) -> bool:
+        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
+        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        return any(getattr(d, "wants_sample", False) for d in self.detectors)
+
     def process(self, rec: StepRecord) -> tuple[list[Alert], Health]:
         """Alerts raised at this record, and the record's health state."""
         got = self.step(rec)

@@ -208,7 +208,8 @@ class Monitor:
         if probes is None:
             return
         mp = self.policy.mechanisms
-        probes.arm(self.step % mp.every == 0 or (mp.during_incident and self.engine.incidents.state.active))
+        probes.arm(self.step % mp.every == 0 or self.engine.wants_sample()
+                   or (mp.during_incident and self.engine.incidents.state.active))
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""

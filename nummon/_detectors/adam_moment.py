@@ -24,6 +24,11 @@ class AdamMomentDetector:
         self._p = p
         self._held: dict[str, int] = {}
 
+    @property
+    def wants_sample(self) -> bool:
+        """A condition seen but not held for `patience` samples yet: sample the next step too."""
+        return any(0 < n < self._p.patience for n in self._held.values())
+
     def _hold(self, key: str, on: bool) -> int:
         n = self._held.get(key, 0) + 1 if on else 0
         self._held[key] = n

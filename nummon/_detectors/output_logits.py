@@ -23,6 +23,11 @@ class OutputLogitsDetector:
         self._first: list[float] = []
         self._held = 0
 
+    @property
+    def wants_sample(self) -> bool:
+        """A drift seen but not held for `patience` samples yet: sample the next step too."""
+        return 0 < self._held < self._p.patience
+
     def update(self, rec: StepRecord) -> list[Finding]:
         z, top = rec.output_logsumexp_mean, rec.output_logit_max
         if not F.is_finite(z):
