@@ -130,9 +130,20 @@ class MechanismProbes:
         self._reset()
         self._hooks: list[Any] = []
         self._samples: torch.Tensor | None = None
+        # whether optimizer.step() ran since the model's last forward: post_step after the step (a
+        # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
+        # v's update (without a model forward to see: since the last take)
+        self._stepped = False
+        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
+            self._hooks_opt = optimizer.register_step_post_hook(self._after_step)
+        else:
+            self._hooks_opt = None
         if model is not None and (attention or output or linear_rms):
             self._hooks = [model.register_forward_pre_hook(self._enter),
                            model.register_forward_hook(self._leave, always_call=True)]
+
+    def _after_step(self, *_: Any) -> None:
+        self._stepped = True
 
     # ------------------------------------------------------------------ forward capture
     def _reset(self) -> None:
@@ -145,6 +156,8 @@ class MechanismProbes:
         self.armed = bool(on)
 
     def _enter(self, _mod: nn.Module, _inp: Any) -> None:
+        if not self._global:  # the step's forward: an optimizer.step() from now on is this step's
+            self._stepped = False
         if not self.armed or self.paused:
             return
         if self._global:  # a nested call of the model itself
@@ -334,6 +347,8 @@ class MechanismProbes:
                     ms.adam, ms.adam_elements = names, elements
                     segs += adam_segs
         self._reset()
+        if not self._hooks:
+            self._stepped = False
         return ms, segs
 
     def _param_names(self) -> dict[int, str]:
@@ -349,6 +364,7 @@ class MechanismProbes:
         small: list[torch.Tensor] = []
         upd: list[torch.Tensor] = []
         sizes: list[float] = []
+        stepped = self._stepped
         for gi, group in enumerate(self.optimizer.param_groups):
             betas = group.get("betas")
             if betas is None or "eps" not in group:
@@ -362,7 +378,7 @@ class MechanismProbes:
                     continue
                 t = st.get("step")
                 t = float(t) if t is not None else 0.0
-                if t < 2 or st["exp_avg_sq"].shape != p.grad.shape:
+                if t < (2 if stepped else 1) or st["exp_avg_sq"].shape != p.grad.shape:
                     continue
                 ps.append(p.detach()), gs.append(p.grad.detach().float()), ms_.append(st["exp_avg"].float())
                 vs.append(st["exp_avg_sq"].float()), ts.append(t)
@@ -371,11 +387,19 @@ class MechanismProbes:
             if not ps:
                 continue
             g2 = torch._foreach_mul(gs, gs)
-            # v_{t-1} = (v_t - (1 - b2) g^2) / b2, bias-corrected with t-1 steps
-            vprev = torch._foreach_add(vs, g2, alpha=-(1.0 - b2))
-            for v, t in zip(vprev, ts):
-                v.mul_(1.0 / (b2 * (1.0 - b2 ** (t - 1))))
-            torch._foreach_clamp_min_(vprev, eps * eps)
+            if stepped:  # v_{t-1} = (v_t - (1 - b2) g^2) / b2, bias-corrected with t-1 steps
+                vprev = torch._foreach_add(vs, g2, alpha=-(1.0 - b2))
+                for v, t in zip(vprev, ts):
+                    v.mul_(1.0 / (b2 * (1.0 - b2 ** (t - 1))))
+            else:  # before this step: the state holds v_{t-1} after t-1 = `step` updates
+                vprev = [v.clone() for v in vs]
+                for v, t in zip(vprev, ts):
+                    v.mul_(1.0 / (1.0 - b2 ** t))
+            # an element whose sqrt(v) is under 1e-2 of its tensor's RMS counts at that floor: such
+            # elements (rows a batch rarely touches, cancellation noise in the recovery above)
+            # would otherwise set the whole tensor's mean
+            for v in vprev:
+                v.clamp_min_(torch.clamp_min(v.mean() * 1e-4, eps * eps))
             torch._foreach_div_(g2, vprev)
             norms = torch._foreach_norm(torch._foreach_sqrt(g2))
             rms += [n / math.sqrt(s) for n, s in zip(norms, sizes[len(sizes) - len(ps):])]
@@ -435,6 +459,9 @@ class MechanismProbes:
     def remove(self) -> None:
         self._leave(None, None, None)
         self._close_mode()
+        if self._hooks_opt is not None:
+            self._hooks_opt.remove()
+            self._hooks_opt = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
