@@ -55,6 +55,7 @@ def hint_for(finding: Finding, context: dict | None = None) -> str:
                 "LR is not 0, that the loss is not computed on detached tensors, that labels match inputs, and that "
                 "the last layer is not saturated (a sigmoid at 0.5 gives ln 2, a uniform softmax ln k)")
     if kind is AlertKind.ADAM_SECOND_MOMENT and finding.metric == "adam_small_grad_fraction":
-        return ("most gradients are below Adam's eps: lower eps (1e-15 as in arXiv 2506.04805, or 1e-10) or scale the "
-                "loss up; in bfloat16 keep the optimizer state in float32")
+        return ("lower the LR or lengthen the warm-up (dead units or saturated normalisation layers stop passing "
+                "gradient at too high a LR); if the gradients are merely tiny rather than zero, lower Adam's eps "
+                "(arXiv 2506.04805) or keep the optimizer state in float32")
     return _BASE[kind]

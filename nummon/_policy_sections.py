@@ -241,7 +241,9 @@ class AdamMomentPolicy(_Section):
     enabled: bool = True
     warning_rms: float = Field(10.0, gt=1, description="warning when a tensor's RMS(g / sqrt(v_hat)) exceeds this: the second moment underestimates g² and the update is that many times its usual size (ratio)")
     critical_rms: float = Field(100.0, gt=1, description="critical above this (ratio)")
-    small_fraction: float = Field(0.5, gt=0, le=1, description="warning when more than this fraction of gradient elements is below Adam's eps (the update is eps-dominated) (fraction)")
+    small_fraction: float = Field(0.1, gt=0, le=1, description="warning when at least this fraction of gradient elements is below Adam's eps (their parameters have stopped receiving gradient while Adam's second moment still carries their old size) (fraction)")
+    small_growth: float = Field(5.0, ge=1, description="and that fraction is at least this multiple of the run's own level: the lowest of its first `baseline_samples` samples (ratio)")
+    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="samples from `start_step` on that set the run's own level of the small-gradient fraction (samples)")
     warning_update_ratio: float = Field(1.0, gt=0, description="warning when one tensor's ||update|| / ||param|| exceeds this in one step (ratio)")
     patience: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive samples a condition must hold (samples)")
     start_step: int = Field(10, ge=0, le=MAX_WINDOW, description="no finding before this step: the first updates are large relative to small initial parameters (steps)")

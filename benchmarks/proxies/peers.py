@@ -26,8 +26,6 @@ def lightning_spike(loss: Sequence[float], grad_norm: Sequence[float], window: i
 def olmo_6sigma(loss: Sequence[float], grad_norm: Sequence[float], window: int = 128, min_history: int = 20,
                 sigmas: float = 6.0) -> int | None:
     """OLMo's rule: a loss or grad norm more than 6 standard deviations above its recent mean."""
-    for series in (loss,):
-        pass
     first = None
     for series in (loss, grad_norm):
         hist: deque[float] = deque(maxlen=window)
@@ -76,6 +74,9 @@ PEERS = {
     "Lightning SpikeDetection": lightning_spike,
     "OLMo 6σ": olmo_6sigma,
     "ZClip z>2.5": zclip,
+    # ZClip's defaults fire during the LR warm-up of every run here, healthy ones too; with its
+    # warm-up as long as the LR's (100 steps) it stays quiet on healthy runs: the fair comparison
+    "ZClip, warm-up 100": lambda loss, gn: zclip(loss, gn, warmup=100),
     "W&B z-score": wandb_zscore,
 }
 

@@ -23,6 +23,7 @@ class AdamMomentDetector:
     def __init__(self, p: AdamMomentPolicy) -> None:
         self._p = p
         self._held: dict[str, int] = {}
+        self._small_base: list[float] = []  # the small-gradient fraction over the first samples
 
     @property
     def wants_sample(self) -> bool:
@@ -51,11 +52,19 @@ class AdamMomentDetector:
                                f"(about 1 when v tracks g²), so this update is {rms:.3g}x its usual size",
                                details={"tensor": name}))
         small = rec.adam_small_grad_fraction
-        if F.is_finite(small) and self._hold("small", small >= p.small_fraction) >= p.patience:
-            out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "adam_small_grad_fraction", small,
-                               p.small_fraction,
-                               f"{small:.0%} of gradient elements are below Adam's eps: their updates are set by eps, "
-                               f"not by the gradient"))
+        if F.is_finite(small):
+            base_q = self._small_base
+            if len(base_q) < p.baseline_samples:
+                base_q.append(small)
+            base = min(base_q)  # the lowest: the fraction can take off within the first samples
+            high = small >= p.small_fraction and small >= p.small_growth * base and len(base_q) >= 2
+            if self._hold("small", high) >= p.patience:
+                out.append(Finding(
+                    AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "adam_small_grad_fraction", small, p.small_fraction,
+                    f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
+                    f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
+                    f"(g² << v), the state that comes before a loss spike",
+                    details={"baseline_fraction": base}))
         upd = rec.update_ratio_max
         if F.is_finite(upd) and self._hold("update", upd >= p.warning_update_ratio) >= p.patience:
             lu = rec.layer_update_ratio
