@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from nummon._policy import PolicyLike
 from nummon._types import Severity, StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, loss_of, resolve_policy
+from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, loss_of, resolve_policy, take_per_sample
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -38,6 +38,8 @@ class NummonCallback(pl.Callback):
     `run_dir`, else `trainer.log_dir`. `trainer.should_stop` is set after a critical alert when
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
+    A `training_step` that sets `self.nummon_per_sample_loss = per_sample_losses` gets the worst
+    samples of the step named in its record, alerts and flight record.
     """
 
     def __init__(
@@ -126,7 +128,8 @@ class NummonCallback(pl.Callback):
                 self._warned_no_loss = True
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module))
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
+                                        per_sample_loss=take_per_sample(pl_module))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:

@@ -273,3 +273,33 @@ def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
     assert got["after"][0] is None and got["before"][0] is None  # nothing to compare the first gradient with
     # from the third step on (at the second, the weight differs by up to 35%: not understood yet)
     assert got["after"][2:] == pytest.approx(got["before"][2:], rel=1e-3)
+
+
+def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from nummon.integrations.lightning import NummonCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            per = (self.net(x) - y).pow(2).mean(1)
+            self.nummon_per_sample_loss = per.detach()
+            return per.mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    y[3] += 100.0  # the outlier the record must name
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    cb = NummonCallback(policy={"mechanisms": {"every": 1}}, follow_loggers=False, run_dir=str(tmp_path))
+    trainer = pl.Trainer(max_steps=2, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Module(), loader)
+    rec = cb.last_report.record
+    assert rec.sample_loss_top[0] == 3 and rec.sample_loss_ratio > 5

@@ -420,7 +420,7 @@ class MechanismProbes:
         if not names:
             return [], [], 0.0
         return names, [Segment("mech_adam_rms", torch.stack(rms), Reduce.MAX),
-                       Segment("mech_adam_small", torch.stack(small).double(), Reduce.SUM),
+                       Segment("mech_adam_small", torch.stack(small).double(), Reduce.MAX),
                        Segment("mech_adam_update", torch.stack(upd), Reduce.MAX)], sum(sizes)
 
     # ------------------------------------------------------------------ host side
