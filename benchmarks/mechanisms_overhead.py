@@ -1,9 +1,12 @@
 """Cost of the sampled mechanism probes on the CPU proxy LM (benchmarks/proxies/lm.py, d 128,
 2 blocks, 4 heads, batch 16 x 64 tokens, AdamW), as ratios side by side in one process.
 
-Variants run interleaved (a new order each round): the bare training step; nummon with the
-probes off; with the probes at the default cadence; and each probe alone at every step (its
-cost per sampled step). Each variant's median step time is divided by the bare step's.
+Variants run interleaved in short blocks (a new order each round; a block is `every` steps, so
+it holds exactly one sampled step at the default cadence): the bare training step; nummon with
+the probes off; with the probes at the default cadence; and each probe alone at every step (its
+cost per sampled step). Time is this thread's CPU time (`time.thread_time`, torch on one
+thread), so the other processes on a shared machine add little noise; each variant's median
+block time is divided by the bare step's.
 
     flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--steps K]
 """
@@ -35,8 +38,7 @@ def variants(every: int) -> dict[str, dict | None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(1)
     c = ProxyConfig(lr=0.01)
@@ -54,27 +56,29 @@ def main() -> None:
         t = []
         for i in range(steps):
             x, y = batches[i % len(batches)]
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             loss = F.cross_entropy(model(x).reshape(-1, c.vocab), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if mon is not None:
                 mon.post_step(loss)
-            t.append(time.perf_counter() - t0)
+            t.append(time.thread_time() - t0)
         if mon is not None:
             mon.close()
         return statistics.fmean(t)  # the mean: a sampled step is one in `every`
 
     for name, pol in vs.items():  # warm-up
-        run(pol, 5)
+        run(pol, every)
     for _ in range(args.rounds):
         order = list(vs)
         random.shuffle(order)
         for name in order:
-            times[name].append(run(vs[name], args.steps))
+            times[name].append(run(vs[name], every))
     bare = statistics.median(times["bare"])
-    print(f"bare step: {bare * 1e3:.2f} ms (median of {args.rounds} rounds x {args.steps} steps, 1 thread)")
+    print(f"bare step: {bare * 1e3:.2f} ms CPU (median of {args.rounds} blocks of {every} steps, 1 thread)")
+    print("| variant | step / bare step | vs probes off (% of a bare step) |")
+    print("|---|---|---|")
     off = statistics.median(times["nummon, probes off"])
     for name, ts in times.items():
         m = statistics.median(ts)

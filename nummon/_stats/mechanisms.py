@@ -198,11 +198,15 @@ class MechanismProbes:
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
         if id(mod) in self._linear and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-            with torch.no_grad():
-                o = out.detach()
-                rms = torch.linalg.vector_norm(o, dtype=torch.float32) / math.sqrt(o.numel())
-            prev = self._rms.get(name)
-            self._rms[name] = rms if prev is None else torch.maximum(prev, rms)
+            try:
+                with torch.no_grad():
+                    o = out.detach()
+                    wide = o.dtype in (torch.float64, torch.float32)  # half types: accumulate in float32
+                    rms = (torch.linalg.vector_norm(o) if wide else torch.linalg.vector_norm(o, dtype=torch.float32)) / math.sqrt(o.numel())
+                prev = self._rms.get(name)
+                self._rms[name] = rms.float() if prev is None else torch.maximum(prev, rms.float())
+            except Exception:  # a probe must never break the user's forward
+                self.errors += 1
 
     def _where(self) -> str:
         return self._stack[-1] if self._stack else "attention"
