@@ -391,7 +391,10 @@ class MechanismProbes:
             if not ps:
                 continue
             g2 = torch._foreach_mul(gs, gs)
-            if stepped:  # v_{t-1} = (v_t - (1 - b2) g^2) / b2, bias-corrected with t-1 steps
+            # v_{t-1} = (v_t - (1 - b2) g^2) / b2, bias-corrected with t-1 steps; from a float32 v_t
+            # this loses digits in proportion to g²/v (about 1e-7 x g²/v relative): exact enough
+            # for the ratios that matter (10..1e4), approximate for a single element at 1e6
+            if stepped:
                 vprev = torch._foreach_add(vs, g2, alpha=-(1.0 - b2))
                 for v, t in zip(vprev, ts):
                     v.mul_(1.0 / (b2 * (1.0 - b2 ** (t - 1))))
