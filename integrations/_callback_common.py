@@ -5,15 +5,17 @@ Imports neither framework (and not torch at module level), so both callbacks can
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
+from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
-from nummon._sinks import JsonlSink
+from nummon._sinks import ConsoleSink, JsonlSink
+from nummon._types import Severity, StepReport
 
-__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "events_sink", "loss_of", "resolve_policy"]
+__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "console_sinks", "events_sink", "loss_of", "resolve_policy",
+           "stop_line"]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -53,21 +55,32 @@ def take_per_sample(module: Any) -> Any:
     return None
 
 
+def console_sinks(console: bool, policy: Policy) -> list[ConsoleSink]:
+    """The callback's console: one line per incident event on the "nummon" logger, written on
+    the training thread (so it comes before the trainer's next log line), as `ConsoleSink` does
+    in a loop; none when `console` is off or the policy adds one already (`sinks.console`)."""
+    if not console or policy.sinks.console:
+        return []
+    return [ConsoleSink(min_severity=Severity.WARNING)]
+
+
+def stop_line(report: StepReport) -> str:
+    """The console line of a stop: the step, the incident and the critical alert behind it."""
+    event = report.incidents[-1] if report.incidents else None
+    crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
+    text = f"nummon: stopping training at step {report.step}"
+    if event is not None:
+        text += f": incident {event.number}, {event.title.removeprefix('nummon: ')}"
+    if crit is not None:
+        text += f" ({crit})"
+    return text
+
+
 def loss_of(output: Any) -> Any:
     """The loss in what a training step returned: a tensor, or a mapping / object with `loss`."""
     if isinstance(output, dict):
         return output.get("loss")
     return getattr(output, "loss", output)
-
-
-def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
-    """How much norm clipping scales this step's gradients down (1.0 = not clipped); None when
-    there is no clipping or no finite norm to compare with."""
-    if not max_norm or max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
-        return None
-    if grad_norm <= 0:
-        return 1.0
-    return min(1.0, float(max_norm) / float(grad_norm))
 
 
 class StepLoss:

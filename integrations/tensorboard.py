@@ -106,6 +106,8 @@ class TensorBoardSink(BaseSink):
         self.writer.flush()
 
     def on_alert(self, alert: Alert) -> None:
+        if alert.cleared:  # the incident's "resolved" entry says it; one per condition would bury the story
+            return
         self._text(alert_tag, alert.kind, alert_text(alert, markdown=True), alert.step)
 
     def on_incident(self, event: Any) -> None:

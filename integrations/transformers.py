@@ -16,9 +16,10 @@ import os
 from typing import Any, Iterable
 
 from nummon._policy import PolicyLike
-from nummon._types import Severity, StepReport
+from nummon._types import StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, resolve_policy, take_per_sample
+from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
+                               stop_line, take_per_sample)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -86,6 +87,7 @@ class NummonCallback(transformers.TrainerCallback):
     run) unless `follow_report_to=False`. The event log (`nummon-events.jsonl`) and flight records
     go to `args.output_dir`. `control.should_training_stop` is set after a critical alert when the
     policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    `console`: one line per incident event on the "nummon" logger (False: none).
     """
 
     def __init__(
@@ -95,9 +97,11 @@ class NummonCallback(transformers.TrainerCallback):
         stop_on_critical: bool | None = None,
         *,
         follow_report_to: bool = True,
+        console: bool = True,
     ) -> None:
         self.policy = resolve_policy(policy, stop_on_critical)
         self.extra_sinks = list(sinks)
+        self.console = console  # one console line per incident event (opened, escalated, resolved)
         self.follow_report_to = follow_report_to
         self.monitor: Any = None
         self.last_report: StepReport | None = None
@@ -119,6 +123,7 @@ class NummonCallback(transformers.TrainerCallback):
 
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
+        sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(args.output_dir, self.policy, distributed))
         self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, self.policy,
                                sinks, run_dir=args.output_dir, start_step=state.global_step)
@@ -187,8 +192,7 @@ class NummonCallback(transformers.TrainerCallback):
         if report.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             self.stopped_at = report.step
-            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
-            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+            log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     def _report_to_sinks(self, args: Any, state: Any) -> list[Any]:

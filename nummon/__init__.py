@@ -18,12 +18,12 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
     __path__.append(_root)  # type: ignore[name-defined]  # nummon.integrations, nummon.configs
 del _root
 
-from ._errors import NummonError
+from ._errors import DistributedError, NummonError, StateError
 from ._policy import Policy, PolicyError, load_policy, preset_names
 from ._replay import replay
-from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, Sink
+from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
 from ._trace import TraceError, read_trace
-from ._types import Alert, AlertKind, Health, Severity, StepRecord, StepReport
+from ._types import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, Severity, StepRecord, StepReport
 
 __version__ = "0.1.0"
 
@@ -32,16 +32,22 @@ __all__ = [
     "AlertKind",
     "BaseSink",
     "ConsoleSink",
+    "Contributor",
     "DistributedError",
     "Health",
+    "IncidentEvent",
+    "IncidentState",
     "JsonlSink",
     "MemorySink",
     "Monitor",
     "NummonError",
     "Policy",
     "PolicyError",
+    "PrometheusSink",
+    "RunContext",
     "Severity",
     "Sink",
+    "StateError",
     "StepRecord",
     "StepReport",
     "TensorBoardSink",
@@ -57,16 +63,24 @@ __all__ = [
 # imported on first use: Monitor needs torch, the integrations their backends
 _LAZY = {
     "Monitor": "._monitor",
-    "DistributedError": "._distributed",
     "TensorBoardSink": ".integrations.tensorboard",
+    "PrometheusSink": ".integrations.prometheus",
     "WandbSink": ".integrations.wandb",
 }
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedError
     from ._monitor import Monitor
+    from .integrations.prometheus import PrometheusSink
     from .integrations.tensorboard import TensorBoardSink
     from .integrations.wandb import WandbSink
+
+
+# the public classes and functions report the module users import them from (httpx's way)
+for _name in __all__:
+    _obj = globals().get(_name)
+    if isinstance(_obj, type) or callable(_obj):
+        _obj.__module__ = __name__
+del _name, _obj
 
 
 def __getattr__(name: str) -> Any:
@@ -78,6 +92,8 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        if name == "Monitor":
+            value.__module__ = __name__  # the integrations' classes keep their nummon.integrations.X
         globals()[name] = value
         return value
     raise AttributeError(f"module 'nummon' has no attribute {name!r}")

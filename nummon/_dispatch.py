@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any
 
-from ._errors import NummonError
-from ._sinks import RunContext
+from ._incidents import IncidentEvent
+from ._sinks import RunContext, Sink, as_sink, sink_name
 from ._types import Alert, Health, StepRecord
 
 __all__ = ["SinkDispatcher"]
@@ -26,7 +26,7 @@ log = logging.getLogger("nummon")
 class _Worker:
     """One sink on its own thread: a bounded queue of step events, an unbounded one of alerts."""
 
-    def __init__(self, sink: Any, name: str, queue_size: int, block_timeout_s: float | None) -> None:
+    def __init__(self, sink: Sink, name: str, queue_size: int, block_timeout_s: float | None) -> None:
         self.sink = sink
         self.name = name
         self.queue_size = queue_size
@@ -80,11 +80,8 @@ class _Worker:
             log.warning(msg, *args)
 
     def call(self, method: str, *args: Any) -> None:
-        fn = getattr(self.sink, method, None)
-        if fn is None:
-            return
         try:
-            fn(*args)
+            getattr(self.sink, method)(*args)
         except BaseException as e:  # isolate: not even SystemExit from a sink may stop training
             self.errors += 1
             self._warn_once("error", "nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
@@ -129,20 +126,17 @@ class SinkDispatcher:
     """
 
     def __init__(self, sinks: list[Any], queue_size: int = 1024, block_timeout_s: float | None = None) -> None:
-        for s in sinks:
-            if not any(hasattr(s, m) for m in ("on_step", "on_alert", "on_histograms")):
-                raise NummonError(f"{type(s).__name__} is not a sink: it has none of on_step/on_alert/on_histograms")
-        self.sinks = list(sinks)
+        sinks = [as_sink(s) for s in sinks]  # NummonError for an object that is no sink at all
+        self.sinks = sinks
         names = _unique_names(sinks)
-        self._sync = [(s, n) for s, n in zip(sinks, names) if getattr(s, "synchronous", False)]
-        self.workers = [_Worker(s, n, queue_size, block_timeout_s)
-                        for s, n in zip(sinks, names) if not getattr(s, "synchronous", False)]
+        self._sync = [(s, n) for s, n in zip(sinks, names) if s.synchronous]
+        self.workers = [_Worker(s, n, queue_size, block_timeout_s) for s, n in zip(sinks, names) if not s.synchronous]
         self._sync_errors = {n: 0 for _, n in self._sync}
         self._closed = False
 
     @property
     def wants_histograms(self) -> bool:
-        return any(getattr(s, "wants_histograms", False) for s in self.sinks)
+        return any(s.wants_histograms for s in self.sinks)
 
     def bind(self, context: RunContext) -> None:
         for s, n in self._sync:
@@ -150,12 +144,9 @@ class SinkDispatcher:
         for w in self.workers:  # before the worker sees any item: called here, the queues are empty
             w.call("bind", context)
 
-    def _call_sync(self, sink: Any, name: str, method: str, *args: Any) -> None:
-        fn = getattr(sink, method, None)
-        if fn is None:
-            return
+    def _call_sync(self, sink: Sink, name: str, method: str, *args: Any) -> None:
         try:
-            fn(*args)
+            getattr(sink, method)(*args)
         except BaseException as e:
             self._sync_errors[name] += 1
             if self._sync_errors[name] == 1:
@@ -170,32 +161,39 @@ class SinkDispatcher:
 
     def histograms(self, step: int, hists: dict[str, Any]) -> None:
         for s, n in self._sync:
-            if getattr(s, "wants_histograms", False):
+            if s.wants_histograms:
                 self._call_sync(s, n, "on_histograms", step, hists)
         for w in self.workers:
-            if getattr(w.sink, "wants_histograms", False):
+            if w.sink.wants_histograms:
                 w.put_step(("hist", step, hists))
 
     def alert(self, alert: Alert) -> None:
         self._urgent("on_alert", alert)
 
-    def incident(self, event: Any) -> None:
-        """An incident event, for the sinks that notify people (those with `on_incident`)."""
+    def incident(self, event: IncidentEvent) -> None:
+        """An incident event, for the sinks that notify people."""
         self._urgent("on_incident", event)
 
     def _urgent(self, method: str, payload: Any) -> None:
         for s, n in self._sync:
             self._call_sync(s, n, method, payload)
         for w in self.workers:
-            if hasattr(w.sink, method):
-                w.put_alert(method, payload)
+            w.put_alert(method, payload)
 
-    def flush(self, timeout: float) -> bool:
-        """Wait, at most `timeout` seconds in all, until every sink has written what it was
-        given and flushed; a sink that does not is logged and skipped next time until it catches up."""
+    def flush(self, timeout: float, durable_only: bool = False) -> bool:
+        """Wait, at most `timeout` seconds in all, until every sink (`durable_only`: every
+        durable event log) has written what it was given and flushed; a sink that does not is
+        logged and skipped next time until it catches up."""
         for s, n in self._sync:
-            self._call_sync(s, n, "flush")
-        waits = [(w, w.marker()) for w in self.workers if not w.stuck]
+            if s.durable or not durable_only:
+                self._call_sync(s, n, "flush")
+        waits = []
+        for w in self.workers:
+            if w.stuck:
+                continue
+            done = w.marker()  # the others flush what they hold soon, without anyone waiting for them
+            if w.sink.durable or not durable_only:
+                waits.append((w, done))
         deadline = time.monotonic() + timeout
         ok = True
         for w, done in waits:
@@ -230,11 +228,11 @@ class SinkDispatcher:
         return out
 
 
-def _unique_names(sinks: list[Any]) -> list[str]:
+def _unique_names(sinks: list[Sink]) -> list[str]:
     seen: dict[str, int] = {}
     names = []
     for s in sinks:
-        base = type(s).__name__
+        base = sink_name(s)
         seen[base] = seen.get(base, 0) + 1
         names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
     return names

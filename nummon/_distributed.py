@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ._errors import DistributedError
+
 __all__ = [
     "DistributedError",
     "DistributedReducer",
@@ -47,11 +49,6 @@ class Reduce:
     MEAN = "mean"  # the loss
     LOCAL = "local"  # rank-local values kept as they are (fingerprints, the LR)
     ALL = frozenset({SUM_SQ, MAX, MIN, SUM, MEAN, LOCAL})
-
-
-class DistributedError(RuntimeError):
-    """A collective failed (a rank died or is out of step, a timeout passed) or the ranks packed
-    different statistics."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

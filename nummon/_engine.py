@@ -2,13 +2,18 @@
 Monitor and replay (no torch)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Union
+from typing import Any, Callable, Literal, Union
 
-from ._detectors import build_detectors
+from ._detectors import MAGNITUDE_FIELDS, build_detectors
+from ._functional import is_finite, median
 from ._hints import hint_for
-from ._incidents import IncidentEvent, IncidentTracker
+from ._errors import NummonError, StateError
+from ._incidents import IncidentEvent, IncidentState, IncidentTracker
+from ._json import json_safe
 from ._policy import AlertPolicy, Policy
+from ._trace import record_from_dict
 from ._types import Alert, AlertKind, Finding, Health, Severity, StepRecord
 
 __all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine"]
@@ -104,14 +109,83 @@ class EngineStep:
 
 
 class HealthEngine:
-    """Runs every enabled detector over one record per step and returns the routed alerts."""
+    """Runs every enabled detector over one record per step and returns the routed alerts.
 
-    def __init__(self, policy: Policy, context: dict | None = None) -> None:
+    It owns its state: `rebaseline()` starts the detectors afresh (the incident goes on),
+    `mark_acted()` records what was done about the incident, and `state_dict()` /
+    `load_state_dict()` carry the incident and the records that re-warm the detectors across a
+    restart (a resumed run does not start cold). `warm_first` records from the run's start (the
+    divergence baseline) and the `warm_recent` latest ones are kept for that.
+    """
+
+    def __init__(self, policy: Policy, context: dict | None = None, *, warm_first: int = 32,
+                 warm_recent: int = 256) -> None:
         self.policy = policy
         self.context = context or {}
         self.detectors = build_detectors(policy)
         self.lifecycle = AlertLifecycle(policy.alerts)
-        self.incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
+        self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
+        # [record, its strict-JSON dict once made]: a record is converted once, not at every save
+        self._first: list[list[Any]] = []
+        self._first_max = warm_first
+        self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
+        # clearing: a condition on a magnitude clears only once the metric is back near where it
+        # stood before the condition opened (median of its last finite values then)
+        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
+        self._before: dict[Key, float] = {}
+
+    def wants_sample(self) -> bool:
+        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
+        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        return any(getattr(d, "wants_sample", False) for d in self.detectors)
+
+    @property
+    def incident_state(self) -> IncidentState:
+        """Where the run's incident stands."""
+        return self._incidents.state
+
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open), e.g. for a
+        restarted notifier to re-post."""
+        return self._incidents.current(step)
+
+    def rebaseline(self) -> None:
+        """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
+        not this run's); the incident is kept: it is what was recovered from."""
+        self.detectors = build_detectors(self.policy)
+        self.lifecycle = AlertLifecycle(self.policy.alerts)
+        self._first.clear()
+        self._recent.clear()
+        self._before.clear()
+        for levels in self._levels.values():
+            levels.clear()
+
+    def mark_acted(self, alert: Alert) -> IncidentEvent:
+        """The incident event saying what was done about it (a rollback, a recovery that gave up),
+        described by `alert`'s message."""
+        return self._incidents.acted(alert.step, alert, alert.message)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
+        return {"incident": self._incidents.to_state(), "first": [_saved(e) for e in self._first],
+                "history": [_saved(e) for e in self._recent]}
+
+    def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
+        """Resume from `state_dict()`: the saved records run through the detectors again (their
+        alerts are not repeated), then the incident state is restored. StateError (no state
+        changed) when `state` is not such a dict."""
+        try:
+            first = [record_from_dict(o, origin, i) for i, o in enumerate(state.get("first") or [])]
+            recent = [record_from_dict(o, origin, len(first) + i) for i, o in enumerate(state.get("history") or [])]
+            incident = state.get("incident") or {}
+            IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
+        except NummonError as e:  # a bad record: the message names `origin` already
+            raise StateError(str(e)) from None
+        except (AttributeError, TypeError, ValueError) as e:
+            raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
+        for rec in first + recent:
+            self.step(rec)  # the contributors come back with the records
+        self._incidents.load_state(incident)
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
@@ -145,34 +219,65 @@ class HealthEngine:
         )
 
     def step(self, rec: StepRecord) -> EngineStep:
-        """Alerts, health and incident events of one record."""
+        """Alerts, health and incident events of one record (frozen from here on: sinks hold it)."""
+        rec.freeze()
         findings: list[Finding] = []
         for d in self.detectors:
             findings.extend(d.update(rec))
         finite = rec.is_finite()
         # a non-finite record says nothing about whether growth stopped, and a record that does
         # not measure a metric (an eval-only row) says nothing about that metric's condition
-        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric))
+        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric) or self._still_high(f, rec))
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
+        self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
-        events = tuple(self.incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
+        events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
+        self._keep(rec)
         if not finite:
             health = Health.NONFINITE
         elif any(f.kind is AlertKind.EXTREME and f.severity.rank >= Severity.WARNING.rank for f in findings):
             health = Health.EXTREME
-        elif self.incidents.state.active:
+        elif self._incidents.state.active:
             health = Health.INCIDENT
         else:
             health = Health.HEALTHY
         return EngineStep(alerts, health, events)
 
-    def wants_sample(self) -> bool:
-        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
-        confirm at the next step: the Monitor then samples the mechanism probes there too."""
-        return any(getattr(d, "wants_sample", False) for d in self.detectors)
+    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
 
-    def process(self, rec: StepRecord) -> tuple[list[Alert], Health]:
-        """Alerts raised at this record, and the record's health state."""
-        got = self.step(rec)
-        return list(got.alerts), got.health
+    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
+        """The metric of an open condition still stands far above its level from before it
+        opened (a spike's own values must not become the baseline it clears against)."""
+        before = self._before.get(f.key)
+        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
+        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
+
+    def _note_levels(self, rec: StepRecord) -> None:
+        """Remember each newly open condition's pre-incident level, forget closed ones, then
+        add this record's values to the recent ones."""
+        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
+        for key in [k for k in self._before if k not in open_keys]:
+            del self._before[key]
+        for key, f in open_keys.items():
+            levels = self._levels.get(f.metric)
+            if key not in self._before and levels:
+                self._before[key] = median(levels)
+        for m, levels in self._levels.items():
+            v = getattr(rec, m)
+            if is_finite(v) and v > 0:
+                levels.append(abs(float(v)))
+                if len(levels) > 8:
+                    del levels[0]
+
+    def _keep(self, rec: StepRecord) -> None:
+        if len(self._first) < self._first_max:
+            self._first.append([rec, None])
+        else:
+            self._recent.append([rec, None])
+
+
+def _saved(entry: list[Any]) -> dict[str, Any]:
+    if entry[1] is None:
+        entry[1] = json_safe(entry[0].to_dict())
+    return entry[1]

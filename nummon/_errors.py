@@ -1,7 +1,17 @@
 """Errors with one-line messages that name the problem."""
 
-__all__ = ["NummonError"]
+__all__ = ["NummonError", "DistributedError", "StateError"]
 
 
 class NummonError(ValueError):
-    """Base of nummon's input errors: the message is one line and names the problem."""
+    """Base of nummon's errors: the message is one line and names the problem."""
+
+
+class DistributedError(NummonError, RuntimeError):
+    """A collective failed (a rank died or is out of step, a timeout passed) or the ranks packed
+    different statistics."""
+
+
+class StateError(NummonError):
+    """A saved state (a health engine's `state_dict`, a checkpoint's nummon state) that cannot be
+    loaded: wrong types or values. Nothing was changed."""

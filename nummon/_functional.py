@@ -20,6 +20,7 @@ __all__ = [
     "relative_spread",
     "pow10",
     "fmt_num",
+    "clip_ratio",
 ]
 
 #: Largest finite value per dtype (so detectors need no torch to reason about headroom).
@@ -91,9 +92,13 @@ def steps_to_overflow(value: float, rate: float, dtype_max: float) -> float:
     return max(0.0, (math.log(dtype_max) - math.log(value)) / math.log(rate))
 
 
-def headroom_decades(max_abs: float, dtype: str) -> float:
-    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow)."""
-    top = DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
+def headroom_decades(max_abs: float, dtype: str | float) -> float:
+    """Decades between the largest magnitude and the dtype's largest finite value (<= 0: overflow).
+
+    `dtype` is a dtype name ("float32", ...; unknown names count as float32) or that largest
+    finite value itself. The one headroom rule: zero magnitudes get 30 decades more than the
+    dtype's range, non-finite ones -inf."""
+    top = float(dtype) if isinstance(dtype, (int, float)) else DTYPE_MAX.get(dtype, DTYPE_MAX["float32"])
     if not math.isfinite(max_abs):
         return -math.inf
     if max_abs <= 0:
@@ -118,6 +123,16 @@ def pow10(x: float) -> float:
     return math.inf if x > 308.25 else 10.0**x
 
 
+def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
+    """How much norm clipping scales a step's gradients down (1.0 = not clipped); None when
+    there is no clipping or no finite norm to compare with."""
+    if not max_norm or max_norm <= 0 or grad_norm is None or not math.isfinite(grad_norm):
+        return None
+    if grad_norm <= 0:
+        return 1.0
+    return min(1.0, float(max_norm) / float(grad_norm))
+
+
 def fmt_num(v: Any, none: str = "—") -> str:
     """The one number format of tables and messages: integers exactly, floats to 4 significant
     digits, non-finite as nan/inf/-inf, None as `none`."""
@@ -133,3 +148,14 @@ def fmt_num(v: Any, none: str = "—") -> str:
     if not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.4g}"
+
+
+def cut_at_word(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    space = head.rfind(" ")
+    if space > limit // 2:
+        head = head[:space].rstrip(" :,;-")
+    return head + "…"

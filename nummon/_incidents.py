@@ -3,179 +3,22 @@ goes bad, one when it gets worse, one when it is lost and one when it recovers.
 
 Pure (no torch, no I/O). `IncidentTracker.update` takes each step's alerts and returns the
 `IncidentEvent`s of the transitions it made; notification sinks send those, while logs keep
-every alert.
+every alert. The events themselves (`IncidentEvent`, `IncidentState`, `Contributor`) are plain
+data in `_types`, re-exported here.
 """
 from __future__ import annotations
 
-import enum
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterable
 
-from ._functional import fmt_num
-from ._types import Alert, AlertKind, Severity
+from ._types import SUMMARY_MAX, TITLE_MAX, Alert, AlertKind, Contributor, IncidentEvent, IncidentState, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
-
-TITLE_MAX = 63  # W&B alert titles must stay under 64 characters
-SUMMARY_MAX = 999  # and texts under 1000
-
-
-class IncidentState(str, enum.Enum):
-    """Where the run's incident stands, mildest first."""
-
-    NONE = "none"  # no incident yet
-    OPEN = "open"  # a warning: something is going wrong
-    CRITICAL = "critical"  # a critical alert: the run needs action now
-    NONFINITE = "nonfinite"  # non-finite values: the run is lost unless a scaler skipped the step
-    RESOLVED = "resolved"  # quiet for the policy's quiet period after an incident
-
-    @property
-    def active(self) -> bool:
-        return self in (IncidentState.OPEN, IncidentState.CRITICAL, IncidentState.NONFINITE)
-
-    @property
-    def rank(self) -> int:
-        return {IncidentState.OPEN: 1, IncidentState.CRITICAL: 2, IncidentState.NONFINITE: 3}.get(self, 0)
-
-    def __str__(self) -> str:
-        return self.value
-
 
 def _state_of(alert: Alert) -> IncidentState:
     if alert.severity is Severity.CRITICAL:
         return IncidentState.NONFINITE if alert.kind is AlertKind.NONFINITE else IncidentState.CRITICAL
     return IncidentState.OPEN
-
-
-@dataclass(frozen=True)
-class Contributor:
-    """One condition behind an incident, as its latest alert described it."""
-
-    step: int
-    kind: AlertKind
-    severity: Severity
-    metric: str
-    value: float | None = None
-    growth: float | None = None  # total growth factor over the streak (runaway)
-    rate_per_step: float | None = None  # geometric growth per step (runaway)
-    steps_to_overflow: float | None = None
-    location: str | None = None
-    rank: int | None = None
-
-    @classmethod
-    def from_alert(cls, a: Alert) -> "Contributor":
-        d = a.details or {}
-        num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
-        return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
-                   num("steps_to_overflow"), a.location, a.rank)
-
-    def line(self) -> str:
-        """One Markdown list item."""
-        parts = [f"**{self.severity.value}** {self.kind.value} `{self.metric}`"]
-        if self.value is not None:
-            parts.append(f"= {fmt_num(self.value)}")
-        if self.rate_per_step is not None:
-            parts.append(f"(x{self.rate_per_step:.3g}/step")
-            ov = self.steps_to_overflow
-            parts[-1] += f", ~{ov:.0f} steps to overflow)" if ov is not None and math.isfinite(ov) else ")"
-        if self.location:
-            parts.append(f"at {self.location}")
-        if self.rank is not None:
-            parts.append(f"on rank {self.rank}")
-        return "- " + " ".join(parts) + f" (step {self.step})"
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"step": self.step, "kind": self.kind.value, "severity": self.severity.value, "metric": self.metric}
-        for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
-            v = getattr(self, k)
-            if v is not None:
-                d[k] = v if not isinstance(v, float) or math.isfinite(v) else str(v)
-        return d
-
-
-_HEADLINE = {
-    IncidentState.OPEN: "run unstable",
-    IncidentState.CRITICAL: "run critical",
-    IncidentState.NONFINITE: "run lost: non-finite values",
-    IncidentState.RESOLVED: "run recovered",
-}
-
-
-@dataclass(frozen=True)
-class IncidentEvent:
-    """One transition of the run's incident: opened, escalated, or resolved."""
-
-    step: int
-    state: IncidentState
-    previous: IncidentState
-    number: int  # 1 for the run's first incident, 2 for the next after a resolution, ...
-    opened_step: int
-    contributors: tuple[Contributor, ...] = ()  # worst first
-    flight_record: str | None = None
-    hint: str | None = None
-    action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
-
-    @property
-    def title(self) -> str:
-        """A short title naming the state (under 64 characters)."""
-        if self.action:
-            text = f"nummon: {self.action}"
-            return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
-        head = _HEADLINE.get(self.state, self.state.value)
-        if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
-            c = self.contributors[0]
-            head += f": {c.kind.value} in {c.metric}"
-        text = f"nummon: {head}"
-        return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
-
-    def summary(self) -> str:
-        """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
-        if self.action:
-            head = f"Incident {self.number} at step {self.step}: {self.action}. Now **{self.state.value}**."
-        elif self.state is IncidentState.RESOLVED:
-            head = (f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
-                    "no open condition and no new alert since.")
-        else:
-            verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
-            head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
-        tail = []
-        if self.flight_record:
-            tail.append(f"- flight record: `{self.flight_record}`")
-        if self.hint and self.state is not IncidentState.RESOLVED:
-            tail.append(f"- try: {self.hint}")
-        lines = [head]
-        budget = SUMMARY_MAX - len(head) - sum(len(t) + 1 for t in tail) - 40
-        shown = 0
-        for c in self.contributors:
-            item = c.line()
-            if len(item) + 1 > budget:
-                break
-            lines.append(item)
-            budget -= len(item) + 1
-            shown += 1
-        if shown < len(self.contributors):
-            lines.append(f"- … and {len(self.contributors) - shown} more")
-        text = "\n".join(lines + tail)
-        return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "state": self.state.value,
-            "previous": self.previous.value,
-            "number": self.number,
-            "opened_step": self.opened_step,
-            "title": self.title,
-            "contributors": [c.to_dict() for c in self.contributors],
-            "flight_record": self.flight_record,
-            "hint": self.hint,
-            **({"action": self.action} if self.action else {}),
-        }
-
-    def with_flight_record(self, path: str | None) -> "IncidentEvent":
-        """This event naming a flight record written after it was made."""
-        return replace(self, flight_record=path)
 
 
 class IncidentTracker:
@@ -209,7 +52,7 @@ class IncidentTracker:
         alerts = list(alerts)
         for a in alerts:
             if a.cleared:
-                self._open.discard(_key(a))
+                self._open.discard(a.key)
         loud = [a for a in alerts if not a.cleared and a.severity.rank >= Severity.WARNING.rank]
         previous = self.state
         if loud:
@@ -252,6 +95,13 @@ class IncidentTracker:
         self._quiet_since = step
         return replace(self._event(step, previous), action=action)
 
+    def current(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open): what a restarted
+        notifier re-posts. Its `previous` is its own state (no transition happened)."""
+        if not self.state.active:
+            return None
+        return self._event(step, self.state)
+
     def to_state(self) -> dict[str, Any]:
         """Where the incident stands, as plain data (a restarted watcher resumes from it)."""
         return {"state": self.state.value, "number": self.number, "opened_step": self._opened_step,
@@ -264,7 +114,7 @@ class IncidentTracker:
         self._quiet_since = int(d.get("quiet_since", 0))
 
     def _note(self, a: Alert) -> None:
-        key = _key(a)
+        key = a.key
         self._open.add(key)
         old = self._contributors.get(key)
         c = Contributor.from_alert(a)
@@ -289,7 +139,3 @@ class IncidentTracker:
             flight_record=self._flight_record,
             hint=self._hint[1] if self._hint else None,
         )
-
-
-def _key(a: Alert) -> tuple[str, str, str]:
-    return (a.kind.value, a.metric, a.location or "")

@@ -1,21 +1,31 @@
 """Strict JSON for everything nummon writes: non-finite floats become the strings "NaN",
 "Infinity" and "-Infinity", so `jq`, JavaScript's `JSON.parse` and every other parser read the
-event log and flight records (nummon's readers take both these strings and bare literals)."""
+event log, flight records and reports. This is the one encoding of non-finite numbers: every
+`to_dict` uses `json_float` / `json_safe` (nummon's readers also take bare literals and the old
+"inf" / "nan" strings, and `null` where an audit report once wrote it)."""
 from __future__ import annotations
 
 import json
 import math
 from typing import Any
 
-__all__ = ["json_safe", "dumps"]
+__all__ = ["json_float", "json_safe", "dumps"]
+
+
+def json_float(v: float | None) -> float | str | None:
+    """A float as strict JSON carries it: finite as it is, NaN/Inf as "NaN", "Infinity", "-Infinity"."""
+    if v is None:
+        return None
+    v = float(v)
+    if math.isfinite(v):
+        return v
+    return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
 
 
 def json_safe(obj: Any) -> Any:
     """`obj` with every non-finite float (at any depth) replaced by its JSON-safe string."""
     if isinstance(obj, float):
-        if math.isfinite(obj):
-            return obj
-        return "NaN" if obj != obj else ("Infinity" if obj > 0 else "-Infinity")
+        return json_float(obj)
     if isinstance(obj, dict):
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

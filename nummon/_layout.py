@@ -15,7 +15,8 @@ Plain data in, tag -> value dicts out (no torch). The groups (the part of a tag 
   `nummon_layers_attention_logit_max/<module>` and `nummon_layers_attention_entropy/<module>`.
 - `nummon_hist_<kind>/<name>` and `nummon_hist_<kind>_log10abs/<name>`: histograms (kind:
   params, grads, activations).
-- `nummon_alerts/<seq>_<kind>`, `nummon_incidents/<seq>_<state>`: one text entry each.
+- `nummon_1_incidents/<seq>_<state>` (listed first: they tell the story), `nummon_2_alerts/<seq>_<kind>`:
+  one text entry each (no entry for a cleared alert: the incident's "resolved" event says it).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ._types import MECHANISM_FIELDS, Health, StepRecord
 __all__ = [
     "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
     "LAYER_METRICS", "MECHANISM_GROUP", "MECHANISM_LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
-    "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
+    "ALERTS_GROUP", "INCIDENTS_GROUP", "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
     "custom_scalars_layout", "metric_sections",
 ]
 
@@ -57,6 +58,9 @@ TOP_K = 5
 #: of the 1.05x budget, so N >= ~270; every 500 steps adds ~0.27% and gives ~100 histograms per
 #: 50k-step run. Step 0 always gets one.
 DEFAULT_HISTOGRAM_EVERY = 500
+#: Text groups, in the order TensorBoard's Text tab lists them (alphabetical): incidents first
+INCIDENTS_GROUP = "nummon_1_incidents"
+ALERTS_GROUP = "nummon_2_alerts"
 
 # incident states by name, for events whose state has no `rank` (see nummon/_incidents.py)
 _INCIDENT_CODES = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
@@ -158,12 +162,12 @@ def histogram_tags(name: str) -> tuple[str, str]:
 
 def alert_tag(seq: int, kind: Any) -> str:
     """A tag of its own for the seq-th alert (TensorBoard shows one text per tag and step)."""
-    return f"nummon_alerts/{seq:04d}_{getattr(kind, 'value', kind)}"
+    return f"{ALERTS_GROUP}/{seq:04d}_{getattr(kind, 'value', kind)}"
 
 
 def incident_tag(seq: int, state: Any) -> str:
     """A tag of its own for the seq-th incident event."""
-    return f"nummon_incidents/{seq:04d}_{getattr(state, 'value', state)}"
+    return f"{INCIDENTS_GROUP}/{seq:04d}_{getattr(state, 'value', state)}"
 
 
 def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:

@@ -16,11 +16,13 @@ from . import _shutdown
 from ._dispatch import SinkDispatcher
 from ._engine import HealthEngine
 from ._errors import NummonError
+from ._functional import clip_ratio
+from ._incidents import IncidentEvent
 from ._policy import PolicyLike, load_policy
-from ._recorder import FlightRecorder, RunFolder
-from ._sinks import ConsoleSink, JsonlSink, RunContext
+from ._recorder import FlightRecorder, FlightRecords, RunFolder
+from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from ._stats import Pending, StatsEngine
-from ._types import Alert, Health, Severity, StepRecord, StepReport
+from ._types import Alert, Severity, StepRecord, StepReport
 
 __all__ = ["Monitor"]
 
@@ -42,6 +44,8 @@ def _check_loss(loss: Any) -> Any:
         raise NummonError(f"loss must be a float or a 0-d tensor, got {type(loss).__name__} {loss!r:.40}")
     try:
         return float(loss)
+    except OverflowError:  # e.g. 10**400: an integer beyond float's range
+        raise NummonError(f"loss must fit in a float (magnitude at most 1.8e308), got a {type(loss).__name__} beyond that") from None
     except (TypeError, ValueError) as e:  # e.g. a numpy array with several elements
         raise NummonError(f"loss must be a single number, got {type(loss).__name__} ({e})") from None
 
@@ -60,6 +64,33 @@ def _check_per_sample(losses: Any) -> Any:
     return losses
 
 
+def _check_parts(model: Any, optimizer: Any) -> None:
+    if model is not None and not isinstance(model, nn.Module):
+        raise NummonError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise NummonError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _check_clip_norm(clip_norm: Any) -> float | None:
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
+        raise NummonError(f"clip_norm must be a number (the max gradient norm), got {type(clip_norm).__name__}")
+    try:
+        return float(clip_norm)
+    except OverflowError:
+        raise NummonError(f"clip_norm is too large for a float: {clip_norm!r:.40}") from None
+
+
+def _reducer(process_group: Any) -> Any:
+    """The one-collective-per-step reducer under torch.distributed, else None."""
+    if process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from ._distributed import DistributedReducer
+
+    return DistributedReducer(process_group)
+
+
 class Monitor:
     """Watches a training run's numerical health, one `post_step` per optimizer step.
 
@@ -76,6 +107,10 @@ class Monitor:
     first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
     """
 
+    alerts: list[Alert]  # every routed alert, oldest first
+    incidents: list[IncidentEvent]  # every incident transition (opened, escalated, resolved, acted on)
+    step: int  # the step the next post_step is for
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -88,65 +123,80 @@ class Monitor:
         run_dir: str | os.PathLike[str] | None = None,
         start_step: int = 0,
     ) -> None:
-        if model is not None and not isinstance(model, nn.Module):
-            raise NummonError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise NummonError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_parts(model, optimizer)
         self.policy = load_policy(policy)
-        sp = self.policy.sinks
-        sink_list = list(sinks)
-        if sp.jsonl:
-            sink_list.append(JsonlSink(sp.jsonl))
-        if sp.console:
-            sink_list.append(ConsoleSink())
-        self._dist = None
-        if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            from ._distributed import DistributedReducer
-
-            self._dist = DistributedReducer(process_group)
+        sink_list = self._policy_sinks(sinks)
+        self._dist = _reducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
         self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
         self.run_folder = RunFolder(self.policy.recorder.directory, run_dir, sink_list)
-        if self._dist is not None and sp.rank0_only and self.rank != 0:
-            sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
-        self._sinks = SinkDispatcher(sink_list, sp.queue_size,
-                                     block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None)
-        world = self._dist.world if self._dist else 1
-        self._sinks.bind(RunContext(rank=self.rank, world_size=world, run_dir=self.run_folder.known,
-                                    flush_every_steps=sp.flush_every_steps))
+        self.flight_records = FlightRecords(self.recorder, self.run_folder, enabled=self.policy.recorder.write,
+                                            rank=self.rank if self._dist else None)
+        self._sinks = self._dispatcher(sink_list)
         self.alerts: list[Alert] = []
-        self.incidents: list[Any] = []  # IncidentEvents: one per opened / escalated / resolved incident
+        self.incidents: list[IncidentEvent] = []  # one per opened / escalated / resolved incident
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
-        self._pending: Pending | None = None
+        self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
         self._recompute: Callable[[], Any] | None = None  # this step's way to re-run its loss (forensics)
         self.cause: Any = None  # the NonfiniteReport of the first non-finite step, when it could be explained
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
-        # histogram cadences: the policy's, and any sink's own (e.g. TensorBoardSink(histogram_every=50));
-        # when neither sets one, the default of the sinks that draw them (cost bounded: nummon/_layout.py)
+        self._hist_every = self._histogram_cadences(sink_list)
+        if self._hist_every:
+            self.stats.want_activation_histograms(self._hist_due(self.step))
+        self.recovery = self._recovery()
+        self._arm_mechanisms()
+        _shutdown.register(self, self.policy.sinks.handle_sigterm)
+
+    def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
+        """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
+        sp = self.policy.sinks
+        sink_list = [as_sink(s) for s in sinks]
+        if sp.jsonl:
+            sink_list.append(JsonlSink(sp.jsonl))
+        if sp.console:
+            sink_list.append(ConsoleSink())
+        return sink_list
+
+    def _dispatcher(self, sink_list: list[Sink]) -> SinkDispatcher:
+        sp = self.policy.sinks
+        if self._dist is not None and sp.rank0_only and self.rank != 0:
+            sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
+        dispatcher = SinkDispatcher(sink_list, sp.queue_size,
+                                    block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None)
+        world = self._dist.world if self._dist else 1
+        dispatcher.bind(RunContext(rank=self.rank, world_size=world, run_dir=self.run_folder.known,
+                                   flush_every_steps=sp.flush_every_steps))
+        return dispatcher
+
+    def _histogram_cadences(self, sink_list: list[Sink]) -> list[int]:
+        """The steps histograms are taken at: the policy's cadence and any sink's own (e.g.
+        TensorBoardSink(histogram_every=50)); when neither sets one, the default of the sinks that
+        draw them (cost bounded: nummon/_layout.py). Empty when no sink wants histograms."""
+        if not self._sinks.wants_histograms:
+            return []
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
         if not any(cadences):
             cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
-        self._hist_every = sorted({c for c in cadences if c > 0}) if self._sinks.wants_histograms else []
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
-        # recovery (issue 17, opt-in): guard on optimizer.step, snapshots, rollbacks; logic in _recovery/
-        self.recovery = None
-        if self.policy.recovery.enabled:
-            from ._recovery import Recovery
+        return sorted({c for c in cadences if c > 0})
 
-            self.recovery = Recovery(self)
-        self._arm_mechanisms()
-        _shutdown.register(self, sp.handle_sigterm)
+    def _recovery(self) -> Any:
+        """Recovery (opt-in, policy `recovery`): guard on optimizer.step, snapshots, rollbacks."""
+        if not self.policy.recovery.enabled:
+            return None
+        from ._recovery import Recovery
+
+        return Recovery(self.stats.model, self.stats.optimizer, self.policy.recovery, self._dist,
+                        self.flight_records, step_of=lambda: self.step)
 
     # ------------------------------------------------------------------ public
     def post_step(self, loss: Any, batch: Any = None, *, recompute: Callable[[], Any] | None = None,
-                  per_sample_loss: Any = None) -> StepReport:
+                  clip_norm: float | None = None, per_sample_loss: Any = None) -> StepReport:
         """Record one optimizer step (call after `optimizer.step()`); returns this step's report.
 
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
@@ -155,12 +205,15 @@ class Monitor:
         `lambda: loss_fn(model(x), y)`) is called only on a non-finite step, to name the
         operator, line and cause of the first NaN (policy `forensics`); the explanation is exact
         when the weights are still those of the failing forward: `post_step` called before
-        `optimizer.step()`, or recovery skipped the poisoned update.
-        `per_sample_loss` (optional: a tensor of this batch's losses per sample, any shape) puts
-        the max/mean ratio and the indices of the worst samples into the record, and so into
-        alerts, incidents and the flight record ("the batch that did it").
+        `optimizer.step()`, or recovery skipped the poisoned update. `clip_norm` (optional: the
+        max total gradient norm the loop clips to, e.g. Lightning's `gradient_clip_val`) gives
+        the record its `clip_ratio`, min(1, clip_norm / grad_norm), when nummon did not see the
+        clipping itself. `per_sample_loss` (optional: a tensor of this batch's losses per sample,
+        any shape) puts the max/mean ratio and the indices of the worst samples into the record,
+        and so into alerts, incidents and the flight record ("the batch that did it").
         """
         loss = _check_loss(loss)
+        clip_norm = _check_clip_norm(clip_norm)
         per_sample_loss = _check_per_sample(per_sample_loss)
         if recompute is not None and not callable(recompute):
             raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
@@ -169,11 +222,11 @@ class Monitor:
                 raise NummonError("post_step on a closed Monitor")
             self._recompute = recompute
             try:
-                return self._post_step(loss, batch, per_sample_loss)
+                return self._post_step(loss, batch, clip_norm, per_sample_loss)
             finally:
                 self._recompute = None
 
-    def _post_step(self, loss: Any, batch: Any, per_sample_loss: Any = None) -> StepReport:
+    def _post_step(self, loss: Any, batch: Any, clip_norm: float | None, per_sample_loss: Any = None) -> StepReport:
         s = self.step
         sp = self.policy.sampling
         if per_sample_loss is not None and self.stats.mechanisms is not None:
@@ -192,24 +245,25 @@ class Monitor:
         # lag only when the copy is asynchronous (CUDA); decided per step, so a model moved to
         # the GPU after the Monitor was made is handled too
         if self.policy.sampling.lag_one_step and pending.event is not None:
-            previous, self._pending = self._pending, pending
+            previous, self._pending = self._pending, (pending, clip_norm)
             if previous is None:  # nothing measured yet: say so rather than guess "healthy"
                 self._arm_mechanisms()
                 return StepReport(step=s, health=None, should_stop=self._stop, pending=True)
-            report = self._evaluate(previous)
+            report = self._evaluate(*previous)
         else:
-            report = self._evaluate(pending)
+            report = self._evaluate(pending, clip_norm)
         self._arm_mechanisms()
         return report
 
     def _arm_mechanisms(self) -> None:
-        """Sample the mechanism probes at the next step when it is due, or while an incident is open."""
+        """Sample the mechanism probes at the next step when it is due, when a detector must
+        confirm what it saw, or while an incident is open."""
         probes = self.stats.mechanisms
         if probes is None:
             return
         mp = self.policy.mechanisms
         probes.arm(self.step % mp.every == 0 or self.engine.wants_sample()
-                   or (mp.during_incident and self.engine.incidents.state.active))
+                   or (mp.during_incident and self.engine.incident_state.active))
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -217,7 +271,7 @@ class Monitor:
             report = None
             if self._pending is not None:
                 pending, self._pending = self._pending, None
-                report = self._evaluate(pending)
+                report = self._evaluate(*pending)
             self._sinks.flush(timeout=self.policy.sinks.flush_timeout_s)
             return report
 
@@ -229,7 +283,7 @@ class Monitor:
                 return
             if self._pending is not None:
                 pending, self._pending = self._pending, None
-                self._evaluate(pending)
+                self._evaluate(*pending)
             self._closed = True
             self.stats.remove_hooks()
             if self.recovery is not None:  # recovery: give optimizer.step back
@@ -261,50 +315,74 @@ class Monitor:
     def _hist_due(self, step: int) -> bool:
         return any(step % k == 0 for k in self._hist_every)
 
-    def _evaluate(self, pending: Pending) -> StepReport:
-        rec = self.stats.resolve(pending)
-        got = self.engine.step(rec)
+    def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
+        """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
+        rec = self._resolve(pending, clip_norm)
+        got = self.engine.step(rec)  # the record is frozen from here on
+        self.stats.watch_all_modules(self.engine.incident_state.active)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
             alerts = self._explain(alerts)
-        recovered = False  # recovery: True when this step's critical alerts were handled (skip/rollback)
+        recovered = False  # True when this step's critical alerts were handled (skip/rollback)
         if self.recovery is not None:
-            alerts, recovered = self.recovery.on_record(rec, got.health, alerts)
-        routed = []
-        critical = False
+            outcome = self.recovery.on_record(rec, got.health, alerts)
+            alerts, recovered = list(outcome.alerts), outcome.handled
+            if outcome.rebaseline:
+                self.engine.rebaseline()
+        routed = [self._route(a, rec, recovered) for a in alerts]
+        events = self._incident_events(got.incidents, routed)
+        self._sinks.step(rec, got.health)
+        if any(a.severity is Severity.CRITICAL for a in routed):
+            # the alert that precedes a crash is in the event log before post_step returns; the
+            # other sinks (W&B, webhooks) get it asynchronously, so they never stall training
+            self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s, durable_only=True)
+        return StepReport(step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop,
+                          record=rec, incidents=events)
+
+    def _resolve(self, pending: Pending, clip_norm: float | None) -> StepRecord:
+        rec = self.stats.resolve(pending)
+        if clip_norm is not None and rec.clip_ratio is None and not rec.frozen:
+            ratio = clip_ratio(rec.grad_norm, clip_norm)
+            if ratio is not None:
+                rec = dataclasses.replace(rec, clip_ratio=ratio)
+        return rec
+
+    def _route(self, a: Alert, rec: StepRecord, recovered: bool) -> Alert:
+        """One alert, completed (flight record, rank, batch fingerprint), kept and sent."""
+        if a.severity is Severity.CRITICAL:
+            if self.flight_record is None:
+                a = self._dump_flight_record(a)
+            if self.policy.alerts.stop_on_critical and not recovered:
+                self._stop = True
+        if self._dist is not None and a.rank is None and rec.rank is not None:
+            a = dataclasses.replace(a, rank=rec.rank)
+        if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
+            a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
+        if rec.sample_loss_top and not a.cleared:  # the batch that did it: which samples, how far out
+            a = dataclasses.replace(a, details={**a.details, "worst_samples": list(rec.sample_loss_top),
+                                                "sample_loss_max_over_mean": rec.sample_loss_ratio})
+        self.alerts.append(a)
+        self._sinks.alert(a)
+        return a
+
+    def _incident_events(self, engine_events: tuple[IncidentEvent, ...], alerts: list[Alert]) -> tuple[IncidentEvent, ...]:
+        """The engine's incident events, one per recovery action (rollback, budget spent), each
+        naming the flight record; kept and sent."""
+        events = list(engine_events)
+        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
+        if why is not None:  # the forensic explanation travels with the incident event too
+            events = [ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events]
         for a in alerts:
-            if a.severity is Severity.CRITICAL:
-                critical = True
-                if self.flight_record is None and self.policy.recorder.write:
-                    a = self._dump_flight_record(a)
-                if self.policy.alerts.stop_on_critical and not recovered:
-                    self._stop = True
-            if self._dist is not None and a.rank is None and rec.rank is not None:
-                a = dataclasses.replace(a, rank=rec.rank)
-            if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
-                a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
-            if rec.sample_loss_top and not a.cleared:  # the batch that did it: which samples, how far out
-                a = dataclasses.replace(a, details={**a.details, "worst_samples": list(rec.sample_loss_top),
-                                                    "sample_loss_max_over_mean": rec.sample_loss_ratio})
-            routed.append(a)
-            self.alerts.append(a)
-            self._sinks.alert(a)
-        events = list(got.incidents)
-        for a in alerts:  # every recovery (rollback, budget spent) is an incident event of its own
             if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
-                events.append(self.engine.incidents.acted(a.step, a, a.message))
+                events.append(self.engine.mark_acted(a))
         if self.flight_record is not None:
             events = [ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
                       for ev in events]
         for ev in events:
             self.incidents.append(ev)
             self._sinks.incident(ev)
-        self._sinks.step(rec, got.health)
-        if critical:  # the alert that precedes a crash is on disk before post_step returns
-            self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s)
-        return StepReport(step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop,
-                          record=rec, incidents=tuple(events))
+        return tuple(events)
 
     def _explain(self, alerts: list[Alert]) -> list[Alert]:
         """The cause of this step's first non-finite value, put into its non-finite alerts."""
@@ -315,11 +393,8 @@ class Monitor:
         return alerts
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
-        name = f"nummon-flight-record-step{alert.step}" + (f"-rank{self.rank}" if self._dist else "") + ".json"
-        try:
-            path = self.recorder.dump(self.run_folder.path() / name, alert)
-        except OSError as e:
-            log.warning("nummon: could not write the flight record: %s", e)
+        path = self.flight_records.write(alert)
+        if path is None:
             return alert
         self.flight_record = path
         details = dict(alert.details)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from ._diagnose_common import Report, Status, copy_model, device_of, split_batch, to_device
 from ._errors import NummonError
-
-if TYPE_CHECKING:
-    from .diagnose import Report
 
 __all__ = ["OVERFIT_LRS", "overfit_one_batch"]
 
@@ -111,22 +109,21 @@ def _flat(losses: list[float], window: int, floor: float) -> bool:
 
 def _run_trial(model: nn.Module, get_batch: Callable[[], Any], loss_fn: Callable, lr: float, steps: int,
                optimizer_cls: type[torch.optim.Optimizer], fraction: float, floor: float) -> _Trial:
-    from .diagnose import _copy_model, _device_of, _split, _to
 
     trial = _Trial(lr)
-    clone = _copy_model(model)
+    clone = copy_model(model)
     _dropout_off(clone)
     params = [p for p in clone.parameters() if p.requires_grad]
     if not params:
         trial.ended = "no_grad"
         return trial
     opt = optimizer_cls(params, lr=lr)
-    dev = _device_of(clone)
+    dev = device_of(clone)
     window = max(25, steps // 8)
     losses: list[float] = []
     dim: int | None = None
     for i in range(steps):
-        x, y = (_to(t, dev) for t in _split(get_batch()))
+        x, y = (to_device(t, dev) for t in split_batch(get_batch()))
         opt.zero_grad(set_to_none=True)
         out = clone(x)
         loss = loss_fn(out, y)
@@ -177,7 +174,6 @@ def overfit_one_batch(
     memorises; PARTIAL when none did but the loss was still falling; FAIL otherwise.
     `batch`: an (inputs, targets) pair, or a callable returning one (called once per step).
     `loss_floor`: the loss's minimum when it is not 0 (label smoothing, a KL term)."""
-    from .diagnose import Report, Status, _split
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise NummonError(f"overfit_one_batch needs steps >= 1, got {steps!r}")
@@ -187,17 +183,17 @@ def overfit_one_batch(
     if callable(batch):
         get_batch = batch
     else:
-        _split(batch)  # an (inputs, targets) pair, or a one-line error now
+        split_batch(batch)  # an (inputs, targets) pair, or a one-line error now
         get_batch = lambda: batch  # noqa: E731
     trials: list[_Trial] = []
     for rate in tried:
         trials.append(_run_trial(model, get_batch, loss_fn, float(rate), steps, optimizer_cls, target_fraction, loss_floor))
         if trials[-1].ended in ("memorised", "no_grad"):
             break  # memorised: done; no_grad: no learning rate can change that
-    return _verdict(trials, steps, loss_floor, Report, Status)
+    return _verdict(trials, steps, loss_floor)
 
 
-def _verdict(trials: list[_Trial], steps: int, floor: float, report: type, status: Any) -> Report:
+def _verdict(trials: list[_Trial], steps: int, floor: float) -> Report:
     best = min(trials, key=lambda t: (t.ended != "memorised", t.ratio(floor)))
     total = sum(t.steps for t in trials)
     ratio = best.ratio(floor)
@@ -213,21 +209,21 @@ def _verdict(trials: list[_Trial], steps: int, floor: float, report: type, statu
     loss = f"loss {best.start_loss:.4g} -> {best.best_loss:.4g} ({ratio:.2%} of a constant prediction's {best.reference_loss:.4g})"
     cost = f"{total} steps over {len(trials)} learning rate(s) {', '.join(f'{t.lr:g}' for t in trials)}"
     if best.ended == "memorised":
-        return report(name, status.PASS, [f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"], nums)
+        return Report(name, Status.PASS, [f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"], nums)
     if best.ended == "no_grad":
-        return report(name, status.FAIL, [
+        return Report(name, Status.FAIL, [
             "the loss depends on no trainable parameter: the model is frozen (requires_grad False everywhere) "
             "or its output is detached (.detach(), .item(), torch.no_grad, a numpy round trip)"], nums)
     if all(t.ended == "nonfinite" for t in trials):
-        return report(name, status.FAIL, [
+        return Report(name, Status.FAIL, [
             f"the loss became non-finite at every learning rate tried ({cost}): check the loss for log(0)/division"], nums)
     if best.ended == "budget" and ratio <= 0.5:
-        return report(name, status.PARTIAL, [
+        return Report(name, Status.PARTIAL, [
             f"not memorised within {steps} steps per learning rate but still falling: {loss}{acc}; "
             f"raise steps; {cost}"], nums)
     if best.accuracy == 1.0:
-        return report(name, status.FAIL, [
+        return Report(name, Status.FAIL, [
             f"every prediction is right but the loss flattened far above its floor {floor:g}: {loss}; the loss cannot "
             "reach its minimum: softmax before CrossEntropyLoss, or a loss with a non-zero floor "
             f"(label smoothing: pass loss_floor); {cost}"], nums)
-    return report(name, status.FAIL, [f"no learning rate memorised the batch: {loss}{acc}; {_CAUSES}; {cost}"], nums)
+    return Report(name, Status.FAIL, [f"no learning rate memorised the batch: {loss}{acc}; {_CAUSES}; {cost}"], nums)

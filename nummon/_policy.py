@@ -98,6 +98,7 @@ class SamplingPolicy(_Section):
     optimizer_every: int = Field(1, ge=1, le=MAX_WINDOW, description="optimizer-state norm every this many steps")
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
     activations_exclude: tuple[str, ...] = Field((), description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read")
+    activations_all_every: int = Field(50, ge=1, le=MAX_WINDOW, description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)")
     histogram_every: int = Field(0, ge=0, le=MAX_WINDOW, description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)")
     lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
 
@@ -228,9 +229,9 @@ def _parse_mapping(text: str, suffix: str, origin: str) -> dict[str, Any]:
 
             data = tomllib.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _yaml_load(text)
+    except PolicyError as e:
+        raise PolicyError(f"cannot parse policy {origin}: {e}") from None
     except RecursionError:
         raise PolicyError(f"cannot parse policy {origin}: nested too deeply") from None
     except Exception as e:  # parser errors differ per format; one line with a position is what the user needs
@@ -240,6 +241,32 @@ def _parse_mapping(text: str, suffix: str, origin: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PolicyError(f"policy {origin} must hold a mapping, got {type(data).__name__}")
     return data
+
+
+def _yaml_load(text: str) -> Any:
+    """YAML through a safe loader that refuses a key given twice in one mapping (the last value
+    would win silently): PolicyError naming the key and both lines."""
+    import yaml
+
+    class _UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the constructor reports it
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise PolicyError(f"duplicate key {key!r} at line {line} (first given at line {first})")
+            seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _parse_problem(e: Exception) -> str:

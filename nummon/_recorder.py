@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from ._json import dumps
 from ._types import Alert, Health, StepRecord
 
-__all__ = ["FlightRecorder", "RunFolder"]
+__all__ = ["FlightRecorder", "FlightRecords", "RunFolder"]
 
 log = logging.getLogger("nummon")
 
@@ -32,8 +32,8 @@ class RunFolder:
         """The folder if the user named one (directly or through a JSONL log), else None."""
         if self._explicit is not None:
             return Path(self._explicit)
-        jsonl = next((s for s in self._sinks if hasattr(s, "template") and hasattr(s, "path")), None)
-        return jsonl.path.parent if jsonl is not None else None
+        log_sink = next((s for s in self._sinks if s.durable), None)  # a durable event log names its `path`
+        return log_sink.path.parent if log_sink is not None else None
 
     def path(self) -> Path:
         if self._path is None:
@@ -61,12 +61,46 @@ class FlightRecorder:
         return [{**rec.to_dict(), "health": health.value if health else None} for rec, health in self._ring]
 
     def dump(self, path: Path, alert: Alert) -> Path:
-        """Write the record atomically (a temporary file, then a rename)."""
+        """Write the record atomically (a temporary file, then a rename); on failure (a full
+        disk, a file-size limit) the temporary file is removed and the error raised."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(dumps({"alert": alert.to_dict(), "records": self.records}, indent=1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(dumps({"alert": alert.to_dict(), "records": self.records}, indent=1))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass  # never created, or the folder went away: nothing is left behind either way
+            raise
         return path
+
+
+class FlightRecords:
+    """The one place flight records are named and written: the first critical alert's
+    (`nummon-flight-record-step<S>.json`) and each rollback's (`...-step<S>-rollback<N>.json`),
+    with `-rank<R>` under torch.distributed, into the run folder."""
+
+    def __init__(self, recorder: FlightRecorder, folder: RunFolder, *, enabled: bool = True,
+                 rank: int | None = None) -> None:
+        self.recorder = recorder
+        self.folder = folder
+        self.enabled = enabled  # policy recorder.write
+        self._suffix = f"-rank{rank}" if rank is not None else ""
+
+    def write(self, alert: Alert, rollback: int | None = None) -> Path | None:
+        """Write the trajectory up to `alert`; its path, or None when writing is off or failed
+        (logged: a flight record never stops training)."""
+        if not self.enabled:
+            return None
+        tag = f"-rollback{rollback}" if rollback is not None else ""
+        name = f"nummon-flight-record-step{alert.step}{tag}{self._suffix}.json"
+        try:
+            return self.recorder.dump(self.folder.path() / name, alert)
+        except OSError as e:
+            log.warning("nummon: could not write the %sflight record: %s", "rollback " if rollback is not None else "", e)
+            return None

@@ -34,18 +34,20 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
             warn(f"{path}:{lineno}: step {rec.step} after step {prev}: a new segment, detectors restarted")
             engine = HealthEngine(pol)
         prev = rec.step
-        got, _ = engine.process(rec)
-        yield from got
+        yield from engine.step(rec).alerts
 
 
-def iter_replay_records(records: Iterable[StepRecord], policy: PolicyLike = None) -> Iterator[Alert]:
+def iter_replay_records(records: Iterable[StepRecord], policy: PolicyLike = None, warn: WarnFn | None = None,
+                        source: str = "log") -> Iterator[Alert]:
     """Alerts over records read by any reader (TensorBoard, HF, CSV, W&B), in order; a step
-    that goes backwards starts a new segment, as in `iter_replay`."""
+    that goes backwards starts a new segment, as in `iter_replay` (named to `warn` when given)."""
     pol: Policy = load_policy(policy)
     engine = HealthEngine(pol)
     prev: int | None = None
     for rec in records:
         if prev is not None and rec.step <= prev:
+            if warn is not None:
+                warn(f"{source}: step {rec.step} after step {prev}: a new segment, detectors restarted")
             engine = HealthEngine(pol)
         prev = rec.step
         yield from engine.step(rec).alerts

@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from ._errors import NummonError
+from ._format import plain_text
+from ._incidents import IncidentEvent
 from ._json import dumps
 from ._types import Alert, Health, Severity, StepRecord
 
-__all__ = ["Sink", "BaseSink", "RunContext", "JsonlSink", "ConsoleSink", "MemorySink"]
+__all__ = ["Sink", "BaseSink", "RunContext", "JsonlSink", "ConsoleSink", "MemorySink", "as_sink", "sink_name"]
 
 log = logging.getLogger("nummon")
 
@@ -31,11 +34,27 @@ class RunContext:
 
 @runtime_checkable
 class Sink(Protocol):
-    """What a sink implements. Every argument is plain data (no tensors)."""
+    """What a sink implements (`BaseSink` gives no-op defaults). Every argument is plain data.
+
+    `wants_histograms`: send it `on_histograms`. `synchronous`: call it on the training thread,
+    in order with the user's own prints (console output). `durable`: it is a durable event log
+    (with a `path`): a critical alert is on its disk before `post_step` returns, while the other
+    sinks get it asynchronously.
+    """
+
+    wants_histograms: bool
+    synchronous: bool
+    durable: bool
+
+    def bind(self, context: RunContext) -> None: ...
 
     def on_step(self, record: StepRecord, health: Health) -> None: ...
 
+    def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None: ...
+
     def on_alert(self, alert: Alert) -> None: ...
+
+    def on_incident(self, event: IncidentEvent) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -43,12 +62,14 @@ class Sink(Protocol):
 
 
 class BaseSink:
-    """No-op defaults; subclass and override what you need. `on_histograms` and `bind` are optional."""
+    """No-op defaults of every `Sink` method; subclass and override what you need."""
 
     #: sinks that want histograms set this to True
     wants_histograms = False
     #: True: called on the training thread, in order with the user's own prints (console output)
     synchronous = False
+    #: True: a durable event log, written and flushed before post_step returns from a critical alert
+    durable = False
 
     def bind(self, context: RunContext) -> None:
         """Called once by the Monitor with the rank and run folder, before any other call."""
@@ -62,7 +83,7 @@ class BaseSink:
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         pass
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         """One transition of the run's incident (opened, escalated, resolved): notify people here."""
 
     def flush(self) -> None:
@@ -72,14 +93,54 @@ class BaseSink:
         pass
 
 
+_SINK_METHODS = ("bind", "on_step", "on_histograms", "on_alert", "on_incident", "flush", "close")
+
+
+class _PartialSink(BaseSink):
+    """A duck-typed sink that implements only some of the protocol, completed with no-ops (the
+    one place a sink's methods are looked up; the dispatcher then calls the protocol)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = type(inner).__name__
+        self.wants_histograms = bool(getattr(inner, "wants_histograms", False))
+        self.synchronous = bool(getattr(inner, "synchronous", False))
+        self.durable = bool(getattr(inner, "durable", False))
+        for method in _SINK_METHODS:
+            fn = getattr(inner, method, None)
+            if callable(fn):
+                setattr(self, method, fn)
+
+    def __getattr__(self, name: str) -> Any:  # e.g. a durable log's `path`, a sink's own settings
+        return getattr(self.__dict__["inner"], name)
+
+
+def as_sink(obj: Any) -> Sink:
+    """`obj` as a complete `Sink`: itself when it implements the protocol, else completed with
+    no-ops; NummonError when it has none of on_step / on_alert / on_histograms."""
+    if isinstance(obj, Sink):
+        return obj
+    if not any(callable(getattr(obj, m, None)) for m in ("on_step", "on_alert", "on_histograms")):
+        raise NummonError(f"{type(obj).__name__} is not a sink: it has none of on_step/on_alert/on_histograms")
+    return _PartialSink(obj)
+
+
+def sink_name(sink: Sink) -> str:
+    """The class name a sink is reported under (the user's class for a completed one)."""
+    return sink.name if isinstance(sink, _PartialSink) else type(sink).__name__
+
+
 class JsonlSink(BaseSink):
     """Append-only local event log: one strict-JSON object per step record and per alert.
 
     ``{rank}`` in the path (e.g. ``events-rank{rank}.jsonl``) is the Monitor's rank in its process
     group (set the policy's ``sinks.rank0_only: false`` for one log per rank). Alerts are flushed
     at once (critical ones fsync'ed); step records at least every ``flush_every_steps`` steps.
-    The file is opened at the first write.
+    The file is opened at the first write. A durable event log: a critical alert is on disk
+    before `post_step` returns.
     """
+
+    durable = True
 
     def __init__(self, path: str | os.PathLike[str], steps: bool = True) -> None:
         self.template = os.fspath(path)
@@ -122,7 +183,7 @@ class JsonlSink(BaseSink):
         if alert.severity is Severity.CRITICAL:
             os.fsync(fh.fileno())
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         fh = self._file()
         fh.write(dumps({"type": "incident", **event.to_dict()}) + "\n")
         fh.flush()
@@ -162,12 +223,12 @@ class ConsoleSink(BaseSink):
         hint = f" | hint: {alert.hint}" if alert.hint and not alert.cleared else ""
         self.logger.log(level, "nummon %s%s", alert, hint)
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         rank = getattr(event.state, "rank", 1)
         level = logging.INFO if rank == 0 else (logging.WARNING if rank == 1 else logging.ERROR)
         if level == logging.INFO and self.min_severity.rank > Severity.INFO.rank:
             return
-        body = event.summary().replace("\n", "\n    ")
+        body = plain_text(event.summary()).replace("\n", "\n    ")  # the console shows text, not Markdown
         self.logger.log(level, "%s\n    %s", event.title, body)
 
 
@@ -180,7 +241,7 @@ class MemorySink(BaseSink):
         self.records: list[StepRecord] = []
         self.healths: list[Health] = []
         self.alerts: list[Alert] = []
-        self.incidents: list[Any] = []
+        self.incidents: list[IncidentEvent] = []
         self.histograms: list[tuple[int, dict[str, Any]]] = []
         self.context: RunContext | None = None
         self.closed = False
@@ -199,7 +260,7 @@ class MemorySink(BaseSink):
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         self.histograms.append((step, histograms))
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         self.incidents.append(event)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Plain data that crosses every boundary: step records, findings, alerts.
+"""Plain data that crosses every boundary: step records, findings, alerts, incident events.
 
 Nothing here imports torch: detectors, replay and sinks all speak these types.
 """
@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from ._functional import cut_at_word, fmt_num
+from ._json import json_float
 
 __all__ = [
     "Severity",
@@ -23,6 +26,12 @@ __all__ = [
     "Finding",
     "Alert",
     "StepReport",
+    "IncidentState",
+    "Contributor",
+    "IncidentEvent",
+    "TITLE_MAX",
+    "INCIDENT_HEADLINES",
+    "SUMMARY_MAX",
 ]
 
 
@@ -148,7 +157,9 @@ class StepRecord:
     """Host-side statistics of one optimizer step, as plain floats.
 
     ``None`` means "not measured at this step" (sampling cadence, a trace without the column); a
-    NaN or Inf value is a real non-finite measurement.
+    NaN or Inf value is a real non-finite measurement. A record is frozen (read-only) once the
+    health engine has seen it, before any sink gets it: derive a changed one with
+    `dataclasses.replace`.
     """
 
     step: int
@@ -189,6 +200,22 @@ class StepRecord:
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
     layer_output_rms: dict[str, float] = field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: a StepRecord is read-only once the engine has seen it "
+                "(use dataclasses.replace)")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> "StepRecord":
+        """Make this record read-only (the engine does, before sinks hold it); returns it."""
+        self.__dict__["_frozen"] = True
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("_frozen"))
+
     def scalars(self) -> dict[str, float]:
         """The measured scalar fields as a flat dict (absent ones left out)."""
         return {k: float(v) for k in SCALAR_FIELDS if (v := getattr(self, k)) is not None}
@@ -224,9 +251,7 @@ class StepRecord:
             v = getattr(self, k)
             if v is not None and not isfinite(v):
                 return False
-        return all(isfinite(v) for v in self.layer_grad_norms.values()) and all(
-            isfinite(v) for v in self.layer_activation_max.values()
-        )
+        return all(map(isfinite, self.layer_grad_norms.values())) and all(map(isfinite, self.layer_activation_max.values()))
 
 
 @dataclass(frozen=True)
@@ -266,6 +291,11 @@ class Alert:
     flight_record: str | None = None  # path of the flight-recorder dump, for critical alerts
 
     @property
+    def key(self) -> tuple[str, str, str]:
+        """The condition this alert is about: (kind, metric, location), as `Finding.key`."""
+        return (self.kind.value, self.metric, self.location or "")
+
+    @property
     def title(self) -> str:
         """A short title (< 64 characters) for alerting backends."""
         word = _TITLES.get(self.kind, self.kind.value)
@@ -278,8 +308,8 @@ class Alert:
             "severity": self.severity.value,
             "message": self.message,
             "metric": self.metric,
-            "value": _json_float(self.value),
-            "threshold": _json_float(self.threshold),
+            "value": json_float(self.value),
+            "threshold": json_float(self.threshold),
             "location": self.location,
             "hint": self.hint,
         }
@@ -290,7 +320,7 @@ class Alert:
         if self.flight_record:
             d["flight_record"] = self.flight_record
         if self.details:
-            d["details"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.details.items()}
+            d["details"] = {k: json_float(v) if isinstance(v, float) else v for k, v in self.details.items()}
         return d
 
     def __str__(self) -> str:
@@ -315,14 +345,170 @@ _TITLES = {
 }
 
 
-def _json_float(v: float | None) -> float | str | None:
-    """Floats as JSON can carry them: NaN/Inf become strings so any JSON parser reads them."""
-    if v is None:
-        return None
-    v = float(v)
-    if math.isfinite(v):
-        return v
-    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+TITLE_MAX = 63  # W&B alert titles must stay under 64 characters
+SUMMARY_MAX = 999  # and texts under 1000
+
+
+class IncidentState(str, enum.Enum):
+    """Where the run's incident stands, mildest first."""
+
+    NONE = "none"  # no incident yet
+    OPEN = "open"  # a warning: something is going wrong
+    CRITICAL = "critical"  # a critical alert: the run needs action now
+    NONFINITE = "nonfinite"  # non-finite values: the run is lost unless a scaler skipped the step
+    RESOLVED = "resolved"  # quiet for the policy's quiet period after an incident
+
+    @property
+    def active(self) -> bool:
+        return self in (IncidentState.OPEN, IncidentState.CRITICAL, IncidentState.NONFINITE)
+
+    @property
+    def rank(self) -> int:
+        return {IncidentState.OPEN: 1, IncidentState.CRITICAL: 2, IncidentState.NONFINITE: 3}.get(self, 0)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """One condition behind an incident, as its latest alert described it."""
+
+    step: int
+    kind: AlertKind
+    severity: Severity
+    metric: str
+    value: float | None = None
+    growth: float | None = None  # total growth factor over the streak (runaway)
+    rate_per_step: float | None = None  # geometric growth per step (runaway)
+    steps_to_overflow: float | None = None
+    location: str | None = None
+    rank: int | None = None
+    overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
+
+    @classmethod
+    def from_alert(cls, a: Alert) -> "Contributor":
+        d = a.details or {}
+        num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
+        return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
+                   num("steps_to_overflow"), a.location, a.rank, bool(d.get("overflow_bound")))
+
+    def line(self) -> str:
+        """One Markdown list item."""
+        parts = [f"**{self.severity.value}** {self.kind.value} `{self.metric}`"]
+        if self.value is not None:
+            parts.append(f"= {fmt_num(self.value)}")
+        if self.rate_per_step is not None:
+            parts.append(f"(x{self.rate_per_step:.3g}/step")
+            ov = self.steps_to_overflow
+            if ov is not None and math.isfinite(ov):
+                n = max(1, round(ov))
+                parts[-1] += f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+            else:
+                parts[-1] += ")"
+        if self.location:
+            parts.append(f"at {self.location}")
+        if self.rank is not None:
+            parts.append(f"on rank {self.rank}")
+        return "- " + " ".join(parts) + f" (step {self.step})"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.step, "kind": self.kind.value, "severity": self.severity.value, "metric": self.metric}
+        for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = json_float(v) if isinstance(v, float) else v
+        return d
+
+
+INCIDENT_HEADLINES = {
+    IncidentState.OPEN: "run unstable",
+    IncidentState.CRITICAL: "run critical",
+    IncidentState.NONFINITE: "run lost: non-finite values",
+    IncidentState.RESOLVED: "run recovered",
+}
+
+
+@dataclass(frozen=True)
+class IncidentEvent:
+    """One transition of the run's incident: opened, escalated, or resolved."""
+
+    step: int
+    state: IncidentState
+    previous: IncidentState
+    number: int  # 1 for the run's first incident, 2 for the next after a resolution, ...
+    opened_step: int
+    contributors: tuple[Contributor, ...] = ()  # worst first
+    flight_record: str | None = None
+    hint: str | None = None
+    action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
+    explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
+
+    @property
+    def title(self) -> str:
+        """A short title naming the state (under 64 characters)."""
+        if self.action:
+            return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
+        head = INCIDENT_HEADLINES.get(self.state, self.state.value)
+        if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
+            c = self.contributors[0]
+            head += f": {c.kind.value} in {c.metric}"
+        return cut_at_word(f"nummon: {head}", TITLE_MAX)
+
+    def summary(self) -> str:
+        """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
+        if self.action:
+            head = f"Incident {self.number} at step {self.step}: {self.action}. Now **{self.state.value}**."
+        elif self.state is IncidentState.RESOLVED:
+            head = (f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
+                    "no open condition and no new alert since.")
+        else:
+            verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
+            head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
+        tail = []
+        if self.explanation and self.state is not IncidentState.RESOLVED:
+            tail.append(f"- why: {self.explanation}")
+        if self.flight_record:
+            tail.append(f"- flight record: `{self.flight_record}`")
+        if self.hint and self.state is not IncidentState.RESOLVED:
+            tail.append(f"- try: {self.hint}")
+        lines = [head]
+        budget = SUMMARY_MAX - len(head) - sum(len(t) + 1 for t in tail) - 40
+        shown = 0
+        for c in self.contributors:
+            item = c.line()
+            if len(item) + 1 > budget:
+                break
+            lines.append(item)
+            budget -= len(item) + 1
+            shown += 1
+        if shown < len(self.contributors):
+            lines.append(f"- … and {len(self.contributors) - shown} more")
+        text = "\n".join(lines + tail)
+        return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "state": self.state.value,
+            "previous": self.previous.value,
+            "number": self.number,
+            "opened_step": self.opened_step,
+            "title": self.title,
+            "contributors": [c.to_dict() for c in self.contributors],
+            "flight_record": self.flight_record,
+            "hint": self.hint,
+            **({"action": self.action} if self.action else {}),
+            **({"explanation": self.explanation} if self.explanation else {}),
+        }
+
+    def with_flight_record(self, path: str | None) -> "IncidentEvent":
+        """This event naming a flight record written after it was made."""
+        return replace(self, flight_record=path)
+
+    def explained(self, explanation: str, hint: str | None) -> "IncidentEvent":
+        """This event with the forensic explanation of its non-finite step (and its remedy)."""
+        return replace(self, explanation=explanation, hint=hint or self.hint)
 
 
 @dataclass(frozen=True)
@@ -335,7 +521,7 @@ class StepReport:
     should_stop: bool = False
     record: StepRecord | None = None
     pending: bool = False  # lagged (CUDA) mode: this step's statistics are still on their way
-    incidents: tuple[Any, ...] = ()  # IncidentEvents of this step (opened, escalated, resolved)
+    incidents: tuple[IncidentEvent, ...] = ()  # this step's incident transitions (opened, escalated, resolved)
 
     @property
     def warned(self) -> bool:

@@ -7,116 +7,23 @@ human summary via `str()`.
 """
 from __future__ import annotations
 
-import copy
-import enum
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ._diagnose_common import (Diagnosis, LossFn, LRRangeReport, Report, Status, copy_model, copy_with_batch,
+                               device_of, split_batch, to_device)
 from ._errors import NummonError
 from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
+from ._functional import MAD_TO_SIGMA
 from ._overfit import OVERFIT_LRS, overfit_one_batch
 
 __all__ = [
     "Status", "Report", "Diagnosis", "LRRangeReport", "OVERFIT_LRS", "overfit_one_batch", "check_gradients", "check_data",
     "check_loader", "check_weights", "lr_range_test", "run_all", "explain_nonfinite", "NonfiniteReport", "CAUSES",
 ]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class Status(str, enum.Enum):
-    PASS = "PASS"
-    PARTIAL = "PARTIAL"
-    WARN = "WARN"
-    FAIL = "FAIL"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_ORDER = {Status.PASS: 0, Status.PARTIAL: 1, Status.WARN: 1, Status.FAIL: 2}
-
-
-@dataclass
-class Report:
-    """One diagnostic's verdict: status, the findings behind it, and its numbers."""
-
-    name: str
-    status: Status
-    findings: list[str] = field(default_factory=list)
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        lines = [f"[{self.status}] {self.name}"]
-        lines += [f"  - {f}" for f in self.findings] or ["  - all checks passed"]
-        return "\n".join(lines)
-
-
-@dataclass
-class LRRangeReport(Report):
-    lrs: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # smoothed
-    suggested_lr: float | None = None
-    diverged_lr: float | None = None
-    plot: str | None = None
-
-
-@dataclass
-class Diagnosis:
-    """`run_all`'s result: the reports in order, and where it stopped (the first FAIL)."""
-
-    reports: list[Report]
-    stopped_at: str | None = None
-
-    @property
-    def status(self) -> Status:
-        return max((r.status for r in self.reports), key=lambda s: _ORDER[s], default=Status.PASS)
-
-    def __str__(self) -> str:
-        body = "\n".join(str(r) for r in self.reports)
-        tail = f"\nstopped at {self.stopped_at}: fix this first" if self.stopped_at else "\nall diagnostics ran"
-        return body + tail
-
-
-def _copy_with_batch(model: nn.Module, batch: Any) -> tuple[nn.Module, Any, Any]:
-    """A hook-free training copy of the model, and the batch moved to its device."""
-    clone = _copy_model(model)
-    dev = _device_of(clone)
-    x, y = (_to(t, dev) for t in _split(batch))
-    return clone, x, y
-
-
-def _copy_model(model: nn.Module) -> nn.Module:
-    """A deep copy without the original's hooks (a Monitor's hooks must not see the copy)."""
-    clone = copy.deepcopy(model)
-    for m in clone.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
-            d = getattr(m, attr, None)
-            if d is not None:
-                d.clear()
-    clone.train()
-    return clone
-
-
-def _split(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise NummonError("batch must be an (inputs, targets) pair")
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
-def _to(t: Any, device: torch.device) -> Any:
-    return t.to(device) if isinstance(t, torch.Tensor) else t
-
 
 # ------------------------------------------------------------------ overfit one batch
 
@@ -134,7 +41,7 @@ def check_gradients(
 ) -> Report:
     """One forward/backward on a copy; per parameter: no grad (not in the graph), zero,
     non-finite, exploding (norm > `explode`), vanishing (< `vanish_ratio` of the largest layer's)."""
-    clone, x, y = _copy_with_batch(model, batch)
+    clone, x, y = copy_with_batch(model, batch)
     clone.zero_grad(set_to_none=True)
     loss = loss_fn(clone(x), y)
     loss.backward()
@@ -187,7 +94,7 @@ def _data_numbers(x: torch.Tensor, y: torch.Tensor | None, num_classes: int | No
         nums["min"], nums["max"] = float(vals.min()), float(vals.max())
         med = vals.median()
         mad = (vals - med).abs().median()
-        scale = float(mad) * 1.4826
+        scale = float(mad) * MAD_TO_SIGMA
         if scale == 0.0 and vals.numel() > 1:  # over half the values equal: fall back to the std
             scale = float(vals.std())
         if scale > 0:
@@ -253,7 +160,7 @@ def check_loader(loader: Iterable, max_batches: int = 10, num_classes: int | Non
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
-        x, y = _split(batch)
+        x, y = split_batch(batch)
         xs.append(x.detach().cpu())
         ys.append(y.detach().cpu() if isinstance(y, torch.Tensor) else None)
     if not xs:
@@ -321,8 +228,8 @@ def lr_range_test(
 
     if not (0 < start < end):
         raise NummonError(f"lr_range_test needs 0 < start < end, got start={start!r}, end={end!r}")
-    clone = _copy_model(model)
-    dev = _device_of(clone)
+    clone = copy_model(model)
+    dev = device_of(clone)
     opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
     gamma = (end / start) ** (1.0 / max(steps - 1, 1))
     lrs, raw, smoothed = [], [], []
@@ -334,7 +241,7 @@ def lr_range_test(
         except StopIteration:
             it = iter(loader)
             batch = next(it)
-        x, y = (_to(t, dev) for t in _split(batch))
+        x, y = (to_device(t, dev) for t in split_batch(batch))
         lr = start * gamma**i
         for g in opt.param_groups:
             g["lr"] = lr

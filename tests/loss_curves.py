@@ -10,5 +10,5 @@ def loud(points, policy=P):
     eng = HealthEngine(policy)
     out = []
     for step, loss in points:
-        out += [a for a in eng.process(StepRecord(step=step, loss=loss))[0] if a.severity is not Severity.INFO]
+        out += [a for a in eng.step(StepRecord(step=step, loss=loss)).alerts if a.severity is not Severity.INFO]
     return out

@@ -27,3 +27,14 @@ def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
 def test_overhead_benchmark_rejects_an_unknown_variant():
     with pytest.raises(SystemExit, match="unknown variant"):
         overhead.main(["--device", "cpu", "--rounds", "1", "--steps", "1", "--warmup", "1", "--only", "nope", "--system-malloc"])
+
+
+def test_scale_benchmark_runs_and_reports_the_ratio_per_tensor(tmp_path, capsys):
+    import overhead_scale
+
+    out = tmp_path / "s.json"
+    assert overhead_scale.main(["--workloads", "tiny-20", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["workloads"]["tiny-20"]
+    assert res["tensors"] == 20 and set(res["variants"]) >= {"bare", "bare (A/A)", "nummon default"}
+    assert res["variants"]["nummon default"]["paired_ratio"] > 0.5
+    assert "us/tensor" in capsys.readouterr().out

@@ -19,7 +19,7 @@ def alerts_of(records, policy=P):
     eng = HealthEngine(policy)
     out = []
     for rec in records:
-        out += [(a.step, a.kind.value, a.severity.value, a.cleared) for a in eng.process(rec)[0]]
+        out += [(a.step, a.kind.value, a.severity.value, a.cleared) for a in eng.step(rec).alerts]
     return out
 
 

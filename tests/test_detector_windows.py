@@ -78,7 +78,7 @@ def test_the_trend_window_is_computed_once_per_record_for_both_of_its_readers():
     trend = next(d for d in eng.detectors if d.section == "stall")._trend
     assert next(d for d in eng.detectors if d.section == "oscillation")._trend is trend
     for s in range(5):
-        eng.process(StepRecord(step=s, loss=1.0))
+        eng.step(StepRecord(step=s, loss=1.0))
     assert trend._records == 5  # two readers, one update per record
 
 
@@ -87,6 +87,6 @@ def test_the_trend_window_keeps_bounded_memory_over_a_long_run():
     trend = next(d for d in eng.detectors if d.section == "stall")._trend
     stalls = []
     for s in range(10_000):
-        stalls += [a for a in eng.process(StepRecord(step=s, loss=2.0 + 0.01 * (s % 7)))[0] if a.kind is AlertKind.STALL]
+        stalls += [a for a in eng.step(StepRecord(step=s, loss=2.0 + 0.01 * (s % 7))).alerts if a.kind is AlertKind.STALL]
     assert len(trend._values) <= trend.MAX_POINTS and trend._stride > 1
     assert stalls, "still judged after thinning"

@@ -183,11 +183,11 @@ def test_nan_and_inf_never_poison_statistics_afterwards(rows, n_clean):
     """After any garbage (NaN, Inf, huge values), a long clean constant run raises nothing."""
     engine = HealthEngine(P)
     for i, row in enumerate(rows):
-        engine.process(StepRecord(step=i, **row))
+        engine.step(StepRecord(step=i, **row))
     start = len(rows)
     late = []
     for j in range(n_clean):
-        alerts, _ = engine.process(StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0))
+        alerts = engine.step(StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0)).alerts
         if j >= 55:
             late += [a for a in alerts if a.severity is not Severity.INFO]
     for d in engine.detectors:
@@ -214,7 +214,7 @@ def test_traces_logged_every_n_steps(every):
         alerts = []
         for i, rec in enumerate(read_trace(corpus / f"{name}.jsonl")):
             if i % every == 0:
-                alerts += engine.process(rec)[0]
+                alerts += engine.step(rec).alerts
         loud = [a for a in alerts if a.severity is not Severity.INFO]
         if lab["label"] == "healthy":
             assert loud == [], name

@@ -74,3 +74,34 @@ def test_cuda_default_path_never_synchronises():
     last = mon.flush()
     assert last.step == 7 and last.record.grad_norm > 0
     mon.close()
+
+
+def test_a_deep_model_reads_the_host_once_per_step_on_and_off_the_full_cadence():
+    # 80 watched modules: block boundaries most steps, every module every 2nd step
+    from test_stats_engine import _Deep
+
+    torch.manual_seed(0)
+    model = _Deep()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4)
+    mon = Monitor(model, opt, policy={"sampling": {"activations_all_every": 2}})
+
+    def step():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(2):
+        mon.post_step(step())
+    per_step, hooked = [], []
+    for _ in range(4):
+        loss = step()
+        with CountHostReads() as c:
+            rec = mon.post_step(loss).record
+        per_step.append(c.reads)
+        hooked.append(len(rec.layer_activation_max))
+    mon.close()
+    assert per_step == [["tolist"]] * 4
+    assert len(set(hooked)) == 2 and max(hooked) >= 80  # boundaries, then every module

@@ -56,7 +56,7 @@ def test_recurring_nonfinite_alerts_again_after_the_cooldown():
     crit = []
     for step in range(40):
         loss = math.nan if step in (5, 10, 24, 30) else 1.0
-        alerts, _ = eng.process(StepRecord(step=step, loss=loss))
+        alerts = eng.step(StepRecord(step=step, loss=loss)).alerts
         crit += [a.step for a in alerts if a.severity is Severity.CRITICAL]
     assert crit == [5, 30]
 
@@ -75,10 +75,11 @@ def test_distinct_metrics_are_distinct_alerts():
 def test_nonfinite_record_does_not_clear_open_conditions():
     eng = HealthEngine(P)
     for i in range(10):
-        eng.process(StepRecord(step=i, grad_norm=1.0))
-    alerts, _ = eng.process(StepRecord(step=10, grad_norm=100.0))
+        eng.step(StepRecord(step=i, grad_norm=1.0))
+    alerts = eng.step(StepRecord(step=10, grad_norm=100.0)).alerts
     assert any(a.kind is AlertKind.EXPLOSION for a in alerts)
-    alerts, health = eng.process(StepRecord(step=11, grad_norm=float("nan")))
+    got = eng.step(StepRecord(step=11, grad_norm=float("nan")))
+    alerts, health = got.alerts, got.health
     assert health is Health.NONFINITE
     assert not any(a.cleared for a in alerts)
 
@@ -89,19 +90,48 @@ def test_a_record_without_the_metric_neither_opens_nor_clears_its_condition():
     got = []
     for i in range(30):
         loss = 2.0 if i < 10 else 1.5e7
-        got += eng.process(StepRecord(step=2 * i, loss=loss))[0]
+        got += eng.step(StepRecord(step=2 * i, loss=loss)).alerts
     assert any(a.kind is AlertKind.DIVERGENCE and not a.cleared for a in got)
-    eval_row, health = eng.process(StepRecord(step=61, lr=1e-4))  # an eval-only row: no loss
+    got = eng.step(StepRecord(step=61, lr=1e-4))  # an eval-only row: no loss
+    eval_row, health = got.alerts, got.health
     assert not any(a.cleared for a in eval_row) and health is Health.INCIDENT
-    nxt, _ = eng.process(StepRecord(step=62, loss=1.5e7))
-    assert nxt == []  # still the same open condition: no new alert either
+    nxt = eng.step(StepRecord(step=62, loss=1.5e7)).alerts
+    assert nxt == ()  # still the same open condition: no new alert either
 
 
 def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
     eng = HealthEngine(P)
-    healths = [eng.process(StepRecord(step=i, grad_norm=1.0))[1] for i in range(10)]
+    healths = [eng.step(StepRecord(step=i, grad_norm=1.0)).health for i in range(10)]
     assert set(healths) == {Health.HEALTHY}
-    _, h = eng.process(StepRecord(step=10, grad_norm=100.0))  # an explosion: finite, 36 decades left
+    h = eng.step(StepRecord(step=10, grad_norm=100.0)).health  # an explosion: finite, 36 decades left
     assert h is Health.INCIDENT
-    _, h = eng.process(StepRecord(step=11, grad_norm=1e35))  # 3.5 decades of float32 left
+    h = eng.step(StepRecord(step=11, grad_norm=1e35)).health  # 3.5 decades of float32 left
     assert h is Health.EXTREME
+
+
+def _clears(records):
+    from nummon._engine import HealthEngine
+    from nummon._policy import load_policy
+
+    engine = HealthEngine(load_policy("default"))
+    return [(rec.step, a) for rec in records for a in engine.step(rec).alerts if a.cleared]
+
+
+def test_a_runaway_does_not_clear_while_its_metric_is_still_far_above_its_level():
+    """The loss pauses (200 -> 207) on its way to NaN: no "back within limits" for it."""
+    from nummon import StepRecord
+
+    losses = [2.0 + 0.01 * (i % 3) for i in range(20)] + [20.0, 200.0, 207.0, 482.0, 5140.0, float("nan")]
+    clears = _clears([StepRecord(step=i, loss=v) for i, v in enumerate(losses)])
+    assert not [a for _, a in clears if a.metric == "loss"], [str(a) for _, a in clears]
+
+
+def test_an_explosion_clears_only_back_near_its_pre_spike_level():
+    """grad_norm ~1, one jump to 50, then 20 for 14 steps (the spike's values become the median of
+    a short history): still open; it clears when the norm is back near 1."""
+    from nummon import StepRecord
+
+    norms = [1.0 + 0.02 * (i % 4) for i in range(8)] + [50.0] + [20.0] * 14 + [1.1] * 5
+    clears = _clears([StepRecord(step=i, loss=1.0 + 0.05 * (i % 3), grad_norm=v) for i, v in enumerate(norms)])
+    grad = [step for step, a in clears if a.metric == "grad_norm"]
+    assert grad and min(grad) >= 23, [(s, str(a)) for s, a in clears]

@@ -212,7 +212,7 @@ def test_per_sample_losses_name_the_worst_samples_in_alerts_and_the_jsonl(tmp_pa
     mon.close()
     rec = rep.record
     assert rec.sample_loss_top[0] == 5
-    assert rec.sample_loss_ratio == pytest.approx(float(per.max() / per.mean()))
+    assert rec.sample_loss_ratio == pytest.approx(float(per.detach().max() / per.detach().mean()))
     assert rep.alerts and rep.alerts[0].details["worst_samples"][0] == 5
     back = [r for r in read_trace(log)]
     assert back[-1].sample_loss_top[0] == 5

@@ -27,7 +27,7 @@ def alerts_of(records):
     engine = HealthEngine(load_policy("default"))
     out = []
     for rec in records:
-        out.extend(a.to_dict() for a in engine.process(rec)[0])
+        out.extend(a.to_dict() for a in engine.step(rec).alerts)
     return out
 
 

@@ -38,6 +38,7 @@ class SlowAlertJsonl(JsonlSink):
 def test_critical_alert_and_its_step_are_on_disk_when_post_step_returns(tmp_path):
     log = tmp_path / "events.jsonl"
     mon = Monitor(sinks=[SlowAlertJsonl(log)], policy={"alerts": {"stop_on_critical": False}})
+    checked = 0
     for loss in RUNAWAY:
         report = mon.post_step(loss)
         if any(a.severity is Severity.CRITICAL for a in report.alerts):
@@ -45,7 +46,70 @@ def test_critical_alert_and_its_step_are_on_disk_when_post_step_returns(tmp_path
             crit = [l for l in lines if l["type"] == "alert" and l["severity"] == "critical"]
             assert crit and crit[-1]["step"] == report.step
             assert any(l["type"] == "step" and l["step"] == report.step for l in lines)
+            checked += 1
     mon.close()
+    assert checked >= 2  # the runaway's critical alert and the NaN's: the checks above ran
+
+
+class GatedSink(nummon.BaseSink):
+    """A notifying sink (W&B, a webhook) that cannot deliver until the test lets it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.alerts = []
+
+    def on_alert(self, alert):
+        self.release.wait(60)
+        self.alerts.append(alert)
+
+
+def test_a_critical_alert_waits_for_the_event_log_only_not_for_slow_notifying_sinks(tmp_path, caplog):
+    log, gated = tmp_path / "events.jsonl", GatedSink()
+    mon = Monitor(sinks=[gated, JsonlSink(log)],
+                  policy={"alerts": {"stop_on_critical": False}, "sinks": {"critical_timeout_s": 2.0}})
+    report = next(r for r in map(mon.post_step, RUNAWAY) if any(a.severity is Severity.CRITICAL for a in r.alerts))
+    # post_step returned while the gated sink still holds the alert: nobody waited for it ...
+    assert not any("did not write within" in r.message for r in caplog.records)
+    assert not gated.alerts
+    # ... and the durable event log has it on disk
+    crit = [e for e in map(_strict, log.read_text().splitlines()) if e["type"] == "alert" and e["severity"] == "critical"]
+    assert [e["step"] for e in crit] == [report.step]
+    gated.release.set()
+    mon.close()
+    assert any(a.severity is Severity.CRITICAL and a.step == report.step for a in gated.alerts)  # delivered, not lost
+
+
+def test_a_loss_beyond_float_range_is_a_one_line_error_and_changes_nothing():
+    mon = Monitor()
+    with pytest.raises(NummonError) as err:
+        mon.post_step(10**400)
+    assert "\n" not in str(err.value) and "float" in str(err.value)
+    with pytest.raises(NummonError):
+        mon.post_step(1.0, clip_norm=10**400)
+    assert mon.post_step(1.0).step == 0  # nothing changed
+    mon.close()
+
+
+FULL_DISK = """
+import resource, signal
+from nummon import Monitor
+mon = Monitor(run_dir="run", policy={"alerts": {"stop_on_critical": False}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))
+for loss in [2.0] * 40 + [float("nan")]:
+    mon.post_step(loss)
+mon.close()
+print("FLIGHT RECORD", mon.flight_record)
+"""
+
+
+def test_a_flight_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "train.py").write_text(FULL_DISK)
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "could not write the flight record" in out.stderr  # the write was tried, and failed
+    assert "FLIGHT RECORD None" in out.stdout
+    assert list(tmp_path.rglob("*.tmp")) == [] and list((tmp_path / "run").iterdir()) == []
 
 
 def test_event_log_and_flight_record_are_strict_json(tmp_path):
@@ -106,10 +170,20 @@ class StuckSink(nummon.BaseSink):
         self.release.wait(60)
 
 
-def test_a_stuck_sink_bounds_block_mode_critical_waits_and_close(caplog):
-    stuck, mem = StuckSink(), MemorySink()
-    pol = {"sinks": {"queue_size": 2, "when_full": "block", "block_timeout_s": 0.2,
-                     "critical_timeout_s": 0.2, "close_timeout_s": 0.5},
+class ClosingMemorySink(MemorySink):
+    def __init__(self):
+        super().__init__()
+        self.closed_event = threading.Event()
+
+    def close(self):
+        super().close()
+        self.closed_event.set()
+
+
+def test_a_stuck_sink_bounds_block_mode_waits_and_close(caplog):
+    stuck, mem = StuckSink(), ClosingMemorySink()
+    # the stuck sink never makes room and never closes, so both bounded waits run out whatever the load
+    pol = {"sinks": {"queue_size": 2, "when_full": "block", "block_timeout_s": 0.2, "close_timeout_s": 0.5},
            "alerts": {"stop_on_critical": False}}
     mon = Monitor(sinks=[stuck, mem], policy=pol)
     for loss in RUNAWAY:
@@ -118,7 +192,8 @@ def test_a_stuck_sink_bounds_block_mode_critical_waits_and_close(caplog):
     assert mon.sink_stats["StuckSink"]["dropped"] > 0
     messages = " ".join(r.message for r in caplog.records)
     assert "block_timeout_s" in messages and "close_timeout_s" in messages
-    assert mem.closed and len(mem.records) == len(RUNAWAY)  # the healthy sink got everything
+    assert mem.closed_event.wait(60)  # the healthy sink closes on its own thread, however slow the machine
+    assert len(mem.records) == len(RUNAWAY)  # and got everything
     stuck.release.set()
 
 

@@ -66,7 +66,8 @@ def test_replay_of_nummons_own_event_log_skips_alert_lines(tmp_path):
     sink = JsonlSink(events)
     run_alerts = []
     for rec in read_trace(TRACE):
-        alerts, health = engine.process(rec)
+        got = engine.step(rec)
+        alerts, health = got.alerts, got.health
         sink.on_step(rec, health)
         for a in alerts:
             sink.on_alert(a)

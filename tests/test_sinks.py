@@ -56,7 +56,7 @@ def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, w
     assert hist_steps == [s for s in steps if s % HIST_EVERY == 0]
     assert "nummon_hist_grads_log10abs/0.weight" in tags["histograms"]
     assert "nummon_hist_activations/1" in tags["histograms"]
-    texts = [e.tensor_proto.string_val[0].decode() for t in tags["tensors"] if t.startswith("nummon_alerts/")
+    texts = [e.tensor_proto.string_val[0].decode() for t in tags["tensors"] if t.startswith("nummon_2_alerts/")
              for e in acc.Tensors(t)]
     assert any("CRITICAL runaway" in t and "flight recorder" in t for t in texts)
 

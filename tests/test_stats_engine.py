@@ -102,3 +102,108 @@ def test_dtype_name_is_the_one_table():
 
     assert [dtype_name(d) for d in (torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.int8)] == [
         "float64", "bfloat16", "float16", "float32", "float32"]
+
+
+def test_a_model_on_the_meta_device_is_a_one_line_error():
+    with torch.device("meta"):
+        model = nn.Linear(4, 2)
+    with pytest.raises(NummonError, match="meta device .*first: weight.*to_empty"):
+        Monitor(model)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("fused,device", [(False, "cpu"), (True, "cpu"), pytest.param(None, "cuda", marks=CUDA)],
+                         ids=["grouped (CPU)", "fused foreach on CPU", "fused foreach on CUDA"])
+def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
+    # shapes that share a group, 0-d and empty tensors, a half tensor, one large enough to be
+    # measured alone, a non-contiguous view, and NaN in one of a group
+    from nummon._stats.kernels import SMALL_NUMEL, NormKernels
+
+    torch.manual_seed(0)
+    ts = [torch.randn(3, 4), torch.randn(3, 4) * 5, torch.randn(()), torch.randn(0), torch.randn(7).half(),
+          torch.randn(SMALL_NUMEL + 1), torch.randn(4, 3).t(), torch.randn(3, 4)]
+    ts[7][1, 2] = float("nan")
+    ts = [t.to(device) for t in ts]
+    k = NormKernels(fused=fused)
+    for _ in range(2):  # the second call reuses the plan
+        norms, absmax = k.norms_and_absmax(ts, key="t")
+        for i, t in enumerate(ts):
+            want_n = t.double().norm().item()
+            want_m = t.double().abs().max().item() if t.numel() else 0.0
+            if i == 7:
+                assert math.isnan(norms[i]) and math.isnan(absmax[i])
+            else:
+                assert norms[i].item() == pytest.approx(want_n, rel=1e-3), i
+                assert absmax[i].item() == pytest.approx(want_m, rel=1e-3), i
+    ts[0] = torch.randn(5)  # a shape change re-plans
+    assert k.l2_norms(ts, key="t")[0].item() == pytest.approx(ts[0].norm().item(), rel=1e-5)
+
+
+class _Deep(nn.Module):
+    """A 40-block stack of two Linears each: 80 watched modules, more than are hooked in full."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(40))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def test_a_deep_model_hooks_block_boundaries_and_names_the_first_nonfinite_module():
+    from nummon._stats.probes import block_boundaries
+
+    torch.manual_seed(0)
+    model = _Deep()
+    x = torch.randn(16, 4)
+    mon = Monitor(model, policy={**QUIET, "sampling": {"activations_all_every": 1000}})
+    names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    bounds = block_boundaries(model, names)
+    assert bounds[0] == "inp" and bounds[-1] == "head" and "blocks.39" in bounds and len(bounds) <= 2 + 32
+
+    def step():  # no optimizer step: the weights stay as set
+        model.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return mon.post_step(loss)
+
+    step()
+    rec = step().record  # boundaries only
+    assert set(rec.layer_activation_max) == set(bounds)
+    assert rec.activation_max == max(rec.layer_activation_max.values())
+    with torch.no_grad():
+        model.blocks[20][2].weight.fill_(float("inf"))
+    bad = step().record
+    # the first non-finite boundary: the block itself, or the next hooked one
+    assert bad.nonfinite_location.startswith("output of `blocks.2"), bad.nonfinite_location
+    assert "blocks.20.2" not in bad.layer_activation_max
+    # after a non-finite step every module is hooked: the exact module is named
+    with torch.no_grad():
+        model.blocks[20][2].weight.fill_(float("nan"))
+    rec = step().record
+    assert rec.nonfinite_location == "output of `blocks.20.2` (forward)"
+    assert "blocks.7.0" in rec.layer_activation_max
+    mon.close()
+
+
+def test_pre_clip_statistics_use_a_few_anchor_hooks():
+    from nummon._stats.preclip import ANCHORS
+
+    model = _Deep()
+    mon = Monitor(model)
+    n_params = sum(1 for _ in model.parameters())
+    assert n_params > ANCHORS and len(mon.stats.preclip._handles) == ANCHORS
+    x = torch.randn(16, 4)
+    model(x).square().mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    rec = mon.post_step(1.0).record
+    assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-5)  # the unclipped norm
+    assert rec.clip_ratio == pytest.approx(1e-3 / norm.item(), rel=1e-4)
+    mon.close()

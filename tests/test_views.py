@@ -183,10 +183,11 @@ def test_every_alert_of_a_step_is_its_own_text_entry(tmp_path):
     steps = [a.step for a in mon.alerts]
     assert len(steps) > len(set(steps)), "the run should raise several alerts at one step"
     acc = event_tags(tb_dir)
-    alert_tags = [t for t in acc.Tags()["tensors"] if t.startswith("nummon_alerts/")]
-    assert len(alert_tags) == len(mon.alerts)
+    alert_tags = [t for t in acc.Tags()["tensors"] if t.startswith("nummon_2_alerts/")]
+    raised = [a for a in mon.alerts if not a.cleared]
+    assert len(alert_tags) == len(raised)  # a cleared alert gets no entry: the incident's events tell it
     texts = {t: acc.Tensors(t)[-1].tensor_proto.string_val[0].decode() for t in alert_tags}
-    for alert in mon.alerts:
+    for alert in raised:
         assert any(f"{alert.kind.value} at step {alert.step}: {alert.message}" in text for text in texts.values())
 
 
@@ -218,7 +219,7 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    want_texts = len(mon.alerts) + len(events)
+    want_texts = len([a for a in mon.alerts if not a.cleared]) + len(events)
     try:
         scalars = layout = hists = texts = None
         for _ in range(240):  # the server needs a moment to start and load the run
@@ -246,9 +247,12 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
         assert any(t.startswith("grad norm: the 5 largest") for t in charts)
         assert "nummon_hist_grads/0.weight" in hists and "nummon_hist_grads_log10abs/0.weight" in hists
         assert "nummon_hist_activations_log10abs/1" in hists
-        assert len([t for t in texts if t.startswith("nummon_alerts/")]) == len(mon.alerts)
-        incident_tags = sorted(t for t in texts if t.startswith("nummon_incidents/"))
-        assert [t.split("_", 2)[-1] for t in incident_tags] == ["open/text_summary", "critical/text_summary",
+        assert len([t for t in texts if t.startswith("nummon_2_alerts/")]) == len([a for a in mon.alerts if not a.cleared])
+        # incidents first: the Text tab lists the groups alphabetically
+        groups_listed = [t.split("/")[0] for t in sorted(texts)]
+        assert groups_listed.index("nummon_1_incidents") < groups_listed.index("nummon_2_alerts")
+        incident_tags = sorted(t for t in texts if t.startswith("nummon_1_incidents/"))
+        assert [t.split("/")[1].split("_", 1)[-1] + "/" + t.split("/")[2] for t in incident_tags] == ["open/text_summary", "critical/text_summary",
                                                                "nonfinite/text_summary"], incident_tags
         body = _get(base, "text/text", run=".", tag=incident_tags[1])
         assert [row["step"] for row in body] == [events[1].step] and "critical" in body[0]["text"]

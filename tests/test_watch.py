@@ -126,7 +126,11 @@ def test_webhook_gets_exactly_one_message_per_incident_event(tmp_path, receiver)
     assert [e.split(":", 1)[1] for e in expect] == [
         "opened:1", "escalated:2", "resolved:0", "opened:1", "escalated:2", "escalated:3"]
     assert receiver.ids() == expect  # one message per event, no more, none lost
-    assert all(b["text"].startswith("*nummon: run") for b in receiver.bodies)
+    for b in receiver.bodies:  # Slack mrkdwn in the block, plain text in the fallback, the same id
+        rich = b["blocks"][0]["text"]["text"]
+        assert rich.startswith("*nummon: run") and "**" not in rich and "on " + socket.gethostname() in rich
+        assert b["text"].startswith("nummon: run") and "*" not in b["text"] and "`" not in b["text"]
+        assert b["event_id"] == b["nummon"]["event_id"] and len(b["event_id"]) == 32
     assert [e["id"] for e in read_events(notes)] == expect
 
 
@@ -292,7 +296,7 @@ def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
     bad_tb.write_text("not an event file, just text that is long enough")
     p = subprocess.run(WATCH + [str(tmp_path), "--once"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = [l for l in p.stderr.splitlines() if l.strip() and "watching" not in l]
     assert len(lines) == 1 and str(bad_tb) in lines[0] and "Traceback" not in p.stderr
     assert p.stdout.count("nummon: run unstable") == 2
 

@@ -30,7 +30,7 @@ def first_warning(records: list[StepRecord], every: int | None, policy: Policy |
     """(step, kind) of the first warning or critical alert; `every=None`: without the probes."""
     eng = HealthEngine(policy or Policy())
     for rec in records:  # sampled exactly as Monitor._arm_mechanisms decides
-        sampled = every is not None and (rec.step % every == 0 or eng.wants_sample() or eng.incidents.state.active)
+        sampled = every is not None and (rec.step % every == 0 or eng.wants_sample() or eng.incident_state.active)
         got = eng.step(rec if sampled else _without(rec))
         for a in got.alerts:
             if a.severity.rank >= Severity.WARNING.rank:

@@ -3,8 +3,9 @@
 nummon JSONL traces, TensorBoard event files or folders, Hugging Face trainer_state.json,
 Lightning metrics.csv and W&B offline run files are read (detected, or `--input-format`).
 
-Alerts found before a broken line are printed before the error; a torn last line and a step
-that goes backwards (a new segment) are one-line warnings.
+Alerts found before a broken line are printed before the error; a torn last line, a corrupt
+record skipped (with its byte offset) and a step that goes backwards (a new segment) are
+one-line warnings. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         shown = 0
         fmt = args.input_format or _format_of(path)
         alerts = iter_replay(path, policy, warn=warn) if fmt == "jsonl" else \
-            iter_replay_records(read_records(str(path), fmt), policy)
+            iter_replay_records(read_records(str(path), fmt, warn=warn), policy, warn=warn, source=str(path))
         for a in alerts:
             if a.severity.rank < floor:
                 continue

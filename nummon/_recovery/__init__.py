@@ -2,7 +2,7 @@
 poisoned update, host snapshots of the model and optimizer state, and rollbacks with a lower
 learning rate on a critical runaway or a non-finite step."""
 from ._guard import GradientGuard, SkipDecision
-from ._recovery import Recovery
+from ._recovery import Recovery, RecoveryOutcome
 from ._snapshot import Snapshot
 
-__all__ = ["GradientGuard", "Recovery", "SkipDecision", "Snapshot"]
+__all__ = ["GradientGuard", "Recovery", "RecoveryOutcome", "SkipDecision", "Snapshot"]

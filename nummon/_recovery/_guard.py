@@ -10,7 +10,6 @@ state are untouched, and the gradients are zeroed.
 from __future__ import annotations
 
 import math
-import statistics
 import types
 from collections import deque
 from dataclasses import dataclass
@@ -19,11 +18,10 @@ from typing import Any, Callable
 import torch
 
 from .._distributed import local_tensor
+from .._functional import robust_center
 from .._policy import RecoveryPolicy
 
 __all__ = ["GradientGuard", "SkipDecision"]
-
-_MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution -> its standard deviation
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,8 @@ class GradientGuard:
         """(limit, median) of the accepted history in linear units, or None while it is short."""
         if len(self.history) < self.policy.guard_min_history:
             return None
-        logs = [v for _, v in self.history]
-        med = statistics.median(logs)
-        mad = statistics.median(abs(v - med) for v in logs)
-        need = max(math.log10(self.policy.guard_factor), self.policy.guard_mad * _MAD_TO_SIGMA * mad)
+        med, sigma = robust_center([v for _, v in self.history])
+        need = max(math.log10(self.policy.guard_factor), self.policy.guard_mad * sigma)
         return 10.0 ** (med + need), 10.0 ** med
 
     def decide(self, step: int, norm: float) -> SkipDecision | None:

@@ -9,20 +9,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from .._engine import HealthEngine
 from .._errors import NummonError
+from .._policy import RecoveryPolicy
+from .._recorder import FlightRecords
 from .._types import Alert, AlertKind, Health, Severity, StepRecord
 from ._guard import GradientGuard, SkipDecision
 from ._snapshot import Snapshot
 
-if TYPE_CHECKING:
-    from .._monitor import Monitor
-
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "RecoveryOutcome"]
 
 log = logging.getLogger("nummon")
 
@@ -41,47 +40,66 @@ def _set_lr(group: dict, value: float) -> None:
         group["lr"] = value
 
 
+@dataclass(frozen=True)
+class RecoveryOutcome:
+    """What recovery concluded from one record."""
+
+    alerts: tuple[Alert, ...]  # the record's alerts, with recovery's own (skips, rollbacks, budget spent)
+    handled: bool = False  # its critical alerts were handled (update skipped, or rolled back): no need to stop
+    rebaseline: bool = False  # the health engine must start its detectors afresh (a rollback happened)
+    actions: tuple[dict[str, Any], ...] = ()  # the entries this record added to `Recovery.log`
+
+
 class Recovery:
-    """Opt-in self-repair of the Monitor's run (policy section `recovery`).
+    """Opt-in self-repair of a run (policy section `recovery`), given the model, the optimizer,
+    the distributed reducer (or None), where flight records go, and `step_of()`: the step the
+    next optimizer update belongs to (the Monitor's next post_step).
 
     `log` holds one dict per action (skip, rollback, budget spent); `skipped_batches` the
     fingerprints of skipped updates' batches; `suspect_batches` those seen between a snapshot and
     the rollback to it (fingerprints exist when the loop passes `batch=` to post_step).
     """
 
-    def __init__(self, monitor: "Monitor") -> None:
-        model, opt = monitor.stats.model, monitor.stats.optimizer
-        if model is None or opt is None:
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None, policy: RecoveryPolicy, dist: Any,
+                 flight_records: FlightRecords, *, step_of: Callable[[], int]) -> None:
+        if model is None or optimizer is None:
             raise NummonError("policy.recovery.enabled needs Monitor(model, optimizer): it restores both")
-        self.mon = monitor
-        self.policy = monitor.policy.recovery
+        opt = optimizer
+        self.policy = policy
         self.model, self.optimizer = model, opt
-        self.guard = GradientGuard(opt, self.policy, lambda: monitor.step, dist=monitor._dist)
+        self.flight_records = flight_records
+        self._step_of = step_of
+        start = step_of()
+        self.guard = GradientGuard(opt, self.policy, step_of, dist=dist)
         self.log: list[dict[str, Any]] = []
         self.skipped_batches: list[str] = []
         self.suspect_batches: list[str] = []
         self.rollbacks = 0
         self._skip_steps: deque[int] = deque()
         self._skip_warned_at: int | None = None
-        self._last_unhealthy = monitor.step - 1  # the last step with a warning or a non-healthy record
+        self._last_unhealthy = start - 1  # the last step with a warning or a non-healthy record
         self._since_snapshot: list[str] = []
-        self._stale_through = monitor.step - 1  # records of steps launched before the last rollback
-        self.snapshot = Snapshot.take(model, opt, monitor.step - 1)  # the start: always something to go back to
+        self._stale_through = start - 1  # records of steps launched before the last rollback
+        self.snapshot = Snapshot.take(model, opt, start - 1)  # the start: always something to go back to
         self.snapshots_taken = 1
 
     def close(self) -> None:
         self.guard.uninstall()
 
     # ------------------------------------------------------------------ per record
-    def on_record(self, rec: StepRecord, health: Health, alerts: list[Alert]) -> tuple[list[Alert], bool]:
-        """This record's alerts plus recovery's own; True when its critical alerts were handled
-        (the update was skipped, or the run rolled back) so the run need not stop."""
+    def on_record(self, rec: StepRecord, health: Health, alerts: list[Alert] | tuple[Alert, ...]) -> RecoveryOutcome:
+        """This record's alerts plus recovery's own, whether its critical alerts were handled
+        (the update was skipped, or the run rolled back) and whether the engine must re-baseline."""
+        logged = len(self.log)
+        out, handled, rebaseline = self._decide(rec, health, list(alerts))
+        return RecoveryOutcome(tuple(out), handled, rebaseline, tuple(self.log[logged:]))
+
+    def _decide(self, rec: StepRecord, health: Health, alerts: list[Alert]) -> tuple[list[Alert], bool, bool]:
         out = list(alerts)
         handled = False
         if self.rollbacks and rec.step <= self._stale_through:
             # launched before the last rollback (lagged mode): evidence of the old run, not a trigger
-            self.mon.engine = self._fresh_engine()
-            return out, True
+            return out, True, True
         skip = self.guard.skips.pop(rec.step, None)
         trigger: tuple[AlertKind, str] | None = None
         if skip is not None:
@@ -98,13 +116,13 @@ class Recovery:
             alert = self._rollback(rec, *trigger) if self.policy.rollback else None
             if alert is not None:
                 out.append(alert)
-                return out, True
+                return out, True, True
             out.append(self._budget_spent(rec, *trigger))
-            return out, False
+            return out, False, False
         if health is not Health.HEALTHY or any(a.severity.rank >= Severity.WARNING.rank and not a.cleared for a in out):
             self._last_unhealthy = rec.step
         self._maybe_snapshot(rec)
-        return out, handled
+        return out, handled, False
 
     def _trigger(self, rec: StepRecord, health: Health, alerts: list[Alert], skipped: bool) -> tuple[AlertKind, str] | None:
         if health is Health.NONFINITE and not skipped:
@@ -164,15 +182,9 @@ class Recovery:
         if rec.step % every or rec.step - self._last_unhealthy < every:
             return
         # the weights now hold every update up to the step before the Monitor's next one
-        self.snapshot = Snapshot.take(self.model, self.optimizer, self.mon.step - 1)
+        self.snapshot = Snapshot.take(self.model, self.optimizer, self._step_of() - 1)
         self.snapshots_taken += 1
         self._since_snapshot = []
-
-    def _fresh_engine(self) -> HealthEngine:
-        # detectors and alert lifecycle re-baselined: the pre-rollback history is not this run's
-        fresh = HealthEngine(self.mon.policy, context=self.mon.engine.context)
-        fresh.incidents = self.mon.engine.incidents  # the incident goes on: it is what was recovered from
-        return fresh
 
     def _rollback(self, rec: StepRecord, kind: AlertKind, cause: str) -> Alert | None:
         if self.rollbacks >= self.policy.max_rollbacks:
@@ -189,9 +201,8 @@ class Recovery:
         self._skip_steps.clear()
         self.suspect_batches.extend(self._since_snapshot)
         suspects, self._since_snapshot = len(self._since_snapshot), []
-        self._stale_through = self.mon.step - 1
+        self._stale_through = self._step_of() - 1
         self._last_unhealthy = rec.step
-        self.mon.engine = self._fresh_engine()
         to = "the start (before step 0)" if snap.step < 0 else f"step {snap.step}"
         left = self.policy.max_rollbacks - self.rollbacks
         msg = (f"recovered: rolled back to {to}, lr {before[0]:.4g} -> {after[0]:.4g} "
@@ -201,7 +212,8 @@ class Recovery:
         alert = Alert(step=rec.step, kind=kind, severity=Severity.WARNING, metric="recovery",
                       value=float(snap.step), message=msg, location="model and optimizer state",
                       details={"recovery": "rollback", **{k: v for k, v in entry.items() if k not in ("action", "step")}})
-        entry["flight_record"] = self._dump(alert)
+        path = self.flight_records.write(alert, rollback=self.rollbacks)  # every rollback gets its own
+        entry["flight_record"] = str(path) if path is not None else None
         self.log.append(entry)
         log.warning("nummon: step %d: %s", rec.step, msg)
         return dataclasses.replace(alert, flight_record=entry["flight_record"]) if entry["flight_record"] else alert
@@ -214,15 +226,3 @@ class Recovery:
         return Alert(step=rec.step, kind=kind, severity=Severity.CRITICAL, metric="recovery",
                      message=f"not recovered: {cause}, and {why}", location="model and optimizer state",
                      details={"recovery": "gave_up", "rollbacks": self.rollbacks})
-
-    def _dump(self, alert: Alert) -> str | None:
-        """The flight record of the trajectory up to this rollback (every rollback gets its own)."""
-        if not self.mon.policy.recorder.write:
-            return None
-        suffix = f"-rank{self.mon.rank}" if self.mon._dist else ""
-        path = self.mon.run_folder.path() / f"nummon-flight-record-step{alert.step}-rollback{self.rollbacks}{suffix}.json"
-        try:
-            return str(self.mon.recorder.dump(path, alert))
-        except OSError as e:
-            log.warning("nummon: could not write the rollback flight record: %s", e)
-            return None

@@ -3,7 +3,8 @@ non-finite value appeared (and on which rank)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from .._functional import headroom_decades
 from .._types import StepRecord
 from .kernels import as_real
 from .pending import Pending
-from .probes import ActivationStep
+from .probes import act_values
 
 __all__ = ["Decoder", "exact_where_overflowed", "locate", "origin_rank"]
 
@@ -35,7 +36,7 @@ def exact_where_overflowed(norms: list[float], tensors: Sequence[torch.Tensor]) 
     Runs only when a norm is not finite (a failing run), so the extra sync costs a healthy run
     nothing. A tensor that really holds NaN/Inf keeps its non-finite norm.
     """
-    if all(math.isfinite(v) for v in norms) or len(tensors) != len(norms):
+    if all(map(math.isfinite, norms)) or len(tensors) != len(norms):
         return norms
     out = list(norms)
     for i, v in enumerate(norms):
@@ -53,130 +54,161 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _l2(values: Sequence[float]) -> float:
     # in float64 on the host: the sum of squares of float32 norms cannot overflow here
+    # (map/fsum run in C: no Python work per tensor)
     try:
-        return math.sqrt(math.fsum(v * v for v in values))
-    except OverflowError:
+        return math.sqrt(math.fsum(map(operator.mul, values, values)))
+    except OverflowError:  # float64 norms recomputed past float32's range
         return math.inf
 
 
-def _absmax(lo: float, hi: float) -> float:
-    """max |x| from a tensor's min and max; NaN if either is NaN."""
-    return math.nan if lo != lo or hi != hi else max(hi, -lo)
-
-
 def _nanmax(values: Sequence[float]) -> float:
-    m = -math.inf
-    for v in values:
-        if math.isnan(v):
-            return math.nan
-        m = max(m, v)
-    return m
+    """The largest value; NaN if any is NaN."""
+    if not values:
+        return -math.inf
+    return math.nan if any(map(math.isnan, values)) else max(values)
 
 
-def _act_values(get: Callable[[str], "list[float] | None"], acts: ActivationStep) -> list[float]:
-    """max |output| per watched module (NaN-aware), from the per-dtype buffer it wrote to."""
-    out = [math.nan] * len(acts.src)
-    for i, dtype in enumerate(acts.src):
-        if dtype is None:
-            continue
-        pairs = get(f"act_minmax:{dtype}")
-        if pairs is not None:
-            out[i] = _absmax(pairs[2 * i], pairs[2 * i + 1])
-        else:  # distributed: maxima already taken on the device
-            out[i] = get(f"act_max:{dtype}")[i]
-    return out
+def _all_finite(values: Sequence[float]) -> bool:
+    return all(map(math.isfinite, values))
+
+
+@dataclass
+class _Build:
+    """One record while the family decoders fill it in, and what localisation will need."""
+
+    pending: Pending
+    get: Callable[[str], "list[float] | None"]
+    rec: StepRecord
+    local: bool  # this rank's own values (single process): overflowed norms may be recomputed
+    parts: list[str] = field(default_factory=list)  # the families that went non-finite
+    bad_grads: list[str] = field(default_factory=list)
+    first_bad_act: str | None = None
+
+
+def _decode_loss(b: _Build) -> None:
+    p = b.pending
+    b.rec.loss = p.loss_host if p.loss_host is not None else b.get("loss")[0]
+    if not math.isfinite(b.rec.loss):
+        b.parts.append("loss")
+
+
+def _decode_grads(b: _Build) -> None:
+    gn, gmax = b.get("grad_norms"), b.get("grad_absmax")
+    if gn is None:
+        return
+    rec, names = b.rec, b.pending.grad_names
+    gn = exact_where_overflowed(gn, b.pending.grads) if b.local else gn
+    rec.grad_norm = _l2(gn)
+    rec.layer_grad_norms = dict(zip(names, gn))
+    if gmax is None:  # not packed: a norm bounds the max, and is finite only when it is
+        gmax = gn
+    rec.grad_max = _nanmax(gmax)
+    # a gradient is non-finite when its max |g| or its L2 norm is (a finite-but-huge gradient
+    # has a finite max even when its float32 norm overflows)
+    if not (math.isfinite(rec.grad_max) and not math.isnan(rec.grad_norm)):
+        b.bad_grads = [n for n, v, w in zip(names, gmax, gn) if not math.isfinite(v) or math.isnan(w)]
+        if b.bad_grads:
+            b.parts.append("gradients")
+
+
+def _decode_clip_ratio(b: _Build) -> None:
+    post, rec = b.get("grad_norms_post"), b.rec
+    if post is None or rec.grad_norm is None:  # grad_norm was measured before clipping
+        return
+    post_norm = _l2(post)
+    if rec.grad_norm and math.isfinite(rec.grad_norm) and math.isfinite(post_norm):
+        rec.clip_ratio = post_norm / rec.grad_norm
+
+
+def _family_norm(b: _Build, segment: str, tensors: Sequence[torch.Tensor], part: str) -> float | None:
+    vals = b.get(segment)
+    if vals is None:
+        return None
+    vals = exact_where_overflowed(vals, tensors) if b.local else vals
+    if not _all_finite(vals):
+        b.parts.append(part)
+    return _l2(vals)
+
+
+def _decode_params(b: _Build) -> None:
+    b.rec.param_norm = _family_norm(b, "param_norms", b.pending.params, "parameters")
+
+
+def _decode_state(b: _Build) -> None:
+    rec = b.rec
+    rec.optim_state_norm = _family_norm(b, "state_norms", b.pending.state, "optimizer state")
+    if rec.lr is None or not rec.param_norm:
+        return
+    if rec.optim_state_norm is not None:
+        rec.update_ratio = rec.lr * rec.optim_state_norm / rec.param_norm
+    elif rec.grad_norm is not None:
+        applied = rec.grad_norm * rec.clip_ratio if rec.clip_ratio is not None else rec.grad_norm
+        rec.update_ratio = rec.lr * applied / rec.param_norm
+
+
+def _decode_activations(b: _Build) -> None:
+    acts, rec = b.pending.acts, b.rec
+    if not acts.order:
+        return
+    act = act_values(b.get, acts)
+    names = acts.names
+    rec.layer_activation_max = {names[i]: v for i, v in act.items()}
+    # over the modules hooked every step only, so the series means the same on every step
+    always = act.values() if acts.always is None else [v for i, v in act.items() if i in acts.always]
+    rec.activation_max = _nanmax(list(always)) if always else None
+    if not _all_finite(act.values()):  # execution order: the first module whose output went non-finite
+        b.first_bad_act = next(names[i] for i, v in act.items() if not math.isfinite(v))
+        b.parts.append("activations")
+
+
+def _decode_inputs(b: _Build) -> None:
+    inp, fp = b.get("input_nonfinite"), b.get("fingerprint")
+    if inp is not None and inp[0]:
+        b.rec.input_nonfinite = int(inp[0])
+    if fp is not None:
+        b.rec.fingerprint = "-".join(f"{int(v):013x}" for v in fp)
+
+
+#: one decoder per statistic family, in the order the step computed them (later families may
+#: read what earlier ones set: the clip ratio needs the gradient norm, the update ratio both)
+FAMILIES: tuple[Callable[[_Build], None], ...] = (
+    _decode_loss, _decode_grads, _decode_clip_ratio, _decode_params, _decode_state,
+    _decode_activations, _decode_inputs,
+)
 
 
 class Decoder:
     """Builds StepRecords. `dist` (a DistributedReducer or None) is needed for the exact
     recomputation of overflowed norms across ranks; `count_nonfinite` counts on the failure
-    path (a sync, which no longer matters once a run is failing)."""
+    path (a sync, which no longer matters once a run is failing). `families` is the table of
+    family decoders (a new statistic adds its own)."""
 
     def __init__(self, dist: Any, grad_scaler: Any, count_nonfinite: Callable[[], int]) -> None:
         self.dist = dist
         self.grad_scaler = grad_scaler
         self.count_nonfinite = count_nonfinite
+        self.families: list[Callable[[_Build], None]] = list(FAMILIES)
 
     def record(self, pending: Pending, vals: list[float], sources: Sources | None) -> StepRecord:
         lay = pending.layout
+        if self.dist is not None:
+            vals = self._exact_overflowed_across_ranks(vals, pending)
 
         def get(name: str) -> list[float] | None:
             s = lay.get(name)
             return None if s is None else vals[s.start : s.stop]
 
-        if self.dist is not None:
-            vals = self._exact_overflowed_across_ranks(vals, pending)
-        rec = StepRecord(step=pending.step, lr=pending.lr if "lr" not in lay else get("lr")[0])
-        rec.loss = pending.loss_host if pending.loss_host is not None else get("loss")[0]
-        parts: list[str] = []
-        if not math.isfinite(rec.loss):
-            parts.append("loss")
-        local = self.dist is None  # combined (distributed) norms are not this rank's to recompute
-        bad_grads: list[str] = []
-        gn = get("grad_norms")
-        gmax = get("grad_absmax")
-        if gmax is None and "grad_minmax" in lay:
-            mm = get("grad_minmax")
-            gmax = [_absmax(lo, hi) for lo, hi in zip(mm[0::2], mm[1::2])]
-        if gn is not None:
-            gn = exact_where_overflowed(gn, pending.grads) if local else gn
-            rec.grad_norm = _l2(gn)
-            rec.layer_grad_norms = dict(zip(pending.grad_names, gn))
-            rec.grad_max = _nanmax(gmax)
-            # a gradient is non-finite when its max |g| or its L2 norm is (a max kernel may skip
-            # NaN; a finite-but-huge gradient has a finite max even when its float32 norm overflows)
-            bad_grads = [n for n, v, w in zip(pending.grad_names, gmax, gn) if not math.isfinite(v) or math.isnan(w)]
-            if bad_grads:
-                parts.append("gradients")
-        post = get("grad_norms_post")
-        if post is not None and gn is not None:  # gn was measured before clipping
-            post_norm = _l2(post)
-            if rec.grad_norm and math.isfinite(rec.grad_norm) and math.isfinite(post_norm):
-                rec.clip_ratio = post_norm / rec.grad_norm
-        pn = get("param_norms")
-        if pn is not None:
-            pn = exact_where_overflowed(pn, pending.params) if local else pn
-            rec.param_norm = _l2(pn)
-            if not all(math.isfinite(v) for v in pn):
-                parts.append("parameters")
-        sn = get("state_norms")
-        if sn is not None:
-            sn = exact_where_overflowed(sn, pending.state) if local else sn
-            rec.optim_state_norm = _l2(sn)
-            if not all(math.isfinite(v) for v in sn):
-                parts.append("optimizer state")
-            if rec.lr is not None and rec.param_norm:
-                rec.update_ratio = rec.lr * rec.optim_state_norm / rec.param_norm
-        elif gn is not None and rec.lr is not None and rec.param_norm:
-            applied = rec.grad_norm * rec.clip_ratio if rec.clip_ratio is not None else rec.grad_norm
-            rec.update_ratio = rec.lr * applied / rec.param_norm
-        first_bad_act = None
-        acts = pending.acts
-        if acts.order:
-            act = _act_values(get, acts)
-            rec.layer_activation_max = {acts.names[i]: act[i] for i in acts.order}
-            rec.activation_max = _nanmax([act[i] for i in acts.order])
-            # execution order: the first module whose output went non-finite
-            first_bad_act = next((acts.names[i] for i in acts.order if not math.isfinite(act[i])), None)
-            if first_bad_act is not None:
-                parts.append("activations")
-        inp = get("input_nonfinite")
-        if inp is not None and inp[0]:
-            rec.input_nonfinite = int(inp[0])
-        fp = get("fingerprint")
-        if fp is not None:
-            rec.fingerprint = "-".join(f"{int(v):013x}" for v in fp)
+        lr = get("lr")
+        b = _Build(pending, get, StepRecord(step=pending.step, lr=pending.lr if lr is None else lr[0]),
+                   local=self.dist is None)
+        for decode in self.families:
+            decode(b)
+        rec = b.rec
         self._headroom(rec, pending)
-        if parts == ["gradients"] and self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            # after scaler.step() gradients are unscaled; non-finite ones mean the scaler found
-            # an overflow and skipped the update: the run is fine, the statistics meaningless
-            rec.scaler_skipped = True
-            rec.grad_norm = rec.grad_max = rec.update_ratio = rec.clip_ratio = None
-            rec.layer_grad_norms = {}
-            parts = []
-        origin = _Origin(first_bad_act, bad_grads)
-        if parts:
-            rec.nonfinite_parts = tuple(parts)
+        self._scaler_skip(b)
+        origin = _Origin(b.first_bad_act, b.bad_grads)
+        if b.parts:
+            rec.nonfinite_parts = tuple(b.parts)
             rec.nonfinite_location = locate(rec, origin)
             # exact counts are rank-local: left out under torch.distributed so every rank's alert is identical
             rec.nonfinite_count = self.count_nonfinite() if self.dist is None else None
@@ -184,8 +216,18 @@ class Decoder:
                 rec.rank = origin_rank(rec, origin, pending, sources)
         elif sources and rec.grad_max is not None and "grad_absmax" in sources:
             gm = get("grad_absmax")
-            rec.rank = sources["grad_absmax"][max(range(len(gm)), key=lambda i: gm[i])] if gm else None
+            rec.rank = sources["grad_absmax"][max(range(len(gm)), key=gm.__getitem__)] if gm else None
         return rec
+
+    def _scaler_skip(self, b: _Build) -> None:
+        if b.parts == ["gradients"] and self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # after scaler.step() gradients are unscaled; non-finite ones mean the scaler found
+            # an overflow and skipped the update: the run is fine, the statistics meaningless
+            rec = b.rec
+            rec.scaler_skipped = True
+            rec.grad_norm = rec.grad_max = rec.update_ratio = rec.clip_ratio = None
+            rec.layer_grad_norms = {}
+            b.parts = []
 
     @staticmethod
     def _headroom(rec: StepRecord, pending: Pending) -> None:

@@ -8,8 +8,9 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 from __future__ import annotations
 
 import contextlib
-
-from typing import Any, Iterator
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,7 +32,35 @@ from .probes import ActivationProbes
 from .transport import PinnedPool, Segment, pack, rules_of, signature
 from .watch import WatchedParams
 
-__all__ = ["StatsEngine", "check_grad_scaler"]
+__all__ = ["LaunchStep", "StatsEngine", "check_grad_scaler"]
+
+#: after a non-finite step, every module's output is hooked for this many steps
+DETAIL_AFTER_NONFINITE = 50
+
+
+@dataclass
+class LaunchStep:
+    """One step's inputs while the segment families launch, and what each notes for decoding."""
+
+    step: int
+    loss: Any
+    batch: Any
+    params_due: bool
+    optim_due: bool
+    dev: torch.device
+    distributed: bool
+    segments: list[Segment] = field(default_factory=list)
+    loss_host: float | None = None
+    loss_dtype: str = "float32"
+    grads: list[torch.Tensor] = field(default_factory=list)
+    grad_names: list[str] = field(default_factory=list)
+    grad_dtype: str | None = None
+    params: list[torch.Tensor] = field(default_factory=list)  # the measured parameters (rank-local)
+    state: list[torch.Tensor] = field(default_factory=list)
+    lr: float | None = None
+    acts: Any = None  # an ActivationStep
+    mech: Any = None  # a MechanismStep: the names behind the sampled mechanism segments
+    batch_tensors: list[torch.Tensor] | None = None
 
 
 def check_grad_scaler(scaler: Any) -> None:
@@ -58,6 +87,13 @@ class StatsEngine:
         self.grad_scaler = grad_scaler  # non-finite grads under an enabled scaler mean a skipped step
         self.optim = OptimizerView(optimizer)
         self.watched = WatchedParams(model, self.optim)
+        meta = [n for n, p in self.watched.named if p.is_meta]
+        if meta:
+            self.watched.close()
+            raise NummonError(
+                f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
+                "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
+            )
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
@@ -66,9 +102,17 @@ class StatsEngine:
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
         self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite)
+        # the segment families of a step, in order (a new statistic adds its function here and
+        # its decoder to `decoder.families`)
+        self.families: list[Callable[[LaunchStep], list[Segment]]] = [
+            self._loss_segments, self._grad_segments, self._param_segments, self._state_segments,
+            self._lr_segments, self._activation_segments, self._mechanism_segments, self._batch_segments,
+        ]
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
                                           linear_rms=mp.linear_rms) if mp.enabled else None
+        self._incident_open = False
+        self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
@@ -84,94 +128,131 @@ class StatsEngine:
             return self._launch(step, loss, batch, params_due, optim_due)
 
     def _launch(self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool) -> Pending:
-        watched = self.watched
-        if watched.refresh():
+        self._refresh()
+        params = self.watched.params
+        dev = params[0].device if params else self.device  # the model may have moved
+        if isinstance(loss, torch.Tensor):
+            dev = loss.device
+        s = LaunchStep(step, loss, batch, params_due, optim_due, dev, self.dist is not None)
+        for family in self.families:
+            s.segments += family(s)
+        packed, layout = pack(s.segments, s.dev, wide=s.distributed)
+        ticket = None
+        if s.distributed:
+            header = LayoutHeader(
+                statistics=packed.numel(), layout=signature(layout),
+                batch_tensors=-1 if s.batch_tensors is None else len(s.batch_tensors), gradients=len(s.grads),
+                parameters=len(s.params), optimizer_state=len(s.state), activations=len(s.acts.names),
+            )
+            packed, local, capacity = self.dist.gather(packed, header)
+            ticket = GatherTicket(local, capacity)
+        host, event = self.pinned.to_host(packed)
+        self._arm_probes(step + 1)
+        return Pending(
+            step=step, packed=host, event=event, layout=layout, grad_names=s.grad_names, acts=s.acts,
+            grad_dtype=s.grad_dtype, loss_host=s.loss_host, loss_dtype=s.loss_dtype, lr=s.lr,
+            grads=s.grads, params=params if s.params else [], state=s.state, gather=ticket, mech=s.mech,
+        )
+
+    def _refresh(self) -> None:
+        if self.watched.refresh():
             if self.model is not None and self.policy.sampling.activations:
                 self.probes.install(self.model)  # the model grew: watch the new modules' outputs too
             if self.preclip is not None:  # its last backward missed the new parameters
                 self.preclip.take()
                 self.preclip.install()
-        params = watched.params
-        dev = params[0].device if params else self.device  # the model may have moved
-        distributed = self.dist is not None
-        segs: list[Segment] = []
-        loss_host, loss_dtype = None, dtype_name(params[0].dtype) if params else "float32"
-        if isinstance(loss, torch.Tensor):
-            segs.append(Segment("loss", loss.detach().reshape(1), Reduce.MEAN))
-            dev, loss_dtype = loss.device, dtype_name(loss.dtype)
-        elif distributed:  # every rank must pack the same layout
-            segs.append(Segment("loss", torch.tensor([float(loss)], device=dev), Reduce.MEAN))
-        else:
-            loss_host = float(loss)
 
-        grads, grad_names, raw_grads = watched.grads(dev, distributed)
-        grad_rules = watched.param_rules
+    # one function per segment family: each reads the step's inputs, notes what decoding needs
+    # and returns its segments, in this order (later families may use what earlier ones noted)
+    def _loss_segments(self, s: LaunchStep) -> list[Segment]:
+        params = self.watched.params
+        s.loss_dtype = dtype_name(params[0].dtype) if params else "float32"
+        if isinstance(s.loss, torch.Tensor):
+            s.loss_dtype = dtype_name(s.loss.dtype)
+            return [Segment("loss", s.loss.detach().reshape(1), Reduce.MEAN)]
+        if s.distributed:  # every rank must pack the same layout
+            return [Segment("loss", torch.tensor([float(s.loss)], device=s.dev), Reduce.MEAN)]
+        s.loss_host = float(s.loss)
+        return []
+
+    def _grad_segments(self, s: LaunchStep) -> list[Segment]:
+        """Gradient norms and max |g|: the pre-clip capture's when a backward left one (today's
+        gradients are then measured only for the clip ratio), else today's gradients."""
+        grads, names, raw = self.watched.grads(s.dev, s.distributed)
+        rules = self.watched.param_rules
         pre = self.preclip.take() if self.preclip is not None else None
-        # every L2 norm of the step (gradients, parameters, optimizer state) in one fused pass;
-        # with pre-clip statistics, today's gradients are measured only for the clip ratio
-        families: list[tuple[str, list[torch.Tensor], tuple[str, ...]]] = [
-            ("grad_norms" if pre is None else "grad_norms_post", grads, grad_rules)]
+        segs = []
         if pre is not None:
-            segs.append(Segment("grad_norms", pre.norms, Reduce.LOCAL))  # single process only
-            grads, grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
+            segs += [Segment("grad_norms", pre.norms, Reduce.LOCAL),  # single process only
+                     Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL)]
+            if grads:
+                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post"), rules))
+            s.grads, s.grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
         else:
-            raw_dtypes = {g.dtype for g in raw_grads}
-        grad_dtype = None
+            if grads:
+                norms, absmax = self.kernels.norms_and_absmax(grads, key="grads")
+                segs += [Segment("grad_norms", norms, rules), Segment("grad_absmax", absmax, Reduce.MAX)]
+            s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
         for dt in raw_dtypes:
-            grad_dtype = narrowest(grad_dtype, dtype_name(dt))
-        measured_params = watched.local(params) if params_due and params else []
-        if measured_params:
-            families.append(("param_norms", [as_real(p) for p in measured_params] if watched.has_complex else measured_params, watched.param_rules))
-        state = self.optim.state_tensors() if optim_due else []
-        if state:
-            local_state = watched.local(state)
-            families.append(("state_norms", [as_real(t) for t in local_state] if watched.has_complex else local_state, self.optim.state_rules))
-        flat = [t for _, ts, _ in families for t in ts]
-        if flat:
-            norms, i = self.kernels.l2_norms(flat), 0
-            for name, ts, rules in families:
-                if ts:
-                    segs.append(Segment(name, norms[i : i + len(ts)], rules))
-                    i += len(ts)
-        lr, lr_tensor = self.optim.lr()
-        if lr_tensor is not None:
-            segs.append(Segment("lr", lr_tensor, Reduce.LOCAL))
-        if pre is not None:
-            segs.append(Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL))
-        elif grads:
-            name, ext = self.kernels.extremes(grads, distributed)
-            # (min, max) pairs are packed only for a single process
-            segs.append(Segment(name, ext, Reduce.MAX if name == "grad_absmax" else Reduce.LOCAL))
-        acts, act_segs = self.probes.take(distributed)
-        segs += act_segs
-        mech = None
-        if self.mechanisms is not None:
-            mech, mech_segs = self.mechanisms.take(distributed)
-            segs += mech_segs
-        batch_tensors = tensors_in(batch) if batch is not None else None
-        if batch_tensors:
-            fl = [t for t in batch_tensors if t.is_floating_point() or t.is_complex()]
-            if fl:
-                bad = torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum().reshape(1)
-                segs.append(Segment("input_nonfinite", bad, Reduce.SUM))
-            segs.append(Segment("fingerprint", torch.stack([self.fingerprint(t) for t in batch_tensors]), Reduce.LOCAL))
+            s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
+        return segs
 
-        packed, layout = pack(segs, dev, wide=distributed)
-        ticket = None
-        if distributed:
-            header = LayoutHeader(
-                statistics=packed.numel(), layout=signature(layout),
-                batch_tensors=-1 if batch_tensors is None else len(batch_tensors), gradients=len(grads),
-                parameters=len(measured_params), optimizer_state=len(state), activations=len(acts.names),
-            )
-            packed, local, capacity = self.dist.gather(packed, header)
-            ticket = GatherTicket(local, capacity)
-        host, event = self.pinned.to_host(packed)
-        return Pending(
-            step=step, packed=host, event=event, layout=layout, grad_names=grad_names, acts=acts,
-            grad_dtype=grad_dtype, loss_host=loss_host, loss_dtype=loss_dtype, lr=lr,
-            grads=grads, params=params if measured_params else [], state=state, gather=ticket, mech=mech,
-        )
+    def _param_segments(self, s: LaunchStep) -> list[Segment]:
+        watched = self.watched
+        if not (s.params_due and watched.params):
+            return []
+        s.params = watched.local(watched.params)
+        measured = [as_real(p) for p in s.params] if watched.has_complex else s.params
+        return [Segment("param_norms", self.kernels.l2_norms(measured, key="param_norms"), watched.param_rules)]
+
+    def _state_segments(self, s: LaunchStep) -> list[Segment]:
+        state = self.optim.state_tensors() if s.optim_due else []
+        if not state:
+            return []
+        s.state = state
+        local = self.watched.local(state)
+        measured = [as_real(t) for t in local] if self.watched.has_complex else local
+        return [Segment("state_norms", self.kernels.l2_norms(measured, key="state_norms"), self.optim.state_rules)]
+
+    def _lr_segments(self, s: LaunchStep) -> list[Segment]:
+        s.lr, lr_tensor = self.optim.lr()
+        return [] if lr_tensor is None else [Segment("lr", lr_tensor, Reduce.LOCAL)]
+
+    def _activation_segments(self, s: LaunchStep) -> list[Segment]:
+        s.acts, segs = self.probes.take(s.distributed)
+        return segs
+
+    def _mechanism_segments(self, s: LaunchStep) -> list[Segment]:
+        if self.mechanisms is None:
+            return []
+        s.mech, segs = self.mechanisms.take(s.distributed)
+        return segs
+
+    def _batch_segments(self, s: LaunchStep) -> list[Segment]:
+        s.batch_tensors = tensors_in(s.batch) if s.batch is not None else None
+        if not s.batch_tensors:
+            return []
+        segs = []
+        fl = [t for t in s.batch_tensors if t.is_floating_point() or t.is_complex()]
+        if fl:
+            bad = torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum().reshape(1)
+            segs.append(Segment("input_nonfinite", bad, Reduce.SUM))
+        segs.append(Segment("fingerprint", torch.stack([self.fingerprint(t) for t in s.batch_tensors]), Reduce.LOCAL))
+        return segs
+
+    def _arm_probes(self, next_step: int) -> None:
+        """Every module's output hooked on the next forward (not only the block boundaries) on
+        the cadence, while an incident is open, after a non-finite step, or for histograms:
+        decided from the step number and the (rank-identical) records, so alike on every rank."""
+        every = self.policy.sampling.activations_all_every
+        self.probes.set_detail(self.probes.want_tensors or self._incident_open
+                               or next_step <= self._detail_until or next_step % every == 0)
+
+    def watch_all_modules(self, on: bool) -> None:
+        """Hook every watched module's output while `on` (the Monitor: while an incident is open)."""
+        self._incident_open = on
+        if on:
+            self.probes.set_detail(True)
 
     def resolve(self, pending: Pending) -> StepRecord:
         """Read a launched step on the host (waits for its copy) and build the StepRecord."""
@@ -186,6 +267,9 @@ class StatsEngine:
         rec = self.decoder.record(pending, vals, sources)
         if self.mechanisms is not None:
             self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
+        if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
+            self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
+            self.probes.set_detail(True)
         return rec
 
     # ------------------------------------------------------------------ the rest
@@ -203,7 +287,9 @@ class StatsEngine:
 
     def want_activation_histograms(self, on: bool) -> None:
         self.probes.want_tensors = on
-        if not on:
+        if on:
+            self.probes.set_detail(True)
+        else:
             self.probes.tensors = {}
 
     def histograms(self, bins: int = 64) -> dict[str, dict[str, Any]]:

@@ -1,11 +1,18 @@
-"""Norm and extreme kernels over lists of tensors, launched without a host sync.
+"""Norm and extreme kernels over lists of tensors, launched without a host sync, with host work
+that does not grow with the number of tensors (beyond building a list).
 
-CUDA: fused `torch._foreach_norm` calls (a kernel per tensor would be launch-bound). CPU,
-where `_foreach_norm` is a loop of `vector_norm` kernels: a BLAS dot per tensor and one
-`aminmax` per tensor, each written into a preallocated buffer.
+A `_Plan` per list (made once, re-made when a tensor's shape changes) sorts the tensors into
+groups. CPU: small tensors of one shape are concatenated (one `cat`, which costs ~0.2 us per
+tensor where a view, a `dot` or an `aminmax` per tensor costs 1-4 us) and reduced row-wise in
+one kernel per group; the few large tensors get a BLAS dot / `aminmax` each into a
+preallocated buffer (their own kernel dwarfs the launch). Other devices: one fused
+`torch._foreach_norm` per dtype. The per-group results are put back in the list's order with
+one `index_select`.
 """
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -13,6 +20,12 @@ import torch
 from .dtypes import HALF_DTYPES
 
 __all__ = ["NormKernels", "absmax_rows", "as_real"]
+
+_shape = operator.attrgetter("shape")
+
+#: tensors up to this many elements are measured in groups on CPU (copying them is cheaper
+#: than a kernel launch each); larger ones are measured where they lie
+SMALL_NUMEL = 1 << 15
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
@@ -22,7 +35,7 @@ def as_real(t: torch.Tensor) -> torch.Tensor:
 
 
 def absmax_rows(buf: torch.Tensor) -> torch.Tensor:
-    """max |x| of each (min, max) row of a (n, 2) buffer, on the device."""
+    """max |x| of each (min, max) row of a (n, 2) buffer, on the device (NaN propagates)."""
     return torch.maximum(buf[:, 1], buf[:, 0].neg())
 
 
@@ -32,63 +45,180 @@ def _stack_float(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(values)
 
 
-class NormKernels:
-    """L2 norms and extremes of tensor lists, into buffers made once per shape."""
+@dataclass(frozen=True)
+class _Plan:
+    """How one list of tensors is measured: groups of positions, and the way back to list order."""
 
-    def __init__(self) -> None:
+    shapes: list[torch.Size]  # the shape at each position when the plan was made
+    groups: list[list[int]]  # CPU: small tensors of one shape; fused: one dtype and device
+    big: list[int]  # CPU: tensors measured one by one
+    inverse: torch.Tensor | None  # result position of each list position (None: already in order)
+    device: torch.device
+    fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
+    pick: list  # per group, a function taking its tensors out of the list (in C)
+    pick_big: object
+
+    @staticmethod
+    def make(tensors: Sequence[torch.Tensor], fused: bool) -> "_Plan":
+        dev = tensors[0].device
+        by_key: dict[tuple, list[int]] = {}
+        big: list[int] = []
+        cpu = not fused
+        for i, t in enumerate(tensors):
+            if cpu and (t.numel() > SMALL_NUMEL or t.device != dev):
+                big.append(i)
+            elif t.numel() == 0:  # no identity for a max: these read 0
+                by_key.setdefault(("empty",), []).append(i)
+            else:  # CPU: one shape and dtype (cat keeps the dtype); elsewhere one dtype for _foreach
+                by_key.setdefault((t.dtype, tuple(t.shape)) if cpu else (t.dtype, t.device), []).append(i)
+        groups = list(by_key.values())
+        order = [i for g in groups for i in g] + big
+        inverse = None
+        if order != list(range(len(tensors))):
+            inv = [0] * len(order)
+            for pos, i in enumerate(order):
+                inv[i] = pos
+            inverse = torch.tensor(inv, dtype=torch.long, device=dev)
+        return _Plan(list(map(_shape, tensors)), groups, big, inverse, dev, fused,
+                     [_picker(g) for g in groups], _picker(big) if big else None)
+
+
+def _picker(idx: list[int]):
+    """A function returning the tensors at `idx` of a list, as a list (one C call)."""
+    get = operator.itemgetter(*idx)
+    return (lambda ts: [get(ts)]) if len(idx) == 1 else (lambda ts: list(get(ts)))
+
+
+def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Same-shape tensors as the rows of one (k, numel) tensor (one copy; none for one tensor)."""
+    if ts[0].dim() == 0:
+        x = torch.stack(ts)
+    else:
+        x = torch.cat(ts) if len(ts) > 1 else ts[0]
+    x = x.reshape(len(ts), -1)
+    return x.float() if x.dtype in HALF_DTYPES else x
+
+
+class NormKernels:
+    """L2 norms and max |x| of tensor lists, into buffers made once per list."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused  # None: fused multi-tensor kernels on every device but the CPU
+        # per key: the (n,) or (n, 2) float32 result buffer and, on CPU, its per-row 0-d views
         self.buffers: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]] = {}
+        self._plans: dict[str, _Plan] = {}
 
     def l2_norms(self, tensors: list[torch.Tensor], key: str = "norms") -> torch.Tensor:
-        """float32 L2 norm of each tensor.
+        """float32 L2 norm of each tensor (float32 overflow past ~1e19 is recomputed later)."""
+        return self._measure(tensors, key, norms=True, absmax=False)[0]
 
-        CUDA: one fused `_foreach_norm`. CPU: a BLAS dot product per dense float32 tensor (half
-        the time of `vector_norm` on the tensors that matter, measured inside a training step)
-        written into a preallocated buffer, then one square root.
-        """
-        dev = tensors[0].device
-        if dev.type != "cpu":
-            return _stack_float(torch._foreach_norm(tensors))
-        buf, views = self._views(key, len(tensors), 1, dev)
+    def extremes(self, grads: list[torch.Tensor], distributed: bool = False, key: str = "grad_absmax") -> tuple[str, torch.Tensor]:
+        """("grad_absmax", max |g| of each tensor), NaN where a tensor holds NaN. `key` names
+        the buffer (callers whose results must outlive another caller's use their own).
+        `distributed` is kept for callers: the maxima combine across ranks as they are."""
+        return "grad_absmax", self._measure(grads, key, norms=False, absmax=True)[1]
+
+    def norms_and_absmax(self, tensors: list[torch.Tensor], key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both statistics of one list, reading each small tensor's copy once."""
+        norms, absmax = self._measure(tensors, key, norms=True, absmax=True)
+        return norms, absmax
+
+    # ------------------------------------------------------------------ internals
+    def _plan(self, key: str, tensors: list[torch.Tensor]) -> _Plan:
+        plan = self._plans.get(key)
+        if plan is None or plan.device != tensors[0].device or plan.shapes != list(map(_shape, tensors)):
+            fused = tensors[0].device.type != "cpu" if self.fused is None else self.fused
+            plan = self._plans[key] = _Plan.make(tensors, fused)
+        return plan
+
+    def _measure(self, tensors: list[torch.Tensor], key: str, norms: bool, absmax: bool) -> tuple:
+        plan = self._plan(key, tensors)
+        if plan.fused:
+            return self._foreach(tensors, plan, norms, absmax)
+        nparts: list[torch.Tensor] = []
+        mparts: list[torch.Tensor] = []
+        for pick in plan.pick:
+            ts = pick(tensors)
+            if ts[0].numel() == 0:
+                zero = torch.zeros(len(ts), device=plan.device)
+                nparts.append(zero)
+                mparts.append(zero)
+                continue
+            x = _rows(ts)
+            if norms:
+                nparts.append(torch.linalg.vector_norm(x, dim=1).float())
+            if absmax:
+                # abs + amax: NaN propagates; aminmax(dim=1) is ~1000x slower on CPU
+                mparts.append(x.abs().amax(dim=1).float())
+        if plan.big:
+            big = plan.pick_big(tensors)
+            if norms:
+                nparts.append(self._big_norms(big, key))
+            if absmax:
+                mparts.append(self._big_absmax(big, key))
+        return (self._in_order(nparts, plan, key + ":n", len(tensors)) if norms else None,
+                self._in_order(mparts, plan, key + ":m", len(tensors)) if absmax else None)
+
+    def _in_order(self, parts: list[torch.Tensor], plan: _Plan, key: str, n: int) -> torch.Tensor:
+        buf = self._buffer(key, n, 1, plan.device, views=False).view(-1)
+        if plan.inverse is None:
+            if len(parts) == 1:
+                buf.copy_(parts[0])
+            else:
+                torch.cat(parts, out=buf)
+        else:
+            torch.index_select(torch.cat(parts) if len(parts) > 1 else parts[0], 0, plan.inverse, out=buf)
+        return buf
+
+    @staticmethod
+    def _foreach(tensors: list[torch.Tensor], plan: _Plan, norms: bool, absmax: bool) -> tuple:
+        """Other devices: one fused multi-tensor kernel per dtype (a kernel per tensor would be
+        launch-bound: 148 separate kernels of GPT-2 cost ~9 ms)."""
+        out = []
+        for want, order in ((norms, 2.0), (absmax, float("inf"))):
+            if not want:
+                out.append(None)
+                continue
+            parts = []
+            for pick in plan.pick:
+                ts = pick(tensors)
+                parts.append(torch.zeros(len(ts), device=plan.device) if ts[0].numel() == 0
+                             else _stack_float(torch._foreach_norm(ts, order)))
+            res = torch.cat(parts) if len(parts) > 1 else parts[0]
+            out.append(res if plan.inverse is None else res.index_select(0, plan.inverse))
+        return tuple(out)
+
+    def _big_norms(self, tensors: list[torch.Tensor], key: str) -> torch.Tensor:
+        """A BLAS dot per dense float32 tensor (half the time of `vector_norm` on the tensors
+        that matter, measured inside a training step) into a preallocated buffer, one sqrt."""
+        buf, views = self._buffer(key + ":big_n", len(tensors), 1, tensors[0].device)
         for t, (v,) in zip(tensors, views):
             if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
                 f = t.view(-1)
                 torch.dot(f, f, out=v)
-            else:  # other dtypes, layouts, devices (rare); float32 overflow is recomputed later
+            else:  # other dtypes, layouts, devices (rare)
                 n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in HALF_DTYPES else torch.linalg.vector_norm(t)
                 v.copy_(n.square())
-        return buf.view(-1).sqrt_()
+        return buf.view(-1).sqrt()
 
-    def extremes(self, grads: list[torch.Tensor], distributed: bool, key: str = "grad_minmax") -> tuple[str, torch.Tensor]:
-        """Each tensor's max |g| ("grad_absmax"), or its (min, max) pair ("grad_minmax"), which
-        the host turns into max |g| (fewer device ops than doing it here). `key` names the
-        buffer (callers whose results must outlive another caller's use their own).
-
-        CUDA: one fused `_foreach_norm(inf)` (148 separate kernels of GPT-2 cost ~9 ms). CPU,
-        where that norm is slow: one `aminmax` per gradient written into a preallocated buffer.
-        Under torch.distributed the pairs become maxima on the device (ranks combine maxima).
-        """
-        dev = grads[0].device
-        if dev.type == "cuda":
-            return "grad_absmax", _stack_float(torch._foreach_norm(grads, float("inf")))
-        buf, views = self._views(key, len(grads), 2, dev)
-        for g, (lo, hi) in zip(grads, views):
-            if g.numel() == 0:
-                lo.zero_()
-                hi.zero_()
-            elif g.dtype == torch.float32 and g.device == dev:
+    def _big_absmax(self, tensors: list[torch.Tensor], key: str) -> torch.Tensor:
+        """One `aminmax` per tensor into a preallocated (n, 2) buffer, then max |x| per row."""
+        dev = tensors[0].device
+        buf, views = self._buffer(key + ":big_m", len(tensors), 2, dev)
+        for g, (lo, hi) in zip(tensors, views):
+            if g.dtype == torch.float32 and g.device == dev:
                 torch.aminmax(g, out=(lo, hi))
             else:
                 mn, mx = torch.aminmax(g)
                 lo.copy_(mn)
                 hi.copy_(mx)
-        if distributed:
-            return "grad_absmax", absmax_rows(buf)
-        return "grad_minmax", buf.view(-1)
+        return absmax_rows(buf)
 
-    def _views(self, key: str, n: int, width: int, dev: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
-        """A preallocated float32 (n, width) buffer and its per-row 0-d views, made once per shape."""
+    def _buffer(self, key: str, n: int, width: int, dev: torch.device, views: bool = True) -> tuple:
+        """A preallocated float32 (n, width) buffer (and its per-row 0-d views), made once per shape."""
         hit = self.buffers.get((key, n))
         if hit is None or hit[0].device != dev:
             buf = torch.zeros(n, width, device=dev)
-            hit = self.buffers[(key, n)] = (buf, [tuple(buf[i, j] for j in range(width)) for i in range(n)])
-        return hit
+            rows = [tuple(buf[i, j] for j in range(width)) for i in range(n)] if views else []
+            hit = self.buffers[(key, n)] = (buf, rows)
+        return hit if views else hit[0]

@@ -1,7 +1,8 @@
 """Gradient statistics before clipping, with no change to the training loop.
 
-A post-accumulate-grad hook on each watched parameter queues, on the first gradient of a
-backward, one end-of-backward callback; that callback launches the gradient norm and extreme
+A post-accumulate-grad hook on a few anchor parameters (spread over the model, so every
+backward through it reaches one; not one hook per parameter: that is a Python call per tensor)
+queues, on the first anchor gradient of a backward, one end-of-backward callback; that callback launches the gradient norm and extreme
 kernels on the device (no host read) into buffers of its own. `post_step`, called after
 `clip_grad_norm_` and `optimizer.step()`, packs those (the unclipped statistics; with gradient
 accumulation, the last backward's, i.e. the full accumulated gradient) instead of measuring
@@ -9,6 +10,7 @@ the clipped gradients again for them.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,29 @@ class PreClipGrads:
     grads: list[torch.Tensor]  # the measured tensors (clipping later scales them in place)
     raw_dtypes: set[torch.dtype]
     norms: torch.Tensor  # (n,) float32 L2 norms
-    extremes: tuple[str, torch.Tensor]  # as `NormKernels.extremes` returns them
+    extremes: tuple[str, torch.Tensor]  # ("grad_absmax", (n,) max |g|), as `NormKernels.extremes`
+
+
+_dtype = operator.attrgetter("dtype")
+
+#: anchor parameters hooked: the first and last watched ones and evenly spaced ones between
+ANCHORS = 8
+
+
+def anchors(params: list[torch.Tensor], k: int = ANCHORS) -> list[torch.Tensor]:
+    """Up to `k` parameters spread evenly over the list, the first and the last included."""
+    n = len(params)
+    if n <= k:
+        return list(params)
+    return [params[round(i * (n - 1) / (k - 1))] for i in range(k)]
 
 
 class PreClipCapture:
-    """Hooks the watched parameters; `take()` hands over the last backward's statistics once."""
+    """Hooks a few anchor parameters; `take()` hands over the last backward's statistics once.
+
+    A backward that reaches no anchor (one through a small, unanchored part of the model)
+    leaves no capture, and the step measures its gradients as they are, after clipping.
+    """
 
     def __init__(self, watched: WatchedParams, kernels: NormKernels) -> None:
         self.watched = watched
@@ -46,8 +66,8 @@ class PreClipCapture:
     paused = False  # forensics re-runs a backward that is not a training step
 
     def install(self) -> None:
-        """Hook the watched parameters not hooked yet (also after the model grew)."""
-        for p in self.watched.params:
+        """Hook the anchors not hooked yet (also after the model grew)."""
+        for p in anchors(self.watched.params):
             if id(p) not in self._hooked and hasattr(p, "register_post_accumulate_grad_hook"):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(id(p))
@@ -67,9 +87,8 @@ class PreClipCapture:
             grads, names, raw = self.watched.grads(dev, distributed=False)
             if not grads:
                 return
-            norms = self.kernels.l2_norms(grads, key="preclip_norms")
-            extremes = self.kernels.extremes(grads, False, key="preclip_minmax")
-            self._result = PreClipGrads(names, grads, {g.dtype for g in raw}, norms, extremes)
+            norms, absmax = self.kernels.norms_and_absmax(grads, key="preclip")
+            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, ("grad_absmax", absmax))
 
     def take(self) -> PreClipGrads | None:
         """The statistics of the last backward since the previous call, or None."""

@@ -1,8 +1,20 @@
-"""Activation probes: forward hooks writing each watched module's output (min, max) into a
-per-dtype buffer on the device (one `aminmax`, no conversion, no host read)."""
+"""Activation probes: forward hooks writing a module's output (min, max) into a per-dtype buffer
+on the device (one `aminmax`, no conversion, no host read).
+
+A forward hook is a Python call per module per step, so on a large model only the block
+boundaries are hooked every step: the outputs of the blocks of its main stack (the children of
+the module with the most children holding watched modules, e.g. a transformer's `blocks.3`, at
+most `BOUNDARY_LIMIT`, evenly spaced) and the watched modules outside it (embeddings, final
+norm, head). Every watched module is hooked as well ("detail") on a cadence, while an incident
+is open, after a non-finite value (for `DETAIL_AFTER_NONFINITE` steps) and when histograms want
+the outputs. A non-finite value propagates along the stack, so the first non-finite boundary
+always shows it; with detail on, the first non-finite module is named exactly. Models with at
+most `FULL_LIMIT` watched modules are hooked in full every step.
+"""
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -14,29 +26,70 @@ from .dtypes import dtype_name, narrowest
 from .kernels import absmax_rows
 from .transport import Segment
 
-__all__ = ["ActivationProbes", "ActivationStep"]
+__all__ = ["ActivationProbes", "ActivationStep", "block_boundaries"]
+
+#: models with at most this many watched modules are hooked in full on every step
+FULL_LIMIT = 64
+#: at most this many blocks of the main stack are hooked on every step (evenly spaced)
+BOUNDARY_LIMIT = 32
 
 
 @dataclass(frozen=True)
 class ActivationStep:
     """What the probes saw in one step: modules in execution order, the buffer dtype each wrote
-    to (None: not called), the narrowest output dtype."""
+    to (None: not called), the narrowest output dtype, and which modules are hooked every step
+    (`activation_max` is taken over those only, so it means the same on every step)."""
 
     names: list[str]
     order: list[int]
     src: list[torch.dtype | None]
     dtype: str | None
+    always: frozenset[int] | None = None  # None: every module is hooked every step
+
+
+def _watched(model: nn.Module, exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """Modules that own parameters (where a runaway shows; hooking every module costs more
+    than it tells), minus the excluded name patterns, in registration order."""
+    return [(n, m) for n, m in model.named_modules()
+            if n and any(True for _ in m.parameters(recurse=False)) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+
+
+def _spaced(items: list[str], k: int) -> list[str]:
+    """At most `k` items, evenly spaced, the first and the last included."""
+    if len(items) <= k:
+        return items
+    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
+
+
+def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str] = ()) -> list[str]:
+    """The module names hooked every step on a large model: the blocks of its main stack and
+    the watched modules outside it (each capped at `BOUNDARY_LIMIT`, evenly spaced)."""
+    children: dict[str, dict[str, None]] = {}  # parent -> its children holding watched modules
+    for w in watched:
+        parts = w.split(".")
+        for d in range(len(parts)):
+            children.setdefault(".".join(parts[:d]), {})[".".join(parts[: d + 1])] = None
+    stack = max(children, key=lambda p: len(children[p]))  # the first of the widest (shallowest)
+    blocks = [b for b in children[stack] if not any(fnmatch.fnmatchcase(b, p) for p in exclude)]
+    inside = tuple(b + "." for b in children[stack])
+    outside = [w for w in watched if w not in children[stack] and not w.startswith(inside)]
+    chosen = set(_spaced(blocks, BOUNDARY_LIMIT)) | set(_spaced(outside, BOUNDARY_LIMIT))
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(chosen, key=order.__getitem__)
 
 
 class ActivationProbes:
-    """Forward hooks on every module that owns parameters (where a runaway shows; hooking every
-    module costs more than it tells), minus the policy's excluded name patterns."""
+    """Forward hooks on the watched modules: the boundaries every step, the rest on demand."""
 
     def __init__(self, exclude: Sequence[str] = ()) -> None:
         self.exclude = tuple(exclude)
         self.names: list[str] = []
-        self._hooked: set[int] = set()
-        self._hooks: list[Any] = []
+        self._modules: list[nn.Module] = []
+        self._index: dict[int, int] = {}  # id(module) -> its index in `names`
+        self._always: frozenset[int] | None = None  # None: every module every step
+        self._hooks: list[Any] = []  # the every-step hooks
+        self._detail_hooks: list[Any] = []  # the other modules' hooks, while detail is on
+        self.detail = False
         self._bufs: dict[torch.dtype, torch.Tensor] = {}  # per dtype, (modules, 2) min and max
         self._views: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._src: list[torch.dtype | None] = []  # the buffer each module wrote to this step
@@ -47,23 +100,51 @@ class ActivationProbes:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def install(self, model: nn.Module) -> None:
-        """Hook the modules not hooked yet (also called again when the model grew)."""
-        for name, mod in model.named_modules():
-            if id(mod) in self._hooked or any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
-                continue
-            if name and any(True for _ in mod.parameters(recurse=False)):
-                self._hooked.add(id(mod))
-                idx = len(self.names)
-                self.names.append(name)
+        """Choose and hook the modules (again when the model grew). Modules keep their index
+        (new ones are appended), so a forward already observed this step still reads right."""
+        self.remove()
+        watched = _watched(model, self.exclude)
+        names = [n for n, _ in watched]
+        chosen, bounds = watched, None
+        if len(watched) > FULL_LIMIT:
+            by_name = dict(model.named_modules())
+            bounds = set(block_boundaries(model, names, self.exclude))
+            wset = set(names)
+            chosen = watched + [(b, by_name[b]) for b in sorted(bounds - wset)]  # blocks own no parameters
+        known = set(self._index)
+        for n, m in chosen:
+            if id(m) not in known:
+                self._index[id(m)] = len(self.names)
+                self.names.append(n)
+                self._modules.append(m)
                 self._src.append(None)
-                self._hooks.append(mod.register_forward_hook(self._make_hook(idx)))
+        self._always = None if bounds is None else frozenset(self._index[id(m)] for n, m in chosen if n in bounds)
         self._views.clear()  # buffers sized for the new module count
+        for i, m in enumerate(self._modules):
+            if self._always is None or i in self._always:
+                self._hooks.append(m.register_forward_hook(self._make_hook(i)))
+        if self.detail:
+            self.detail = False
+            self.set_detail(True)
+
+    def set_detail(self, on: bool) -> None:
+        """Hook every watched module (on) or only the boundaries (off) from the next forward."""
+        if on == self.detail or self._always is None:
+            self.detail = on
+            return
+        self.detail = on
+        if on:
+            self._detail_hooks = [m.register_forward_hook(self._make_hook(i))
+                                  for i, m in enumerate(self._modules) if i not in self._always]
+        else:
+            for h in self._detail_hooks:
+                h.remove()
+            self._detail_hooks = []
 
     def remove(self) -> None:
-        for h in self._hooks:
+        for h in self._hooks + self._detail_hooks:
             h.remove()
-        self._hooks.clear()
-        self._hooked.clear()
+        self._hooks, self._detail_hooks = [], []
 
     def _make_hook(self, idx: int) -> Callable:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
@@ -106,8 +187,11 @@ class ActivationProbes:
         return views
 
     def take(self, distributed: bool) -> tuple[ActivationStep, list[Segment]]:
-        """This step's observations and their segments; resets for the next forward."""
-        step = ActivationStep(self.names, self._order, self._src, self._dtype)
+        """This step's observations and their segments; resets for the next forward.
+
+        Under torch.distributed every rank packs every module's slot (detail is decided alike
+        on every rank; a module not called reads as NaN-free zeros)."""
+        step = ActivationStep(self.names, self._order, self._src, self._dtype, self._always)
         self._order, self._src, self._dtype = [], [None] * len(self.names), None
         segments = []
         for dtype in {d for d in step.src if d is not None}:
@@ -117,3 +201,21 @@ class ActivationProbes:
             else:
                 segments.append(Segment(f"act_minmax:{dtype}", buf.view(-1), Reduce.LOCAL))
         return step, segments
+
+
+def act_values(get: Callable[[str], "list[float] | None"], acts: ActivationStep) -> dict[int, float]:
+    """max |output| of each module that ran this step (NaN-aware), from the per-dtype buffer it
+    wrote to; keyed by module index, in execution order."""
+    out: dict[int, float] = {}
+    cache: dict[Any, tuple[list[float] | None, list[float] | None]] = {}
+    for i in acts.order:
+        dtype = acts.src[i]
+        if dtype not in cache:
+            cache[dtype] = (get(f"act_minmax:{dtype}"), get(f"act_max:{dtype}"))
+        pairs, maxima = cache[dtype]
+        if pairs is not None:
+            lo, hi = pairs[2 * i], pairs[2 * i + 1]
+            out[i] = math.nan if lo != lo or hi != hi else max(hi, -lo)
+        else:  # distributed: maxima already taken on the device
+            out[i] = maxima[i]
+    return out

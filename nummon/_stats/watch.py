@@ -1,6 +1,8 @@
 """Which parameters are watched, re-scanned cheaply when the model or optimizer grows."""
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import torch
@@ -10,6 +12,10 @@ from .._distributed import local_tensor, norm_rules
 from .optim import OptimizerView
 
 __all__ = ["WatchedParams"]
+
+_grad = operator.attrgetter("grad")
+_sparse = operator.attrgetter("is_sparse")
+_is_none = functools.partial(operator.is_, None)
 
 
 class _RegistrationFlag:
@@ -93,8 +99,8 @@ class WatchedParams:
         (the layout must be the same on every rank); DTensor shards give their local part,
         sparse gradients their values, complex ones their (re, im) view.
         """
-        grads, names = [p.grad for p in self.params], self.names
-        if any(g is None for g in grads):
+        grads, names = list(map(_grad, self.params)), self.names  # map/any in C: no Python work per tensor
+        if any(map(_is_none, grads)):
             if distributed:
                 grads = [torch.zeros((), device=dev) if g is None else g for g in grads]
             else:
@@ -102,7 +108,7 @@ class WatchedParams:
                 grads = [g for g in grads if g is not None]
         raw = grads
         grads = self.local(grads)
-        if any(g.is_sparse for g in grads):
+        if any(map(_sparse, grads)):
             grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
         if self.has_complex:
             grads = [torch.view_as_real(g) if g.is_complex() else g for g in grads]

@@ -1,12 +1,13 @@
 """`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
-`python -m nummon._watch`). Exit codes: 0 ok, 2 bad input (one line on stderr)."""
+`python -m nummon._watch`). Exit codes: 0 ok; 2 bad input (one line on stderr), and with
+--once a run that could not be read; 1 with --once when a notification was lost."""
 from __future__ import annotations
 
 import argparse
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .._errors import NummonError
 from . import fs
@@ -31,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retire a run after this many seconds without new records (default: 1800)")
     parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
                         help="extra key map entry, e.g. my/loss=loss (repeatable)")
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus metrics of every watched run at http://HOST:PORT/metrics (needs nummon[prometheus])")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="follow only the runs of shard I of N (0-based, by a stable hash of each run's path under its root)")
 
 
 def _keymap(pairs: list[str]):
@@ -58,21 +63,55 @@ def run(args: argparse.Namespace) -> int:
     if args.idle_timeout <= 0:
         raise NummonError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout}")
     for p in args.paths:
-        if not fs.is_url(p) and fs.stat(p) is None:
+        if not fs.is_url(p) and not os.path.lexists(p):
             raise NummonError(f"{p}: not found")
+        if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
+            raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
     policy = load_policy(args.policy)
     keymap = _keymap(args.key)
+    shard = None
+    if getattr(args, "shard", None):
+        from .shard import parse_shard
+
+        shard = parse_shard(args.shard)
     targets = []
     try:
         for spec in args.notify or ["console"]:
-            targets.append(parse_target(spec))
+            targets.append(parse_target(spec, wandb_sink=_wandb_sink))
     except BaseException:
         for t in targets:
             t.close()
         raise
     exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
-    watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                      idle_timeout_s=args.idle_timeout, exclude=exclude)
+    observer = server = None
+    if getattr(args, "metrics", None):
+        from .metrics import FleetMetrics, MetricsObserver
+
+        try:
+            from nummon.integrations.prometheus import serve_metrics
+
+            fleet = FleetMetrics()
+            fleet.targets = targets
+            server = serve_metrics(fleet, args.metrics)
+        except (ImportError, NummonError) as e:
+            for t in targets:
+                t.close()
+            raise NummonError(f"--metrics: {e}") from None
+        observer = MetricsObserver(fleet)
+        print(f"nummon watch: serving metrics at {server.url}", file=sys.stderr, flush=True)
+    from .hooks import Observers
+
+    observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
+    try:
+        watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
+                          idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
+    except BaseException:
+        for t in targets:
+            t.close()
+        if server is not None:
+            server.close()
+        raise
+    watcher.metrics_server = server
     previous = {}
 
     def _stop(signum, frame):  # stop within one interval: the loop waits on this event
@@ -88,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if server is not None:
+            server.close()
+    if args.once and watcher.lost:
+        return 1
     if args.once and watcher.bad:
         return 2
     return 0
@@ -96,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"nummon watch: error: {message}\n")
+
+
+def _wandb_sink(**kwargs: Any) -> Any:
+    """The W&B sink, from the integrations layer (this module is the watch command's front end)."""
+    from ..integrations.wandb import WandbSink
+
+    return WandbSink(**kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -88,4 +88,19 @@ def discover(roots: list[str], format: str | None = None, exclude: set[str] = fr
             fmt, run_id = kind
             spec = runs.setdefault(run_id, RunSpec(run_id, fmt))
             spec.files.append(f)
-    return runs, problems
+    return _one_run_per_output_dir(runs), problems
+
+
+def _one_run_per_output_dir(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
+    """A Hugging Face output folder holding event folders (`runs/<date>_<host>/`) besides its
+    trainer_state.json lineage is one run, not two: the event folder is read (per step, and with
+    nummon's callback its own unfiltered tags) and the lineage is left out."""
+    tb_ids = [rid for rid, s in runs.items() if s.format == "tensorboard"]
+    out = {}
+    for rid, spec in runs.items():
+        if spec.format == "hf":
+            prefix = rid.rstrip("/").rstrip(os.sep)
+            if any(t.startswith(prefix + os.sep) or t.startswith(prefix + "/") for t in tb_ids):
+                continue
+        out[rid] = spec
+    return out

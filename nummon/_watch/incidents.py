@@ -1,21 +1,30 @@
 """Incident events of one watched run: nummon's own incident state machine (the HealthEngine's
-`IncidentTracker`, as in the Monitor), each event labelled with the run it belongs to.
-Notifications go per event, never per alert."""
+`IncidentTracker`, as in the Monitor), each event labelled with the run it belongs to, and the
+`Notice` every notification target receives. Notifications go per event, never per alert."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
-from .._incidents import IncidentEvent
+from .._types import INCIDENT_HEADLINES, TITLE_MAX, IncidentEvent, IncidentState
+from .text import cut_at_word
 
-__all__ = ["RunIncident"]
+__all__ = ["RunIncident", "Notice", "event_id"]
+
+
+def event_id(readable_id: str) -> str:
+    """The idempotency key of an event (32 hex digits): the same for every retry, restart and
+    target, so a receiver that keeps the ids it has seen drops duplicates."""
+    return hashlib.blake2b(readable_id.encode("utf-8"), digest_size=16).hexdigest()
 
 
 class RunIncident:
-    """One incident event of one watched run (the interface every notification target takes)."""
+    """One incident event of one watched run."""
 
-    def __init__(self, run: str, event: IncidentEvent) -> None:
+    def __init__(self, run: str, event: IncidentEvent, name: str | None = None) -> None:
         self.run = run
         self.event = event
+        self.name = name or run
 
     @property
     def id(self) -> str:
@@ -36,11 +45,42 @@ class RunIncident:
 
     @property
     def title(self) -> str:
-        return self.event.title
+        """The event's title, cut at a word (never mid-word) to W&B's 63 characters."""
+        e = self.event
+        if e.action:
+            return cut_at_word(f"nummon: {e.action}", TITLE_MAX)
+        head = INCIDENT_HEADLINES.get(e.state, e.state.value)
+        if e.contributors and e.state in (IncidentState.OPEN, IncidentState.CRITICAL):
+            c = e.contributors[0]
+            head += f": {c.kind.value} in {c.metric}"
+        return cut_at_word(f"nummon: {head}", TITLE_MAX)
 
     def summary(self) -> str:
         return f"run `{self.run}`: {self.event.summary()}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "incident", "id": self.id, "run": self.run, "level": self.level, "transition": self.transition,
-                "summary": self.summary(), **self.event.to_dict()}
+        return {"type": "incident", "id": self.id, "event_id": event_id(self.id), "run": self.run, "run_name": self.name,
+                "level": self.level, "transition": self.transition, "summary": self.summary(),
+                **self.event.to_dict(), "title": self.title}
+
+
+class Notice:
+    """What a target is given: one event as plain data (made from `RunIncident.to_dict()` or
+    read back from the state file's outbox), with the interface targets use."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.d = d
+        self.id = str(d.get("id", ""))
+        self.event_id = str(d.get("event_id") or event_id(self.id))
+        self.d.setdefault("event_id", self.event_id)
+        self.run = str(d.get("run", ""))
+        self.name = str(d.get("run_name") or self.run)
+        self.title = str(d.get("title") or "nummon: incident")
+        level = d.get("level", 1)
+        self.level = level if isinstance(level, int) and not isinstance(level, bool) else 1
+
+    def summary(self) -> str:
+        return str(self.d.get("summary", ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.d

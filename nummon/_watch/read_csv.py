@@ -1,16 +1,18 @@
 """Lightning CSVLogger `metrics.csv`: appended rows, and the whole file rewritten with a new
-header when new keys appear (then steps already seen are skipped)."""
+header when new keys appear (then steps already seen are skipped). Read in bounded chunks; a row
+whose step is not an integer (`inf`, `nan`, text) is skipped with a warning naming its line."""
 from __future__ import annotations
 
 import csv
-import io
 from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError, StepAssembler
+from .base import POLL_BYTES, Follower, NotALogError, StepAssembler, as_step
 
 __all__ = ["CsvFollower"]
+
+_MAX_HEADER = 1024 * 1024
 
 
 class CsvFollower(Follower):
@@ -23,29 +25,40 @@ class CsvFollower(Follower):
         self.offset = 0  # bytes consumed (at a row start)
         self.done_offset = 0  # bytes whose rows are all in returned records
         self.rows = 0  # rows read: the step of a row without a step column
-        self.asm = StepAssembler(self.keymap)
+        self.ident: tuple | None = None
+        self.asm = StepAssembler(self, skip_old=True)
 
     def poll(self, final: bool = False) -> list[StepRecord]:
+        self.more = False
         st = fs.stat(self.path)
         if st is None or st.size == 0:
             return []
         out: list[StepRecord] = []
+        if self.ident is not None and st.identity[0] is not None and tuple(st.identity) != tuple(self.ident):
+            self.note(f"{self.path}: replaced by a new file; reading it again from the start")
+            self.header, self.asm.last_emitted = None, None
+        self.ident = st.identity
         if self.header is None or st.size < self.offset or not self._same_header():
             if not self._read_header():
                 return out
         new_rows = False
         if st.size > self.offset:
-            data = fs.read_bytes(self.path, self.offset)
+            data = fs.read_bytes(self.path, self.offset, POLL_BYTES)
             end = data.rfind(b"\n") + 1
-            if final and end < len(data) and data[end:].strip():
+            if final and end < len(data) and data[end:].strip() and len(data) < POLL_BYTES:
                 end = len(data)
+            if end == 0 and len(data) == POLL_BYTES:  # one absurdly long row: not a metrics row
+                self.note(f"{self.path}: byte {self.offset}: a row longer than {POLL_BYTES >> 20} MiB skipped")
+                end = len(data)
+                data = b""
             pos = self.offset
             for raw in data[:end].splitlines(keepends=True):
                 self._row(raw, pos, out)
                 pos += len(raw)
             self.offset += end
             new_rows = end > 0
-        if (not new_rows or final) and self.asm.flush(out):  # quiet poll: the held-back step is complete
+            self.more = len(data) == POLL_BYTES
+        if (not new_rows or (final and not self.more)) and self.asm.flush(out):  # quiet poll: the held step is complete
             self.done_offset = self.offset
         return out
 
@@ -54,9 +67,11 @@ class CsvFollower(Follower):
 
     def _read_header(self) -> bool:
         """(Re)read the header; the rows after it are read again (old steps skipped)."""
-        data = fs.read_bytes(self.path, 0)
+        data = fs.read_bytes(self.path, 0, _MAX_HEADER)
         nl = data.find(b"\n")
         if nl < 0:
+            if len(data) == _MAX_HEADER:
+                raise NotALogError(f"{self.path}: not a CSV metrics log (no header line in its first MiB)")
             return False  # header still being written
         line = data[: nl + 1]
         try:
@@ -72,16 +87,21 @@ class CsvFollower(Follower):
         return True
 
     def _row(self, raw: bytes, pos: int, out: list[StepRecord]) -> None:
-        text = raw.decode("utf-8", "replace").strip()
+        text = raw.decode("utf-8", "replace").replace("\x00", "").strip()
         if not text:
             return
-        cells = next(csv.reader([text]), [])
+        try:
+            cells = next(csv.reader([text]), [])
+        except csv.Error:
+            self.note(f"{self.path}: byte {pos}: a row that is not CSV skipped")
+            return
         row = {k: v for k, v in zip(self.header or [], cells) if v != ""}
         self.rows += 1
         step_text = row.pop("step", None)
-        try:
-            step = int(float(step_text)) if step_text is not None else self.rows - 1
-        except ValueError:
+        step = as_step(step_text) if step_text is not None else self.rows - 1
+        if step is None:
+            self.note(f"{self.path}: byte {pos}: row skipped, its step {step_text[:40]!r} is not an integer",
+                      once="bad-step")
             return
         if self.asm.add(step, row, out):
             self.done_offset = pos
@@ -95,7 +115,8 @@ class CsvFollower(Follower):
         }
 
     def restore(self, pos: dict[str, Any]) -> None:
-        self.asm.last_emitted = pos.get("last_step")
+        last = pos.get("last_step")
+        self.asm.last_emitted = None if last is None else int(last)
         header = str(pos.get("header", "")).encode("utf-8")
         if header:
             self.header_bytes = header

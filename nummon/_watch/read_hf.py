@@ -1,6 +1,9 @@
 """Hugging Face Trainer `trainer_state.json` (`log_history`), one lineage per output folder: the
 folder's own file and those in its `checkpoint-*/` folders, each rewritten whole at every save.
-Rows at or below the last step seen are skipped; bare NaN/Infinity literals are read as floats."""
+The newest file is the run's state; rows at or below the last step seen are skipped, and a
+newest file whose steps end below it is a new run written into the same folder (read from its
+start). A file that is not valid JSON yet (caught mid-write) is read again when it changes; bare
+NaN/Infinity literals are read as floats; a row whose step is not an integer is skipped."""
 from __future__ import annotations
 
 import json
@@ -9,12 +12,13 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError
+from .base import Follower, NotALogError, as_step
 
-__all__ = ["HfStateFollower", "STATE_NAME", "lineage_root"]
+__all__ = ["HfStateFollower", "STATE_NAME", "lineage_root", "MAX_STATE_BYTES"]
 
 STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+MAX_STATE_BYTES = 256 * 1024 * 1024
 
 
 def lineage_root(state_file: str) -> str:
@@ -31,6 +35,7 @@ class HfStateFollower(Follower):
         self.single = fs.basename(path) == STATE_NAME or not fs.is_dir(path)
         self.last_step: int | None = None
         self._seen: dict[str, Any] = {}  # file -> Stat at its last successful read
+        self._bad: dict[str, Any] = {}  # file -> Stat of its last unparsable read
 
     def _files(self) -> list[str]:
         if self.single:
@@ -45,52 +50,78 @@ class HfStateFollower(Follower):
         return out
 
     def poll(self, final: bool = False) -> list[StepRecord]:
-        best: tuple[int, list[dict]] | None = None
+        best: tuple[tuple, list[dict], str] | None = None
         for f in self._files():
             st = fs.stat(f)
             if st is None or st == self._seen.get(f):
                 continue
-            rows = self._read(f)
+            rows = self._read(f, st, final)
             if rows is None:
-                continue  # mid-rewrite: read again next poll
+                continue  # mid-rewrite: read again when it changes
             self._seen[f] = st
             top = max((r["step"] for r in rows), default=-1)
-            if best is None or top > best[0]:
-                best = (top, rows)
+            key = (st.mtime or 0.0, top)
+            if best is None or key > best[0]:
+                best = (key, rows, f)
         if best is None:
             return []
+        (_, top), rows, f = best
+        if self.last_step is not None and top < self.last_step:
+            self.note(f"{f}: its steps end at {top}, below step {self.last_step} read before: a new run in the same "
+                      f"output folder; reading it from its start")
+            self.last_step = None
         by_step: dict[int, dict] = {}
-        for r in best[1]:
+        for r in rows:
             s = r["step"]
             if self.last_step is None or s > self.last_step:
                 by_step.setdefault(s, {}).update(r)
         out: list[StepRecord] = []
         for s in sorted(by_step):
             row = {k: v for k, v in by_step[s].items() if k != "step"}
-            rec = self.keymap.record(s, row)
+            rec = self.record(s, row)
             if rec is not None:
                 out.append(rec)
             self.last_step = s
         return out
 
-    def _read(self, path: str) -> list[dict] | None:
+    def _read(self, path: str, st: fs.Stat, final: bool) -> list[dict] | None:
+        if st.size > MAX_STATE_BYTES:
+            self.note(f"{path}: {st.size >> 20} MiB, larger than the {MAX_STATE_BYTES >> 20} MiB a trainer_state.json "
+                      f"is read to; skipped", once=f"big:{path}")
+            return None
         try:
-            obj = json.loads(fs.read_bytes(path).decode("utf-8"))  # json reads NaN/Infinity literals
-        except (ValueError, UnicodeDecodeError) as e:
-            self._unparsable(path, f"invalid JSON: {getattr(e, 'msg', e)}")
+            obj = json.loads(fs.read_bytes(path, 0, MAX_STATE_BYTES).decode("utf-8"))  # reads NaN/Infinity literals
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            why = f"invalid JSON: {getattr(e, 'msg', e)}" + (f" at byte {e.pos}" if hasattr(e, "pos") else "")
+            if final:
+                raise NotALogError(f"{path}: not a {self.format} log ({why})") from None
+            if self._bad.get(path) == st:  # the same bytes twice: say so once, read it when it changes
+                self.note(f"{path}: not a complete trainer_state.json ({why}); read again when it changes",
+                          once=f"bad:{path}:{st}")
+            self._bad[path] = st
             return None
         except OSError:
             return None  # removed between listing and reading (save_total_limit)
         if not isinstance(obj, dict) or not isinstance(obj.get("log_history"), list):
             raise NotALogError(f"{path}: not a Hugging Face trainer_state.json (no log_history list)")
         rows = []
+        bad = 0
         for r in obj["log_history"]:
-            if isinstance(r, dict) and isinstance(r.get("step"), (int, float)) and not isinstance(r.get("step"), bool):
-                rows.append({**r, "step": int(r["step"])})
+            if not isinstance(r, dict):
+                continue
+            step = as_step(r.get("step"))
+            if step is None:
+                bad += 1
+                continue
+            rows.append({**r, "step": step})
+        if bad:
+            self.note(f"{path}: {bad} log_history row{'s' if bad != 1 else ''} skipped, step not an integer",
+                      once=f"step:{path}")
         return rows
 
     def position(self) -> dict[str, Any]:
         return {"last_step": self.last_step}
 
     def restore(self, pos: dict[str, Any]) -> None:
-        self.last_step = pos.get("last_step")
+        last = pos.get("last_step")
+        self.last_step = None if last is None else int(last)

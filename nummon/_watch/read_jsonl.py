@@ -1,4 +1,6 @@
-"""nummon's own JSONL logs (event logs from JsonlSink and plain traces), followed by byte offset."""
+"""nummon's own JSONL logs (event logs from JsonlSink and plain traces), followed by byte offset
+in bounded reads. A line that is not JSON is skipped with a warning naming its byte offset (the
+next line resynchronises); a last line without its newline is read again next poll."""
 from __future__ import annotations
 
 import json
@@ -7,14 +9,17 @@ from typing import Any
 from .._trace import TraceError, record_from_dict
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError
+from .base import POLL_BYTES, FileMark, Follower, NotALogError
 
-__all__ = ["JsonlFollower"]
+__all__ = ["JsonlFollower", "MAX_LINE"]
+
+#: A longer line is not a step record: it is skipped (and named), never held in memory.
+MAX_LINE = 16 * 1024 * 1024
 
 
 class JsonlFollower(Follower):
     """One JSONL file: step lines become records, `"type": "alert"` (and other non-step) lines are
-    skipped; a last line without its newline is read again next poll."""
+    skipped."""
 
     format = "jsonl"
 
@@ -23,40 +28,72 @@ class JsonlFollower(Follower):
         self.offset = 0  # bytes consumed (always at a line start)
         self.lineno = 0
         self.count = 0  # records returned: the default step of a line without "step"
-        self.notes: list[str] = []
+        self.mark = FileMark()
+        self._skipping = False  # inside an over-long line
 
     def poll(self, final: bool = False) -> list[StepRecord]:
+        self.more = False
         st = fs.stat(self.path)
         if st is None:
             return []
-        if st.size < self.offset:  # truncated or replaced: start over
+        why = self.mark.check(self.path, st)
+        if why:
+            self.note(f"{self.path}: {why}; reading it again from the start")
             self.offset = self.lineno = self.count = 0
-        if st.size == self.offset:
+            self._skipping = False
+        if st.size <= self.offset:
             return []
-        data = fs.read_bytes(self.path, self.offset)
+        data = fs.read_bytes(self.path, self.offset, POLL_BYTES)
         end = data.rfind(b"\n") + 1
-        if final and end < len(data) and data[end:].strip():
-            end = len(data)  # the writer is done: a last line without newline is complete
+        if end == 0 and len(data) == POLL_BYTES:  # one long line: look further, within a bound
+            data = fs.read_bytes(self.path, self.offset, MAX_LINE)
+            end = data.rfind(b"\n") + 1
+            if end == 0 and len(data) == MAX_LINE:
+                if not self._skipping:
+                    self.note(f"{self.path}: byte {self.offset}: a line longer than {MAX_LINE >> 20} MiB skipped")
+                self._skipping = True
+                self.offset += len(data)
+                self.more = True
+                return []
         out: list[StepRecord] = []
-        for raw in data[:end].splitlines():
+        torn = final and end < len(data) and bool(data[end:].strip()) and len(data) < POLL_BYTES
+        pos = self.offset
+        for raw in data[:end].splitlines(keepends=True):
+            if self._skipping:  # the rest of an over-long line
+                self._skipping = False
+            else:
+                self.lineno += 1
+                rec = self._parse(raw, pos)
+                if rec is not None:
+                    out.append(rec)
+            pos += len(raw)
+        self.offset += end
+        if torn:
             self.lineno += 1
-            rec = self._parse(raw)
+            tail = data[end:]
+            rec = self._parse(tail, self.offset, last=True)
             if rec is not None:
                 out.append(rec)
-        self.offset += end
+            self.offset += len(tail)
+        self.more = len(data) == POLL_BYTES and end > 0
+        if end:
+            self.mark.take(self.path, self.offset)
         return out
 
-    def _parse(self, raw: bytes) -> StepRecord | None:
+    def _parse(self, raw: bytes, at: int, last: bool = False) -> StepRecord | None:
         line = raw.strip()
         if not line:
             return None
         where = f"{self.path}:{self.lineno}"
         try:
             obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            if self.count == 0 and self.lineno <= 1:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            if self.count == 0 and self.lineno <= 1 and not last:
                 raise NotALogError(f"{self.path}: not a JSONL log (line 1: {getattr(e, 'msg', e)})") from None
-            self.notes.append(f"{where}: skipped a line that is not valid JSON")
+            if last:
+                self.note(f"{where}: last line ignored at byte {at}, not valid JSON (torn by a full disk or a killed writer?)")
+            else:
+                self.note(f"{where}: skipped a line at byte {at} that is not valid JSON")
             return None
         if not isinstance(obj, dict):
             if self.count == 0 and self.lineno <= 1:
@@ -68,15 +105,16 @@ class JsonlFollower(Follower):
         try:
             rec = record_from_dict(obj, where, self.count)
         except TraceError as e:
-            self.notes.append(f"{e}; line skipped")
+            self.note(f"{e}; line skipped")
             return None
         self.count += 1
         return rec
 
     def position(self) -> dict[str, Any]:
-        return {"offset": self.offset, "lineno": self.lineno, "count": self.count}
+        return {"offset": self.offset, "lineno": self.lineno, "count": self.count, "mark": self.mark.to_dict()}
 
     def restore(self, pos: dict[str, Any]) -> None:
         self.offset = int(pos.get("offset", 0))
         self.lineno = int(pos.get("lineno", 0))
         self.count = int(pos.get("count", 0))
+        self.mark.load(pos.get("mark"), self.offset)

@@ -1,6 +1,9 @@
 """W&B offline run files (`run-<id>.wandb`): a LevelDB-log framing (32 KiB blocks of CRC'd
 chunks) of protobuf `Record`s, decoded with the classes the wandb package ships. Followed by
-byte offset; a record whose chunks are not all written yet is read again next poll."""
+byte offset in bounded reads; a record whose chunks are not all written yet is read again next
+poll. A chunk that fails its checksum is named with its byte offset and reading resumes at the
+next 32 KiB block, as the framing is built for; a record with a step that is not an integer or
+a value that is not JSON is skipped with a warning."""
 from __future__ import annotations
 
 import json
@@ -10,7 +13,8 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError
+from .base import POLL_BYTES, FileMark, Follower, NotALogError, as_step
+from .read_tb import _require
 
 __all__ = ["WandbFollower", "is_wandb_file", "WANDB_MAGIC"]
 
@@ -18,6 +22,7 @@ WANDB_MAGIC = b":W&B"
 _BLOCK = 32 * 1024
 _HEADER = 7  # magic (4) + version (2) + reserved (1); also the size of a chunk header
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_MAX_SPAN = 64 * 1024 * 1024  # a record spanning more is skipped, never held
 
 
 def is_wandb_file(path: str) -> bool:
@@ -26,9 +31,7 @@ def is_wandb_file(path: str) -> bool:
 
 
 def _pb():
-    from nummon.integrations._lazy import require
-
-    require("wandb", "wandb")
+    _require("wandb", "wandb")
     from wandb.proto import wandb_internal_pb2
 
     return wandb_internal_pb2
@@ -42,30 +45,55 @@ class WandbFollower(Follower):
         self._pb = _pb()
         self.offset = 0  # at a record boundary (after the file header once read)
         self.count = 0
+        self.mark = FileMark()
+        self._suspect: int | None = None
 
     def poll(self, final: bool = False) -> list[StepRecord]:
+        self.more = False
         st = fs.stat(self.path)
-        if st is None or st.size <= self.offset:
+        if st is None:
             return []
-        data = fs.read_bytes(self.path, self.offset)
+        why = self.mark.check(self.path, st)
+        if why:
+            self.note(f"{self.path}: {why}; reading it again from the start")
+            self.offset = self.count = 0
+        if st.size <= self.offset:
+            return []
+        size = POLL_BYTES
+        while True:
+            out, span = self._scan(st, final, size)
+            if span and size < _MAX_SPAN:  # one record longer than the read: read further
+                size *= 4
+                continue
+            if span:
+                self.note(f"{self.path}: byte {self.offset}: a record spanning more than {_MAX_SPAN >> 20} MiB skipped")
+                self.offset = (self.offset // _BLOCK + 1) * _BLOCK
+            break
+        if self.offset:
+            self.mark.take(self.path, self.offset, st)
+        return out
+
+    def _scan(self, st: fs.Stat, final: bool, size: int) -> tuple[list[StepRecord], bool]:
         base = self.offset
+        data = fs.read_bytes(self.path, base, size)
         pos = 0
         if base == 0:
             if len(data) < _HEADER:
-                return []
-            magic, version = struct.unpack("<4sH", data[:6])
+                return [], False
+            magic, _version = struct.unpack("<4sH", data[:6])
             if magic != WANDB_MAGIC:
                 raise NotALogError(f"{self.path}: not a W&B run file (bad magic)")
-            pos = _HEADER
-            self.offset = _HEADER
+            pos = self.offset = _HEADER
         out: list[StepRecord] = []
-        buf = b""
+        buf: bytes | None = None
         while True:
             left = _BLOCK - (base + pos) % _BLOCK
             if left < _HEADER:  # block trailer: zero padding
                 if pos + left > len(data):
                     break
                 pos += left
+                if buf is None:
+                    self.offset = base + pos
                 continue
             if pos + _HEADER > len(data):
                 break
@@ -74,34 +102,52 @@ class WandbFollower(Follower):
                 if pos + left > len(data):
                     break
                 pos += left
+                if buf is None:
+                    self.offset = base + pos
                 continue
             end = pos + _HEADER + length
-            if end > len(data):
+            if length <= left - _HEADER and end > len(data):
                 break  # chunk still being written
             chunk = data[pos + _HEADER : end]
-            if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-                self._unparsable(self.path, f"bad chunk checksum at byte {base + pos}")
-                break  # maybe a torn write: read again next poll
+            if length > left - _HEADER or kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or \
+                    zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+                at = base + pos
+                if not final and self._suspect != at:
+                    self._suspect = at  # maybe a torn write: confirmed on the next poll
+                    break
+                self._suspect = None
+                pos += left  # the framing's resynchronisation point: the next block
+                self.note(f"{self.path}: corrupt chunk at byte {at} (bad checksum); skipped to the next block at byte {base + pos}")
+                buf = None
+                self.offset = base + pos
+                continue
             pos = end
             if kind == _FULL:
-                payload = chunk
+                payload, buf = chunk, None
             elif kind == _FIRST:
                 buf = chunk
+                continue
+            elif buf is None:  # the rest of a record whose start was corrupt
+                self.offset = base + pos
                 continue
             elif kind == _MIDDLE:
                 buf += chunk
                 continue
-            elif kind == _LAST:
-                payload, buf = buf + chunk, b""
             else:
-                raise NotALogError(f"{self.path}: not a W&B run file (chunk type {kind})")
+                payload, buf = buf + chunk, None
             self.offset = base + pos  # a whole record consumed
-            rec = self._record(payload)
+            rec = self._record(payload, base + pos)
             if rec is not None:
                 out.append(rec)
-        return out
+        self.more = len(data) == size and self.offset > base
+        span = buf is not None and self.offset == base and len(data) == size
+        if final and not self.more and not span and base + len(data) >= st.size and self.offset < st.size \
+                and data[self.offset - base :].strip(b"\x00"):
+            self.note(f"{self.path}: last record torn at byte {self.offset} ({st.size - self.offset} bytes; a killed "
+                      f"writer or a cut copy?); ignored", once="torn")
+        return out, span
 
-    def _record(self, payload: bytes) -> StepRecord | None:
+    def _record(self, payload: bytes, at: int) -> StepRecord | None:
         r = self._pb.Record()
         try:
             r.ParseFromString(payload)
@@ -110,23 +156,36 @@ class WandbFollower(Follower):
         if r.WhichOneof("record_type") != "history":
             return None
         row: dict[str, Any] = {}
-        step = None
+        step: Any = None
         for item in r.history.item:
             key = item.key or "/".join(item.nested_key)
+            if key != "_step" and self.keymap.field(key) is None:
+                continue
+            try:
+                value = json.loads(item.value_json)  # W&B writes NaN/Infinity literals
+            except (ValueError, RecursionError):
+                self.note(f"{self.path}: record before byte {at}: {key!r} is not JSON; value skipped", once="json")
+                continue
             if key == "_step":
-                step = json.loads(item.value_json)
-            elif self.keymap.field(key) is not None:
-                row[key] = json.loads(item.value_json)  # W&B writes NaN/Infinity literals
+                step = value
+            else:
+                row[key] = value
         if step is None and r.history.HasField("step"):
             step = r.history.step.num
         if step is None:
             step = self.count
         self.count += 1
-        return self.keymap.record(int(step), row)
+        n = as_step(step)
+        if n is None:
+            self.note(f"{self.path}: record before byte {at} skipped, its _step {str(step)[:40]!r} is not an integer",
+                      once="step")
+            return None
+        return self.record(n, row)
 
     def position(self) -> dict[str, Any]:
-        return {"offset": self.offset, "count": self.count}
+        return {"offset": self.offset, "count": self.count, "mark": self.mark.to_dict()}
 
     def restore(self, pos: dict[str, Any]) -> None:
         self.offset = int(pos.get("offset", 0))
         self.count = int(pos.get("count", 0))
+        self.mark.load(pos.get("mark"), self.offset)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .._types import StepRecord
 from . import fs
@@ -40,6 +40,8 @@ def detect_format(path: str) -> str:
         if any(is_wandb_file(f) for f in top):
             return "wandb"
         raise NotALogError(f"{path}: a folder with no log nummon reads (use the folder as a watch root, or --format)")
+    if _exists(path) and fs.stat(path) is None:
+        raise NotALogError(f"{path}: not a regular file (a FIFO or device is never read)")
     if is_event_file(path):
         return "tensorboard"
     if name == STATE_NAME:
@@ -52,7 +54,7 @@ def detect_format(path: str) -> str:
         return "jsonl"
     st = fs.stat(path)
     if st is None:
-        raise NotALogError(f"{path}: not found")
+        raise NotALogError(f"{path}: not found" if not _exists(path) else f"{path}: not a regular file (a FIFO or device is never read)")
     head = fs.read_bytes(path, 0, 4096)
     if head.startswith(WANDB_MAGIC):
         return "wandb"
@@ -74,18 +76,28 @@ def make_follower(path: str, format: str | None = None, keymap: KeyMap | None = 
     return FORMATS[fmt](path, keymap)
 
 
-def read_records(path: str, format: str | None = None, keymap: KeyMap | None = None) -> Iterator[StepRecord]:
-    """Every step record of a finished log (any format), in file order; raises NotALogError
-    (a NummonError naming the path) when the path is not a log."""
+def _exists(path: str) -> bool:
+    return fs.is_url(path) or os.path.lexists(path)
+
+
+def read_records(path: str, format: str | None = None, keymap: KeyMap | None = None,
+                 warn: Callable[[str], None] | None = None) -> Iterator[StepRecord]:
+    """Every step record of a finished log (any format), in file order, streaming in bounded
+    reads; raises NotALogError (a NummonError naming the path) when the path is not a log.
+    Warnings (corruption skipped with its byte offset, a torn tail) go to `warn`."""
     path = str(path)
-    if not fs.is_url(path) and fs.stat(path) is None:
+    if not _exists(path):
         raise NotALogError(f"{path}: not found")
     follower = make_follower(path, format, keymap)
     try:
         empty = 0
-        while empty < 2:  # a whole-file format that fails to parse twice raises NotALogError
+        while empty < 2:  # a whole-file format that fails to parse raises NotALogError
             got = follower.poll(final=True)
-            empty = 0 if got else empty + 1
+            if warn is not None:
+                for line in follower.notes:
+                    warn(line)
+            follower.notes.clear()
+            empty = 0 if (got or follower.more) else empty + 1
             yield from got
     finally:
         follower.close()

@@ -1,15 +1,12 @@
-"""One watched run: its follower, detectors, incident state and a bounded history of recent
-records (saved in the state file to re-warm the detectors after a restart)."""
+"""One watched run: its follower and its health engine (whose state, incident and a bounded
+history of recent records, goes into the state file to re-warm the detectors after a restart)."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 from .._engine import HealthEngine
-from .._json import json_safe
 from .._policy import Policy
-from .._trace import record_from_dict
 from .._types import StepRecord
 from .base import Follower
 from .incidents import RunIncident
@@ -24,28 +21,40 @@ class WatchedRun:
     def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
         self.id = run_id
         self.follower = follower
-        self.engine = HealthEngine(policy)
-        self.history: deque[dict[str, Any]] = deque(maxlen=history)
-        self.first: list[dict[str, Any]] = []
-        self._first_max = first
+        self.policy = policy
+        self._warm = (first, history)
+        self.engine = HealthEngine(policy, warm_first=first, warm_recent=history)
+        self.notes: list[str] = []  # one-line warnings for the watcher to print
+        self.segments = 0
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
+        self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
-    def poll(self, final: bool = False) -> list[RunIncident]:
-        """Read what is new and run it through the detectors; the incident events it caused."""
+    def poll(self, final: bool = False, stop: Any = None) -> list[RunIncident]:
+        """Read what is new and run it through the detectors; the incident events it caused.
+        The follower reads in bounded chunks; a backlog is streamed chunk after chunk (records
+        are never all held), until it is read or `stop` (an Event) is set."""
         events: list[RunIncident] = []
-        for rec in self.follower.poll(final=final):
-            events.extend(self.process(rec))
-        return events
+        while True:
+            for rec in self.follower.poll(final=final):
+                events.extend(self.process(rec))
+            if not self.follower.more or (stop is not None and stop.is_set()):
+                return events
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
+        if self.last_step is not None and rec.step <= self.last_step:
+            # a log rewritten, rotated or re-run into the same place: its steps start over, and
+            # so do the detectors (as in replay); incident numbers go on, so no event id repeats
+            self.notes.append(f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
+                              f"(a rewritten, rotated or re-run log); detectors restarted")
+            number = _tracker(self.engine).number
+            self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
+            _tracker(self.engine).number = number
+            self.segments += 1
         got = self.engine.step(rec)
-        d = json_safe(rec.to_dict())
-        if len(self.first) < self._first_max:
-            self.first.append(d)
-        else:
-            self.history.append(d)
+        if self.on_record is not None:
+            self.on_record(self.id, rec, got)
         self.records += 1
         self.last_step = rec.step
         self.last_activity = time.monotonic()
@@ -55,25 +64,23 @@ class WatchedRun:
         return {
             "format": self.follower.format,
             "position": self.follower.position(),
-            "incident": self.engine.incidents.to_state(),
+            **self.engine.state_dict(),  # incident, first, history
             "records": self.records,
             "last_step": self.last_step,
-            "first": self.first,
-            "history": list(self.history),
         }
 
     def load_state(self, d: dict[str, Any]) -> None:
         """Resume: the read position and incident state as saved; the detectors re-warmed by
         running the saved records through them (their alerts are not notified again)."""
         self.follower.restore(d.get("position") or {})
-        for i, obj in enumerate(list(d.get("first") or []) + list(d.get("history") or [])):
-            rec = record_from_dict(obj, f"{self.id} (state)", i)
-            self.engine.process(rec)
-        self.first = list(d.get("first") or [])
-        self.history.extend(d.get("history") or [])
-        self.engine.incidents.load_state(d.get("incident") or {})
+        self.engine.load_state_dict(d, origin=f"{self.id} (state)")
         self.records = int(d.get("records", 0))
         self.last_step = d.get("last_step")
 
     def close(self) -> None:
         self.follower.close()
+
+
+def _tracker(engine: HealthEngine) -> Any:
+    """The engine's incident tracker (a fresh segment gets a fresh one that numbers on)."""
+    return getattr(engine, "_incidents", None) or engine.incidents

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Any, Protocol
+from typing import IO, Any, Callable, Protocol
 
 from .._errors import NummonError
 from .._json import dumps
+from .text import cut_at_word, plain, safe_url
 
 __all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
 
-TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT]"
+TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:URL[,URL...]"
 
 
 class Target(Protocol):
@@ -23,15 +24,18 @@ class Target(Protocol):
 
 
 class ConsoleTarget:
-    """The title and summary on stdout, flushed at once (the watcher's own process)."""
+    """The title and summary on stdout as plain text, flushed at once (the watcher's own process)."""
+
+    key = "console"
+    shown = "console"
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream
 
     def notify(self, event: Any) -> None:
         out = self.stream or sys.stdout
-        body = "\n".join("    " + line for line in event.summary().splitlines())
-        out.write(f"{event.title}\n{body}\n")
+        body = "\n".join("    " + line for line in plain(event.summary()).splitlines())
+        out.write(f"{plain(event.title)}\n{body}\n")
         out.flush()
 
     def close(self) -> None:
@@ -44,10 +48,17 @@ class JsonlTarget:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.key = "jsonl:" + os.path.abspath(path)
+        self.shown = f"jsonl {path}"
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise NummonError(f"--notify jsonl:{path}: not a regular file")
         self._ids = self._existing_ids(path)
         parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        self._fh = open(path, "a", encoding="utf-8")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self._fh = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise NummonError(f"--notify jsonl:{path}: cannot write there ({e.strerror or e})") from None
 
     @staticmethod
     def _existing_ids(path: str) -> set[str]:
@@ -57,7 +68,7 @@ class JsonlTarget:
                 for line in fh:
                     try:
                         ids.add(json.loads(line).get("id"))
-                    except (ValueError, AttributeError):
+                    except (ValueError, AttributeError, RecursionError):
                         continue
         except OSError:
             pass
@@ -82,23 +93,29 @@ class WandbTarget:
 
     _LEVELS = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
 
-    def __init__(self, project: str = "nummon-watch") -> None:
-        from nummon.integrations.wandb import WandbSink
-
-        self._sink = WandbSink(project=project, job_type="watch")
+    def __init__(self, project: str = "nummon-watch", make_sink: Callable[..., Any] | None = None) -> None:
+        if make_sink is None:  # the W&B sink is an integration: the command line hands it over
+            raise NummonError("--notify wandb: the W&B integration was not given to the watcher")
+        self.key = f"wandb:{project}"
+        self.shown = f"W&B project {project}"
+        try:
+            self._sink = make_sink(project=project, job_type="watch")
+        except ImportError as e:
+            raise NummonError(str(e)) from None
         self.sent: list[tuple[str, str]] = []
 
     def notify(self, event: Any) -> None:
         level = self._LEVELS.get(getattr(event, "level", 1), "WARN")
-        self._sink.run.alert(title=event.title[:63], text=event.summary(), level=level, wait_duration=1)
+        self._sink.run.alert(title=cut_at_word(plain(event.title), 63), text=event.summary(), level=level, wait_duration=1)
         self.sent.append((event.title, level))
 
     def close(self) -> None:
         self._sink.close()
 
 
-def parse_target(spec: str) -> Target:
-    """A target from its command-line spec; NummonError naming a bad one."""
+def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Target:
+    """A target from its command-line spec; NummonError naming a bad one. `wandb_sink` makes
+    the W&B target's sink (`WandbSink`, from the integrations layer)."""
     kind, _, arg = spec.partition(":")
     if kind == "console" and not arg:
         return ConsoleTarget()
@@ -108,6 +125,11 @@ def parse_target(spec: str) -> Target:
         from .webhook import WebhookTarget
 
         return WebhookTarget(arg)
+    if kind == "alertmanager" and arg:
+        from .alertmanager import AlertmanagerTarget
+
+        return AlertmanagerTarget(arg)
     if kind == "wandb":
-        return WandbTarget(arg or "nummon-watch")
-    raise NummonError(f"--notify {spec!r}: expected one of {TARGET_SPECS}")
+        return WandbTarget(arg or "nummon-watch", wandb_sink)
+    shown = f"webhook:{safe_url(arg)}" if kind == "webhook" else spec  # never print a secret
+    raise NummonError(f"--notify {shown!r}: expected one of {TARGET_SPECS}")

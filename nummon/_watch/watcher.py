@@ -1,5 +1,13 @@
 """The watch loop: discover runs under the roots, poll each, notify incident events, keep the
-state file, retire idle runs, stop cleanly on a signal."""
+state file, retire idle runs, stop cleanly on a signal.
+
+A problem with one run (not a log, unreadable, a reader's bug) is that run's problem: logged
+once with the run named, the run marked unhealthy and tried again when its files change; it is
+never the watcher's exit. Delivery is at least once: each event goes into the outbox (saved in
+the state file before any target is tried) with the targets it is pending for, and leaves it
+when every target has it; an event still pending at exit is sent again at the next start (its
+`event_id` lets receivers drop the duplicate). A state file that cannot be written is warned
+about once; the watcher goes on in memory and retries at each poll."""
 from __future__ import annotations
 
 import os
@@ -12,27 +20,17 @@ from .._errors import NummonError
 from .._policy import Policy
 from .base import NotALogError
 from .discovery import RunSpec, discover
-from .incidents import RunIncident
+from .incidents import Notice, RunIncident
 from .keymap import KeyMap
 from .readers import make_follower
 from .runs import WatchedRun
 from .state import StateFile
+from .text import plural
 
 __all__ = ["Watcher"]
 
-
-class _SavedEvent:
-    """An event read back from the state file's outbox (same interface as RunIncident)."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self._d = d
-        self.run, self.title, self.level = d.get("run"), d.get("title", "nummon: incident"), d.get("level", 1)
-
-    def summary(self) -> str:
-        return self._d.get("summary", "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return self._d
+_SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
+_ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 
 
 class Watcher:
@@ -48,149 +46,363 @@ class Watcher:
         state_every_s: float = 5.0,
         errors: IO[str] | None = None,
         exclude: set[str] = frozenset(),
+        observer: Any = None,
+        shard: Any = None,
     ) -> None:
         self.roots = roots
+        self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
+        self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
         self.policy = policy
         # the JSONL record of events is written before any other target is tried
         self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
+        self.by_key = {_key(t): t for t in self.targets}
         self.format = format
         self.keymap = keymap or KeyMap()
         self.state = StateFile(state_path)
         self.idle_timeout_s = idle_timeout_s
         self.state_every_s = state_every_s
         self.errors = errors or sys.stderr
-        self.exclude = set(exclude) | ({os.path.abspath(state_path)} if state_path else set())
+        self.exclude = set(exclude)
+        if state_path:
+            self.exclude |= {os.path.abspath(state_path), os.path.abspath(f"{state_path}.lock")}
         self.runs: dict[str, WatchedRun] = {}
-        self.bad: set[str] = set()  # runs that are not logs: named once, then left alone
+        self.bad: dict[str, Any] = {}  # unhealthy runs (and problem lines) -> their files' signature then
         self.stop = threading.Event()
-        saved = self.state.load()
+        self.state.acquire()
+        try:
+            saved = self.state.load()
+        except BaseException:
+            self.state.release()
+            raise
         self.saved_runs: dict[str, dict[str, Any]] = saved["runs"]  # retired or not yet seen again
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
-        self._outbox = [_SavedEvent(d) for d in saved.get("outbox", [])]
+        self._lock = threading.Lock()
+        self.outbox: dict[str, dict[str, Any]] = {}  # event_id -> {"event": dict, "pending": [keys]}
+        for item in saved.get("outbox", []):
+            event = item.get("event", item)  # version-1 outboxes hold bare events
+            pending = [k for k in item.get("pending", list(self.by_key)) if k in self.by_key]
+            if pending:
+                n = Notice(dict(event))
+                self.outbox[n.event_id] = {"event": n.d, "pending": pending, "tries": {}}
+        self._in_flight: set[tuple[str, str]] = set()
+        self._outcomes: list[Any] = []
+        for t in self.targets:
+            if getattr(t, "asynchronous", False):
+                t.on_outcome = self._outcome
         self._last_save = 0.0
-        self._dirty = False
-        self.notified = 0
+        self._dirty = self._outbox_changed = False
+        self._state_failed: str | None = None
+        self._announced = False
+        self._empty_roots: set[str] = set()
+        self.notified = 0  # events handed to the targets
+        self.delivered = 0  # events every target has
+        self.lost = 0  # events some target never got (each named on stderr)
 
     def say(self, line: str) -> None:
-        self.errors.write(f"nummon watch: {line}\n")
-        self.errors.flush()
+        try:
+            self.errors.write(f"nummon watch: {line}\n")
+            self.errors.flush()
+        except (OSError, ValueError):  # a closed or broken stderr must not stop the watching
+            pass
 
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
         specs, problems = discover(self.roots, self.format, self.exclude)
+        if self.shard is not None:
+            specs = self.shard.select(specs, self.roots)
         for p in problems:
             if p not in self.bad:
-                self.bad.add(p)
+                self.bad[p] = None
                 self.say(p)
         self.specs = specs
         for run_id, spec in specs.items():
-            if run_id in self.runs or run_id in self.bad:
+            if run_id in self.runs:
                 continue
+            if run_id in self.bad:
+                if self.bad[run_id] == _signature(spec):
+                    continue  # unhealthy and untouched since: not tried again
+                del self.bad[run_id]
             if run_id in self.retired_sig and self.retired_sig[run_id] == _signature(spec):
                 continue  # retired and untouched since
             self._start(spec)
+        if not self._announced:
+            self._announce()
+
+    def _announce(self) -> None:
+        self._announced = True
+        formats = sorted({s.format for s in self.specs.values()})
+        targets = ", ".join(getattr(t, "shown", type(t).__name__) for t in self.targets)
+        n = len(self.specs)
+        self.say(f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
+                 f"{' (' + ', '.join(formats) + ')' if formats else ''}; notifying {targets}")
+        for root in self.roots:
+            if not any(_under(rid, root) for rid in self.specs) and root not in self.bad and not any(root in b for b in self.bad):
+                self._empty_roots.add(root)
+                self.say(f"{root}: no runs yet (looking for TensorBoard event files, trainer_state.json, metrics.csv, "
+                         f"run-*.wandb and nummon *.jsonl logs); new ones are picked up as they appear")
 
     def _start(self, spec: RunSpec) -> None:
         try:
             follower = make_follower(spec.id, spec.format, self.keymap)
             run = WatchedRun(spec.id, follower, self.policy)
-            if spec.id in self.saved_runs:
-                run.load_state(self.saved_runs[spec.id])
-        except (NummonError, ImportError) as e:  # not a log, a missing extra, a broken saved state
-            self.bad.add(spec.id)
-            self.say(str(e))
+        except (NummonError, ImportError, OSError) as e:  # not a log, a missing extra, a FIFO
+            self._unhealthy(spec.id, str(e), spec)
             return
+        if spec.id in self.saved_runs:
+            try:
+                run.load_state(self.saved_runs[spec.id])
+            except (NummonError, ValueError, TypeError, KeyError) as e:
+                self.say(f"run {spec.id}: its saved state is not usable ({e}); reading it from the start")
+                run.close()
+                run = WatchedRun(spec.id, make_follower(spec.id, spec.format, self.keymap), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
+        if self.observer is not None:
+            self.observer.run_started(run, spec)
+
+    def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
+        """Name the run's problem once; leave it alone until its files change."""
+        self.bad[run_id] = _signature(spec or self.specs.get(run_id))
+        self.say(why if run_id in why else f"run {run_id}: {why}")
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self, final: bool = False) -> int:
-        """One pass over every run; returns the number of incident events sent."""
-        if self._outbox:  # sent before a crash, maybe not: targets skip what they already hold
-            self._send(self._outbox)
+        """One pass over every run; returns the number of incident events it found."""
+        started = time.monotonic()
+        try:
+            return self._poll_once(final)
+        finally:
+            if self.observer is not None:
+                self.observer.polled(time.monotonic() - started, len(self.runs))
+
+    def _poll_once(self, final: bool = False) -> int:
+        self._settle()
         self.discover()
-        events: list[RunIncident] = []
+        found = 0
         now = time.monotonic()
         for run_id, run in list(self.runs.items()):
             if self.stop.is_set():
                 break
             before = run.records
             try:
-                events.extend(run.poll(final=final))
-            except NotALogError as e:
-                self.bad.add(run_id)
-                self.say(str(e))
+                events = run.poll(final=final, stop=self.stop)
+            except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
+                self._notes(run)
                 self._retire(run_id, keep=False)
+                self._unhealthy(run_id, str(e))
                 continue
-            for note in getattr(run.follower, "notes", [])[:]:
-                self.say(note)
-            if hasattr(run.follower, "notes"):
-                run.follower.notes.clear()
+            except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
+                self._notes(run)
+                self._retire(run_id, keep=False)
+                self._unhealthy(run_id, f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
+                                       "marked unhealthy, the other runs are watched")
+                continue
+            self._notes(run)
+            for ev in events:
+                self._enqueue(ev)
+            found += len(events)
             if run.records != before:
                 self._dirty = True
             elif now - run.last_activity > self.idle_timeout_s:
                 self._retire(run_id)
-        if events:
-            self._outbox = events
+        if found:
             self.save(force=True)  # write-ahead: a restart knows these were (about to be) sent
-            self._send(events)
-        elif self._dirty and now - self._last_save >= self.state_every_s:
-            self.save()
-        return len(events)
+        self._deliver()
+        if self._outbox_changed or (self._dirty and time.monotonic() - self._last_save >= self.state_every_s):
+            self.save()  # what was delivered leaves the saved outbox at once (no resend after a crash)
+        return found
 
-    def _send(self, events: list[Any]) -> None:
-        for ev in events:
-            for t in self.targets:
+    def _notes(self, run: WatchedRun) -> None:
+        for line in run.follower.notes + run.notes:
+            self.say(line)
+        run.follower.notes.clear()
+        run.notes.clear()
+
+    def _enqueue(self, ev: RunIncident) -> None:
+        ev.name = _name(ev.run, self.roots)
+        n = Notice(ev.to_dict())
+        self.outbox[n.event_id] = {"event": n.d, "pending": list(self.by_key), "tries": {}}
+
+    def _deliver(self) -> None:
+        """Hand every pending event to every target it is pending for (in event order)."""
+        for eid, item in list(self.outbox.items()):
+            notice = Notice(item["event"])
+            for key in list(item["pending"]):
+                t = self.by_key.get(key)
+                if t is None or (eid, key) in self._in_flight:
+                    continue
+                if getattr(t, "asynchronous", False):
+                    self._in_flight.add((eid, key))
+                    t.notify(notice)
+                    continue
                 try:
-                    t.notify(ev)
+                    t.notify(notice)
                 except Exception as e:  # one broken target must not stop the others or the loop
-                    self.say(f"notification target {type(t).__name__} failed: {e}")
-            self.notified += 1
-        self._outbox = []
-        self.save(force=True)
+                    if self.observer is not None:
+                        self.observer.target_failed(t)
+                    tries = item["tries"][key] = item["tries"].get(key, 0) + 1
+                    if tries >= _SYNC_TRIES:
+                        item["pending"].remove(key)
+                        self.lost += 1
+                        self.say(f"{getattr(t, 'shown', key)}: could not deliver \"{notice.title}\" of run {notice.run} "
+                                 f"({type(e).__name__}: {e}; {plural(tries, 'try')})")
+                    else:
+                        self.say(f"{getattr(t, 'shown', key)}: failed on \"{notice.title}\" ({e}); tried again at the next poll")
+                    continue
+                item["pending"].remove(key)
+            if not item.get("counted"):
+                item["counted"] = True
+                self.notified += 1
+        self._settle()
+
+    def _outcome(self, outcome: Any) -> None:  # from a webhook's thread
+        with self._lock:
+            self._outcomes.append(outcome)
+
+    def _settle(self) -> None:
+        """Apply the outcomes the asynchronous targets reported; drop events every target has."""
+        with self._lock:
+            got, self._outcomes = self._outcomes, []
+        changed = False
+        for o in got:
+            for key, t in self.by_key.items():
+                if (o.event_id, key) not in self._in_flight or not getattr(t, "asynchronous", False):
+                    continue
+                self._in_flight.discard((o.event_id, key))
+                item = self.outbox.get(o.event_id)
+                if item is not None and key in item["pending"]:
+                    item["pending"].remove(key)
+                    changed = True
+                if not o.ok:
+                    self.lost += 1
+                    if self.observer is not None:
+                        self.observer.target_failed(t)
+                    self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
+                break
+        for eid, item in list(self.outbox.items()):
+            if not item["pending"]:
+                del self.outbox[eid]
+                self.delivered += 1
+                changed = True
+        if changed:
+            self._dirty = self._outbox_changed = True
 
     def _retire(self, run_id: str, keep: bool = True) -> None:
         run = self.runs.pop(run_id)
+        if self.observer is not None:
+            self.observer.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
             self.retired_sig[run_id] = _signature(self.specs.get(run_id))
         run.close()
 
     def save(self, force: bool = False) -> None:
+        """Write the state file; a failure is warned about once and survived (retried next time)."""
+        if not self.state.path:
+            self._dirty = False
+            return
         runs = dict(self.saved_runs)
         runs.update({rid: r.to_state() for rid, r in self.runs.items()})
-        self.state.save({"runs": runs, "outbox": [e.to_dict() for e in self._outbox]})
+        outbox = [{"event": i["event"], "pending": list(i["pending"])} for i in self.outbox.values()]
+        try:
+            self.state.save({"runs": runs, "outbox": outbox})
+        except OSError as e:
+            why = e.strerror or str(e)
+            if self._state_failed is None:
+                self.say(f"--state {self.state.path}: cannot write the state file ({why}); going on in memory, "
+                         "retrying at each poll")
+            self._state_failed = why
+            self._last_save = time.monotonic()
+            return
+        if self._state_failed is not None:
+            self.say(f"--state {self.state.path}: written again")
+            self._state_failed = None
         self._last_save = time.monotonic()
-        self._dirty = False
+        self._dirty = self._outbox_changed = False
 
     # --- loop ----------------------------------------------------------------------------
     def run(self, interval_s: float = 5.0, once: bool = False) -> None:
+        """Poll every `interval_s` until `stop` is set (or once); on stop, exit within one
+        interval: what a slow endpoint has not taken by then stays in the outbox."""
         try:
             if once:
                 self.poll_once(final=True)
+                self._drain(self.stop, _ONCE_DRAIN_S)
                 return
             while not self.stop.is_set():
                 self.poll_once()
                 self.stop.wait(interval_s)
         finally:
-            self.close()
+            self.close(timeout_s=interval_s)
 
-    def close(self) -> None:
+    def _drain(self, stop: threading.Event, timeout_s: float | None) -> None:
+        """--once: wait for the asynchronous targets' outcomes (bounded by their own retries)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._in_flight and not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            stop.wait(0.05)
+            self._settle()
+            self._deliver()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
         try:
+            for t in self.targets:
+                if getattr(t, "asynchronous", False):
+                    try:
+                        left = t.close(timeout_s=max(0.0, deadline - time.monotonic()))
+                    except Exception as e:
+                        left = []
+                        self.say(f"notification target {getattr(t, 'shown', type(t).__name__)} did not close: {e}")
+                    self._settle()
+                    for eid in left:
+                        self._in_flight.discard((eid, _key(t)))
+            pending = sum(1 for i in self.outbox.values() if i["pending"])
+            if pending:
+                if self.state.path:
+                    self.say(f"{plural(pending, 'notification')} not delivered yet: kept in {self.state.path}, "
+                             "sent at the next start")
+                else:
+                    self.lost += pending
+                    self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
         finally:
             for run in self.runs.values():
                 run.close()
             for t in self.targets:
+                if getattr(t, "asynchronous", False):
+                    continue
                 try:
-                    t.close()
+                    try:  # targets with threads of their own (Alertmanager) get what is left of the interval
+                        t.close(timeout_s=max(0.0, deadline - time.monotonic()))
+                    except TypeError:
+                        t.close()
                 except Exception as e:
                     self.say(f"notification target {type(t).__name__} did not close: {e}")
+            self.state.release()
+
+
+def _key(t: Any) -> str:
+    return getattr(t, "key", None) or type(t).__name__
+
+
+def _under(run_id: str, root: str) -> bool:
+    root = os.path.abspath(root) if "://" not in root else root
+    return run_id == root or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep) or run_id.startswith(root.rstrip("/") + "/")
+
+
+def _name(run_id: str, roots: list[str]) -> str:
+    """A run's short name: its path below the watch root that holds it (or its last parts)."""
+    for root in roots:
+        r = os.path.abspath(root) if "://" not in root else root
+        if _under(run_id, r) and run_id != r:
+            return run_id[len(r.rstrip("/").rstrip(os.sep)) + 1:]
+    parts = run_id.rstrip("/").replace(os.sep, "/").split("/")
+    return "/".join(parts[-2:])
 
 
 def _signature(spec: RunSpec | None) -> tuple:
-    """Sizes and mtimes of a run's files: a retired run wakes up when they change."""
+    """Sizes, mtimes and identities of a run's files: a retired or unhealthy run wakes up when they change."""
     from . import fs
 
     if spec is None:

@@ -1,32 +1,80 @@
-"""Webhook notifications: an HTTP POST of Slack-compatible JSON (``{"text": ...}``) per incident
-event, from a thread of its own with a bounded queue, a timeout and retries with backoff, so a
-slow or dead endpoint never blocks the reading loop. Standard library only (urllib)."""
+"""Webhook notifications: an HTTP POST of Slack-compatible JSON per incident event (Slack mrkdwn
+in a section block, a plain-text fallback in ``text``, the event as data under ``nummon``, and
+its ``event_id``), from a thread of its own with a bounded queue, timeouts and retries with
+backoff, so a slow or dead endpoint never blocks the reading loop. Standard library only.
+
+Delivery is at least once: an event is retried until the endpoint answers 2xx, and a retry (or a
+restart from the state file) can deliver it twice; receivers drop duplicates by ``event_id``.
+A 4xx answer (other than 429) or a redirect is final and reported: a POST is never re-sent to
+another address. Only the scheme and host of the URL are ever printed."""
 from __future__ import annotations
 
+import base64
+import http.client
 import json
-import logging
 import queue
+import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import unquote, urlsplit
 
 from .._errors import NummonError
+from .text import mrkdwn, plain, plural, safe_url
 
-__all__ = ["WebhookTarget", "slack_payload"]
+__all__ = ["WebhookTarget", "slack_payload", "check_url", "Outcome"]
 
-log = logging.getLogger("nummon.watch")
+_TEXT_MAX = 2900  # Slack's section text holds 3000 characters
 
 
-def slack_payload(event: Any) -> dict[str, Any]:
+def check_url(url: str) -> None:
+    """NummonError (naming only scheme and host) unless `url` is a usable http(s) URL."""
+    shown = safe_url(url)
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise NummonError(f"webhook URL {shown}: contains spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise NummonError(f"webhook URL {shown}: malformed ({e})") from None
+    if parts.scheme not in ("http", "https"):
+        raise NummonError(f"webhook URL must start with http:// or https://, got {shown}")
+    if not parts.hostname:
+        raise NummonError(f"webhook URL {shown}: no host")
+
+
+def slack_payload(event: Any, host: str | None = None) -> dict[str, Any]:
     """Slack's incoming-webhook shape (Mattermost, Discord's /slack endpoint and Teams' connectors
-    read it too): a bold title line, then the summary."""
-    return {"text": f"*{event.title}*\n{event.summary()}", "nummon": event.to_dict()}
+    read its ``text``): the title in bold with the run's name and the host, then the summary."""
+    host = host or socket.gethostname()
+    name = getattr(event, "name", None) or event.run
+    summary = event.summary()
+    rich = f"*{mrkdwn(event.title)}*\nrun `{mrkdwn(name)}` on {mrkdwn(host)}\n{mrkdwn(summary)}"
+    if len(rich) > _TEXT_MAX:
+        rich = rich[: _TEXT_MAX - 1] + "…"
+    fallback = f"{plain(event.title)} (run {plain(name)} on {host})\n{plain(summary)}"
+    d = event.to_dict()
+    return {"text": fallback, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
+            "event_id": d.get("event_id"), "nummon": d}
+
+
+class Outcome:
+    """What became of one event at one webhook: delivered, or lost with the reason."""
+
+    def __init__(self, event_id: str, ok: bool, reason: str = "", tries: int = 1, title: str = "", run: str = "") -> None:
+        self.event_id, self.ok, self.reason, self.tries, self.title, self.run = event_id, ok, reason, tries, title, run
+
+
+class _Refused(Exception):
+    """A final answer: no retry."""
 
 
 class WebhookTarget:
-    """POSTs each event; `sent`, `failed` and `dropped` count what happened to them."""
+    """POSTs each event; `sent`, `failed` and `dropped` count what happened to them. Outcomes go
+    to `on_outcome` (from the webhook's thread) and are kept in `outcomes` otherwise."""
+
+    asynchronous = True
 
     def __init__(
         self,
@@ -35,69 +83,156 @@ class WebhookTarget:
         retries: int = 3,
         backoff_s: float = 0.5,
         queue_size: int = 100,
+        answer_timeout_s: float = 30.0,
+        on_outcome: Callable[[Outcome], None] | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise NummonError(f"webhook URL must start with http:// or https://, got {url!r}")
+        check_url(url)
         self.url = url
-        self.timeout_s = timeout_s
+        self.shown = safe_url(url)  # the one form of the URL that is ever printed
+        self.key = "webhook:" + __import__("hashlib").blake2b(url.encode(), digest_size=6).hexdigest()
+        self.timeout_s = timeout_s  # to connect and to send the body
+        self.answer_timeout_s = answer_timeout_s  # a slow receiver that got the body is waited for
         self.retries = retries
         self.backoff_s = backoff_s
+        self.on_outcome = on_outcome
+        self.outcomes: list[Outcome] = []
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._in_flight: str | None = None
         self.sent = self.failed = self.dropped = 0
+        self._host = socket.gethostname()
         self._thread = threading.Thread(target=self._run, name="nummon-webhook", daemon=True)
         self._thread.start()
 
     def notify(self, event: Any) -> None:
-        """Queue one event; never waits (when the queue is full the oldest event is dropped and
-        counted: the JSONL target, when given, still holds every event)."""
-        body = json.dumps(slack_payload(event), allow_nan=False, default=str).encode("utf-8")
+        """Queue one event; never waits (when the queue is full the oldest event is dropped,
+        counted and reported as lost)."""
+        body = json.dumps(slack_payload(event, self._host), allow_nan=False, default=str).encode("utf-8")
+        item = (getattr(event, "event_id", ""), getattr(event, "title", ""), getattr(event, "run", ""), body)
+        self._idle.clear()
         while True:
             try:
-                self._queue.put_nowait(body)
+                self._queue.put_nowait(item)
                 return
             except queue.Full:
                 try:
-                    self._queue.get_nowait()
+                    old = self._queue.get_nowait()
                     self.dropped += 1
+                    self._report(Outcome(old[0], False, "the queue was full (an endpoint slower than the runs)", 0, old[1], old[2]))
                 except queue.Empty:
                     pass
 
-    def _run(self) -> None:
-        while not (self._stop.is_set() and self._queue.empty()):
-            try:
-                body = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._post(body)
+    def _report(self, outcome: Outcome) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+        else:
+            self.outcomes.append(outcome)
 
-    def _post(self, body: bytes) -> None:
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                self._idle.set()
+                continue
+            self._in_flight = item[0]
+            try:
+                outcome = self._post(item)
+                if outcome is not None:  # None: stopped mid-retry; the event stays pending
+                    self._report(outcome)
+            except Exception as e:  # never let the thread die: the event is reported, the next one sent
+                self._report(Outcome(item[0], False, f"{type(e).__name__}: {e}", 1, item[1], item[2]))
+            finally:
+                self._in_flight = None
+
+    def _post(self, item: tuple) -> Outcome | None:
+        eid, title, run, body = item
         delay = self.backoff_s
         tries = 0
+        reason = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                if self._stop.wait(delay):  # closing: no more waiting for a dead endpoint
-                    break
+                if self._stop.wait(delay):  # closing: the event stays pending for the next start
+                    return None
                 delay *= 2
             tries += 1
-            req = urllib.request.Request(self.url, data=body, method="POST", headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    resp.read()
+                status = self._send(body)
+            except _Refused as e:
+                self.failed += 1
+                return Outcome(eid, False, str(e), tries, title, run)
+            except (OSError, http.client.HTTPException) as e:
+                reason = _why(e)
+                continue
+            if 200 <= status < 300:
                 self.sent += 1
-                return
-            except urllib.error.HTTPError as e:
-                if 400 <= e.code < 500 and e.code != 429:  # the endpoint refuses this message: no retry
-                    break
-            except (urllib.error.URLError, OSError):
-                pass
+                return Outcome(eid, True, "", tries, title, run)
+            reason = f"HTTP {status}"
         self.failed += 1
-        log.warning("nummon watch: webhook %s: could not deliver a notification (%d tries)", self.url, tries)
+        return Outcome(eid, False, reason, tries, title, run)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued, waiting at most `timeout_s` (then retries stop)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def _send(self, body: bytes) -> int:
+        parts = urlsplit(self.url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        kwargs = {"context": ssl.create_default_context()} if parts.scheme == "https" else {}
+        conn = cls(parts.hostname, parts.port, timeout=self.timeout_s, **kwargs)
+        headers = {"Content-Type": "application/json", "User-Agent": "nummon-watch"}
+        if parts.username is not None:
+            cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            headers["Authorization"] = "Basic " + base64.b64encode(cred).decode()
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            if conn.sock is not None:  # the body is sent: wait longer for a slow receiver's answer
+                conn.sock.settimeout(self.answer_timeout_s)
+            resp = conn.getresponse()
+            resp.read(65536)
+            status = resp.status
+            if 300 <= status < 400:
+                where = resp.getheader("Location") or "?"
+                raise _Refused(f"HTTP {status} redirect to {safe_url(where) if '://' in where else 'another path'} "
+                               f"not followed: a POST is never re-sent elsewhere, fix the URL")
+            if 400 <= status < 500 and status != 429:
+                raise _Refused(f"HTTP {status} {resp.reason}".strip() + ": the endpoint refuses the message")
+            return status
+        finally:
+            conn.close()
+
+    def pending(self) -> bool:
+        return not self._idle.is_set() or not self._queue.empty()
+
+    def close(self, timeout_s: float = 5.0) -> list[str]:
+        """Send what is queued, waiting at most `timeout_s`; the ids of events still not
+        delivered then (queued or in flight) are returned: the caller keeps them pending."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while self.pending() and time.monotonic() < deadline:
+            self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+        left = [self._in_flight] if self._in_flight else []
+        while True:
+            try:
+                left.append(self._queue.get_nowait()[0])
+            except queue.Empty:
+                break
+        self._thread.join(0.2)
+        return [e for e in left if e]
+
+    def describe(self, outcome: Outcome) -> str:
+        """The failure line of one lost event (no secret, the reason, the event named)."""
+        return (f"webhook {self.shown}: could not deliver \"{outcome.title}\" of run {outcome.run} "
+                f"({outcome.reason}; {plural(outcome.tries, 'try')})")
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, socket.timeout) or isinstance(e, TimeoutError):
+        return "timed out"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, socket.gaierror):
+        return "host not found"
+    if isinstance(e, ssl.SSLError):
+        return f"TLS error ({e.reason or e})"
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text

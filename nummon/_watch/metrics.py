@@ -1,0 +1,192 @@
+"""Per-run health as plain numbers for Prometheus: what `nummon watch --metrics` and the training
+process's `PrometheusSink` serve. Pure state (no prometheus_client): the exposition lives in
+`integrations/prometheus.py`, which reads `FleetMetrics.snapshot()` at each scrape.
+
+Cardinality is bounded: one series per run (labels `run`, `source`), one per alert kind and
+severity, never one per layer."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from .._types import Alert, Health, StepRecord
+
+__all__ = ["HEALTH_CODES", "SOURCES", "RunSeries", "FleetMetrics", "MetricsObserver", "WatchSnapshot", "target_kind"]
+
+#: `nummon_health_state`: worse is higher (0 healthy, 1 incident, 2 extreme, 3 non-finite)
+HEALTH_CODES = {Health.HEALTHY: 0, Health.INCIDENT: 1, Health.EXTREME: 2, Health.NONFINITE: 3}
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+@dataclass
+class RunSeries:
+    """The latest numbers of one run. `loss` and `grad_norm` keep the last measured value (NaN
+    and Inf included: Prometheus carries them); `steps_to_overflow` is the nearest overflow of
+    the open runaway conditions, None when nothing is running away."""
+
+    run: str
+    source: str
+    health: int | None = None  # of the latest record read (None: none read yet, e.g. after a restart)
+    incident: int = 0  # 0 none, 1 open, 2 critical, 3 non-finite
+    loss: float | None = None
+    grad_norm: float | None = None
+    headroom: float | None = None  # decades between the largest magnitude and the dtype's max
+    last_step: int | None = None
+    last_record_ts: float | None = None  # unix seconds of the latest record (read, or written)
+    open: bool | None = None  # the training process is alive (PrometheusSink only: 1 while it runs)
+    alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, severity) -> count
+    incidents_total: int = 0
+    overflow: dict[str, float] = field(default_factory=dict)  # metric -> steps to overflow
+
+    @property
+    def steps_to_overflow(self) -> float | None:
+        return min(self.overflow.values()) if self.overflow else None
+
+    def observe(self, record: StepRecord, health: Health | None, alerts: Iterable[Alert] = (),
+                events: Iterable[Any] = (), now: float | None = None) -> None:
+        """One record, with what the engine concluded from it."""
+        self.observe_step(record, health, now)
+        for a in alerts:
+            self.observe_alert(a)
+        for ev in events:
+            self.observe_incident(ev)
+
+    def observe_step(self, record: StepRecord, health: Health | None, now: float | None = None) -> None:
+        if health is not None:
+            self.health = HEALTH_CODES.get(health, 0)
+        if record.loss is not None:
+            self.loss = float(record.loss)
+        if record.grad_norm is not None:
+            self.grad_norm = float(record.grad_norm)
+        if record.headroom is not None:
+            self.headroom = float(record.headroom)
+        self.last_step = record.step
+        self.last_record_ts = time.time() if now is None else now
+
+    def observe_alert(self, alert: Alert) -> None:
+        key = (alert.kind.value, alert.severity.value)
+        self.alerts[key] = self.alerts.get(key, 0) + 1
+        if alert.cleared:
+            self.overflow.pop(alert.metric, None)
+            return
+        ov = _finite((alert.details or {}).get("steps_to_overflow"))
+        if ov is not None:
+            self.overflow[alert.metric] = ov
+
+    def observe_incident(self, event: Any) -> None:
+        """An `IncidentEvent` (or anything with `.state.rank`, `.state.active`, `.previous.active`)."""
+        state = event.state
+        self.incident = state.rank
+        if state.active and not event.previous.active:
+            self.incidents_total += 1
+        if not state.active:
+            self.overflow.clear()
+
+
+@dataclass(frozen=True)
+class WatchSnapshot:
+    """What one scrape shows: the runs, and the watcher's own numbers (None: not a watcher)."""
+
+    runs: tuple[RunSeries, ...]
+    watched: int | None = None
+    poll_duration_s: float | None = None
+    failed: dict[str, int] = field(default_factory=dict)  # target kind -> notifications not delivered
+
+
+def target_kind(target: Any) -> str:
+    """A target's label value: its kind only (webhook, alertmanager, ...), never its URL (a
+    Slack webhook URL is a secret)."""
+    return getattr(target, "kind", None) or type(target).__name__.removesuffix("Target").lower()
+
+
+class FleetMetrics:
+    """Thread-safe: the watch loop (or the training thread's sink) writes, the scrape thread reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunSeries] = {}
+        self.watched: int | None = None
+        self.poll_duration_s: float | None = None
+        self.targets: list[Any] = []  # notification targets with a `failed` count
+        self.failed_extra: dict[str, int] = {}  # failures the targets did not count themselves
+
+    def run(self, run: str, source: str = "nummon") -> RunSeries:
+        with self._lock:
+            s = self._runs.get(run)
+            if s is None:
+                s = self._runs[run] = RunSeries(run, source)
+            return s
+
+    def update(self, run: str, source: str, record: StepRecord, health: Health | None,
+               alerts: Iterable[Alert] = (), events: Iterable[Any] = (), now: float | None = None) -> None:
+        s = self.run(run, source)
+        with self._lock:
+            s.observe(record, health, alerts, events, now)
+
+    def apply(self, run: str, fn) -> None:
+        """Run `fn(series)` under the lock (sinks that get steps, alerts and incidents apart)."""
+        s = self.run(run)
+        with self._lock:
+            fn(s)
+
+    def remove(self, run: str) -> None:
+        """A retired run: its series disappear from the next scrape."""
+        with self._lock:
+            self._runs.pop(run, None)
+
+    def count_failure(self, kind: str) -> None:
+        with self._lock:
+            self.failed_extra[kind] = self.failed_extra.get(kind, 0) + 1
+
+    def snapshot(self) -> WatchSnapshot:
+        with self._lock:
+            runs = tuple(replace(s, alerts=dict(s.alerts), overflow=dict(s.overflow)) for s in self._runs.values())
+            failed = dict(self.failed_extra)
+        for t in self.targets:
+            n = getattr(t, "failed", None)
+            if isinstance(n, int):
+                k = target_kind(t)
+                failed[k] = failed.get(k, 0) + n
+        return WatchSnapshot(runs, self.watched, self.poll_duration_s, failed)
+
+
+#: `source` label of each watch format
+SOURCES = {"tensorboard": "tensorboard", "hf": "hf", "csv": "lightning", "wandb": "wandb", "jsonl": "nummon"}
+
+
+class MetricsObserver:
+    """The watcher's hooks (`Watcher(observer=...)`) feeding a `FleetMetrics`."""
+
+    def __init__(self, metrics: FleetMetrics) -> None:
+        self.metrics = metrics
+
+    def run_started(self, run: Any, spec: Any) -> None:
+        source = SOURCES.get(spec.format, spec.format)
+        series = self.metrics.run(run.id, source)
+        if series.last_record_ts is None:  # a restart: the log's own mtime is when it last grew
+            from . import fs
+
+            mtimes = [st.mtime for f in spec.files if (st := fs.stat(f)) is not None and st.mtime is not None]
+            if mtimes:
+                self.metrics.apply(run.id, lambda s: setattr(s, "last_record_ts", max(mtimes)))
+        if run.last_step is not None:
+            self.metrics.apply(run.id, lambda s: setattr(s, "last_step", run.last_step))
+        state = run.engine.incident_state
+        self.metrics.apply(run.id, lambda s: setattr(s, "incident", state.rank))
+        run.on_record = lambda run_id, rec, got: self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents)
+
+    def run_retired(self, run_id: str) -> None:
+        self.metrics.remove(run_id)
+
+    def polled(self, duration_s: float, watched: int) -> None:
+        self.metrics.poll_duration_s = duration_s
+        self.metrics.watched = watched
+
+    def target_failed(self, target: Any) -> None:
+        self.metrics.count_failure(target_kind(target))

@@ -1,0 +1,248 @@
+"""`--notify alertmanager:URL`: incident events as Alertmanager v2 alerts. Against a recording
+endpoint on 127.0.0.1 (the payloads, re-posting, resolution, an HA pair with a dead member), and
+against the real Alertmanager with the shipped route, forwarding to a webhook receiver."""
+import json
+import math
+import os
+import threading
+import time
+import urllib.parse
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from nummon._errors import NummonError
+from nummon._policy import load_policy
+from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
+from nummon._watch.targets import parse_target
+from nummon._watch.watcher import Watcher
+from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
+
+
+def row(s):
+    """Healthy to step 59, a runaway (loss x4, gradient norm x2 per step) from 60, NaN at 70,
+    healthy again from 71 (the incident resolves after the policy's quiet steps)."""
+    if 60 <= s < 70:
+        loss, g = 4.0 ** (s - 59), 2.0 ** (s - 59)
+    elif s == 70:
+        loss, g = math.nan, math.inf
+    else:
+        loss, g = 2.0 * 0.99 ** min(s, 59) * (1 + 0.03 * math.sin(1.3 * s)), 1 + 0.1 * math.sin(s)
+    return {"step": s, "loss": loss, "grad_norm": g, "learning_rate": 0.01, "epoch": s / 100}
+
+
+def write_state(run_dir, rows):
+    """A Hugging Face trainer_state.json, replaced atomically as the Trainer's checkpoints are."""
+    tmp = run_dir / "trainer_state.json.tmp"
+    tmp.write_text(json.dumps({"global_step": rows[-1]["step"], "max_steps": 1000, "log_history": rows}))
+    os.replace(tmp, run_dir / "trainer_state.json")
+
+
+def parse_time(s):
+    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+class AlertSink:
+    """An Alertmanager stand-in on 127.0.0.1: records each POST /api/v2/alerts batch."""
+
+    def __init__(self):
+        batches = self.batches = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                batches.append((self.path, json.loads(self.rfile.read(n))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self):
+        return [a for _, b in self.batches for a in b]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Event:
+    """A watcher incident event as its to_dict() gives it."""
+
+    def __init__(self, level, transition, kind="runaway", run="runs/a", state=None):
+        self.title = {0: "nummon: run recovered", 1: "nummon: run unstable", 3: "nummon: run lost"}.get(level, "nummon: run critical")
+        self._d = {"run": run, "level": level, "transition": transition, "title": self.title,
+                   "state": state or {0: "resolved", 1: "open", 2: "critical", 3: "nonfinite"}[level],
+                   "summary": f"run `{run}`: incident text {level}", "contributors": [{"kind": kind, "severity": "warning"}]}
+
+    def to_dict(self):
+        return dict(self._d)
+
+
+@pytest.fixture
+def sink():
+    s = AlertSink()
+    yield s
+    s.close()
+
+
+def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink):
+    t = AlertmanagerTarget(sink.url, repeat_s=0.2, host="watch-host")
+    try:
+        t.notify(Event(1, "opened", kind="loss_spike"))
+        first = wait_for(lambda: sink.alerts(), 10, "the first post")[0]
+        assert sink.batches[0][0] == "/api/v2/alerts"
+        assert first["labels"] == {"alertname": ALERTNAME, "run": "runs/a", "severity": "warning", "state": "open",
+                                   "kind": "loss_spike", "host": "watch-host"}
+        assert first["annotations"] == {"summary": "nummon: run unstable", "description": "run `runs/a`: incident text 1"}
+        assert parse_time(first["endsAt"]) > time.time()  # firing: it ends in the future unless re-posted
+        # re-posted while open, same identity and start, its end pushed forward
+        wait_for(lambda: len(sink.batches) >= 3, 10, "re-posts")
+        again = sink.alerts()[-1]
+        assert again["labels"] == first["labels"] and again["startsAt"] == first["startsAt"]
+        assert parse_time(again["endsAt"]) > parse_time(first["endsAt"])
+        # an escalation is a new identity: the open alert ends, the critical one fires
+        n = len(sink.batches)
+        t.notify(Event(2, "escalated"))
+        batch = wait_for(lambda: next((b for _, b in sink.batches[n:] if len(b) == 2), None), 10, "the escalation")
+        old, new = batch
+        assert old["labels"]["state"] == "open" and parse_time(old["endsAt"]) <= time.time() + 1
+        assert new["labels"]["state"] == "critical" and new["labels"]["severity"] == "critical"
+        assert list(t.active()) == ["runs/a"]
+        # resolved: the firing alert is posted once more, ended now; no more re-posts of it
+        n = len(sink.batches)
+        t.notify(Event(0, "resolved"))
+        end = wait_for(lambda: next((b for _, b in sink.batches[n:] if parse_time(b[0]["endsAt"]) <= time.time() + 1), None),
+                       10, "the resolution")
+        assert end[0]["labels"] == new["labels"]
+        assert t.active() == {}
+        assert t.failed == 0
+    finally:
+        t.close()
+
+
+def test_ha_pair_every_member_gets_each_alert_and_a_dead_member_is_counted(sink, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    t = parse_target(f"alertmanager:{dead},{sink.url}")
+    t.timeout_s, t.retries, t.backoff_s = 1.0, 1, 0.01
+    try:
+        t.notify(Event(3, "opened", kind="nonfinite"))
+        wait_for(lambda: t.failed >= 1, 20, "the dead member's failure")
+        assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["nonfinite"]
+        assert t.sent >= 1  # the live member took it
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("spec", ["alertmanager:", "alertmanager:ftp://x", "alertmanager:localhost:9093"])
+def test_bad_alertmanager_url_is_named(spec):
+    with pytest.raises(NummonError, match="alertmanager|expected"):
+        parse_target(spec)
+
+
+def test_url_credentials_never_logged(caplog):
+    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()}", timeout_s=0.5, retries=0)
+    try:
+        t.notify(Event(1, "opened"))
+        wait_for(lambda: t.failed, 10, "the failure")
+    finally:
+        t.close()
+    assert "s3cret" not in caplog.text and "could not deliver" in caplog.text
+
+
+# --- the real Alertmanager --------------------------------------------------------------------
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    receiver = Receiver()
+    server = start_alertmanager(tmp_path, shipped_alertmanager_config(receiver.url))
+    yield server, receiver
+    server.stop()
+    receiver.close()
+
+
+def am_alerts(server, run):
+    q = urllib.parse.urlencode({"filter": [f'alertname="{ALERTNAME}"', f'run="{run}"']}, doseq=True)
+    return get_json(f"{server.url}/api/v2/alerts?{q}")
+
+
+def test_runaway_reaches_the_receiver_before_its_nan_is_written_then_resolves(tmp_path, alertmanager):
+    server, receiver = alertmanager
+    root = tmp_path / "runs"
+    run_dir = root / "bert-lr3e-3"
+    run_dir.mkdir(parents=True)
+    run = str(run_dir)
+    rows = [row(s) for s in range(60)]
+    write_state(run_dir, rows)
+    target = AlertmanagerTarget(server.url, repeat_s=1.0)
+    watcher = Watcher([str(root)], load_policy("default"), [target], errors=open(os.devnull, "w"))
+    loop = threading.Thread(target=watcher.run, kwargs={"interval_s": 0.1}, daemon=True)
+    loop.start()
+    try:
+        firing = lambda: [t for t in receiver.texts() if "[FIRING]" in t and run in t]  # noqa: E731
+        for s in range(60, 70):  # the live run runs away, one record at a time
+            rows.append(row(s))
+            write_state(run_dir, rows)
+            time.sleep(0.05)
+        # before writing the non-finite step: has Alertmanager forwarded nummon's alert?
+        wait_for(firing, 60, "Alertmanager to forward the runaway to the receiver")
+        assert all(math.isfinite(r["loss"]) for r in rows)
+        assert any("run unstable" in t or "run critical" in t for t in firing())
+        rows.append(row(70))
+        write_state(run_dir, rows)
+        # one alert per open incident: the non-finite one, the earlier states ended
+        lost = wait_for(lambda: [a for a in am_alerts(server, run) if a["labels"]["state"] == "nonfinite"], 30,
+                        "the non-finite alert in Alertmanager")
+        assert len(am_alerts(server, run)) == 1
+        assert lost[0]["labels"]["severity"] == "critical" and lost[0]["labels"]["kind"] == "nonfinite"
+        assert "Incident 1 escalated" in lost[0]["annotations"]["description"]
+        # re-posted while open: Alertmanager's endsAt moves forward
+        ends = parse_time(lost[0]["endsAt"])
+        wait_for(lambda: any(parse_time(a["endsAt"]) > ends for a in am_alerts(server, run)), 30, "a re-post")
+        # the run recovers: the incident resolves, Alertmanager shows no active alert and says so
+        rows.extend(row(s) for s in range(71, 130))
+        write_state(run_dir, rows)
+        wait_for(lambda: am_alerts(server, run) == [], 30, "the alert to resolve in Alertmanager")
+        wait_for(lambda: any(t.startswith("\n[RESOLVED]") and run in t for t in receiver.texts()), 30,
+                 "the resolved message at the receiver")
+        assert target.failed == 0
+    finally:
+        watcher.stop.set()
+        loop.join(30)
+
+
+def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink, tmp_path):
+    from nummon._json import dumps
+    from nummon._watch.hooks import Observers
+
+    log = tmp_path / "runs" / "a" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n"
+                           for s in range(66)))  # the runaway is critical, not yet lost
+    state = tmp_path / "state.json"
+
+    def watcher(target):
+        return Watcher([str(tmp_path / "runs")], load_policy("default"), [target], state_path=str(state),
+                       observer=Observers([target]), errors=open(os.devnull, "w"))
+
+    first_target = AlertmanagerTarget(sink.url)
+    first = watcher(first_target)
+    first.poll_once()
+    first.close()
+    firing = [a for a in sink.alerts() if parse_time(a["endsAt"]) > time.time() + 1]
+    assert firing and firing[-1]["labels"]["state"] == "critical"
+    n = len(sink.batches)
+    again = watcher(AlertmanagerTarget(sink.url))
+    try:
+        again.poll_once()  # nothing new in the log: only the resumed alert is posted
+        (resumed,) = wait_for(lambda: [a for _, b in sink.batches[n:] for a in b], 10, "the re-post")
+        assert resumed["labels"] == firing[-1]["labels"]
+        assert "re-posted after the watcher restarted" in resumed["annotations"]["description"]
+        assert parse_time(resumed["endsAt"]) > time.time()
+    finally:
+        again.close()

@@ -1,0 +1,140 @@
+"""The import graph of nummon/ and integrations/, built from the source (every import statement,
+those inside functions and under TYPE_CHECKING included): no circle, and no edge from a lower
+layer to a higher one (README, "How it is built")."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"nummon": ROOT / "nummon", "nummon.integrations": ROOT / "integrations"}
+
+# lowest first; a module's layer is that of its longest listed prefix
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("types", ("_errors", "_json", "_functional", "_types", "_format", "_layout", "_lazy", "_policy_sections",
+               "_policy", "_hints", "_trace", "_demo_config")),
+    ("detectors / statistics / sinks", ("_detectors", "_stats", "_distributed", "_incidents", "_sinks", "_dispatch",
+                                        "_recorder", "_shutdown", "_forensics", "_audit_compare", "_diagnose_common",
+                                        "_demo_model")),
+    ("stages and tools", ("_engine", "_recovery", "_replay", "_watch", "_audit", "_overfit")),
+    ("monitor", ("_monitor", "diagnose")),
+    ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command", "_watch.__main__")),
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for f in folder.rglob("*.py"):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The nummon modules `name` imports."""
+    targets: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from pkg import sub` depends on pkg.sub; `from mod import name` on mod
+            candidates = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        else:
+            continue
+        for m in candidates:
+            while m and m not in known:
+                m = m.rpartition(".")[0]
+            if m and m != name:
+                targets.add(m)
+    return targets
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def layer_of(module: str) -> int:
+    rel = module.replace("nummon.integrations", "integrations", 1)
+    rel = "" if rel == "nummon" else rel.removeprefix("nummon.")
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (rel == p or rel.startswith(p + ".") or (p == "" and rel == "")) and len(p) > best:
+                best, level = len(p), i
+    if level is None:
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_import_graph.py")
+    return level
+
+
+def test_every_module_has_a_layer():
+    for m in graph():
+        layer_of(m)
+
+
+def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+              for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_circle():
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(g[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n, [n])
+    assert circles == []
+
+
+@pytest.mark.parametrize("backend", ["lightning", "transformers", "wandb.sdk", "torch.utils.tensorboard"])
+def test_only_integrations_import_the_training_frameworks_and_loggers(backend):
+    offenders = []
+    for name, path in modules().items():
+        if name.startswith("nummon.integrations"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{name}: {n}" for n in names if n == backend or n.startswith(backend + ".")]
+    assert offenders == []
+
+
+def test_the_checker_sees_a_circle_and_an_upward_edge(tmp_path, monkeypatch):
+    """The graph test can fail: a planted circle and upward import are found."""
+    pkg = tmp_path / "nummon"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_types.py").write_text("from ._monitor import Monitor\n")  # types -> monitor: upward
+    (pkg / "_monitor.py").write_text("def f():\n    from . import _types\n")  # and back: a circle
+    monkeypatch.setitem(PACKAGES, "nummon", pkg)
+    monkeypatch.setitem(PACKAGES, "nummon.integrations", tmp_path / "none")
+    g = graph()
+    assert g["nummon._types"] == {"nummon._monitor"} and g["nummon._monitor"] == {"nummon._types"}
+    with pytest.raises(AssertionError):
+        test_no_import_goes_from_a_lower_layer_to_a_higher_one()
+    with pytest.raises(AssertionError):
+        test_the_import_graph_has_no_circle()
