@@ -189,7 +189,7 @@ class StepRecord:
     output_logsumexp_mean: float | None = None  # mean log Z of the logits that go into cross-entropy
     output_logsumexp_max: float | None = None  # max log Z over positions
     output_logit_max: float | None = None  # max output logit
-    adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (Adam's second moment before this step)
+    adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
     adam_small_grad_fraction: float | None = None  # fraction of gradient elements with |g| < Adam's eps
     update_ratio_max: float | None = None  # largest ||Adam update|| / ||param|| over tensors
     sample_loss_ratio: float | None = None  # max / mean of the per-sample losses (post_step(per_sample_loss=...))

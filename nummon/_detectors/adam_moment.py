@@ -49,7 +49,7 @@ class AdamMomentDetector:
             out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, sev, "adam_ratio_rms", rms,
                                p.critical_rms if sev is Severity.CRITICAL else p.warning_rms,
                                f"Adam's second moment underestimates the gradient{where}: RMS(g/sqrt(v)) is {rms:.3g} "
-                               f"(about 1 when v tracks g²), so this update is {rms:.3g}x its usual size",
+                               f"(about 1 when v tracks g²): the gradient jumped far above what v has seen",
                                details={"tensor": name}))
         small = rec.adam_small_grad_fraction
         if F.is_finite(small):

@@ -7,9 +7,9 @@ on sampled steps only and packed into the step's one device->host copy.
   `nn.MultiheadAttention`;
 - output: log Z (log-sum-exp of the logits that go into cross-entropy / log_softmax), mean and
   max, and the largest output logit;
-- Adam/AdamW: per tensor RMS(g / sqrt(v_hat_{t-1})) (the second moment from before this step,
-  recovered exactly from the state after it), the fraction of |g| below eps, and
-  ||update|| / ||param||;
+- Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
+  gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
+  fraction of |g| below eps, and ||update|| / ||param||;
 - per-layer output RMS of every `nn.Linear`.
 
 How, with no change to user code: a forward pre-hook on the model, on an armed step only, enters
@@ -361,7 +361,7 @@ class MechanismProbes:
         return {id(p): n for n, p in self.model.named_parameters()}
 
     def _adam(self) -> tuple[list[str], list[Segment], float]:
-        """Per tensor: RMS(g / sqrt(v_hat_{t-1})), count of |g| < eps, ||update|| / ||param||."""
+        """Per tensor: RMS(g / sqrt(v_hat)), count of |g| < eps, ||update|| / ||param||."""
         names_of = self._param_names()
         names: list[str] = []
         rms: list[torch.Tensor] = []
@@ -382,7 +382,7 @@ class MechanismProbes:
                     continue
                 t = st.get("step")
                 t = float(t) if t is not None else 0.0
-                if t < (2 if stepped else 1) or st["exp_avg_sq"].shape != p.grad.shape:
+                if t < (2 if stepped else 1) or st["exp_avg_sq"].shape != p.grad.shape:  # the first: ratio 1
                     continue
                 ps.append(p.detach()), gs.append(p.grad.detach().float()), ms_.append(st["exp_avg"].float())
                 vs.append(st["exp_avg_sq"].float()), ts.append(t)
@@ -391,22 +391,21 @@ class MechanismProbes:
             if not ps:
                 continue
             g2 = torch._foreach_mul(gs, gs)
-            # v_{t-1} = (v_t - (1 - b2) g^2) / b2, bias-corrected with t-1 steps; from a float32 v_t
-            # this loses digits in proportion to g²/v (about 1e-7 x g²/v relative): exact enough
-            # for the ratios that matter (10..1e4), approximate for a single element at 1e6
+            # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
+            # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
+            # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
+            # that had no gradient yet) can make it explode, and before/after give the same value
             if stepped:
-                vprev = torch._foreach_add(vs, g2, alpha=-(1.0 - b2))
-                for v, t in zip(vprev, ts):
-                    v.mul_(1.0 / (b2 * (1.0 - b2 ** (t - 1))))
-            else:  # before this step: the state holds v_{t-1} after t-1 = `step` updates
-                vprev = [v.clone() for v in vs]
-                for v, t in zip(vprev, ts):
-                    v.mul_(1.0 / (1.0 - b2 ** t))
-            # an element whose sqrt(v) is under 1e-2 of its tensor's RMS counts at that floor: such
-            # elements (rows a batch rarely touches, cancellation noise in the recovery above)
-            # would otherwise set the whole tensor's mean
-            for v in vprev:
-                v.clamp_min_(torch.clamp_min(v.mean() * 1e-4, eps * eps))
+                vhat = [v.clone() for v in vs]
+                tt = ts
+            else:
+                vhat = torch._foreach_mul(vs, b2)
+                torch._foreach_add_(vhat, g2, alpha=1.0 - b2)
+                tt = [t + 1.0 for t in ts]
+            for v, t in zip(vhat, tt):
+                v.mul_(1.0 / (1.0 - b2 ** t))
+            torch._foreach_clamp_min_(vhat, eps * eps)
+            vprev = vhat
             torch._foreach_div_(g2, vprev)
             norms = torch._foreach_norm(torch._foreach_sqrt(g2))
             rms += [n / math.sqrt(s) for n, s in zip(norms, sizes[len(sizes) - len(ps):])]
