@@ -15,7 +15,7 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
-                               stop_line)
+                               stop_line, take_per_sample)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -40,6 +40,8 @@ class NummonCallback(pl.Callback):
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
     `console`: one line per incident event on the "nummon" logger (False: none).
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
+    A `training_step` that sets `self.nummon_per_sample_loss = per_sample_losses` gets the worst
+    samples of the step named in its record, alerts and flight record.
     """
 
     def __init__(
@@ -150,7 +152,8 @@ class NummonCallback(pl.Callback):
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
         report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
-                                        clip_norm=self._clip_norm(trainer))
+                                        clip_norm=self._clip_norm(trainer),
+                                        per_sample_loss=take_per_sample(pl_module))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:
