@@ -303,3 +303,16 @@ def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
         p = subprocess.run([sys.executable, "-c", code, "replay", str(path)], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert f"pip install 'nummon[{extra}]'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_webhook_goes_through_the_environments_http_proxy(tmp_path, endpoints, monkeypatch):
+    proxy = endpoints()  # a plain-HTTP proxy receives the absolute URL
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("no_proxy", "")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    log = run_log(tmp_path, two_incident_rows()[:50])
+    with open(tmp_path / "err.txt", "w") as fh:
+        w = Watcher([str(log)], load_policy("default"), [WebhookTarget("http://hooks.example.invalid/services/X")], errors=fh)
+        w.poll_once(final=True)
+        w.close(timeout_s=60)
+    assert w.lost == 0 and [p for _, p, _ in proxy.requests] == ["http://hooks.example.invalid/services/X"] * 2
