@@ -11,9 +11,11 @@ from typing import Any
 
 from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
-from nummon._sinks import JsonlSink
+from nummon._sinks import ConsoleSink, JsonlSink
+from nummon._types import Severity, StepReport
 
-__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "events_sink", "loss_of", "resolve_policy"]
+__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "console_sinks", "events_sink", "loss_of", "resolve_policy",
+           "stop_line"]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -33,6 +35,45 @@ def events_sink(run_dir: str | os.PathLike[str], policy: Policy, distributed: bo
     if distributed and not policy.sinks.rank0_only:
         name = "nummon-events-rank{rank}.jsonl"
     return JsonlSink(Path(run_dir) / name)
+
+
+#: A LightningModule or Hugging Face model that sets this attribute in its training step (a tensor
+#: of per-sample losses) gets the worst samples named in nummon's records and alerts.
+PER_SAMPLE_ATTR = "nummon_per_sample_loss"
+
+
+def take_per_sample(module: Any) -> Any:
+    """The per-sample losses a module left for this step (then cleared), or None."""
+    for m in (module, getattr(module, "module", None)):  # DDP / DataParallel wrappers
+        v = getattr(m, PER_SAMPLE_ATTR, None) if m is not None else None
+        if v is not None:
+            try:
+                setattr(m, PER_SAMPLE_ATTR, None)
+            except AttributeError:
+                pass
+            return v
+    return None
+
+
+def console_sinks(console: bool, policy: Policy) -> list[ConsoleSink]:
+    """The callback's console: one line per incident event on the "nummon" logger, written on
+    the training thread (so it comes before the trainer's next log line), as `ConsoleSink` does
+    in a loop; none when `console` is off or the policy adds one already (`sinks.console`)."""
+    if not console or policy.sinks.console:
+        return []
+    return [ConsoleSink(min_severity=Severity.WARNING)]
+
+
+def stop_line(report: StepReport) -> str:
+    """The console line of a stop: the step, the incident and the critical alert behind it."""
+    event = report.incidents[-1] if report.incidents else None
+    crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
+    text = f"nummon: stopping training at step {report.step}"
+    if event is not None:
+        text += f": incident {event.number}, {event.title.removeprefix('nummon: ')}"
+    if crit is not None:
+        text += f" ({crit})"
+    return text
 
 
 def loss_of(output: Any) -> Any:

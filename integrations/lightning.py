@@ -12,9 +12,10 @@ import logging
 from typing import Any, Iterable
 
 from nummon._policy import PolicyLike
-from nummon._types import Severity, StepReport
+from nummon._types import StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, loss_of, resolve_policy
+from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
+                               stop_line, take_per_sample)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -37,7 +38,10 @@ class NummonCallback(pl.Callback):
     `follow_loggers=False`. The event log (`nummon-events.jsonl`) and flight records go to
     `run_dir`, else `trainer.log_dir`. `trainer.should_stop` is set after a critical alert when
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    `console`: one line per incident event on the "nummon" logger (False: none).
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
+    A `training_step` that sets `self.nummon_per_sample_loss = per_sample_losses` gets the worst
+    samples of the step named in its record, alerts and flight record.
     """
 
     def __init__(
@@ -47,11 +51,13 @@ class NummonCallback(pl.Callback):
         stop_on_critical: bool | None = None,
         *,
         follow_loggers: bool = True,
+        console: bool = True,
         run_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.policy = resolve_policy(policy, stop_on_critical)
         self.extra_sinks = list(sinks)
+        self.console = console  # one console line per incident event (opened, escalated, resolved)
         self.follow_loggers = follow_loggers
         self.run_dir = run_dir
         self.monitor: Any = None
@@ -62,19 +68,20 @@ class NummonCallback(pl.Callback):
         self._loss = StepLoss()
         self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
-        self._restored: dict[str, Any] | None = None  # the health engine's state from a checkpoint
+        self._restored: dict[str, Any] | None = None  # the engine's state and next step from a checkpoint
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The health engine's state (incident, re-warming records), saved in the trainer's
         checkpoint so a resumed run does not start its detectors cold. Plain data only."""
         if self.monitor is not None:
-            return {"engine": self.monitor.engine.state_dict()}
-        return {"engine": self._restored} if self._restored else {}
+            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+        return dict(self._restored) if self._restored else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint."""
-        self._restored = state_dict.get("engine") or None
+        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint (the
+        trainer's own step is restored only after `on_fit_start`, so the step comes from here)."""
+        self._restored = dict(state_dict) if state_dict.get("engine") else None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -87,13 +94,15 @@ class NummonCallback(pl.Callback):
         self._optimizer = _unwrap(optimizers[0]) if optimizers else None
         distributed = trainer.world_size > 1
         sinks = self.extra_sinks + (self._logger_sinks(trainer) if self.follow_loggers else [])
+        sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(run_dir, self.policy, distributed))
         self.monitor = Monitor(
             pl_module, self._optimizer, self.policy, sinks,
-            run_dir=run_dir, grad_scaler=self._scaler(trainer), start_step=trainer.global_step,
+            run_dir=run_dir, grad_scaler=self._scaler(trainer),
+            start_step=int(self._restored.get("step", trainer.global_step)) if self._restored else trainer.global_step,
         )
         if self._restored:
-            self.monitor.engine.load_state_dict(self._restored, origin="the checkpoint's nummon state")
+            self.monitor.engine.load_state_dict(self._restored["engine"], origin="the checkpoint's nummon state")
             self._restored = None
         self._loss.reset()
 
@@ -143,14 +152,14 @@ class NummonCallback(pl.Callback):
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
         report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
-                                        clip_norm=self._clip_norm(trainer))
+                                        clip_norm=self._clip_norm(trainer),
+                                        per_sample_loss=take_per_sample(pl_module))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:
             trainer.should_stop = True  # the same decision on every rank: the records are gathered
             self.stopped_at = report.step
-            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
-            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+            log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

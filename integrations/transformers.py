@@ -16,9 +16,10 @@ import os
 from typing import Any, Iterable
 
 from nummon._policy import PolicyLike
-from nummon._types import Severity, StepReport
+from nummon._types import StepReport
 
-from ._callback_common import StepAsMetric, StepLoss, clip_ratio, events_sink, resolve_policy
+from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
+                               stop_line, take_per_sample)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -86,6 +87,7 @@ class NummonCallback(transformers.TrainerCallback):
     run) unless `follow_report_to=False`. The event log (`nummon-events.jsonl`) and flight records
     go to `args.output_dir`. `control.should_training_stop` is set after a critical alert when the
     policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
+    `console`: one line per incident event on the "nummon" logger (False: none).
     """
 
     def __init__(
@@ -95,9 +97,11 @@ class NummonCallback(transformers.TrainerCallback):
         stop_on_critical: bool | None = None,
         *,
         follow_report_to: bool = True,
+        console: bool = True,
     ) -> None:
         self.policy = resolve_policy(policy, stop_on_critical)
         self.extra_sinks = list(sinks)
+        self.console = console  # one console line per incident event (opened, escalated, resolved)
         self.follow_report_to = follow_report_to
         self.monitor: Any = None
         self.last_report: StepReport | None = None
@@ -119,6 +123,7 @@ class NummonCallback(transformers.TrainerCallback):
 
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
+        sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(args.output_dir, self.policy, distributed))
         self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, self.policy,
                                sinks, run_dir=args.output_dir, start_step=state.global_step)
@@ -126,6 +131,7 @@ class NummonCallback(transformers.TrainerCallback):
         self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
         self._loss.reset()
         self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        self._model = model  # a model that sets `nummon_per_sample_loss` in forward names its worst samples
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
@@ -178,15 +184,15 @@ class NummonCallback(transformers.TrainerCallback):
                             "computes it); steps are not monitored")
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute())
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(),
+                                        per_sample_loss=take_per_sample(getattr(self, "_model", None)))
         self.last_report = report
         if report.record is not None and args.max_grad_norm:
             self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))
         if report.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             self.stopped_at = report.step
-            crit = next((a for a in report.alerts if a.severity is Severity.CRITICAL), None)
-            log.warning("nummon: stopping training at step %d%s", report.step, f" ({crit})" if crit else "")
+            log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     def _report_to_sinks(self, args: Any, state: Any) -> list[Any]:

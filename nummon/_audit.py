@@ -24,6 +24,7 @@ from ._functional import headroom_decades
 from ._json import json_safe
 
 __all__ = [
+    "METADATA_ROOTS",
     "AuditReport",
     "CheckpointAudit",
     "TensorAudit",
@@ -53,10 +54,17 @@ class TensorAudit:
     max_abs: float | int | None
     headroom: float | None
     note: str | None = None
+    metadata: bool = False  # trainer metadata (callback / loop state): listed, does not decide the verdict
 
     @property
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
+
+
+#: Top-level keys of trainer checkpoints that hold the trainer's own bookkeeping, not the model or
+#: optimizer: Lightning's `ModelCheckpoint` keeps `kth_value = +Inf` there in a healthy run.
+METADATA_ROOTS = frozenset({"callbacks", "loops", "hyper_parameters", "hparams", "datamodule_hyper_parameters",
+                            "lr_schedulers", "trainer_state"})
 
 
 @dataclass
@@ -73,10 +81,12 @@ class CheckpointAudit:
         return {
             "tensors": len(self.tensors),
             "elements": sum(r.numel for r in self.tensors),
-            "nonfinite_tensors": sum(r.nonfinite > 0 for r in self.tensors),
-            "nan": sum(r.nan for r in self.tensors),
-            "posinf": sum(r.posinf for r in self.tensors),
-            "neginf": sum(r.neginf for r in self.tensors),
+            # weights, buffers and optimizer state decide; non-finite metadata is counted apart
+            "nonfinite_tensors": sum(r.nonfinite > 0 and not r.metadata for r in self.tensors),
+            "nonfinite_metadata": sum(r.nonfinite > 0 and r.metadata for r in self.tensors),
+            "nan": sum(r.nan for r in self.tensors if not r.metadata),
+            "posinf": sum(r.posinf for r in self.tensors if not r.metadata),
+            "neginf": sum(r.neginf for r in self.tensors if not r.metadata),
             "min_headroom": min(heads) if heads else None,
         }
 
@@ -91,7 +101,8 @@ class AuditReport:
 
     @property
     def nonfinite_tensors(self) -> int:
-        """Tensors holding NaN/Inf over both files (the CLI exits 1 when > 0)."""
+        """Tensors of weights, buffers or optimizer state holding NaN/Inf over both files (the
+        CLI exits 1 when > 0); trainer metadata does not count."""
         return sum(c.summary["nonfinite_tensors"] for c in (self.first, self.second) if c is not None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,8 +268,14 @@ def audit_tensor(key: str, t: torch.Tensor) -> TensorAudit:
 
 
 def audit_object(obj: Any) -> list[TensorAudit]:
-    """One row per tensor of a loaded checkpoint object."""
-    return [audit_tensor(key_name(k), t) for k, t in iter_tensors(obj)]
+    """One row per tensor of a loaded checkpoint object; those under a trainer's metadata
+    (METADATA_ROOTS, in a checkpoint that is a dict of sections) are marked `metadata`."""
+    rows = []
+    for k, t in iter_tensors(obj):
+        row = audit_tensor(key_name(k), t)
+        row.metadata = len(k) > 1 and isinstance(k[0], str) and k[0] in METADATA_ROOTS
+        rows.append(row)
+    return rows
 
 
 def audit(path: str | Path, second: str | Path | None = None, trust: bool = False) -> AuditReport:

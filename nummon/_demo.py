@@ -197,7 +197,6 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
     sinks, tb_dir, wandb_sink = _make_sinks(plan, notes)
     mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
     first_nonfinite = None
-    cause = None
     steps_run = 0
     t0 = time.perf_counter()
     try:
@@ -206,11 +205,18 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
             x, y = x.to(plan.device), y.to(plan.device)
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
-            if cause is None and not torch.isfinite(loss.detach()):  # the weights are still those that failed
-                cause = _explain(model, x, y)
             loss.backward()
-            opt.step()
-            report = mon.post_step(loss, batch=(x, y))
+            # with a way to re-run the loss: on the first non-finite step the Monitor explains it
+            # on the weights that failed, into the alert and the incident event. Those are the
+            # weights before the update, or after it under recovery (its guard on optimizer.step
+            # skips a poisoned update, and it restores snapshots after the step)
+            recompute = lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)  # noqa: E731
+            if plan.policy.recovery.enabled:
+                opt.step()
+                report = mon.post_step(loss, batch=(x, y), recompute=recompute)
+            else:
+                report = mon.post_step(loss, batch=(x, y), recompute=recompute)
+                opt.step()
             steps_run = step + 1
             if on_step is not None:
                 on_step(step, float(loss.detach()), report.health.value if report.health is not None else "pending")
@@ -233,20 +239,10 @@ def run(plan: DemoPlan, on_step: StepCallback | None = None) -> DemoResult:
         plan=plan, steps_run=steps_run, elapsed_s=elapsed, records=mon.recent(), alerts=alerts,
         first_warning=min(warned, default=None), first_critical=min(crit, default=None),
         first_nonfinite=first_nonfinite, flight_record=mon.flight_record and str(mon.flight_record),
-        cause=cause, recoveries=mon.recoveries,
+        cause=mon.cause, recoveries=mon.recoveries,
         tensorboard_dir=tb_dir,
         wandb_run_dir=wandb_sink.run_dir if wandb_sink is not None else None,
         wandb_offline=bool(wandb_sink is not None and wandb_sink.offline),
         wandb_url=getattr(wandb_sink.run, "url", None) if wandb_sink is not None else None,
         notes=notes,
     )
-
-
-def _explain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
-    """Why the loss of this batch is non-finite (operator, line, cause), or None if it cannot say."""
-    from ._forensics import explain_nonfinite
-
-    try:
-        return explain_nonfinite(lambda: nn.functional.cross_entropy(model(x), y))
-    except Exception:  # forensics must never break the demo
-        return None

@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
 
-from ._detectors import build_detectors
+from ._detectors import MAGNITUDE_FIELDS, build_detectors
+from ._functional import is_finite, median
 from ._hints import hint_for
 from ._errors import NummonError, StateError
 from ._incidents import IncidentEvent, IncidentState, IncidentTracker
@@ -128,6 +129,15 @@ class HealthEngine:
         self._first: list[list[Any]] = []
         self._first_max = warm_first
         self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
+        # clearing: a condition on a magnitude clears only once the metric is back near where it
+        # stood before the condition opened (median of its last finite values then)
+        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
+        self._before: dict[Key, float] = {}
+
+    def wants_sample(self) -> bool:
+        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
+        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        return any(getattr(d, "wants_sample", False) for d in self.detectors)
 
     @property
     def incident_state(self) -> IncidentState:
@@ -146,6 +156,9 @@ class HealthEngine:
         self.lifecycle = AlertLifecycle(self.policy.alerts)
         self._first.clear()
         self._recent.clear()
+        self._before.clear()
+        for levels in self._levels.values():
+            levels.clear()
 
     def mark_acted(self, alert: Alert) -> IncidentEvent:
         """The incident event saying what was done about it (a rollback, a recovery that gave up),
@@ -214,8 +227,9 @@ class HealthEngine:
         finite = rec.is_finite()
         # a non-finite record says nothing about whether growth stopped, and a record that does
         # not measure a metric (an eval-only row) says nothing about that metric's condition
-        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric))
+        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric) or self._still_high(f, rec))
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
+        self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
         events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
@@ -229,6 +243,32 @@ class HealthEngine:
         else:
             health = Health.HEALTHY
         return EngineStep(alerts, health, events)
+
+    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
+
+    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
+        """The metric of an open condition still stands far above its level from before it
+        opened (a spike's own values must not become the baseline it clears against)."""
+        before = self._before.get(f.key)
+        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
+        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
+
+    def _note_levels(self, rec: StepRecord) -> None:
+        """Remember each newly open condition's pre-incident level, forget closed ones, then
+        add this record's values to the recent ones."""
+        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
+        for key in [k for k in self._before if k not in open_keys]:
+            del self._before[key]
+        for key, f in open_keys.items():
+            levels = self._levels.get(f.metric)
+            if key not in self._before and levels:
+                self._before[key] = median(levels)
+        for m, levels in self._levels.items():
+            v = getattr(rec, m)
+            if is_finite(v) and v > 0:
+                levels.append(abs(float(v)))
+                if len(levels) > 8:
+                    del levels[0]
 
     def _keep(self, rec: StepRecord) -> None:
         if len(self._first) < self._first_max:

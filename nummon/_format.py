@@ -5,10 +5,10 @@ import math
 import re
 from typing import Any, Iterable
 
-from ._functional import fmt_num
+from ._functional import cut_at_word, fmt_num
 from ._types import Alert, StepRecord
 
-__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "fmt_num", "records_table"]
+__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "cut_at_word", "fmt_num", "plain_text", "plural", "records_table"]
 
 TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
 
@@ -24,6 +24,21 @@ def clean_text(text: str, one_line: bool = True) -> str:
     if one_line:
         text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
+
+
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+_CODE = re.compile(r"`([^`]*)`")
+
+
+def plain_text(markdown: str) -> str:
+    """Markdown as a terminal shows it best: **bold** and `code` marks dropped, text kept."""
+    return _CODE.sub(r"\1", _BOLD.sub(r"\1", markdown))
+
+
+def plural(n: float, word: str) -> str:
+    """ "1 step", "3 steps", "~1 step" style counts (n rounded to an integer)."""
+    k = int(round(n))
+    return f"{k} {word}" + ("" if k == 1 else "s")
 
 
 def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:

@@ -148,3 +148,14 @@ def fmt_num(v: Any, none: str = "—") -> str:
     if not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.4g}"
+
+
+def cut_at_word(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    space = head.rfind(" ")
+    if space > limit // 2:
+        head = head[:space].rstrip(" :,;-")
+    return head + "…"

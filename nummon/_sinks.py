@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from ._errors import NummonError
+from ._format import plain_text
 from ._incidents import IncidentEvent
 from ._json import dumps
 from ._types import Alert, Health, Severity, StepRecord
@@ -227,7 +228,7 @@ class ConsoleSink(BaseSink):
         level = logging.INFO if rank == 0 else (logging.WARNING if rank == 1 else logging.ERROR)
         if level == logging.INFO and self.min_severity.rank > Severity.INFO.rank:
             return
-        body = event.summary().replace("\n", "\n    ")
+        body = plain_text(event.summary()).replace("\n", "\n    ")  # the console shows text, not Markdown
         self.logger.log(level, "%s\n    %s", event.title, body)
 
 

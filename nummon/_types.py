@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._functional import fmt_num
+from ._functional import cut_at_word, fmt_num
 from ._json import json_float
 
 __all__ = [
@@ -20,6 +20,8 @@ __all__ = [
     "Health",
     "HEALTH_LEGEND",
     "SCALAR_FIELDS",
+    "MECHANISM_FIELDS",
+    "MECHANISM_LAYER_FIELDS",
     "StepRecord",
     "Finding",
     "Alert",
@@ -62,6 +64,11 @@ class AlertKind(str, enum.Enum):
     STALL = "stall"
     OSCILLATION = "oscillation"
     VANISHING = "vanishing"
+    # mechanisms that come before a transformer's loss spike (nummon/_detectors/attention.py, ...)
+    ATTENTION_LOGITS = "attention_logits"
+    ATTENTION_COLLAPSE = "attention_collapse"
+    OUTPUT_LOGITS = "output_logits"
+    ADAM_SECOND_MOMENT = "adam_second_moment"
 
     def __str__(self) -> str:
         return self.value
@@ -76,6 +83,10 @@ INSTABILITY_KINDS = frozenset(
         AlertKind.LOSS_SPIKE,
         AlertKind.DIVERGENCE,
         AlertKind.EXTREME,
+        AlertKind.ATTENTION_LOGITS,
+        AlertKind.ATTENTION_COLLAPSE,
+        AlertKind.OUTPUT_LOGITS,
+        AlertKind.ADAM_SECOND_MOMENT,
     }
 )
 
@@ -117,6 +128,28 @@ SCALAR_FIELDS = (
     "headroom",
 )
 
+#: Scalar fields of the sampled mechanism probes (nummon/_stats/mechanisms.py): measured every
+#: `mechanisms.every` steps (every step while an incident is open), None in between.
+MECHANISM_FIELDS = (
+    "attention_logit_max",
+    "attention_entropy",
+    "output_logsumexp_mean",
+    "output_logsumexp_max",
+    "output_logit_max",
+    "adam_ratio_rms",
+    "adam_small_grad_fraction",
+    "update_ratio_max",
+    "sample_loss_ratio",
+)
+#: Per-layer mechanism fields: {module or parameter name: value}.
+MECHANISM_LAYER_FIELDS = (
+    "layer_attention_logit_max",
+    "layer_attention_entropy",
+    "layer_adam_ratio_rms",
+    "layer_update_ratio",
+    "layer_output_rms",
+)
+
 
 @dataclass
 class StepRecord:
@@ -149,6 +182,22 @@ class StepRecord:
     input_nonfinite: int | None = None  # non-finite values in the input batch
     scaler_skipped: bool | None = None  # True: the AMP GradScaler skipped this step (scaled grads overflowed)
     clip_ratio: float | None = None  # gradient norm after clipping / before (grad_norm is the unclipped one)
+    # sampled mechanism probes (MECHANISM_FIELDS); None: not sampled at this step
+    attention_logit_max: float | None = None  # max pre-softmax attention logit over layers (after scaling)
+    attention_entropy: float | None = None  # lowest layer's mean attention entropy / ln(keys attended), 0..1
+    output_logsumexp_mean: float | None = None  # mean log Z of the logits that go into cross-entropy
+    output_logsumexp_max: float | None = None  # max log Z over positions
+    output_logit_max: float | None = None  # max output logit
+    adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
+    adam_small_grad_fraction: float | None = None  # fraction of gradient elements with |g| < Adam's eps
+    update_ratio_max: float | None = None  # largest ||Adam update|| / ||param|| over tensors
+    sample_loss_ratio: float | None = None  # max / mean of the per-sample losses (post_step(per_sample_loss=...))
+    sample_loss_top: tuple[int, ...] = ()  # indices in the batch of the largest per-sample losses, worst first
+    layer_attention_logit_max: dict[str, float] = field(default_factory=dict)
+    layer_attention_entropy: dict[str, float] = field(default_factory=dict)
+    layer_adam_ratio_rms: dict[str, float] = field(default_factory=dict)
+    layer_update_ratio: dict[str, float] = field(default_factory=dict)
+    layer_output_rms: dict[str, float] = field(default_factory=dict)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_frozen"):
@@ -177,6 +226,8 @@ class StepRecord:
             return getattr(self, metric) is not None
         if metric == "layer_grad_norm":
             return bool(self.layer_grad_norms)
+        if metric in MECHANISM_FIELDS:  # sampled: absent between samples, which clears nothing
+            return getattr(self, metric) is not None
         return True
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,6 +337,10 @@ _TITLES = {
     AlertKind.STALL: "training stalled",
     AlertKind.OSCILLATION: "loss oscillation",
     AlertKind.VANISHING: "vanishing gradients",
+    AlertKind.ATTENTION_LOGITS: "attention-logit growth",
+    AlertKind.ATTENTION_COLLAPSE: "attention collapsed",
+    AlertKind.OUTPUT_LOGITS: "output-logit divergence",
+    AlertKind.ADAM_SECOND_MOMENT: "Adam second moment off",
 }
 
 
@@ -328,13 +383,14 @@ class Contributor:
     steps_to_overflow: float | None = None
     location: str | None = None
     rank: int | None = None
+    overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
 
     @classmethod
     def from_alert(cls, a: Alert) -> "Contributor":
         d = a.details or {}
         num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
         return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
-                   num("steps_to_overflow"), a.location, a.rank)
+                   num("steps_to_overflow"), a.location, a.rank, bool(d.get("overflow_bound")))
 
     def line(self) -> str:
         """One Markdown list item."""
@@ -344,7 +400,11 @@ class Contributor:
         if self.rate_per_step is not None:
             parts.append(f"(x{self.rate_per_step:.3g}/step")
             ov = self.steps_to_overflow
-            parts[-1] += f", ~{ov:.0f} steps to overflow)" if ov is not None and math.isfinite(ov) else ")"
+            if ov is not None and math.isfinite(ov):
+                n = max(1, round(ov))
+                parts[-1] += f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+            else:
+                parts[-1] += ")"
         if self.location:
             parts.append(f"at {self.location}")
         if self.rank is not None:
@@ -381,19 +441,18 @@ class IncidentEvent:
     flight_record: str | None = None
     hint: str | None = None
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
+    explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
 
     @property
     def title(self) -> str:
         """A short title naming the state (under 64 characters)."""
         if self.action:
-            text = f"nummon: {self.action}"
-            return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
+            return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
         head = _HEADLINE.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"
-        text = f"nummon: {head}"
-        return text if len(text) <= TITLE_MAX else text[: TITLE_MAX - 1] + "…"
+        return cut_at_word(f"nummon: {head}", TITLE_MAX)
 
     def summary(self) -> str:
         """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
@@ -406,6 +465,8 @@ class IncidentEvent:
             verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
             head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
         tail = []
+        if self.explanation and self.state is not IncidentState.RESOLVED:
+            tail.append(f"- why: {self.explanation}")
         if self.flight_record:
             tail.append(f"- flight record: `{self.flight_record}`")
         if self.hint and self.state is not IncidentState.RESOLVED:
@@ -437,11 +498,16 @@ class IncidentEvent:
             "flight_record": self.flight_record,
             "hint": self.hint,
             **({"action": self.action} if self.action else {}),
+            **({"explanation": self.explanation} if self.explanation else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":
         """This event naming a flight record written after it was made."""
         return replace(self, flight_record=path)
+
+    def explained(self, explanation: str, hint: str | None) -> "IncidentEvent":
+        """This event with the forensic explanation of its non-finite step (and its remedy)."""
+        return replace(self, explanation=explanation, hint=hint or self.hint)
 
 
 @dataclass(frozen=True)

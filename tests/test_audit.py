@@ -215,3 +215,41 @@ def test_safetensors_named_pt_is_read_as_safetensors(tmp_path):
     rc, out, err = run_main("audit", tmp_path / "model.pt", "--format", "json")
     data = json.loads(out)
     assert rc == 1 and data["format"] == "safetensors" and data["tensors"][0]["posinf"] == 1
+
+
+def test_a_healthy_lightning_checkpoint_passes_and_its_metadata_is_listed(tmp_path):
+    """Lightning's ModelCheckpoint keeps kth_value = +Inf in its callback state: listed, not failing."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, default_root_dir=str(tmp_path),
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    rc, out, err = run_main("audit", ckpt)
+    assert rc == 0, out + err
+    assert "kth_value" in out and "trainer metadata" in out, out
+    # a long key does not blow the table's width
+    rows = [line for line in out.splitlines() if " float32 " in line or " int64 " in line]
+    assert rows and max(len(line) for line in rows) <= 120, out
+    assert any("kth_value" in line and line.endswith("(metadata)") for line in rows), out
+    # a NaN in the weights still fails it
+    state = torch.load(ckpt, weights_only=True)
+    next(iter(state["state_dict"].values()))[0] = float("nan")
+    torch.save(state, tmp_path / "bad.ckpt")
+    rc, out, _ = run_main("audit", tmp_path / "bad.ckpt")
+    assert rc == 1

@@ -43,11 +43,21 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(tmp_path, demo
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     # why the NaN happened: the operator, the module, the demo's own line, the cause
     assert re.search(r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M), p.stdout[-2000:]
+    # the explanation travels with the critical alert and the incident event (event log, W&B text)
+    lost = [e for e in events if e["type"] == "incident" and e["state"] == "nonfinite"]
+    assert lost and re.search(r"overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+",
+                              lost[0].get("explanation") or ""), lost
+    assert any(e["type"] == "alert" and e["kind"] == "nonfinite" and "why: overflow in aten::" in e["message"] for e in events)
+    # the countdown of the first critical alert promises no steps that were not there
+    crit_alert = next(e for e in events if e["type"] == "alert" and e["severity"] == "critical")
+    left = nf - crit_alert["step"]
+    assert 1 <= crit_alert["details"]["steps_to_overflow"] <= 1.5 * left + 2, (crit_alert["message"], left)
     # one notification per incident event, at most 4: opened, escalated (critical), non-finite
     from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
 
     sent = wandb_alerts(read_records(find_run_file(out)))
     assert [a.level for a in sent] == ["WARN", "ERROR", "ERROR"], [(a.title, a.level) for a in sent]
+    assert "why: overflow in `aten::" in sent[-1].text, sent[-1].text
     console = [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
     assert console == [a.title for a in sent], console
     # the progress lines count from 0, like the table and the alerts (one line per 20 steps)

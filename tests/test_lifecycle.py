@@ -107,3 +107,31 @@ def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
     assert h is Health.INCIDENT
     h = eng.step(StepRecord(step=11, grad_norm=1e35)).health  # 3.5 decades of float32 left
     assert h is Health.EXTREME
+
+
+def _clears(records):
+    from nummon._engine import HealthEngine
+    from nummon._policy import load_policy
+
+    engine = HealthEngine(load_policy("default"))
+    return [(rec.step, a) for rec in records for a in engine.step(rec).alerts if a.cleared]
+
+
+def test_a_runaway_does_not_clear_while_its_metric_is_still_far_above_its_level():
+    """The loss pauses (200 -> 207) on its way to NaN: no "back within limits" for it."""
+    from nummon import StepRecord
+
+    losses = [2.0 + 0.01 * (i % 3) for i in range(20)] + [20.0, 200.0, 207.0, 482.0, 5140.0, float("nan")]
+    clears = _clears([StepRecord(step=i, loss=v) for i, v in enumerate(losses)])
+    assert not [a for _, a in clears if a.metric == "loss"], [str(a) for _, a in clears]
+
+
+def test_an_explosion_clears_only_back_near_its_pre_spike_level():
+    """grad_norm ~1, one jump to 50, then 20 for 14 steps (the spike's values become the median of
+    a short history): still open; it clears when the norm is back near 1."""
+    from nummon import StepRecord
+
+    norms = [1.0 + 0.02 * (i % 4) for i in range(8)] + [50.0] + [20.0] * 14 + [1.1] * 5
+    clears = _clears([StepRecord(step=i, loss=1.0 + 0.05 * (i % 3), grad_norm=v) for i, v in enumerate(norms)])
+    grad = [step for step, a in clears if a.metric == "grad_norm"]
+    assert grad and min(grad) >= 23, [(s, str(a)) for s, a in clears]

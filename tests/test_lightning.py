@@ -142,7 +142,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
     for tag in ("nummon/loss", "nummon/grad_norm", "nummon/activation_max", "nummon/health", "nummon/clip_ratio"):
         assert tag in scalars, tag
     assert {e.step for e in acc.Scalars("nummon/loss")} == {r.step for r in memory.records}
-    assert any(t.startswith("nummon_alerts/") for t in acc.Tags()["tensors"])
+    assert any(t.startswith("nummon_2_alerts/") for t in acc.Tags()["tensors"])
 
     # the alerts in the WandbLogger's offline run file
     records = read_records(find_run_file(tmp_path / "wb"))
@@ -225,3 +225,97 @@ def test_planted_log_of_zero_is_explained_in_the_critical_alert(tmp_path):
     assert crit and crit[0].step == 30 and cb.stopped_at == 30
     assert "log_of_zero" in crit[0].message and f"test_lightning.py:{line}" in crit[0].message
     assert crit[0].details["cause"]["op"] == "aten::log"
+
+
+class ReadmeRegressor(pl.LightningModule):
+    """The README's Lightning example, driven to blow up: SGD lr 0.2, momentum 0.9, no clipping."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+class StepLog(logging.Handler):
+    """The "nummon" logger's lines, each with the trainer step it was written during."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.trainer = None
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((self.trainer.global_step if self.trainer else None, record.getMessage()))
+
+
+def readme_blow_up(root, console):
+    torch.manual_seed(0)
+    x = torch.randn(1024, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
+    memory = MemorySink()
+    cb = NummonCallback(sinks=[memory], stop_on_critical=False, console=console)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=40, accumulate_grad_batches=2, logger=False, callbacks=[cb],
+                         default_root_dir=str(root), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    handler = StepLog()
+    handler.trainer = trainer
+    logging.getLogger("nummon").addHandler(handler)
+    try:
+        trainer.fit(ReadmeRegressor(), data)
+    finally:
+        logging.getLogger("nummon").removeHandler(handler)
+    first_bad = next(r.step for r in memory.records if not r.is_finite())
+    return cb, handler.lines, first_bad
+
+
+def test_the_readme_example_driven_to_blow_up_prints_incident_lines_before_the_first_nonfinite_step(tmp_path):
+    cb, lines, first_bad = readme_blow_up(tmp_path, console=True)
+    incident_lines = [(step, text) for step, text in lines if text.startswith("nummon: run ")]
+    assert incident_lines and incident_lines[0][0] < first_bad, (incident_lines, first_bad)
+    # one line per incident event, plain text (no Markdown marks)
+    assert len(incident_lines) == len([e for e in cb.monitor.incidents if e.state.rank >= 1])
+    assert not any("**" in text or "`" in text for _, text in lines)
+    # the countdown of the first critical alert does not promise steps that were not there
+    crit = next(a for a in cb.monitor.alerts if a.severity is Severity.CRITICAL)
+    left = first_bad - crit.step
+    assert 1 <= crit.details["steps_to_overflow"] <= 1.5 * left + 2, (crit.message, left)
+    assert "at most" in crit.message or "speeds up" in crit.message
+
+
+def test_console_false_keeps_the_callback_quiet(tmp_path):
+    _, lines, _ = readme_blow_up(tmp_path, console=False)
+    assert not [text for _, text in lines if text.startswith("nummon: run ")]
+
+
+def test_the_stop_line_names_the_incident(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nummon"):
+        fit(tmp_path, [NummonCallback(console=False)], runaway=True, steps=RUNAWAY_STEPS)
+    stop = [r.getMessage() for r in caplog.records if "stopping training" in r.getMessage()]
+    assert stop and "incident 1, run critical" in stop[0], stop
+
+
+def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
+    """The callback's state (the engine's incident and re-warming records) rides in the trainer's
+    checkpoint; a resumed fit starts its detectors where the first one left them."""
+    first = NummonCallback(follow_loggers=False)
+    trainer, _ = fit(tmp_path / "a", [first], runaway=False, steps=12)
+    ckpt = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]  # plain data: loads with weights_only
+    (state,) = [v for k, v in saved.items() if "NummonCallback" in k]
+    assert [r["step"] for r in state["engine"]["first"]] == list(range(12))
+
+    pl.seed_everything(0, verbose=False)
+    resumed = NummonCallback(follow_loggers=False)
+    trainer2 = pl.Trainer(accelerator="cpu", max_steps=14, logger=False, callbacks=[resumed],
+                          default_root_dir=str(tmp_path / "b"), enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, gradient_clip_val=1.0)
+    trainer2.fit(TinyRegressor(1e-3, optimizer="adamw"), synthetic_data(), ckpt_path=str(ckpt))
+    steps = [r["step"] for r in resumed.monitor.engine.state_dict()["first"]]
+    assert steps == list(range(14))  # 0..11 from the checkpoint, then 12 and 13: not a cold start at 12

@@ -121,6 +121,7 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
         again.poll_once()
         (s,) = fleet.snapshot().runs
         assert s.incident == 2 and s.last_step == 124  # from the state file: nothing new was read
+        assert s.health is None  # no record read since the restart: no health series
         assert s.last_record_ts == pytest.approx(log.stat().st_mtime)
     finally:
         again.close()
@@ -159,7 +160,7 @@ def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
                 assert value(got, "nummon_incident_state", **lbl) >= 1 and value(got, "nummon_run_open", **lbl) == 1
                 assert value(got, "nummon_last_step", **lbl) == r.step
                 assert value(got, "nummon_incidents_total", **lbl) == 1
-            if not math.isfinite(loss.item()):
+            if not math.isfinite(loss.item()) or (opened is not None and step >= opened + 3):
                 break
         assert opened is not None
     finally:
@@ -169,6 +170,23 @@ def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
         scrape(url)
     (s,) = sink.metrics.snapshot().runs
     assert s.open is False and s.last_step == r.step
+
+
+def test_prometheus_sink_on_a_taken_port_warns_and_training_goes_on(tmp_path, caplog):
+    import socket
+
+    from models import runaway_run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sink = PrometheusSink(f"127.0.0.1:{port}", run="r")
+        mon, reports = runaway_run([sink], tmp_path, steps=10)
+    assert len(reports) == 10 and sink.url is None
+    assert f"metrics endpoint 127.0.0.1:{port}" in caplog.text
+    (s,) = sink.metrics.snapshot().runs
+    assert s.last_step == reports[-1].step  # the numbers are kept; only the endpoint is missing
 
 
 def test_prometheus_sink_serves_on_rank_0_only():
@@ -211,11 +229,13 @@ def test_missing_prometheus_client_names_the_extra(monkeypatch):
     (["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
     (["--shard", "x"], "--shard 'x': expected I/N"),
 ])
-def test_bad_metrics_or_shard_exits_2_with_one_line(tmp_path, argv, needle):
+def test_bad_metrics_or_shard_exits_2_with_one_line(tmp_path, capsys, argv, needle):
+    from nummon._watch.command import main
+
     (tmp_path / "log.jsonl").write_text("")
-    p = subprocess.run(WATCH + [str(tmp_path), "--once"] + argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    rc = main([str(tmp_path), "--once"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
 
 
 # --- the real Prometheus -----------------------------------------------------------------------
@@ -266,15 +286,16 @@ def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fire
             proc.wait(30)
 
 
-def test_metrics_port_in_use_exits_2_naming_it(tmp_path):
+def test_metrics_port_in_use_exits_2_naming_it(tmp_path, capsys):
     import socket
+
+    from nummon._watch.command import main
 
     (tmp_path / "log.jsonl").write_text("")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        p = subprocess.run(WATCH + [str(tmp_path), "--once", "--metrics", f"127.0.0.1:{port}"], capture_output=True,
-                           text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2 and f"--metrics: metrics endpoint 127.0.0.1:{port}:" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+        rc = main([str(tmp_path), "--once", "--metrics", f"127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--metrics: metrics endpoint 127.0.0.1:{port}:" in err and len(err.strip().splitlines()) == 1

@@ -4,8 +4,10 @@ downloaded), random token ids, CPU.
 The runaway: SGD whose learning rate doubles every step (a warmup to a peak far too high), with
 the Trainer clipping gradients at 1.0. Without nummon the loss reaches NaN within ~30 steps.
 """
+import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -137,7 +139,7 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(tmp
         assert tag in scalars, tag
     nm_loss = {e.step: e.value for e in acc.Scalars("nummon/loss")}
     assert set(nm_loss) == {r.step for r in memory.records}
-    assert any(t.startswith("nummon_alerts/") for t in acc.Tags()["tensors"])
+    assert any(t.startswith("nummon_2_alerts/") for t in acc.Tags()["tensors"])
 
     # the alerts in the offline W&B run file the Trainer's W&B callback opened
     records = read_records(find_run_file(os.environ["WANDB_DIR"]))
@@ -226,3 +228,59 @@ def test_planted_log_of_zero_is_explained_in_the_critical_alert(tmp_path):
     assert crit and crit[0].step == 30 and cb.stopped_at == 30
     assert "log_of_zero" in crit[0].message and f"test_transformers.py:{line}" in crit[0].message
     assert crit[0].details["cause"]["op"] == "aten::log"
+
+
+class Transcript(TrainerCallback):
+    """The order of what reaches the terminal: the Trainer's log lines and nummon's lines."""
+
+    def __init__(self):
+        self.lines = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.lines.append(("nummon", record.getMessage()))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.lines.append(("trainer", state.global_step))
+
+
+def readme_blow_up(out_dir, console):
+    """The README's Hugging Face example driven to blow up: SGD lr 20, no clipping."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (256, 16))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    opt = torch.optim.SGD(model.parameters(), lr=20.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    memory, transcript = MemorySink(), Transcript()
+    cb = NummonCallback(sinks=[memory], stop_on_critical=False, console=console)
+    args = TrainingArguments(output_dir=str(out_dir), report_to=[], max_steps=10, use_cpu=True, save_strategy="no",
+                             per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.0,
+                             logging_steps=1, disable_tqdm=True)
+    logging.getLogger("nummon").addHandler(transcript.handler)
+    try:
+        Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched), callbacks=[transcript, cb]).train()
+    finally:
+        logging.getLogger("nummon").removeHandler(transcript.handler)
+    first_bad = next(r.step for r in memory.records if not r.is_finite())
+    return cb, transcript.lines, first_bad
+
+
+def test_the_readme_example_driven_to_blow_up_prints_incident_lines_before_the_first_nonfinite_step(tmp_path):
+    cb, lines, first_bad = readme_blow_up(tmp_path, console=True)
+    # nummon step s is the Trainer's global_step s + 1: its log line of the first non-finite step
+    bad_log = lines.index(("trainer", first_bad + 1))
+    first_line = next(i for i, (who, text) in enumerate(lines) if who == "nummon" and str(text).startswith("nummon: run "))
+    assert first_line < bad_log, lines
+    # every incident line comes before the Trainer's log line of its step
+    for i, (who, text) in enumerate(lines):
+        if who == "nummon" and str(text).startswith("nummon: run "):
+            step = int(re.search(r"at step (\d+)", text).group(1))
+            assert i < lines.index(("trainer", step + 1)), (text, lines)
+    assert not any("**" in str(t) for who, t in lines if who == "nummon")
+    crit = next(a for a in cb.monitor.alerts if a.severity is Severity.CRITICAL)
+    left = first_bad - crit.step
+    assert 1 <= crit.details["steps_to_overflow"] <= 1.5 * left + 2, (crit.message, left)
+
+
+def test_console_false_keeps_the_callback_quiet(tmp_path):
+    _, lines, _ = readme_blow_up(tmp_path, console=False)
+    assert not [t for who, t in lines if who == "nummon" and str(t).startswith("nummon: run ")]

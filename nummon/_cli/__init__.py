@@ -19,10 +19,18 @@ _COMMANDS = (replay, watch, demo, audit, policy, diagnose)
 
 
 def build_parser() -> Parser:
+    from .. import __version__
+
     p = Parser(prog="nummon", description="Numerical-health monitor for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"nummon {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in _COMMANDS:
         command.add_parser(sub)
+    # every command's --help opens with a description line: its own, else its one-line help
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, parser in sub.choices.items():
+        if not parser.description and helps.get(name):
+            parser.description = helps[name][:1].upper() + helps[name][1:] + "."
     return p
 
 

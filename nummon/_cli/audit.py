@@ -13,10 +13,13 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    a = sub.add_parser("audit", help="check checkpoints for NaN/Inf and compare two")
-    a.add_argument("ckpt", metavar="CKPT")
-    a.add_argument("ckpt2", metavar="CKPT2", nargs="?")
-    a.add_argument("--format", choices=("text", "json"), default="text")
+    a = sub.add_parser("audit", help="check checkpoints for NaN/Inf and compare two",
+                       description="NaN/Inf census of a checkpoint's weights, buffers and optimizer state (exit 1 when "
+                                   "any holds NaN/Inf; non-finite trainer metadata is listed and does not fail it), "
+                                   "or of two checkpoints and what changed between them.")
+    a.add_argument("ckpt", metavar="CKPT", help="a checkpoint (.pt/.pth/.ckpt/.bin, .safetensors, or a folder of shards)")
+    a.add_argument("ckpt2", metavar="CKPT2", nargs="?", help="a second checkpoint to compare with the first")
+    a.add_argument("--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON report")
     a.add_argument("--trust", action="store_true", help="allow pickled code (only for checkpoints you trust)")
     a.set_defaults(run=run)
 
@@ -35,8 +38,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(clean_text(f"{ck.path} ({ck.format}):"))
         _print_table(ck.tensors)
         s = ck.summary
+        meta = s.get("nonfinite_metadata", 0)
+        extra = (f"; {meta} non-finite in trainer metadata (callback or loop state: listed, not failing the audit)"
+                 if meta else "")
         print(f"  {s['tensors']} tensors, {s['elements']} elements; {s['nonfinite_tensors']} with non-finite values "
-              f"({s['nan']} NaN, {s['posinf']} +Inf, {s['neginf']} -Inf); min headroom {fmt_num(s['min_headroom'])} decades")
+              f"({s['nan']} NaN, {s['posinf']} +Inf, {s['neginf']} -Inf){extra}; "
+              f"min headroom {fmt_num(s['min_headroom'])} decades")
         for r in ck.tensors:
             if r.note:
                 print(clean_text(f"  note: {r.key}: {r.note}"))
@@ -62,12 +69,24 @@ def _print_comparison(cmp: dict[str, Any], a: str, b: str) -> None:
     print("\n".join(clean_text(line) for line in lines))
 
 
+KEY_WIDTH = 48  # longer keys are shortened in the middle: the table stays readable in a terminal
+
+
+def short_key(key: str, width: int = KEY_WIDTH) -> str:
+    """`key` in at most `width` characters: its start and its end, "…" between."""
+    if len(key) <= width:
+        return key
+    head = (width - 1) // 3
+    return key[:head] + "…" + key[len(key) - (width - 1 - head):]
+
+
 def _print_table(rows: list) -> None:
     head = ("tensor", "shape", "dtype", "NaN", "+Inf", "-Inf", "max|x|", "headroom")
-    cells = [(clean_text(r.key), "x".join(map(str, r.shape)) or "scalar", r.dtype, str(r.nan), str(r.posinf),
+    cells = [(short_key(clean_text(r.key)), "x".join(map(str, r.shape)) or "scalar", r.dtype, str(r.nan), str(r.posinf),
               str(r.neginf), fmt_num(r.max_abs), fmt_num(r.headroom)) for r in rows]
+    marks = [" (metadata)" if r.metadata else " !" for r in rows]  # metadata: listed, does not fail the audit
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
     print("  " + "  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    for c in cells:
-        mark = " !" if any(x != "0" for x in c[3:6]) else ""
+    for c, flag in zip(cells, marks):
+        mark = flag if any(x != "0" for x in c[3:6]) else ""
         print("  " + "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))) + mark)

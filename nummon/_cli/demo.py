@@ -22,13 +22,13 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
     d.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default: runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g})")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--device", default="cpu")
+    d.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the batches (default: 0)")
+    d.add_argument("--device", default="cpu", help="torch device to train on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     d.add_argument("--healthy", action="store_true", help="a safe learning rate: must end with no warning")
     d.add_argument("--stop-at-critical", action="store_true", help="stop at the first critical alert")
     d.add_argument("--no-wandb", action="store_true", help="skip the W&B sink")
     d.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard sink")
-    d.add_argument("--policy", default="default")
+    d.add_argument("--policy", default="default", help="a preset (default, strict, recover) or a policy file (default: default)")
     d.add_argument("--recover", action="store_true",
                    help="opt-in recovery: skip poisoned updates, roll back a runaway and lower the LR")
     d.set_defaults(run=run)
@@ -107,8 +107,7 @@ def _print_summary(result: Any) -> None:
             print(clean_text(f"The first NaN appeared in: {result.nonfinite_location}."))
         if result.cause is not None:
             c = result.cause
-            where = f" inside `{c.module}`" if c.module else ""
-            print(clean_text(f"Why: {c.cause.replace('_', ' ')} in `{c.op}` ({c.stage}){where} at {c.location}: {c.input_ranges}"))
+            print(clean_text(f"Why: {c.headline()}"))
             print(clean_text(f"Try: {c.remedy}"))
         first = result.first_warning_alert
         if first is not None:

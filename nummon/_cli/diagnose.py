@@ -13,7 +13,7 @@ OVERFIT_STEPS = 60
 
 def add_parser(sub: Any) -> None:
     dg = sub.add_parser("diagnose", help="run the debugging checklist on the demo model and data")
-    dg.add_argument("--seed", type=int, default=0)
+    dg.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data (default: 0)")
     dg.set_defaults(run=run)
 
 

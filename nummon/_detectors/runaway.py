@@ -7,6 +7,7 @@ from collections import deque
 from .. import _functional as F
 from .._policy import RunawayPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
+from .countdown import countdown
 
 __all__ = ["RunawayDetector"]
 
@@ -28,6 +29,7 @@ class RunawayDetector:
         # per metric: (last step, last value, streak length in steps, streak start step, streak start value)
         self._state: dict[str, tuple[int, float, int, int, float]] = {}
         self._records: dict[str, int] = {}  # growth records in the current streak
+        self._points: dict[str, deque[tuple[int, float]]] = {}  # (step, log10 value) of the streak, for the countdown
         self._hist: dict[str, deque[float]] = {m: deque(maxlen=p.history) for m in p.metrics}
 
     def update(self, rec: StepRecord) -> list[Finding]:
@@ -50,6 +52,7 @@ class RunawayDetector:
         if prev is None or step <= prev[0]:
             self._state[metric] = (step, v, 0, step, v)
             self._records[metric] = 0
+            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=8)
             hist.append(F.log10_safe(v))
             return None
         step0, v0, streak, start_step, start = prev
@@ -58,9 +61,11 @@ class RunawayDetector:
             # minimum rate per step, is 5 steps of sustained growth (logs every N steps)
             streak += step - step0
             self._records[metric] += 1
+            self._points[metric].append((step, F.log10_safe(v)))
         else:
             streak, start_step, start = 0, step, v
             self._records[metric] = 0
+            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=8)
         self._state[metric] = (step, v, streak, start_step, start)
         hist.append(F.log10_safe(v))
         if streak == 0:
@@ -84,14 +89,23 @@ class RunawayDetector:
         else:
             return None
         mean_rate = total ** (1.0 / max(step - start_step, 1))
-        left = F.steps_to_overflow(v, mean_rate, F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"]))
+        top = F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"])
+        left = countdown(list(self._points[metric]), math.log10(top))
+        records = self._records[metric]
+        over = (f"over {streak} consecutive steps" if records == streak else
+                f"over {_count(records, 'record')} ({_count(streak, 'step')})")
         return Finding(
             AlertKind.RUNAWAY,
             severity,
             metric,
             v,
             threshold,
-            f"{metric} grew {total:.3g}x over {streak} consecutive steps (x{mean_rate:.3g} per step); "
-            f"~{left:.0f} steps left until {dtype} overflow at this rate",
-            details={"growth": total, "rate_per_step": mean_rate, "steps_to_overflow": left, "streak": streak},
+            f"{metric} grew {total:.3g}x {over} (x{mean_rate:.3g} per step); {left.phrase(dtype)}",
+            details={"growth": total, "rate_per_step": mean_rate, "steps_to_overflow": left.steps, "streak": streak,
+                     "records": records, "overflow_bound": left.rising},
         )
+
+
+def _count(n: int, word: str) -> str:
+    """"one record", "3 records"."""
+    return f"one {word}" if n == 1 else f"{n} {word}s"

@@ -28,6 +28,6 @@ def explain_into(recompute: Callable[[], Any], alerts: list[Alert]) -> tuple[Non
     for a in alerts:
         if a.kind is AlertKind.NONFINITE and not a.cleared:
             a = dataclasses.replace(a, message=f"{a.message}; why: {report}", hint=report.remedy,
-                                    details={**a.details, "cause": report.to_dict()})
+                                    details={**a.details, "cause": report.to_dict(), "why": report.headline()})
         out.append(a)
     return report, out

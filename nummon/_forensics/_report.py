@@ -47,6 +47,16 @@ class NonfiniteReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def headline(self) -> str:
+        """One line for people: "overflow in `aten::convolution` (forward) inside `conv2` at
+        model.py:30: inputs span ..." (no remedy: that is the hint)."""
+        op = f"`{self.op}` ({self.stage})"
+        if self.stage == "backward" and self.forward_op:
+            op = f"`{self.op}` (the backward of `{self.forward_op}`)"
+        inside = f" inside `{self.module}`" if self.module else ""
+        at = f" at {self.location}" if self.location else ""
+        return f"{self.cause.replace('_', ' ')} in {op}{inside}{at}: {self.input_ranges}"
+
     def __str__(self) -> str:
         if self.stage == "backward":
             what = f"{self.cause} in {self.op} during the backward of {self.forward_op or 'an unknown op'}"

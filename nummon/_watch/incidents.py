@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
-from .._incidents import TITLE_MAX, IncidentEvent, IncidentState
+from .._types import TITLE_MAX, IncidentEvent, IncidentState
 from .text import cut_at_word
 
 __all__ = ["RunIncident", "Notice", "event_id"]

@@ -32,7 +32,7 @@ class RunSeries:
 
     run: str
     source: str
-    health: int = 0
+    health: int | None = None  # of the latest record read (None: none read yet, e.g. after a restart)
     incident: int = 0  # 0 none, 1 open, 2 critical, 3 non-finite
     loss: float | None = None
     grad_norm: float | None = None
@@ -189,4 +189,5 @@ class MetricsObserver:
         self.metrics.watched = watched
 
     def target_failed(self, target: Any) -> None:
-        self.metrics.count_failure(target_kind(target))
+        if not isinstance(getattr(target, "failed", None), int):  # targets with a count of their own are read at scrape
+            self.metrics.count_failure(target_kind(target))

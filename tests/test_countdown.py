@@ -1,0 +1,90 @@
+"""The countdown of runaway alerts: steps left before overflow that never promise time that is not there."""
+import math
+
+from hypothesis import given, strategies as st
+
+from conftest import CORPUS, DATA
+from nummon import Severity, StepRecord
+from nummon._detectors.countdown import countdown
+from nummon._engine import HealthEngine
+from nummon._policy import load_policy
+from nummon._trace import read_trace
+
+F32_DECADES = math.log10(3.4028234663852886e38)
+
+
+def first_critical_countdown(records):
+    """(alert, real steps left) of the first critical alert with a countdown, in a run that goes non-finite."""
+    engine = HealthEngine(load_policy("default"))
+    alert = None
+    for rec in records:
+        got = engine.step(rec)
+        for a in got.alerts:
+            if alert is None and a.severity is Severity.CRITICAL and "steps_to_overflow" in a.details:
+                alert = a
+        if alert is not None and not rec.is_finite():
+            return alert, rec.step - alert.step
+    return None, None
+
+
+def within(alert, left):
+    return 1 <= alert.details["steps_to_overflow"] <= 1.5 * left + 2
+
+
+def test_the_readme_table_gets_an_honest_countdown():
+    """Critical at step 44, NaN at 46: the alert said ~18 steps; it may say at most 5."""
+    alert, left = first_critical_countdown(read_trace(DATA / "batch39_46.jsonl"))
+    assert alert.step == 44 and left == 2
+    assert within(alert, left), alert.message
+    assert "at most ~2 steps left until float32 overflow" in alert.message
+
+
+def test_every_runaway_of_the_dev_corpus_gets_an_honest_countdown():
+    checked = 0
+    for path in sorted(CORPUS.glob("*.jsonl")):
+        alert, left = first_critical_countdown(read_trace(path))
+        if alert is not None:
+            checked += 1
+            assert within(alert, left), (path.name, alert.message, left)
+    assert checked >= 8
+
+
+def test_a_sparse_log_counts_records_and_steps():
+    """One record every 10 steps: "x571 over one record (10 steps)", never "10 consecutive steps"."""
+    losses = [2.0, 1.9, 1.8, 1.85, 1.7, 1.75, 1.7, 1.65, 1.6, 1.62, 1.6, 1.58, 40.0, 2.3e4, 1.3e7]
+    engine = HealthEngine(load_policy("default"))
+    runaway = []
+    for i, loss in enumerate(losses):
+        runaway += [a for a in engine.step(StepRecord(step=10 * i, loss=loss)).alerts if a.kind.value == "runaway"]
+    assert runaway, "no runaway alert"
+    texts = " | ".join(a.message for a in runaway)
+    assert "consecutive steps" not in texts, texts
+    assert "over one record (10 steps)" in texts or "records (" in texts, texts
+    assert "record" in texts.split("left")[0] and "(~" in texts, texts  # the countdown in records too
+
+
+@given(st.lists(st.floats(0.05, 12.0), min_size=1, max_size=6), st.floats(-3.0, 30.0), st.integers(1, 50))
+def test_the_countdown_is_never_below_one_step_and_never_beyond_the_flat_rate(increments, start, spacing):
+    points, level = [(0, start)], start
+    for k, inc in enumerate(increments, 1):
+        level += inc * spacing
+        points.append((k * spacing, level))
+    c = countdown(points, F32_DECADES)
+    assert c.steps >= 1
+    if c.at_rate is not None:
+        assert c.steps <= c.at_rate  # acceleration can only shorten it
+    text = c.phrase("float32")
+    assert "~1 steps" not in text and "~1 records" not in text
+
+
+def test_a_rising_rate_says_at_most():
+    c = countdown([(0, 0.0), (1, 0.5), (2, 1.0), (3, 3.0)], F32_DECADES)
+    assert c.rising and c.phrase("float32").startswith("at most ~")
+    level = countdown([(0, 0.0), (1, 2.0), (2, 4.0), (3, 6.0)], F32_DECADES)
+    assert not level.rising and "if the growth speeds up" in level.phrase("float32")
+
+
+def test_a_single_jump_assumes_no_acceleration():
+    """A spike of one or two records (the demo's step 60) is not yet a sustained runaway: the flat rate."""
+    c = countdown([(58, -1.29), (59, -0.64), (60, 1.68)], F32_DECADES)
+    assert c.phrase("float32") == "~16 steps left until float32 overflow at this rate"
