@@ -313,3 +313,24 @@ def test_watch_once_over_a_long_log_holds_a_bounded_part_of_it(tmp_path):
     grown = _peak_kib(tmp_path, full) - _peak_kib(tmp_path, half)
     assert extra > 22e6
     assert grown * 1024 < extra / 4, f"peak grew {grown} KiB for {extra >> 20} MiB more log"
+
+
+def test_csv_replaced_while_the_watcher_was_down_is_read_again(tmp_path):
+    """The saved position of a metrics.csv carries the file's identity: a file replaced between
+    two watcher processes is read from its start (its NaN found), not from the old offset."""
+    d = tmp_path / "run"
+    d.mkdir()
+    csv_path = d / "metrics.csv"
+    csv_path.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99 ** s}\n" for s in range(100)))
+    state = tmp_path / "s.json"
+    w, notes = watcher(d, tmp_path, state_path=str(state))
+    w.poll_once(final=True)
+    w.close()
+    new = d / "metrics.csv.new"
+    new.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99 ** s if s != 20 else 'nan'}\n" for s in range(150)))
+    os.replace(new, csv_path)
+    w, notes = watcher(d, tmp_path, state_path=str(state))
+    w.poll_once(final=True)
+    w.close()
+    assert [e["step"] for e in nonfinite_events(notes)] == [20]
+    assert "replaced by a new file" in stderr_of(tmp_path)
