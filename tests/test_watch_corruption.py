@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from nummon._policy import load_policy
-from nummon._watch import make_follower, read_records
+from nummon._watch import read_records
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 from test_watch import read_events, two_incident_rows, write_lines
-from test_watch_logs import hf_history, runaway_rows, write_hf_run, write_tensorboard
+from test_watch_logs import hf_history, write_hf_run, write_tensorboard
 
 CLI = [sys.executable, "-m", "nummon"]
 
