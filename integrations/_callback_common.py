@@ -47,6 +47,24 @@ def with_class_count(policy: Policy, classes: int | None) -> Policy:
     return policy.model_copy(update={"stall": stall})
 
 
+#: A LightningModule or Hugging Face model that sets this attribute in its training step (a tensor
+#: of per-sample losses) gets the worst samples named in nummon's records and alerts.
+PER_SAMPLE_ATTR = "nummon_per_sample_loss"
+
+
+def take_per_sample(module: Any) -> Any:
+    """The per-sample losses a module left for this step (then cleared), or None."""
+    for m in (module, getattr(module, "module", None)):  # DDP / DataParallel wrappers
+        v = getattr(m, PER_SAMPLE_ATTR, None) if m is not None else None
+        if v is not None:
+            try:
+                setattr(m, PER_SAMPLE_ATTR, None)
+            except AttributeError:
+                pass
+            return v
+    return None
+
+
 def console_sinks(console: bool, policy: Policy) -> list[ConsoleSink]:
     """The callback's console: one line per incident event on the "nummon" logger, written on
     the training thread (so it comes before the trainer's next log line), as `ConsoleSink` does

@@ -19,7 +19,7 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
-                               stop_line, with_class_count)
+                               stop_line, take_per_sample, with_class_count)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -147,6 +147,7 @@ class NummonCallback(transformers.TrainerCallback):
         self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
         self._loss.reset()
         self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        self._model = model  # a model that sets `nummon_per_sample_loss` in forward names its worst samples
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
@@ -199,7 +200,8 @@ class NummonCallback(transformers.TrainerCallback):
                             "computes it); steps are not monitored")
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute())
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(),
+                                        per_sample_loss=take_per_sample(getattr(self, "_model", None)))
         self.last_report = report
         if report.record is not None and args.max_grad_norm:
             self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))

@@ -28,6 +28,10 @@ from ._policy_sections import (  # noqa: F401  (re-exported: the detector sectio
     StallPolicy,
     TrendPolicy,
     VanishingPolicy,
+    MechanismsPolicy,
+    AttentionPolicy,
+    OutputLogitsPolicy,
+    AdamMomentPolicy,
     _Section,
 )
 
@@ -47,6 +51,10 @@ __all__ = [
     "StallPolicy",
     "OscillationPolicy",
     "VanishingPolicy",
+    "MechanismsPolicy",
+    "AttentionPolicy",
+    "OutputLogitsPolicy",
+    "AdamMomentPolicy",
     "AlertPolicy",
     "SamplingPolicy",
     "RecorderPolicy",
@@ -162,6 +170,10 @@ class Policy(_Section):
     stall: StallPolicy = StallPolicy()
     oscillation: OscillationPolicy = OscillationPolicy()
     vanishing: VanishingPolicy = VanishingPolicy()
+    attention: AttentionPolicy = AttentionPolicy()
+    output_logits: OutputLogitsPolicy = OutputLogitsPolicy()
+    adam_moment: AdamMomentPolicy = AdamMomentPolicy()
+    mechanisms: MechanismsPolicy = MechanismsPolicy()
     alerts: AlertPolicy = AlertPolicy()
     sampling: SamplingPolicy = SamplingPolicy()
     recorder: RecorderPolicy = RecorderPolicy()

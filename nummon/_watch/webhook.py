@@ -50,10 +50,14 @@ def slack_payload(event: Any, host: str | None = None) -> dict[str, Any]:
     host = host or socket.gethostname()
     name = getattr(event, "name", None) or event.run
     summary = event.summary()
-    rich = f"*{mrkdwn(event.title)}*\nrun `{mrkdwn(name)}` on {mrkdwn(host)}\n{mrkdwn(summary)}"
+    prefix = f"run `{event.run}`: "
+    if summary.startswith(prefix):  # the run is named on the line above
+        summary = summary[len(prefix):]
+    where = f"run `{mrkdwn(name)}` on {mrkdwn(host)}" + (f" (`{mrkdwn(event.run)}`)" if name != event.run else "")
+    rich = f"*{mrkdwn(event.title)}*\n{where}\n{mrkdwn(summary)}"
     if len(rich) > _TEXT_MAX:
         rich = rich[: _TEXT_MAX - 1] + "…"
-    fallback = f"{plain(event.title)} (run {plain(name)} on {host})\n{plain(summary)}"
+    fallback = f"{plain(event.title)}\n{plain(where)}\n{plain(summary)}"
     d = event.to_dict()
     return {"text": fallback, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
             "event_id": d.get("event_id"), "nummon": d}
