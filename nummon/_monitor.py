@@ -136,8 +136,17 @@ class Monitor:
         self.flight_records = FlightRecords(self.recorder, self.run_folder, enabled=self.policy.recorder.write,
                                             rank=self.rank if self._dist else None)
         self._sinks = self._dispatcher(sink_list)
-        self.alerts: list[Alert] = []
-        self.incidents: list[IncidentEvent] = []  # one per opened / escalated / resolved incident
+        self._start_run_state(start_step)
+        self._hist_every = self._histogram_cadences(sink_list)
+        if self._hist_every:
+            self.stats.want_activation_histograms(self._hist_due(self.step))
+        self.recovery = self._recovery()
+        self._arm_mechanisms()
+        _shutdown.register(self, self.policy.sinks.handle_sigterm)
+
+    def _start_run_state(self, start_step: int) -> None:
+        self.alerts = []
+        self.incidents = []  # one per opened / escalated / resolved incident
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
@@ -146,12 +155,6 @@ class Monitor:
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
-        self._hist_every = self._histogram_cadences(sink_list)
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
-        self.recovery = self._recovery()
-        self._arm_mechanisms()
-        _shutdown.register(self, self.policy.sinks.handle_sigterm)
 
     def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
         """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
