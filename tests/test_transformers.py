@@ -92,9 +92,11 @@ def unmonitored_runaway(tmp_path_factory):
     return losses, first_bad
 
 
-def test_runaway_without_nummon_reaches_nan(unmonitored_runaway):
+def test_runaway_without_nummon_is_lost(unmonitored_runaway):
     losses, first_bad = unmonitored_runaway
-    assert any(math.isnan(v) for v in losses.values()), losses
+    # NaN within the 32 steps with one CPU thread; with two the same run tops out near 1e17 (the
+    # summation order changes): either way it is lost, far beyond what any precision can train on
+    assert any(math.isnan(v) or v > 1e15 for v in losses.values()), losses
     assert first_bad >= 8, "the run must stay healthy long enough for a warning to mean something"
 
 
