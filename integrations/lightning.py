@@ -68,19 +68,20 @@ class NummonCallback(pl.Callback):
         self._loss = StepLoss()
         self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
-        self._restored: dict[str, Any] | None = None  # the health engine's state from a checkpoint
+        self._restored: dict[str, Any] | None = None  # the engine's state and next step from a checkpoint
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The health engine's state (incident, re-warming records), saved in the trainer's
         checkpoint so a resumed run does not start its detectors cold. Plain data only."""
         if self.monitor is not None:
-            return {"engine": self.monitor.engine.state_dict()}
-        return {"engine": self._restored} if self._restored else {}
+            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+        return dict(self._restored) if self._restored else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint."""
-        self._restored = state_dict.get("engine") or None
+        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint (the
+        trainer's own step is restored only after `on_fit_start`, so the step comes from here)."""
+        self._restored = dict(state_dict) if state_dict.get("engine") else None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -97,10 +98,11 @@ class NummonCallback(pl.Callback):
         sinks.append(events_sink(run_dir, self.policy, distributed))
         self.monitor = Monitor(
             pl_module, self._optimizer, self.policy, sinks,
-            run_dir=run_dir, grad_scaler=self._scaler(trainer), start_step=trainer.global_step,
+            run_dir=run_dir, grad_scaler=self._scaler(trainer),
+            start_step=int(self._restored.get("step", trainer.global_step)) if self._restored else trainer.global_step,
         )
         if self._restored:
-            self.monitor.engine.load_state_dict(self._restored, origin="the checkpoint's nummon state")
+            self.monitor.engine.load_state_dict(self._restored["engine"], origin="the checkpoint's nummon state")
             self._restored = None
         self._loss.reset()
 

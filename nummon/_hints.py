@@ -18,7 +18,7 @@ _BASE = {
     "for float16 use bfloat16 or dynamic loss scaling",
     AlertKind.STALL: "no progress: check that the LR is not tiny, that gradients reach every layer, and that "
     "labels match inputs (overfit one batch first: nummon.diagnose.overfit_one_batch)",
-    AlertKind.OSCILLATION: "the loss bounces without progress: lower the LR (or the momentum) about 3x, "
+    AlertKind.OSCILLATION: "the loss swings without progress: lower the LR (or the momentum) about 3x, "
     "or use a LR schedule",
     AlertKind.ATTENTION_LOGITS: "add qk-layernorm (LayerNorm on queries and keys before q·kᵀ) or QK-clip (rescale W_q and "
     "W_k when a head's max logit passes 100, as Kimi K2 does); or lower the LR or lengthen the warm-up",

@@ -24,7 +24,7 @@ import heapq
 import math
 from typing import Any
 
-from ._types import MECHANISM_FIELDS, Health, StepRecord
+from ._types import MECHANISM_FIELDS, Health, IncidentState, StepRecord
 
 __all__ = [
     "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
@@ -62,8 +62,6 @@ DEFAULT_HISTOGRAM_EVERY = 500
 INCIDENTS_GROUP = "nummon_1_incidents"
 ALERTS_GROUP = "nummon_2_alerts"
 
-# incident states by name, for events whose state has no `rank` (see nummon/_incidents.py)
-_INCIDENT_CODES = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
 INCIDENT_LEGEND = "incident_state: 0 = no incident (or resolved), 1 = open (warning), 2 = critical, 3 = non-finite"
 VIEWS_LEGEND = (
     "Groups: `nummon` run-level charts (at most 12); `nummon_log10` log10|x| of loss, grad norm and "
@@ -74,13 +72,9 @@ VIEWS_LEGEND = (
 )
 
 
-def incident_code(state: Any) -> int:
-    """The number an incident state is plotted as (see INCIDENT_LEGEND); unknown states: 1."""
-    rank = getattr(state, "rank", None)
-    if isinstance(rank, int):
-        return rank
-    name = str(getattr(state, "value", state)).lower()
-    return _INCIDENT_CODES.get(name, 1)
+def incident_code(state: IncidentState) -> int:
+    """The number an incident state is plotted as (see INCIDENT_LEGEND): its rank."""
+    return state.rank
 
 
 def _log10_abs(v: float) -> float | None:
@@ -92,10 +86,10 @@ def _log10_abs(v: float) -> float | None:
     return math.log10(abs(v))
 
 
-def step_scalars(record: StepRecord, health: Health | None, incident_state: Any = None) -> dict[str, float]:
+def step_scalars(record: StepRecord, health: Health | None, incident_state: IncidentState | None = None) -> dict[str, float]:
     """Every per-step scalar of one record under its tag (run-level, log10, health, per layer)."""
     values = record.scalars()
-    clip = getattr(record, "clip_ratio", None)  # newer records carry the clipping ratio
+    clip = record.clip_ratio
     if clip is not None:
         values.setdefault("clip_ratio", float(clip))
     out: dict[str, float] = {}
@@ -165,9 +159,9 @@ def alert_tag(seq: int, kind: Any) -> str:
     return f"{ALERTS_GROUP}/{seq:04d}_{getattr(kind, 'value', kind)}"
 
 
-def incident_tag(seq: int, state: Any) -> str:
+def incident_tag(seq: int, state: IncidentState) -> str:
     """A tag of its own for the seq-th incident event."""
-    return f"{INCIDENTS_GROUP}/{seq:04d}_{getattr(state, 'value', state)}"
+    return f"{INCIDENTS_GROUP}/{seq:04d}_{state.value}"
 
 
 def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:

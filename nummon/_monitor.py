@@ -136,8 +136,17 @@ class Monitor:
         self.flight_records = FlightRecords(self.recorder, self.run_folder, enabled=self.policy.recorder.write,
                                             rank=self.rank if self._dist else None)
         self._sinks = self._dispatcher(sink_list)
-        self.alerts: list[Alert] = []
-        self.incidents: list[IncidentEvent] = []  # one per opened / escalated / resolved incident
+        self._start_run_state(start_step)
+        self._hist_every = self._histogram_cadences(sink_list)
+        if self._hist_every:
+            self.stats.want_activation_histograms(self._hist_due(self.step))
+        self.recovery = self._recovery()
+        self._arm_mechanisms()
+        _shutdown.register(self, self.policy.sinks.handle_sigterm)
+
+    def _start_run_state(self, start_step: int) -> None:
+        self.alerts = []
+        self.incidents = []  # one per opened / escalated / resolved incident
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
@@ -146,12 +155,6 @@ class Monitor:
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
-        self._hist_every = self._histogram_cadences(sink_list)
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
-        self.recovery = self._recovery()
-        self._arm_mechanisms()
-        _shutdown.register(self, self.policy.sinks.handle_sigterm)
 
     def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
         """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
@@ -181,6 +184,7 @@ class Monitor:
         if not self._sinks.wants_histograms:
             return []
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        self._hist_early = not any(cadences)  # the default cadence: log-spaced early steps as well
         if not any(cadences):
             cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
         return sorted({c for c in cadences if c > 0})
@@ -252,6 +256,9 @@ class Monitor:
             report = self._evaluate(*previous)
         else:
             report = self._evaluate(pending, clip_norm)
+            if report.incidents and hist is None and self._hist_every:
+                # the moment of trouble: histograms of this step's parameters and gradients too
+                self._sinks.histograms(s, self.stats.histograms())
         self._arm_mechanisms()
         return report
 
@@ -312,7 +319,12 @@ class Monitor:
         return self._sinks.stats()
 
     # ------------------------------------------------------------------ internals
+    #: With the default cadence, histograms at these early steps too: a short run and its start are visible
+    EARLY_HISTOGRAM_STEPS = frozenset({0, 1, 2, 5, 10, 20, 50, 100, 200, 500})
+
     def _hist_due(self, step: int) -> bool:
+        if getattr(self, "_hist_early", False) and step in self.EARLY_HISTOGRAM_STEPS:
+            return True
         return any(step % k == 0 for k in self._hist_every)
 
     def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:

@@ -30,7 +30,6 @@ __all__ = [
     "Contributor",
     "IncidentEvent",
     "TITLE_MAX",
-    "INCIDENT_HEADLINES",
     "SUMMARY_MAX",
 ]
 
@@ -421,7 +420,7 @@ class Contributor:
         return d
 
 
-INCIDENT_HEADLINES = {
+_HEADLINE = {
     IncidentState.OPEN: "run unstable",
     IncidentState.CRITICAL: "run critical",
     IncidentState.NONFINITE: "run lost: non-finite values",
@@ -449,7 +448,7 @@ class IncidentEvent:
         """A short title naming the state (under 64 characters)."""
         if self.action:
             return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
-        head = INCIDENT_HEADLINES.get(self.state, self.state.value)
+        head = _HEADLINE.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"

@@ -137,8 +137,10 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
             else:
                 assert norms[i].item() == pytest.approx(want_n, rel=1e-3), i
                 assert absmax[i].item() == pytest.approx(want_m, rel=1e-3), i
-    ts[0] = torch.randn(5)  # a shape change re-plans
-    assert k.l2_norms(ts, key="t")[0].item() == pytest.approx(ts[0].norm().item(), rel=1e-5)
+    ts[0] = torch.randn(5, device=device)  # shape changes re-plan: one that breaks the concatenation,
+    ts[1] = torch.randn(6, 4, device=device)  # one that concatenates but changes the group's size
+    for i in (0, 1):
+        assert k.l2_norms(ts, key="t")[i].item() == pytest.approx(ts[i].norm().item(), rel=1e-5)
 
 
 class _Deep(nn.Module):

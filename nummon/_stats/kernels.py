@@ -21,7 +21,6 @@ from .dtypes import HALF_DTYPES
 
 __all__ = ["NormKernels", "absmax_rows", "as_real"]
 
-_shape = operator.attrgetter("shape")
 
 #: tensors up to this many elements are measured in groups on CPU (copying them is cheaper
 #: than a kernel launch each); larger ones are measured where they lie
@@ -49,7 +48,8 @@ def _stack_float(values: Sequence[torch.Tensor]) -> torch.Tensor:
 class _Plan:
     """How one list of tensors is measured: groups of positions, and the way back to list order."""
 
-    shapes: list[torch.Size]  # the shape at each position when the plan was made
+    n: int  # the list's length
+    totals: list[int]  # per group, its elements in all (checked per step: one number per group)
     groups: list[list[int]]  # CPU: small tensors of one shape; fused: one dtype and device
     big: list[int]  # CPU: tensors measured one by one
     inverse: torch.Tensor | None  # result position of each list position (None: already in order)
@@ -79,8 +79,13 @@ class _Plan:
             for pos, i in enumerate(order):
                 inv[i] = pos
             inverse = torch.tensor(inv, dtype=torch.long, device=dev)
-        return _Plan(list(map(_shape, tensors)), groups, big, inverse, dev, fused,
+        totals = [sum(tensors[i].numel() for i in g) for g in groups]
+        return _Plan(len(tensors), totals, groups, big, inverse, dev, fused,
                      [_picker(g) for g in groups], _picker(big) if big else None)
+
+
+class _Stale(Exception):
+    """A plan no longer fits its list (a tensor changed shape or device)."""
 
 
 def _picker(idx: list[int]):
@@ -124,27 +129,45 @@ class NormKernels:
         return norms, absmax
 
     # ------------------------------------------------------------------ internals
-    def _plan(self, key: str, tensors: list[torch.Tensor]) -> _Plan:
+    def _plan(self, key: str, tensors: list[torch.Tensor], stale: bool = False) -> _Plan:
+        """The list's plan, made again when its length or device changed or it went stale.
+
+        Shapes are not compared per step (an attribute read per tensor, slow on Parameters):
+        a group whose tensors changed shape fails to concatenate or yields a different number
+        of elements, which `_measure` notices, and it then re-plans once."""
         plan = self._plans.get(key)
-        if plan is None or plan.device != tensors[0].device or plan.shapes != list(map(_shape, tensors)):
+        if stale or plan is None or plan.n != len(tensors) or plan.device != tensors[0].device:
             fused = tensors[0].device.type != "cpu" if self.fused is None else self.fused
             plan = self._plans[key] = _Plan.make(tensors, fused)
         return plan
 
     def _measure(self, tensors: list[torch.Tensor], key: str, norms: bool, absmax: bool) -> tuple:
         plan = self._plan(key, tensors)
-        if plan.fused:
+        if plan.fused:  # no dependence on shapes
             return self._foreach(tensors, plan, norms, absmax)
+        try:
+            return self._grouped(tensors, plan, key, norms, absmax)
+        except _Stale:
+            return self._grouped(tensors, self._plan(key, tensors, stale=True), key, norms, absmax)
+
+    def _grouped(self, tensors: list[torch.Tensor], plan: _Plan, key: str, norms: bool, absmax: bool) -> tuple:
         nparts: list[torch.Tensor] = []
         mparts: list[torch.Tensor] = []
-        for pick in plan.pick:
+        for pick, total in zip(plan.pick, plan.totals):
             ts = pick(tensors)
-            if ts[0].numel() == 0:
+            if total == 0:
+                if ts[0].numel():
+                    raise _Stale
                 zero = torch.zeros(len(ts), device=plan.device)
                 nparts.append(zero)
                 mparts.append(zero)
                 continue
-            x = _rows(ts)
+            try:
+                x = _rows(ts)
+            except RuntimeError:  # shapes or devices changed
+                raise _Stale from None
+            if x.numel() != total:
+                raise _Stale
             if norms:
                 nparts.append(torch.linalg.vector_norm(x, dim=1).float())
             if absmax:
