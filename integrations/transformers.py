@@ -19,7 +19,7 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
-                               stop_line, take_per_sample)
+                               stop_line, take_per_sample, with_class_count)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -58,6 +58,20 @@ def _trainer_callbacks() -> list[Any]:
     finally:
         del frame
     return []
+
+
+def classification_classes(model: Any) -> int | None:
+    """The class count of a single-label sequence/token/image classification model (its
+    `config.num_labels`), None for any other task (a language model's vocabulary is no chance level)."""
+    config = getattr(model, "config", None)
+    arch = " ".join(getattr(config, "architectures", None) or [type(model).__name__])
+    if config is None or "ForSequenceClassification" not in arch and "ForImageClassification" not in arch \
+            and "ForTokenClassification" not in arch:
+        return None
+    if getattr(config, "problem_type", None) not in (None, "single_label_classification"):
+        return None
+    n = getattr(config, "num_labels", None)
+    return int(n) if isinstance(n, int) and n >= 2 else None
 
 
 def tensorboard_dir(args: Any) -> str:
@@ -168,7 +182,9 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         restored = self._restored or self._checkpoint_state(state)
         self._restored = None
         start = int(restored.get("step", state.global_step)) if restored else state.global_step
-        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, self.policy,
+        # a classifier's task names its chance level (stall.chance_loss), unless the policy does
+        policy = with_class_count(self.policy, classification_classes(model))
+        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, policy,
                                sinks, run_dir=args.output_dir, start_step=start)
         if restored:
             self.monitor.engine.load_state_dict(restored["engine"], origin="the checkpoint's nummon state")

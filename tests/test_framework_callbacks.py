@@ -43,10 +43,13 @@ def warnings_of(cb):
     return [a for a in cb.monitor.alerts if a.severity.rank >= Severity.WARNING.rank]
 
 
-def test_runaway_without_nummon_reaches_nan(fw, unmonitored_runaway):
+def test_runaway_without_nummon_is_lost(fw, unmonitored_runaway):
     losses, first_bad = unmonitored_runaway
-    assert any(math.isnan(v) for v in losses.values()), losses
-    assert not math.isfinite(losses[max(losses)]), losses
+    # far beyond what any precision can train on (whether it reaches NaN in time depends on the
+    # CPU's summation order for the tiny GPT-2)
+    assert any(math.isnan(v) or v > 1e15 for v in losses.values()), losses
+    if fw.ENDS_NONFINITE:
+        assert not math.isfinite(losses[max(losses)]), losses
     assert first_bad >= fw.MIN_HEALTHY_STEPS, "the run must stay healthy long enough for a warning to mean something"
 
 

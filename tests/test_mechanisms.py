@@ -115,17 +115,21 @@ def test_multihead_attention_is_seen():
             return self.head(self.mha(x, x, x)[0])
 
     model = M()
-    opt = torch.optim.AdamW(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay those of the forward
     x = torch.randn(2, 5, 16)
     mon = nummon.Monitor(model, opt)
     rec = _step(model, opt, mon, x, torch.randint(0, 4, (2, 5))).record
     mon.close()
     assert list(rec.layer_attention_logit_max) == ["mha"]
-    with torch.no_grad():
-        _, w = nn.MultiheadAttention.forward(model.mha, x, x, x, average_attn_weights=False)
-    # the weights MHA returned are the softmax of the logits the probe saw
-    assert rec.attention_logit_max > 0 and 0 < rec.attention_entropy <= 1
-    assert w.shape == (2, 2, 5, 5)
+    with torch.no_grad():  # the logits of the first sample, from MHA's own projections
+        w, b = model.mha.in_proj_weight, model.mha.in_proj_bias
+        q = (x[0] @ w[:16].T + b[:16]).view(5, 2, 8).transpose(0, 1)
+        k = (x[0] @ w[16:32].T + b[16:32]).view(5, 2, 8).transpose(0, 1)
+        s = q @ k.transpose(-2, -1) / math.sqrt(8)
+        p = s.softmax(-1)
+        ent = float((-torch.special.xlogy(p, p).sum(-1) / math.log(5)).mean())
+    assert rec.attention_logit_max == pytest.approx(float(s.amax()), rel=1e-5)
+    assert rec.attention_entropy == pytest.approx(ent, rel=1e-4)
 
 
 def test_hugging_face_gpt2_with_sdpa_is_covered():

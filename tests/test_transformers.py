@@ -1,9 +1,10 @@
 """What only the Hugging Face callback has, on a real Trainer (CPU, a tiny GPT-2 built from a
 config): its health engine's state saved in the Trainer's checkpoints (trainer_state.json) and
-restored on resume. The scenarios both framework callbacks share are in
+restored on resume, and a classifier's chance level. The scenarios both framework callbacks share are in
 test_framework_callbacks.py; the tiny runs are in transformers_runs.py.
 """
 import json
+import math
 
 import pytest
 
@@ -59,3 +60,21 @@ def test_state_dict_round_trips_through_load_state_dict(tmp_path):
     assert later.state_dict() == state  # held until the run starts
     resumable_trainer(tmp_path / "b", later, steps=2).train()
     assert [r["step"] for r in later.monitor.engine.state_dict()["first"]] == [0, 1, 2, 3, 4]
+
+
+def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():
+    """The task's class count (config.num_labels of a sequence classifier) sets stall.chance_loss;
+    a language model's vocabulary is no chance level."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from nummon._policy import load_policy
+    from nummon.integrations._callback_common import with_class_count
+    from nummon.integrations.transformers import classification_classes
+
+    clf = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32, num_labels=6))
+    assert classification_classes(clf) == 6
+    assert classification_classes(tiny_gpt2()) is None
+    policy = with_class_count(load_policy("default"), 6)
+    assert policy.stall.chance_loss == pytest.approx(math.log(6))
+    assert with_class_count(load_policy("default"), None).stall.chance_loss is None

@@ -2,7 +2,7 @@
 test_transformers.py): a GPT-2 built from a config (never downloaded), random token ids, CPU.
 
 The runaway: SGD whose learning rate doubles every step (a warmup to a peak far too high), with
-the Trainer clipping gradients at 1.0. Without nummon the loss passes FP16_MAX by step ~12 and is NaN from step 32.
+the Trainer clipping gradients at 1.0. Without nummon the loss is lost (NaN or past 1e15) within 32 steps.
 """
 import logging
 import os
@@ -20,7 +20,8 @@ transformers.utils.logging.set_verbosity_error()
 
 NAME = "transformers"
 EXTRA, MODULE = "transformers", "transformers"
-RUNAWAY_STEPS = 36  # the unmonitored loss is NaN from step 32 (transformers 5.24, torch 2.13)
+RUNAWAY_STEPS = 32
+ENDS_NONFINITE = False  # the unmonitored loss: NaN within 32 steps with one CPU thread, near 1e17 with two
 MIN_HEALTHY_STEPS = 7  # the runaway stays healthy this long without nummon (global steps 1..7)
 HEALTHY_STEPS = 20
 STOP_MARGIN = 1  # nummon stops the runaway at least one step before its loss passes FP16_MAX

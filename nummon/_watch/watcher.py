@@ -18,7 +18,6 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
-from .base import NotALogError
 from .discovery import RunSpec, discover
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
