@@ -56,14 +56,6 @@ def user():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[1]["state"][pid][k])), "optimizer state changed"
 
 
-def test_overfit_one_batch_passes_on_a_learnable_batch(user):
-    model, _ = user
-    rep = overfit_one_batch(model, batch(), CE, steps=300, lr=1e-2)
-    assert rep.status is Status.PASS and rep.numbers["best_over_reference"] <= 0.01
-    assert rep.numbers["accuracy"] == 1.0 and rep.numbers["trials"][0]["lr"] == 1e-2  # the given lr first
-    assert "PASS" in str(rep)
-
-
 def test_overfit_one_batch_fails_when_the_model_cannot_learn(user):
     model, _ = user
     frozen = copy.deepcopy(model)
@@ -134,15 +126,22 @@ def test_check_weights_constant_and_nonfinite(user):
     assert check_weights(m).status is Status.FAIL
 
 
-def test_lr_range_test_finds_descent_and_divergence(user, tmp_path):
+def test_lr_range_test_finds_descent_and_divergence_and_plots_the_sweep(user, tmp_path):
     model, _ = user
     loader = [batch(32, s) for s in range(4)]
     mem = nummon.MemorySink()
-    rep = lr_range_test(model, loader, CE, start=1e-4, end=1e3, steps=120, sinks=[mem])
+    try:
+        import matplotlib  # noqa: F401
+        out = tmp_path / "lr.png"
+    except ImportError:  # the plot needs matplotlib; the sweep does not
+        out = None
+    rep = lr_range_test(model, loader, CE, start=1e-4, end=1e3, steps=120, sinks=[mem], plot=out and str(out))
     assert rep.diverged_lr is not None and rep.suggested_lr is not None
     assert 1e-4 < rep.suggested_lr < rep.diverged_lr
     assert len(mem.records) == len(rep.losses) and mem.records[0].lr == pytest.approx(1e-4)
     assert rep.lrs == sorted(rep.lrs)
+    if out is not None:
+        assert rep.plot == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_run_all_stops_at_the_first_fail(user):
@@ -150,9 +149,7 @@ def test_run_all_stops_at_the_first_fail(user):
     bad_loader = [(torch.randn(8, 16), torch.full((8,), 9))]
     diag = run_all(model, bad_loader, CE, num_classes=4)
     assert diag.stopped_at == "check loader" and len(diag.reports) == 1 and diag.status is Status.FAIL
-    good = run_all(model, [batch(16, s) for s in range(3)], CE, num_classes=4, overfit_steps=300, overfit_lr=1e-2)
-    assert [r.name for r in good.reports] == ["check loader", "overfit one batch", "check gradients", "check weights"]
-    assert good.stopped_at is None
+    # a run_all that passes everything: test_diagnose_verdicts.py::test_every_check_passes_a_healthy_model
 
 
 def test_diagnostics_do_not_fire_the_users_monitor_hooks(user):
@@ -176,11 +173,3 @@ def test_diagnose_cli_prints_reports():
 
     p = subprocess.run([sys.executable, "-m", "nummon", "diagnose"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "[PASS] overfit one batch" in p.stdout and "check gradients" in p.stdout
-
-
-def test_lr_range_test_plot(user, tmp_path):
-    pytest.importorskip("matplotlib")
-    model, _ = user
-    out = tmp_path / "lr.png"
-    rep = lr_range_test(model, [batch(32, s) for s in range(4)], CE, start=1e-4, end=1e3, steps=60, plot=str(out))
-    assert rep.plot == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

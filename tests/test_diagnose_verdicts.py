@@ -104,6 +104,11 @@ def test_every_check_passes_a_healthy_model(kind):
     assert not blamed
     sweep = reports["lr_range_test"]  # the steepest descent is learning, not the EMA's first batches
     assert 1e-3 < sweep.suggested_lr < (sweep.diverged_lr or sweep.lrs[-1])
+    assert "PASS" in str(reports["overfit_one_batch"])
+    everything = reports["run_all"]
+    assert [r.name for r in everything.reports] == ["check loader", "overfit one batch", "check gradients",
+                                                    "check weights"]
+    assert everything.stopped_at is None
     overfit = reports["overfit_one_batch"].numbers
     assert overfit["accuracy"] == 1.0 and overfit["best_over_reference"] <= 0.01
     assert overfit["steps"] <= 200 * len(OVERFIT_LRS)
