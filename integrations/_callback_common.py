@@ -5,6 +5,7 @@ Imports neither framework (and not torch at module level), so both callbacks can
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from nummon._sinks import ConsoleSink, JsonlSink
 from nummon._types import Severity, StepReport
 
 __all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "console_sinks", "events_sink", "loss_of", "resolve_policy",
-           "stop_line"]
+           "stop_line", "with_class_count"]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -35,6 +36,33 @@ def events_sink(run_dir: str | os.PathLike[str], policy: Policy, distributed: bo
     if distributed and not policy.sinks.rank0_only:
         name = "nummon-events-rank{rank}.jsonl"
     return JsonlSink(Path(run_dir) / name)
+
+
+def with_class_count(policy: Policy, classes: int | None) -> Policy:
+    """The policy with `stall.chance_loss` = ln(classes) when the task's class count is known and
+    the policy names no chance loss: only then may a stall say "chance level"."""
+    if classes is None or classes < 2 or policy.stall.chance_loss is not None:
+        return policy
+    stall = policy.stall.model_copy(update={"chance_loss": math.log(classes)})
+    return policy.model_copy(update={"stall": stall})
+
+
+#: A LightningModule or Hugging Face model that sets this attribute in its training step (a tensor
+#: of per-sample losses) gets the worst samples named in nummon's records and alerts.
+PER_SAMPLE_ATTR = "nummon_per_sample_loss"
+
+
+def take_per_sample(module: Any) -> Any:
+    """The per-sample losses a module left for this step (then cleared), or None."""
+    for m in (module, getattr(module, "module", None)):  # DDP / DataParallel wrappers
+        v = getattr(m, PER_SAMPLE_ATTR, None) if m is not None else None
+        if v is not None:
+            try:
+                setattr(m, PER_SAMPLE_ATTR, None)
+            except AttributeError:
+                pass
+            return v
+    return None
 
 
 def console_sinks(console: bool, policy: Policy) -> list[ConsoleSink]:

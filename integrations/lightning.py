@@ -15,7 +15,7 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
-                               stop_line)
+                               stop_line, take_per_sample)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -40,6 +40,8 @@ class NummonCallback(pl.Callback):
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
     `console`: one line per incident event on the "nummon" logger (False: none).
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
+    A `training_step` that sets `self.nummon_per_sample_loss = per_sample_losses` gets the worst
+    samples of the step named in its record, alerts and flight record.
     """
 
     def __init__(
@@ -66,19 +68,20 @@ class NummonCallback(pl.Callback):
         self._loss = StepLoss()
         self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
-        self._restored: dict[str, Any] | None = None  # the health engine's state from a checkpoint
+        self._restored: dict[str, Any] | None = None  # the engine's state and next step from a checkpoint
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The health engine's state (incident, re-warming records), saved in the trainer's
         checkpoint so a resumed run does not start its detectors cold. Plain data only."""
         if self.monitor is not None:
-            return {"engine": self.monitor.engine.state_dict()}
-        return {"engine": self._restored} if self._restored else {}
+            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+        return dict(self._restored) if self._restored else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint."""
-        self._restored = state_dict.get("engine") or None
+        """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint (the
+        trainer's own step is restored only after `on_fit_start`, so the step comes from here)."""
+        self._restored = dict(state_dict) if state_dict.get("engine") else None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -95,10 +98,11 @@ class NummonCallback(pl.Callback):
         sinks.append(events_sink(run_dir, self.policy, distributed))
         self.monitor = Monitor(
             pl_module, self._optimizer, self.policy, sinks,
-            run_dir=run_dir, grad_scaler=self._scaler(trainer), start_step=trainer.global_step,
+            run_dir=run_dir, grad_scaler=self._scaler(trainer),
+            start_step=int(self._restored.get("step", trainer.global_step)) if self._restored else trainer.global_step,
         )
         if self._restored:
-            self.monitor.engine.load_state_dict(self._restored, origin="the checkpoint's nummon state")
+            self.monitor.engine.load_state_dict(self._restored["engine"], origin="the checkpoint's nummon state")
             self._restored = None
         self._loss.reset()
 
@@ -148,7 +152,8 @@ class NummonCallback(pl.Callback):
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
         report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
-                                        clip_norm=self._clip_norm(trainer))
+                                        clip_norm=self._clip_norm(trainer),
+                                        per_sample_loss=take_per_sample(pl_module))
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:

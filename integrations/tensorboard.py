@@ -13,7 +13,7 @@ from nummon._format import alert_text
 from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, VIEWS_LEGEND, TopOffenders,
                             alert_tag, custom_scalars_layout, histogram_tags, incident_tag, step_scalars)
 from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, StepRecord
+from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
 
 from ._lazy import require
 
@@ -50,7 +50,7 @@ class TensorBoardSink(BaseSink):
         self.log_dir = os.fspath(log_dir) if log_dir is not None else getattr(writer, "log_dir", None)
         self.histogram_every = histogram_every
         self.top = TopOffenders(top_k)
-        self.incident_state: Any = "none"
+        self.incident_state = IncidentState.NONE
         self._layout_written = False
         self._texts = 0  # sequence number of alert and incident text entries
 
@@ -110,7 +110,7 @@ class TensorBoardSink(BaseSink):
             return
         self._text(alert_tag, alert.kind, alert_text(alert, markdown=True), alert.step)
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         """An incident event (nummon/_incidents.py): a text entry, and the state the
         `nummon/incident_state` chart shows from the next step on."""
         self.incident_state = event.state

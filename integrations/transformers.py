@@ -19,7 +19,7 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
-                               stop_line)
+                               stop_line, take_per_sample, with_class_count)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -58,6 +58,20 @@ def _trainer_callbacks() -> list[Any]:
     finally:
         del frame
     return []
+
+
+def classification_classes(model: Any) -> int | None:
+    """The class count of a single-label sequence/token/image classification model (its
+    `config.num_labels`), None for any other task (a language model's vocabulary is no chance level)."""
+    config = getattr(model, "config", None)
+    arch = " ".join(getattr(config, "architectures", None) or [type(model).__name__])
+    if config is None or "ForSequenceClassification" not in arch and "ForImageClassification" not in arch \
+            and "ForTokenClassification" not in arch:
+        return None
+    if getattr(config, "problem_type", None) not in (None, "single_label_classification"):
+        return None
+    n = getattr(config, "num_labels", None)
+    return int(n) if isinstance(n, int) and n >= 2 else None
 
 
 def tensorboard_dir(args: Any) -> str:
@@ -125,12 +139,15 @@ class NummonCallback(transformers.TrainerCallback):
         sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
         sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(args.output_dir, self.policy, distributed))
-        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, self.policy,
+        # a classifier's task names its chance level (stall.chance_loss), unless the policy does
+        policy = with_class_count(self.policy, classification_classes(model))
+        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, policy,
                                sinks, run_dir=args.output_dir, start_step=state.global_step)
         # with `average_tokens_across_devices` the Trainer multiplies each rank's share by the world size
         self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
         self._loss.reset()
         self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        self._model = model  # a model that sets `nummon_per_sample_loss` in forward names its worst samples
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
@@ -183,7 +200,8 @@ class NummonCallback(transformers.TrainerCallback):
                             "computes it); steps are not monitored")
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute())
+        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(),
+                                        per_sample_loss=take_per_sample(getattr(self, "_model", None)))
         self.last_report = report
         if report.record is not None and args.max_grad_norm:
             self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))

@@ -19,7 +19,7 @@ from nummon._format import alert_text
 from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, TopOffenders, histogram_tags,
                             incident_code, metric_sections, step_scalars)
 from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, Severity, StepRecord
+from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, Severity, StepRecord
 
 from ._lazy import require
 
@@ -80,7 +80,7 @@ class WandbSink(BaseSink):
         self.histograms = histograms
         self.histogram_every = histogram_every if histograms else 0
         self.top = TopOffenders(top_k)
-        self.incident_state: Any = "none"
+        self.incident_state = IncidentState.NONE
         self._incident_events = 0
         self._alert_count = 0
         self._owns_run = False
@@ -169,7 +169,7 @@ class WandbSink(BaseSink):
         except Exception:  # a summary that cannot be written never stops the alerts
             log.debug("nummon: W&B summary update failed", exc_info=True)
 
-    def on_incident(self, event: Any) -> None:
+    def on_incident(self, event: IncidentEvent) -> None:
         """An incident event (nummon/_incidents.py): run summary fields and one W&B alert."""
         self._incident_events += 1
         self.incident_state = event.state

@@ -134,6 +134,11 @@ class HealthEngine:
         self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
         self._before: dict[Key, float] = {}
 
+    def wants_sample(self) -> bool:
+        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
+        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        return any(getattr(d, "wants_sample", False) for d in self.detectors)
+
     @property
     def incident_state(self) -> IncidentState:
         """Where the run's incident stands."""

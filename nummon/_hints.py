@@ -18,8 +18,16 @@ _BASE = {
     "for float16 use bfloat16 or dynamic loss scaling",
     AlertKind.STALL: "no progress: check that the LR is not tiny, that gradients reach every layer, and that "
     "labels match inputs (overfit one batch first: nummon.diagnose.overfit_one_batch)",
-    AlertKind.OSCILLATION: "the loss bounces without progress: lower the LR (or the momentum) about 3x, "
+    AlertKind.OSCILLATION: "the loss swings without progress: lower the LR (or the momentum) about 3x, "
     "or use a LR schedule",
+    AlertKind.ATTENTION_LOGITS: "add qk-layernorm (LayerNorm on queries and keys before q·kᵀ) or QK-clip (rescale W_q and "
+    "W_k when a head's max logit passes 100, as Kimi K2 does); or lower the LR or lengthen the warm-up",
+    AlertKind.ATTENTION_COLLAPSE: "restore a checkpoint from before the collapse and restart with qk-layernorm (or QK-clip at "
+    "a max logit of 100) and a lower LR or a longer warm-up: a collapsed attention rarely recovers on its own",
+    AlertKind.OUTPUT_LOGITS: "add z-loss to the loss: 1e-4 * logsumexp(logits, -1).pow(2).mean() (PaLM; OLMo 2 uses 1e-5); "
+    "or lower the LR",
+    AlertKind.ADAM_SECOND_MOMENT: "lower the LR or Adam's beta2 (0.95 tracks g² faster than 0.999), lengthen the warm-up, "
+    "and clip gradients; a loss spike often follows within 1-8 steps",
     AlertKind.VANISHING: "some layers get no gradient: check activations (saturating sigmoid/tanh), "
     "initialisation, detached tensors, and consider residual connections or normalisation",
 }
@@ -46,4 +54,8 @@ def hint_for(finding: Finding, context: dict | None = None) -> str:
         return ("the model's output does not change: check that the optimizer holds the model's parameters and the "
                 "LR is not 0, that the loss is not computed on detached tensors, that labels match inputs, and that "
                 "the last layer is not saturated (a sigmoid at 0.5 gives ln 2, a uniform softmax ln k)")
+    if kind is AlertKind.ADAM_SECOND_MOMENT and finding.metric == "adam_small_grad_fraction":
+        return ("lower the LR or lengthen the warm-up (dead units or saturated normalisation layers stop passing "
+                "gradient at too high a LR); if the gradients are merely tiny rather than zero, lower Adam's eps "
+                "(arXiv 2506.04805) or keep the optimizer state in float32")
     return _BASE[kind]

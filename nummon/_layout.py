@@ -10,6 +10,9 @@ Plain data in, tag -> value dicts out (no torch). The groups (the part of a tag 
 - `nummon_top_grad_norm/<param>`, `nummon_top_activation_max/<module>`: the k layers with the
   largest value so far ("top offenders"), so a big model's culprit is found without scrolling.
 - `nummon_more/`: any other run-level scalar a record carries.
+- `nummon_mechanisms/`: the sampled mechanism probes (attention logit max and entropy, output
+  log Z, Adam's RMS(g/sqrt(v)), ...), a point every `mechanisms.every` steps; per layer under
+  `nummon_layers_attention_logit_max/<module>` and `nummon_layers_attention_entropy/<module>`.
 - `nummon_hist_<kind>/<name>` and `nummon_hist_<kind>_log10abs/<name>`: histograms (kind:
   params, grads, activations).
 - `nummon_1_incidents/<seq>_<state>` (listed first: they tell the story), `nummon_2_alerts/<seq>_<kind>`:
@@ -21,11 +24,11 @@ import heapq
 import math
 from typing import Any
 
-from ._types import Health, StepRecord
+from ._types import MECHANISM_FIELDS, Health, IncidentState, StepRecord
 
 __all__ = [
     "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
-    "LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
+    "LAYER_METRICS", "MECHANISM_GROUP", "MECHANISM_LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
     "ALERTS_GROUP", "INCIDENTS_GROUP", "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
     "custom_scalars_layout", "metric_sections",
 ]
@@ -41,6 +44,10 @@ LOG10_GROUP = "nummon_log10"
 LOG10_FIELDS = ("loss", "grad_norm", "activation_max")
 HEALTH_GROUP = "nummon_health"
 MORE_GROUP = "nummon_more"
+MECHANISM_GROUP = "nummon_mechanisms"
+#: Per-layer mechanism metric -> the StepRecord field (own groups; not in the top-offender charts).
+MECHANISM_LAYER_METRICS = {"attention_logit_max": "layer_attention_logit_max",
+                           "attention_entropy": "layer_attention_entropy"}
 #: Per-layer metric -> the StepRecord field holding {layer name: value}.
 LAYER_METRICS = {"grad_norm": "layer_grad_norms", "activation_max": "layer_activation_max"}
 TOP_K = 5
@@ -55,8 +62,6 @@ DEFAULT_HISTOGRAM_EVERY = 500
 INCIDENTS_GROUP = "nummon_1_incidents"
 ALERTS_GROUP = "nummon_2_alerts"
 
-# incident states by name, for events whose state has no `rank` (see nummon/_incidents.py)
-_INCIDENT_CODES = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
 INCIDENT_LEGEND = "incident_state: 0 = no incident (or resolved), 1 = open (warning), 2 = critical, 3 = non-finite"
 VIEWS_LEGEND = (
     "Groups: `nummon` run-level charts (at most 12); `nummon_log10` log10|x| of loss, grad norm and "
@@ -67,13 +72,9 @@ VIEWS_LEGEND = (
 )
 
 
-def incident_code(state: Any) -> int:
-    """The number an incident state is plotted as (see INCIDENT_LEGEND); unknown states: 1."""
-    rank = getattr(state, "rank", None)
-    if isinstance(rank, int):
-        return rank
-    name = str(getattr(state, "value", state)).lower()
-    return _INCIDENT_CODES.get(name, 1)
+def incident_code(state: IncidentState) -> int:
+    """The number an incident state is plotted as (see INCIDENT_LEGEND): its rank."""
+    return state.rank
 
 
 def _log10_abs(v: float) -> float | None:
@@ -85,10 +86,10 @@ def _log10_abs(v: float) -> float | None:
     return math.log10(abs(v))
 
 
-def step_scalars(record: StepRecord, health: Health | None, incident_state: Any = None) -> dict[str, float]:
+def step_scalars(record: StepRecord, health: Health | None, incident_state: IncidentState | None = None) -> dict[str, float]:
     """Every per-step scalar of one record under its tag (run-level, log10, health, per layer)."""
     values = record.scalars()
-    clip = getattr(record, "clip_ratio", None)  # newer records carry the clipping ratio
+    clip = record.clip_ratio
     if clip is not None:
         values.setdefault("clip_ratio", float(clip))
     out: dict[str, float] = {}
@@ -106,6 +107,13 @@ def step_scalars(record: StepRecord, health: Health | None, incident_state: Any 
             out[f"{LOG10_GROUP}/{name}"] = lg
     for metric, field_name in LAYER_METRICS.items():
         for layer, v in getattr(record, field_name).items():
+            out[f"nummon_layers_{metric}/{layer}"] = v
+    for name in MECHANISM_FIELDS:  # sampled: only on the steps that measured them
+        v = getattr(record, name, None)
+        if v is not None:
+            out[f"{MECHANISM_GROUP}/{name}"] = float(v)
+    for metric, field_name in MECHANISM_LAYER_METRICS.items():
+        for layer, v in getattr(record, field_name, {}).items():
             out[f"nummon_layers_{metric}/{layer}"] = v
     return out
 
@@ -151,9 +159,9 @@ def alert_tag(seq: int, kind: Any) -> str:
     return f"{ALERTS_GROUP}/{seq:04d}_{getattr(kind, 'value', kind)}"
 
 
-def incident_tag(seq: int, state: Any) -> str:
+def incident_tag(seq: int, state: IncidentState) -> str:
     """A tag of its own for the seq-th incident event."""
-    return f"{INCIDENTS_GROUP}/{seq:04d}_{getattr(state, 'value', state)}"
+    return f"{INCIDENTS_GROUP}/{seq:04d}_{state.value}"
 
 
 def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
@@ -173,6 +181,12 @@ def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
             "log10 |loss|, grad norm, max |activation|": ["Multiline", [rf"^{LOG10_GROUP}/"]],
             "headroom (decades to the dtype's max)": ["Multiline", [rf"^{MAIN_GROUP}/headroom$"]],
         },
+        "nummon: mechanisms (sampled)": {
+            "max attention logit per module": ["Multiline", [r"^nummon_layers_attention_logit_max/"]],
+            "attention entropy / ln keys per module": ["Multiline", [r"^nummon_layers_attention_entropy/"]],
+            "output log Z (mean, max) and max output logit": ["Multiline", [rf"^{MECHANISM_GROUP}/output_"]],
+            "Adam RMS(g/sqrt(v)) and max update/param": ["Multiline", [rf"^{MECHANISM_GROUP}/(adam_|update_ratio_max)"]],
+        },
         "nummon: health": {
             "health (1 = in this state)": ["Multiline", [rf"^{HEALTH_GROUP}/"]],
             "incident state": ["Multiline", [rf"^{MAIN_GROUP}/incident_state$"]],
@@ -182,5 +196,6 @@ def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
 
 def metric_sections() -> list[str]:
     """Glob patterns of every scalar group, for W&B's `define_metric` (one section each)."""
-    return [f"{MAIN_GROUP}/*", f"{LOG10_GROUP}/*", f"{HEALTH_GROUP}/*", f"{MORE_GROUP}/*",
+    return [f"{MAIN_GROUP}/*", f"{LOG10_GROUP}/*", f"{HEALTH_GROUP}/*", f"{MORE_GROUP}/*", f"{MECHANISM_GROUP}/*",
+            *(f"nummon_layers_{m}/*" for m in MECHANISM_LAYER_METRICS),
             *(f"nummon_layers_{m}/*" for m in LAYER_METRICS), *(f"nummon_top_{m}/*" for m in LAYER_METRICS)]

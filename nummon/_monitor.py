@@ -50,6 +50,20 @@ def _check_loss(loss: Any) -> Any:
         raise NummonError(f"loss must be a single number, got {type(loss).__name__} ({e})") from None
 
 
+def _check_per_sample(losses: Any) -> Any:
+    """None, or a non-empty real tensor / sequence of per-sample losses; else rejected here."""
+    if losses is None:
+        return None
+    if not isinstance(losses, torch.Tensor):
+        try:
+            losses = torch.as_tensor(losses, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise NummonError(f"per_sample_loss must be a tensor or a sequence of numbers, got {type(losses).__name__} ({e})") from None
+    if losses.numel() == 0 or losses.dtype == torch.bool or losses.is_complex() or not (losses.is_floating_point() or losses.dtype in (torch.int32, torch.int64)):
+        raise NummonError(f"per_sample_loss must be a non-empty real tensor, got dtype {losses.dtype} shape {tuple(losses.shape)}")
+    return losses
+
+
 def _check_parts(model: Any, optimizer: Any) -> None:
     if model is not None and not isinstance(model, nn.Module):
         raise NummonError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -122,8 +136,17 @@ class Monitor:
         self.flight_records = FlightRecords(self.recorder, self.run_folder, enabled=self.policy.recorder.write,
                                             rank=self.rank if self._dist else None)
         self._sinks = self._dispatcher(sink_list)
-        self.alerts: list[Alert] = []
-        self.incidents: list[IncidentEvent] = []  # one per opened / escalated / resolved incident
+        self._start_run_state(start_step)
+        self._hist_every = self._histogram_cadences(sink_list)
+        if self._hist_every:
+            self.stats.want_activation_histograms(self._hist_due(self.step))
+        self.recovery = self._recovery()
+        self._arm_mechanisms()
+        _shutdown.register(self, self.policy.sinks.handle_sigterm)
+
+    def _start_run_state(self, start_step: int) -> None:
+        self.alerts = []
+        self.incidents = []  # one per opened / escalated / resolved incident
         self.step = start_step  # the step the next post_step is for
         self.flight_record: Path | None = None
         self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
@@ -132,11 +155,6 @@ class Monitor:
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
-        self._hist_every = self._histogram_cadences(sink_list)
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
-        self.recovery = self._recovery()
-        _shutdown.register(self, self.policy.sinks.handle_sigterm)
 
     def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
         """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
@@ -166,6 +184,7 @@ class Monitor:
         if not self._sinks.wants_histograms:
             return []
         cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        self._hist_early = not any(cadences)  # the default cadence: log-spaced early steps as well
         if not any(cadences):
             cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
         return sorted({c for c in cadences if c > 0})
@@ -181,7 +200,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ public
     def post_step(self, loss: Any, batch: Any = None, *, recompute: Callable[[], Any] | None = None,
-                  clip_norm: float | None = None) -> StepReport:
+                  clip_norm: float | None = None, per_sample_loss: Any = None) -> StepReport:
         """Record one optimizer step (call after `optimizer.step()`); returns this step's report.
 
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
@@ -193,10 +212,13 @@ class Monitor:
         `optimizer.step()`, or recovery skipped the poisoned update. `clip_norm` (optional: the
         max total gradient norm the loop clips to, e.g. Lightning's `gradient_clip_val`) gives
         the record its `clip_ratio`, min(1, clip_norm / grad_norm), when nummon did not see the
-        clipping itself.
+        clipping itself. `per_sample_loss` (optional: a tensor of this batch's losses per sample,
+        any shape) puts the max/mean ratio and the indices of the worst samples into the record,
+        and so into alerts, incidents and the flight record ("the batch that did it").
         """
         loss = _check_loss(loss)
         clip_norm = _check_clip_norm(clip_norm)
+        per_sample_loss = _check_per_sample(per_sample_loss)
         if recompute is not None and not callable(recompute):
             raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
         with self._lock:
@@ -204,13 +226,15 @@ class Monitor:
                 raise NummonError("post_step on a closed Monitor")
             self._recompute = recompute
             try:
-                return self._post_step(loss, batch, clip_norm)
+                return self._post_step(loss, batch, clip_norm, per_sample_loss)
             finally:
                 self._recompute = None
 
-    def _post_step(self, loss: Any, batch: Any, clip_norm: float | None) -> StepReport:
+    def _post_step(self, loss: Any, batch: Any, clip_norm: float | None, per_sample_loss: Any = None) -> StepReport:
         s = self.step
         sp = self.policy.sampling
+        if per_sample_loss is not None and self.stats.mechanisms is not None:
+            self.stats.mechanisms.per_sample(per_sample_loss)
         pending = self.stats.launch(
             s, loss, batch, params_due=s % sp.params_every == 0, optim_due=s % sp.optimizer_every == 0
         )
@@ -227,9 +251,26 @@ class Monitor:
         if self.policy.sampling.lag_one_step and pending.event is not None:
             previous, self._pending = self._pending, (pending, clip_norm)
             if previous is None:  # nothing measured yet: say so rather than guess "healthy"
+                self._arm_mechanisms()
                 return StepReport(step=s, health=None, should_stop=self._stop, pending=True)
-            return self._evaluate(*previous)
-        return self._evaluate(pending, clip_norm)
+            report = self._evaluate(*previous)
+        else:
+            report = self._evaluate(pending, clip_norm)
+            if report.incidents and hist is None and self._hist_every:
+                # the moment of trouble: histograms of this step's parameters and gradients too
+                self._sinks.histograms(s, self.stats.histograms())
+        self._arm_mechanisms()
+        return report
+
+    def _arm_mechanisms(self) -> None:
+        """Sample the mechanism probes at the next step when it is due, when a detector must
+        confirm what it saw, or while an incident is open."""
+        probes = self.stats.mechanisms
+        if probes is None:
+            return
+        mp = self.policy.mechanisms
+        probes.arm(self.step % mp.every == 0 or self.engine.wants_sample()
+                   or (mp.during_incident and self.engine.incident_state.active))
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -278,7 +319,12 @@ class Monitor:
         return self._sinks.stats()
 
     # ------------------------------------------------------------------ internals
+    #: With the default cadence, histograms at these early steps too: a short run and its start are visible
+    EARLY_HISTOGRAM_STEPS = frozenset({0, 1, 2, 5, 10, 20, 50, 100, 200, 500})
+
     def _hist_due(self, step: int) -> bool:
+        if getattr(self, "_hist_early", False) and step in self.EARLY_HISTOGRAM_STEPS:
+            return True
         return any(step % k == 0 for k in self._hist_every)
 
     def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
@@ -325,6 +371,9 @@ class Monitor:
             a = dataclasses.replace(a, rank=rec.rank)
         if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
             a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
+        if rec.sample_loss_top and not a.cleared:  # the batch that did it: which samples, how far out
+            a = dataclasses.replace(a, details={**a.details, "worst_samples": list(rec.sample_loss_top),
+                                                "sample_loss_max_over_mean": rec.sample_loss_ratio})
         self.alerts.append(a)
         self._sinks.alert(a)
         return a

@@ -28,6 +28,10 @@ from ._policy_sections import (  # noqa: F401  (re-exported: the detector sectio
     StallPolicy,
     TrendPolicy,
     VanishingPolicy,
+    MechanismsPolicy,
+    AttentionPolicy,
+    OutputLogitsPolicy,
+    AdamMomentPolicy,
     _Section,
 )
 
@@ -47,6 +51,10 @@ __all__ = [
     "StallPolicy",
     "OscillationPolicy",
     "VanishingPolicy",
+    "MechanismsPolicy",
+    "AttentionPolicy",
+    "OutputLogitsPolicy",
+    "AdamMomentPolicy",
     "AlertPolicy",
     "SamplingPolicy",
     "RecorderPolicy",
@@ -105,7 +113,7 @@ class SinkPolicy(_Section):
     queue_size: int = Field(1024, ge=1, le=MAX_WINDOW, description="step records buffered per sink thread (alerts are never dropped and not counted here)")
     when_full: Literal["drop", "block"] = Field("drop", description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room, at most block_timeout_s")
     block_timeout_s: float = Field(10.0, gt=0, le=3600, description="in block mode, the longest a step waits for room in a sink's queue; then the record is dropped and the wait logged (seconds)")
-    critical_timeout_s: float = Field(5.0, ge=0, le=3600, description="post_step waits at most this long for every sink to write and flush a critical alert (seconds)")
+    critical_timeout_s: float = Field(5.0, ge=0, le=3600, description="post_step waits at most this long for the durable event logs (JSONL) to write and flush a critical alert; the other sinks get it without being waited for (seconds)")
     flush_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.flush() waits at most this long for the sinks (seconds)")
     close_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.close() waits at most this long for the sinks to write, flush and close (seconds)")
     flush_every_steps: int = Field(1, ge=1, le=1_000_000, description="a JSONL log flushes step records to the OS at least every this many steps (alerts: at once)")
@@ -162,6 +170,10 @@ class Policy(_Section):
     stall: StallPolicy = StallPolicy()
     oscillation: OscillationPolicy = OscillationPolicy()
     vanishing: VanishingPolicy = VanishingPolicy()
+    attention: AttentionPolicy = AttentionPolicy()
+    output_logits: OutputLogitsPolicy = OutputLogitsPolicy()
+    adam_moment: AdamMomentPolicy = AdamMomentPolicy()
+    mechanisms: MechanismsPolicy = MechanismsPolicy()
     alerts: AlertPolicy = AlertPolicy()
     sampling: SamplingPolicy = SamplingPolicy()
     recorder: RecorderPolicy = RecorderPolicy()

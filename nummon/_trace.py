@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from ._errors import NummonError
 from ._format import clean_text
-from ._types import SCALAR_FIELDS, StepRecord
+from ._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 
 __all__ = ["TraceError", "WarnFn", "expand_paths", "iter_steps", "read_trace", "record_from_dict"]
 
@@ -72,10 +72,13 @@ def record_from_dict(obj: dict, where: str, default_step: int) -> StepRecord:
     if isinstance(step, bool) or not isinstance(step, (int, float)) or (isinstance(step, float) and not step.is_integer()):
         raise TraceError(f"{where}: step must be an integer, got {_show(step)}")
     rec = StepRecord(step=int(step))
-    for key in SCALAR_FIELDS:
+    for key in SCALAR_FIELDS + MECHANISM_FIELDS:
         if key in obj:
             setattr(rec, key, _number(obj[key], where, key))
-    for key in ("layer_grad_norms", "layer_activation_max"):
+    top = obj.get("sample_loss_top")
+    if isinstance(top, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in top):
+        rec.sample_loss_top = tuple(top[:100])
+    for key in ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_FIELDS:
         if isinstance(obj.get(key), dict):
             layers = {_text(str(k), 200): _number(v, where, f"{key}.{_text(str(k), 60)}") for k, v in obj[key].items()}
             setattr(rec, key, {k: v for k, v in layers.items() if v is not None})  # null: not measured

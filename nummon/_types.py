@@ -20,6 +20,8 @@ __all__ = [
     "Health",
     "HEALTH_LEGEND",
     "SCALAR_FIELDS",
+    "MECHANISM_FIELDS",
+    "MECHANISM_LAYER_FIELDS",
     "StepRecord",
     "Finding",
     "Alert",
@@ -28,7 +30,6 @@ __all__ = [
     "Contributor",
     "IncidentEvent",
     "TITLE_MAX",
-    "INCIDENT_HEADLINES",
     "SUMMARY_MAX",
 ]
 
@@ -63,6 +64,11 @@ class AlertKind(str, enum.Enum):
     STALL = "stall"
     OSCILLATION = "oscillation"
     VANISHING = "vanishing"
+    # mechanisms that come before a transformer's loss spike (nummon/_detectors/attention.py, ...)
+    ATTENTION_LOGITS = "attention_logits"
+    ATTENTION_COLLAPSE = "attention_collapse"
+    OUTPUT_LOGITS = "output_logits"
+    ADAM_SECOND_MOMENT = "adam_second_moment"
 
     def __str__(self) -> str:
         return self.value
@@ -77,6 +83,10 @@ INSTABILITY_KINDS = frozenset(
         AlertKind.LOSS_SPIKE,
         AlertKind.DIVERGENCE,
         AlertKind.EXTREME,
+        AlertKind.ATTENTION_LOGITS,
+        AlertKind.ATTENTION_COLLAPSE,
+        AlertKind.OUTPUT_LOGITS,
+        AlertKind.ADAM_SECOND_MOMENT,
     }
 )
 
@@ -118,6 +128,28 @@ SCALAR_FIELDS = (
     "headroom",
 )
 
+#: Scalar fields of the sampled mechanism probes (nummon/_stats/mechanisms.py): measured every
+#: `mechanisms.every` steps (every step while an incident is open), None in between.
+MECHANISM_FIELDS = (
+    "attention_logit_max",
+    "attention_entropy",
+    "output_logsumexp_mean",
+    "output_logsumexp_max",
+    "output_logit_max",
+    "adam_ratio_rms",
+    "adam_small_grad_fraction",
+    "update_ratio_max",
+    "sample_loss_ratio",
+)
+#: Per-layer mechanism fields: {module or parameter name: value}.
+MECHANISM_LAYER_FIELDS = (
+    "layer_attention_logit_max",
+    "layer_attention_entropy",
+    "layer_adam_ratio_rms",
+    "layer_update_ratio",
+    "layer_output_rms",
+)
+
 
 @dataclass
 class StepRecord:
@@ -150,6 +182,22 @@ class StepRecord:
     input_nonfinite: int | None = None  # non-finite values in the input batch
     scaler_skipped: bool | None = None  # True: the AMP GradScaler skipped this step (scaled grads overflowed)
     clip_ratio: float | None = None  # gradient norm after clipping / before (grad_norm is the unclipped one)
+    # sampled mechanism probes (MECHANISM_FIELDS); None: not sampled at this step
+    attention_logit_max: float | None = None  # max pre-softmax attention logit over layers (after scaling)
+    attention_entropy: float | None = None  # lowest layer's mean attention entropy / ln(keys attended), 0..1
+    output_logsumexp_mean: float | None = None  # mean log Z of the logits that go into cross-entropy
+    output_logsumexp_max: float | None = None  # max log Z over positions
+    output_logit_max: float | None = None  # max output logit
+    adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
+    adam_small_grad_fraction: float | None = None  # fraction of gradient elements with |g| < Adam's eps
+    update_ratio_max: float | None = None  # largest ||Adam update|| / ||param|| over tensors
+    sample_loss_ratio: float | None = None  # max / mean of the per-sample losses (post_step(per_sample_loss=...))
+    sample_loss_top: tuple[int, ...] = ()  # indices in the batch of the largest per-sample losses, worst first
+    layer_attention_logit_max: dict[str, float] = field(default_factory=dict)
+    layer_attention_entropy: dict[str, float] = field(default_factory=dict)
+    layer_adam_ratio_rms: dict[str, float] = field(default_factory=dict)
+    layer_update_ratio: dict[str, float] = field(default_factory=dict)
+    layer_output_rms: dict[str, float] = field(default_factory=dict)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_frozen"):
@@ -178,6 +226,8 @@ class StepRecord:
             return getattr(self, metric) is not None
         if metric == "layer_grad_norm":
             return bool(self.layer_grad_norms)
+        if metric in MECHANISM_FIELDS:  # sampled: absent between samples, which clears nothing
+            return getattr(self, metric) is not None
         return True
 
     def to_dict(self) -> dict[str, Any]:
@@ -287,6 +337,10 @@ _TITLES = {
     AlertKind.STALL: "training stalled",
     AlertKind.OSCILLATION: "loss oscillation",
     AlertKind.VANISHING: "vanishing gradients",
+    AlertKind.ATTENTION_LOGITS: "attention-logit growth",
+    AlertKind.ATTENTION_COLLAPSE: "attention collapsed",
+    AlertKind.OUTPUT_LOGITS: "output-logit divergence",
+    AlertKind.ADAM_SECOND_MOMENT: "Adam second moment off",
 }
 
 
@@ -366,7 +420,7 @@ class Contributor:
         return d
 
 
-INCIDENT_HEADLINES = {
+_HEADLINE = {
     IncidentState.OPEN: "run unstable",
     IncidentState.CRITICAL: "run critical",
     IncidentState.NONFINITE: "run lost: non-finite values",
@@ -394,7 +448,7 @@ class IncidentEvent:
         """A short title naming the state (under 64 characters)."""
         if self.action:
             return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
-        head = INCIDENT_HEADLINES.get(self.state, self.state.value)
+        head = _HEADLINE.get(self.state, self.state.value)
         if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = self.contributors[0]
             head += f": {c.kind.value} in {c.metric}"

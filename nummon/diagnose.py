@@ -8,7 +8,7 @@ human summary via `str()`.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,8 @@ from ._diagnose_common import (Diagnosis, LossFn, LRRangeReport, Report, Status,
 from ._errors import NummonError
 from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
 from ._functional import MAD_TO_SIGMA
+from ._sinks import as_sink
+from ._types import Health, StepRecord
 from ._overfit import OVERFIT_LRS, overfit_one_batch
 
 __all__ = [
@@ -224,56 +226,11 @@ def lr_range_test(
     exceeds `diverge_factor` x its best. Suggests the LR of steepest descent (per log10 LR) and
     reports the LR where it diverged. `plot` saves a PNG (needs matplotlib); `sinks` receive each
     step as a record with `loss` and `lr`."""
-    from ._types import Health, StepRecord
-
     if not (0 < start < end):
         raise NummonError(f"lr_range_test needs 0 < start < end, got start={start!r}, end={end!r}")
-    clone = copy_model(model)
-    dev = device_of(clone)
-    opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
-    gamma = (end / start) ** (1.0 / max(steps - 1, 1))
-    lrs, raw, smoothed = [], [], []
-    avg, best, diverged = 0.0, math.inf, None
-    it = iter(loader)
-    for i in range(steps):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        x, y = (to_device(t, dev) for t in split_batch(batch))
-        lr = start * gamma**i
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad()
-        loss = loss_fn(clone(x), y)
-        loss.backward()
-        opt.step()
-        v = float(loss.detach())
-        if not math.isfinite(v):
-            diverged = lr
-            break
-        avg = smooth * avg + (1 - smooth) * v
-        s = avg / (1 - smooth ** (i + 1))  # bias-corrected EMA
-        lrs.append(lr)
-        raw.append(v)
-        smoothed.append(s)
-        for sink in sinks:
-            getattr(sink, "on_step", lambda *a: None)(StepRecord(step=i, loss=s, lr=lr), Health.HEALTHY)
-        best = min(best, s)
-        if s > diverge_factor * best:
-            diverged = lr
-            break
-    suggested = None
-    # The EMA's first ~1/(1 - smooth) points still follow batch-to-batch differences, not the LR:
-    # their slopes are skipped (fastai's skip_start), or a tiny start LR looks like steep descent.
-    skip = min(round(1 / (1 - smooth)) if smooth < 1 else 0, max(len(smoothed) - 3, 0))
-    if len(smoothed) >= 3:
-        logs = [math.log10(l) for l in lrs]
-        slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)]
-        j = min(range(len(slopes)), key=lambda k: slopes[k])
-        if slopes[j] < 0:
-            suggested = lrs[j + 1 + skip]
+    lrs, smoothed, diverged = _sweep(model, loader, loss_fn, optimizer_cls, start, end, steps, smooth, diverge_factor,
+                                     [as_sink(s) for s in sinks], optimizer_kwargs)
+    suggested = _steepest_descent(lrs, smoothed, smooth)
     findings = []
     if suggested is not None:
         findings.append(f"steepest descent at lr {suggested:.3g}")
@@ -285,27 +242,91 @@ def lr_range_test(
                         {"suggested_lr": suggested, "diverged_lr": diverged, "steps_run": len(lrs)},
                         lrs=lrs, losses=smoothed, suggested_lr=suggested, diverged_lr=diverged)
     if plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            rep.findings.append("plot skipped: pip install 'nummon[plot]' (matplotlib)")
-        else:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            ax.semilogx(lrs, smoothed)
-            if suggested:
-                ax.axvline(suggested, color="g", ls="--", label=f"suggested {suggested:.2g}")
-            if diverged:
-                ax.axvline(diverged, color="r", ls=":", label=f"diverged {diverged:.2g}")
-            ax.set_xlabel("learning rate")
-            ax.set_ylabel("smoothed loss")
-            ax.legend()
-            fig.savefig(plot, dpi=100, bbox_inches="tight")
-            plt.close(fig)
-            rep.plot = plot
+        _plot_lr_range(rep, plot)
     return rep
+
+
+def _sweep(model: nn.Module, loader: Iterable, loss_fn: LossFn, optimizer_cls: type[torch.optim.Optimizer], start: float,
+           end: float, steps: int, smooth: float, diverge_factor: float, sinks: list[Any],
+           optimizer_kwargs: dict[str, Any]) -> tuple[list[float], list[float], float | None]:
+    """(learning rates, bias-corrected EMA losses, the lr it diverged at or None) of the sweep on a copy."""
+    clone = copy_model(model)
+    dev = device_of(clone)
+    opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
+    gamma = (end / start) ** (1.0 / max(steps - 1, 1))
+    lrs, smoothed = [], []
+    avg, best = 0.0, math.inf
+    batches = _cycle(loader)
+    for i in range(steps):
+        x, y = (to_device(t, dev) for t in split_batch(next(batches)))
+        lr = start * gamma**i
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        loss = loss_fn(clone(x), y)
+        loss.backward()
+        opt.step()
+        v = float(loss.detach())
+        if not math.isfinite(v):
+            return lrs, smoothed, lr
+        avg = smooth * avg + (1 - smooth) * v
+        s = avg / (1 - smooth ** (i + 1))  # bias-corrected EMA
+        lrs.append(lr)
+        smoothed.append(s)
+        for sink in sinks:
+            sink.on_step(StepRecord(step=i, loss=s, lr=lr), Health.HEALTHY)
+        best = min(best, s)
+        if s > diverge_factor * best:
+            return lrs, smoothed, lr
+    return lrs, smoothed, None
+
+
+def _cycle(loader: Iterable) -> Iterator[Any]:
+    """The loader's batches, starting over when it is exhausted."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise NummonError("the loader yielded no batch")
+
+
+def _steepest_descent(lrs: list[float], smoothed: list[float], smooth: float) -> float | None:
+    """The lr where the smoothed loss falls fastest per log10 lr; None when it never falls."""
+    # The EMA's first ~1/(1 - smooth) points still follow batch-to-batch differences, not the LR:
+    # their slopes are skipped (fastai's skip_start), or a tiny start LR looks like steep descent.
+    skip = min(round(1 / (1 - smooth)) if smooth < 1 else 0, max(len(smoothed) - 3, 0))
+    if len(smoothed) < 3:
+        return None
+    logs = [math.log10(l) for l in lrs]
+    slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)]
+    j = min(range(len(slopes)), key=lambda k: slopes[k])
+    return lrs[j + 1 + skip] if slopes[j] < 0 else None
+
+
+def _plot_lr_range(rep: LRRangeReport, path: str) -> None:
+    """Save the sweep's curve as a PNG (needs matplotlib; a finding says so when it is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        rep.findings.append("plot skipped: pip install 'nummon[plot]' (matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.semilogx(rep.lrs, rep.losses)
+    if rep.suggested_lr:
+        ax.axvline(rep.suggested_lr, color="g", ls="--", label=f"suggested {rep.suggested_lr:.2g}")
+    if rep.diverged_lr:
+        ax.axvline(rep.diverged_lr, color="r", ls=":", label=f"diverged {rep.diverged_lr:.2g}")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("smoothed loss")
+    ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    rep.plot = path
 
 
 # ------------------------------------------------------------------ all of it

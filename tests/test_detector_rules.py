@@ -44,12 +44,12 @@ def test_a_converged_loss_printed_at_its_rounding_floor_is_not_frozen():
     assert [a for a in loud(pts) if a.kind is AlertKind.STALL] == []
 
 
-def test_a_loss_pinned_within_one_percent_of_ln_k_for_a_trend_window_is_at_chance():
-    """Logged every 20 steps, within 0.6% of ln 4 for 12 records (220 steps): a stall at chance."""
+def test_a_loss_pinned_within_one_percent_of_ln_k_is_not_called_chance_without_the_class_count():
+    """Logged every 20 steps, within 0.6% of ln 4 for 12 records (220 steps): moving, so nothing
+    says it is a 4-class classifier (issue 24: "chance" only with the class count, or frozen exactly)."""
     rnd = random.Random(0)
     pts = [(20 * i, math.log(4) * (1 + 0.006 * rnd.uniform(-1, 1))) for i in range(12)]
-    got = loud(pts)
-    assert kinds(got) == [AlertKind.STALL] and "4-class" in got[0].message
+    assert not [a for a in loud(pts) if "chance" in a.message or "4-class" in a.message]
 
 
 def test_a_classifier_starting_at_ln_k_through_its_warm_up_is_not_at_chance():

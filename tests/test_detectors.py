@@ -1,5 +1,6 @@
 """Each detector on traces made to trigger it and on traces that must not, plus properties."""
 import math
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -190,10 +191,58 @@ def test_nan_and_inf_never_poison_statistics_afterwards(rows, n_clean):
         alerts = engine.step(StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0)).alerts
         if j >= 55:
             late += [a for a in alerts if a.severity is not Severity.INFO]
-    for d in engine.detectors:
-        for hist in getattr(d, "_hist", {}).values():
-            assert all(math.isfinite(v) for v in hist)
+    for d in engine.detectors:  # every detector's rolling windows hold only finite values again
+        windows = [w for w in _containers(d) if isinstance(w, deque)]
+        assert all(math.isfinite(v) for w in windows for v in _floats(w)), type(d).__name__
     assert late == []
+
+
+def _containers(obj, seen=None):
+    """Every list, deque, dict, set and tuple reachable from a detector's own attributes (the
+    policy and the records it merely refers to left out)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (Policy, StepRecord, str, bytes, int, float, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple, deque, set, frozenset)):
+        yield obj
+        for v in obj:
+            yield from _containers(v, seen)
+    elif isinstance(obj, dict):
+        yield obj
+        for v in obj.values():
+            yield from _containers(v, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith("nummon"):
+        if not type(obj).__module__.startswith("nummon._policy"):
+            yield from _containers(vars(obj), seen)
+
+
+def _floats(container):
+    for v in container.values() if isinstance(container, dict) else container:
+        if isinstance(v, float):
+            yield v
+        elif isinstance(v, tuple):
+            yield from (x for x in v if isinstance(x, float))
+
+
+def _state_size(detector) -> int:
+    return sum(len(c) for c in _containers(detector))
+
+
+def test_every_detector_keeps_bounded_memory_over_a_long_run():
+    """The state each detector holds stops growing: 4x the records, no more elements."""
+    engine = HealthEngine(P)
+    sizes = []
+    for n in (3000, 12000):
+        for step in range(len(sizes) and 3000, n):
+            noise = 1.0 + 0.01 * ((step * 7919) % 13)
+            engine.step(StepRecord(step=step, loss=2.0 / (1 + step / 500) * noise, grad_norm=noise, grad_max=0.1 * noise,
+                                   param_norm=10.0, activation_max=3.0 * noise, update_ratio=1e-3, lr=1e-3,
+                                   layer_grad_norms={"a": noise, "b": 0.5 * noise}))
+        sizes.append({type(d).__name__: _state_size(d) for d in engine.detectors})
+    assert len(sizes[1]) == len(engine.detectors) == len(build_detectors(P))
+    assert {k: v for k, v in sizes[1].items() if v > sizes[0][k]} == {}
+    assert sum(sizes[0].values()) > 0  # the measure sees the windows
 
 
 @pytest.mark.parametrize("every", [2, 5])

@@ -6,9 +6,21 @@ from nummon._hints import hint_for
 from nummon._types import Finding
 
 
+def _hint(kind, **kw):
+    return hint_for(Finding(kind, Severity.WARNING, "loss", 1.0, 1.0, "m", **kw))
+
+
 @pytest.mark.parametrize("kind", list(AlertKind))
-def test_every_alert_kind_has_a_specific_hint(kind):
-    h = hint_for(Finding(kind, Severity.WARNING, "loss", 1.0, 1.0, "m"))
+def test_every_alert_kind_has_a_hint_of_its_own(kind):
+    h = _hint(kind)
     assert h and len(h) > 30
-    assert hint_for(Finding(AlertKind.RUNAWAY, Severity.CRITICAL, "loss", 1.0, 1.0, "m"), {"optimizer": "sgd_momentum"}).startswith("momentum SGD")
-    assert "bfloat16" in hint_for(Finding(AlertKind.EXTREME, Severity.WARNING, "headroom", 0.5, 1.0, "m", details={"dtype": "float16"}))
+    others = {k: _hint(k) for k in AlertKind if k is not kind}
+    assert [k for k, other in others.items() if other == h] == []  # not a shared generic sentence
+
+
+def test_hints_are_specialised_by_optimizer_and_dtype():
+    runaway = Finding(AlertKind.RUNAWAY, Severity.CRITICAL, "loss", 1.0, 1.0, "m")
+    assert hint_for(runaway, {"optimizer": "sgd_momentum"}).startswith("momentum SGD")
+    assert hint_for(runaway, {"optimizer": "sgd_momentum"}) != hint_for(runaway, {"optimizer": "adam"})
+    fp16 = _hint(AlertKind.EXTREME, details={"dtype": "float16"})
+    assert "bfloat16" in fp16 and fp16 != _hint(AlertKind.EXTREME, details={"dtype": "bfloat16"})

@@ -298,3 +298,24 @@ def test_the_stop_line_names_the_incident(tmp_path, caplog):
         fit(tmp_path, [NummonCallback(console=False)], runaway=True, steps=RUNAWAY_STEPS)
     stop = [r.getMessage() for r in caplog.records if "stopping training" in r.getMessage()]
     assert stop and "incident 1, run critical" in stop[0], stop
+
+
+def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
+    """The callback's state (the engine's incident and re-warming records) rides in the trainer's
+    checkpoint; a resumed fit starts its detectors where the first one left them."""
+    first = NummonCallback(follow_loggers=False)
+    trainer, _ = fit(tmp_path / "a", [first], runaway=False, steps=12)
+    ckpt = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]  # plain data: loads with weights_only
+    (state,) = [v for k, v in saved.items() if "NummonCallback" in k]
+    assert [r["step"] for r in state["engine"]["first"]] == list(range(12))
+
+    pl.seed_everything(0, verbose=False)
+    resumed = NummonCallback(follow_loggers=False)
+    trainer2 = pl.Trainer(accelerator="cpu", max_steps=14, logger=False, callbacks=[resumed],
+                          default_root_dir=str(tmp_path / "b"), enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, gradient_clip_val=1.0)
+    trainer2.fit(TinyRegressor(1e-3, optimizer="adamw"), synthetic_data(), ckpt_path=str(ckpt))
+    steps = [r["step"] for r in resumed.monitor.engine.state_dict()["first"]]
+    assert steps == list(range(14))  # 0..11 from the checkpoint, then 12 and 13: not a cold start at 12

@@ -2,10 +2,8 @@
 files (real files from each writer, then bytes flipped, cut, inserted and zeroed) ends in
 records or a one-line NummonError, never a traceback; in a watcher it never stops the watching."""
 import math
-import os
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -2,7 +2,6 @@
 on by default, at most 12 run-level charts whatever the model, per-layer groups, log10
 companions, a custom-scalars layout, every alert and incident event as text, W&B sections and
 summary fields. Read back from real event files, a real TensorBoard server and a real W&B run file."""
-import dataclasses
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from nummon import Health, Monitor, StepRecord
+from nummon import Health, IncidentEvent, IncidentState, Monitor, StepRecord
 from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
 
 from models import runaway_run
@@ -28,23 +27,8 @@ from nummon._demo_model import DemoCNN
 NO_STOP = {"alerts": {"stop_on_critical": False}}
 
 
-@dataclasses.dataclass(frozen=True)
-class StandInIncident:
-    """Stands in for nummon._incidents.IncidentEvent: the attributes the sinks read."""
-
-    step: int
-    state: str
-    number: int = 1
-
-    @property
-    def title(self):
-        return f"nummon: incident {self.state}"
-
-    def summary(self):
-        return f"Incident {self.number} is **{self.state}** at step {self.step}."
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
+CRITICAL_INCIDENT = IncidentEvent(step=2, state=IncidentState.CRITICAL, previous=IncidentState.OPEN, number=1,
+                                  opened_step=1)
 
 
 class TwoBlockTransformer(nn.Module):
@@ -117,7 +101,8 @@ def test_default_tensorboard_sink_writes_histograms(tmp_path):
     for name in ("params/fc1.weight", "grads/conv1.weight", "activations/fc2"):
         linear, log10 = histogram_tags(name)
         assert linear in hist_tags and log10 in hist_tags, (name, hist_tags)
-    assert [e.step for e in event_tags(tmp_path / "tb").Histograms("nummon_hist_grads/fc1.weight")] == [0]
+    # the default cadence: log-spaced early steps (0, 1, 2, 5, 10, ...), then every 500
+    assert [e.step for e in event_tags(tmp_path / "tb").Histograms("nummon_hist_grads/fc1.weight")] == [0, 1, 2]
 
 
 def test_histograms_off_for_a_sink_that_says_so(tmp_path):
@@ -151,7 +136,7 @@ def test_demo_cnn_and_two_block_transformer_have_the_same_main_group(tmp_path):
 
 def test_log10_companions_and_health_series():
     rec = StepRecord(step=3, loss=250.0, grad_norm=1e6, activation_max=0.0, headroom=30.5)
-    tags = step_scalars(rec, Health.EXTREME, "critical")
+    tags = step_scalars(rec, Health.EXTREME, IncidentState.CRITICAL)
     assert tags["nummon_log10/loss"] == pytest.approx(math.log10(250.0))
     assert tags["nummon_log10/grad_norm"] == pytest.approx(6.0)
     assert "nummon_log10/activation_max" not in tags  # log10(0) has no point
@@ -280,7 +265,7 @@ def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb
         opt.step()
         mon.post_step(loss)
     mon.flush()
-    wb.on_incident(StandInIncident(2, "critical"))
+    wb.on_incident(CRITICAL_INCIDENT)
     mon.close()
 
     records = read_records(find_run_file(wandb_env / "wandb_dir"))
@@ -295,12 +280,12 @@ def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb
     assert len(main) <= 12 and "nummon/loss" in main
     assert rows[0]["nummon_hist_grads/0.weight/_type"] == "histogram"
     assert sum(rows[0]["nummon_hist_grads_log10abs/0.weight/values"]) == 16 * 8
-    assert not any(k.startswith("nummon_hist_") for k in rows[1])  # the default cadence: step 0, then every 500
+    assert rows[1]["nummon_hist_grads/0.weight/_type"] == "histogram"  # the default cadence: 0, 1, 2, 5, ... then every 500
     assert rows[2]["nummon_layers_grad_norm/2.weight"] > 0
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
             summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
     assert summary["nummon/incident"] == "critical" and summary["nummon/incident_step"] == 2
-    assert summary["nummon/incident_title"] == "nummon: incident critical"
-    assert [(a.title, a.level) for a in wb_alerts(records)] == [("nummon: incident critical", "ERROR")]
+    assert summary["nummon/incident_title"] == CRITICAL_INCIDENT.title == "nummon: run critical"
+    assert [(a.title, a.level) for a in wb_alerts(records)] == [("nummon: run critical", "ERROR")]

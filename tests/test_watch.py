@@ -331,14 +331,14 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     a.parent.mkdir()
     write_lines(a, rows[:60])
     notes = tmp_path / "notes.jsonl"
-    w = Watcher([str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=0.2,
+    w = Watcher([str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=60,
                 exclude={str(notes)})
     w.poll_once()
     assert list(w.runs) == [str(a)]
     b = tmp_path / "b" / "events.jsonl"
     b.parent.mkdir()
     write_lines(b, rows[:45])
-    time.sleep(0.3)
+    w.runs[str(a)].last_activity -= 120  # a has been quiet for two minutes (no sleep: no race with the timeout)
     w.poll_once()  # b is new; a had nothing new for longer than the idle timeout
     assert list(w.runs) == [str(b)]
     write_lines(a, rows[60:], mode="a")

@@ -3,7 +3,6 @@ bad targets, endpoints that hang, redirect, answer slowly or refuse, two watcher
 file (issue 23 items 1, 3-7, 15-18) and what the watcher says where people look (issue 24)."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,6 @@ import pytest
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
-from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 from nummon._watch.webhook import WebhookTarget
 from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
@@ -244,7 +242,7 @@ def test_slow_receiver_gets_each_event_once_and_close_keeps_the_last(tmp_path, e
         w = Watcher([str(log)], load_policy("default"), [hook], errors=fh)
         w.poll_once(final=True)
         w.close(timeout_s=60)  # close waits for the queue: the last event is not dropped
-    expect = [json.loads(json.dumps(e)) for e in reference_ids(log)]
+    expect = reference_ids(log)
     assert len(ep.ids()) == len(expect) == 6 and len(set(ep.ids())) == 6
     assert w.lost == 0 and "could not deliver" not in errors.read_text() and hook.sent == 6
 
@@ -268,7 +266,7 @@ def test_second_watcher_on_the_same_state_exits_2_naming_the_first(tmp_path):
 # --- issue 24: what the watcher says -------------------------------------------------------
 
 def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
-    log = run_log(tmp_path)
+    run_log(tmp_path)
     (tmp_path / "empty").mkdir()
     p = run_once(tmp_path / "run", tmp_path / "empty", "--notify", f"jsonl:{tmp_path / 'n.jsonl'}")
     assert p.returncode == 0
@@ -303,3 +301,16 @@ def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
         p = subprocess.run([sys.executable, "-c", code, "replay", str(path)], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert f"pip install 'nummon[{extra}]'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_webhook_goes_through_the_environments_http_proxy(tmp_path, endpoints, monkeypatch):
+    proxy = endpoints()  # a plain-HTTP proxy receives the absolute URL
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("no_proxy", "")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    log = run_log(tmp_path, two_incident_rows()[:50])
+    with open(tmp_path / "err.txt", "w") as fh:
+        w = Watcher([str(log)], load_policy("default"), [WebhookTarget("http://hooks.example.invalid/services/X")], errors=fh)
+        w.poll_once(final=True)
+        w.close(timeout_s=60)
+    assert w.lost == 0 and [p for _, p, _ in proxy.requests] == ["http://hooks.example.invalid/services/X"] * 2

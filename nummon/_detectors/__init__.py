@@ -9,11 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from .._policy import Policy
+from .adam_moment import AdamMomentDetector
+from .attention import AttentionDetector
 from .base import MAGNITUDE_FIELDS, Detector
 from .divergence import DivergenceDetector
 from .headroom import HeadroomDetector
 from .nonfinite import NonfiniteDetector
 from .oscillation import OscillationDetector
+from .output_logits import OutputLogitsDetector
 from .runaway import RunawayDetector
 from .spike import SpikeDetector
 from .stall import StallDetector
@@ -21,6 +24,9 @@ from .trend import LossTrend, StartLevel, TrendStats
 from .vanishing import VanishingDetector
 
 __all__ = [
+    "AdamMomentDetector",
+    "AttentionDetector",
+    "OutputLogitsDetector",
     "DETECTORS",
     "Detector",
     "DivergenceDetector",
@@ -49,6 +55,9 @@ DETECTORS: tuple[type, ...] = (
     StallDetector,
     OscillationDetector,
     VanishingDetector,
+    AttentionDetector,
+    OutputLogitsDetector,
+    AdamMomentDetector,
 )
 
 

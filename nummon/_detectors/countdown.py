@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Countdown", "MIN_ACCELERATION", "countdown"]
+__all__ = ["Countdown", "MIN_ACCELERATION", "MIN_POINTS", "countdown"]
 
 #: The smallest per-step growth of the rate assumed once the rate is rising. Calibrated on the
 #: runaways of benchmarks/countdown.py (the demo, the Lightning and HF examples driven to blow up,
@@ -22,6 +22,9 @@ __all__ = ["Countdown", "MIN_ACCELERATION", "countdown"]
 #: or more in its last steps; a lower assumption would promise steps that were not there.
 MIN_ACCELERATION = 2.0
 _MAX_STEPS = 10_000.0
+#: Points (growth intervals + 1) of a streak before acceleration is assumed: a critical runaway
+#: has at least three growth records (runaway.critical_steps), a single jump has one or two
+MIN_POINTS = 4
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Countdown:
     rate: float  # the latest growth, decades of |x| per step
     records: float | None = None  # the same in records, when records are sparser than one per step
     at_rate: float | None = None  # steps left if the growth kept today's rate (an optimistic figure)
+    accelerating: bool = True  # the figure assumes the growth speeds up (a sustained streak)
 
     def phrase(self, dtype: str) -> str:
         """E.g. "at most ~3 steps left until float32 overflow (the growth rate is rising)"."""
@@ -45,6 +49,8 @@ class Countdown:
             steps += f" (~{r} record" + ("" if r == 1 else "s") + ")"
         if self.rising:
             return f"at most {steps} left until {dtype} overflow (the growth rate is rising)"
+        if not self.accelerating:
+            return f"{steps} left until {dtype} overflow at this rate"
         flat = ""
         if self.at_rate is not None and round(self.at_rate) > n:
             flat = f"; ~{round(self.at_rate)} at today's rate"
@@ -70,6 +76,12 @@ def countdown(points: Sequence[tuple[int, float]], log10_max: float) -> Countdow
         return Countdown(math.inf, False, rate)
     if left <= 0:
         return Countdown(1.0, False, rate, 1.0 if spacing > 1 else None, 1.0)
+    if len(points) < MIN_POINTS:
+        # one or two growth intervals (a single jump): no evidence of a sustained runaway yet, so
+        # no acceleration is assumed; the flat rate is the figure
+        n = min(max(math.ceil(left / rate - 1e-9), 1.0), _MAX_STEPS)
+        records = max(n / spacing, 1.0) if spacing > 1 else None
+        return Countdown(float(n), False, rate, records, None, accelerating=False)
     rising = False
     q = MIN_ACCELERATION
     if len(points) >= 3:
@@ -85,7 +97,7 @@ def countdown(points: Sequence[tuple[int, float]], log10_max: float) -> Countdow
     n = min(max(math.ceil(n - 1e-9), 1.0), _MAX_STEPS)
     flat = min(max(math.ceil(left / rate - 1e-9), 1.0), _MAX_STEPS)
     records = max(n / spacing, 1.0) if spacing > 1 else None
-    return Countdown(float(n), rising, rate, records, float(flat))
+    return Countdown(float(n), rising, rate, records, float(flat), accelerating=True)
 
 
 def _spacing(points: Sequence[tuple[int, float]]) -> float:

@@ -1,15 +1,63 @@
-"""Loss bouncing (large relative spread) with no downward trend, while still far from converged."""
+"""Loss oscillation: swings (autocorrelated or alternating) wider than minibatch noise, with no
+downward trend and no rise, while still far from converged."""
 from __future__ import annotations
 
+import math
+from collections import deque
+from typing import Sequence
+
+from .. import _functional as F
 from .._policy import OscillationPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
 from .trend import LossTrend, improvement_needed
 
-__all__ = ["OscillationDetector"]
+__all__ = ["OscillationDetector", "swing_structure"]
+
+#: Mean autocorrelation over lags 1-4 of the detrended log-loss at or above which the swings are
+#: cyclic (each step follows the last: a wave), and lag-1 autocorrelation at or below which they
+#: alternate (up, down, up). Minibatch noise at a plateau has both near 0.
+CYCLIC_AUTOCORR = 0.3
+ALTERNATING_AUTOCORR = -0.5
+MAX_POINTS = 512
+
+
+def _autocorr(xs: Sequence[float], lag: int) -> float:
+    n = len(xs)
+    if n <= lag + 2:
+        return 0.0
+    m = sum(xs) / n
+    var = sum((x - m) ** 2 for x in xs)
+    if var <= 0:
+        return 0.0
+    return sum((xs[i] - m) * (xs[i + lag] - m) for i in range(n - lag)) / var
+
+
+def swing_structure(values: Sequence[float]) -> tuple[str | None, float]:
+    """("cyclic" | "alternating" | None, the autocorrelation that decided) of a loss window:
+    log values, a straight-line trend removed, so a steady fall or rise is not a swing."""
+    logs = [math.log(v) for v in values if v > 0]
+    n = len(logs)
+    if n < 8:
+        return None, 0.0
+    xm, ym = (n - 1) / 2, sum(logs) / n
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    slope = sum((i - xm) * (y - ym) for i, y in enumerate(logs)) / sxx
+    resid = [y - ym - slope * (i - xm) for i, y in enumerate(logs)]
+    lags = [_autocorr(resid, k) for k in (1, 2, 3, 4)]
+    if lags[0] <= ALTERNATING_AUTOCORR:
+        return "alternating", lags[0]
+    mean = sum(lags) / len(lags)
+    if mean >= CYCLIC_AUTOCORR:
+        return "cyclic", mean
+    return None, mean
 
 
 class OscillationDetector:
-    """Shared value: ``trend`` (the loss-trend window, also read by stall)."""
+    """Warning when, over the trend window, the loss's relative spread is large, it has no
+    downward trend and does not rise either (a rise during warm-up is a rise), and the swings are
+    structured (autocorrelated or alternating: minibatch noise at a plateau is neither).
+
+    Shared value: ``trend`` (the loss-trend window, also read by stall)."""
 
     section = "oscillation"
     kinds = (AlertKind.OSCILLATION,)
@@ -18,24 +66,33 @@ class OscillationDetector:
     def __init__(self, p: OscillationPolicy, trend: LossTrend) -> None:
         self._p = p
         self._trend = trend
+        self._losses: deque[tuple[int, float]] = deque(maxlen=MAX_POINTS)
 
     def update(self, rec: StepRecord) -> list[Finding]:
         t = self._trend.observe(rec)
+        if F.is_finite(rec.loss):
+            self._losses.append((rec.step, float(rec.loss)))
         if t is None or rec.loss is None:
             return []
         p = self._p
         need = improvement_needed(p.min_improvement, t.expected)
-        if t.change > -need and t.spread >= p.min_spread and t.level >= p.high_fraction:
-            return [
-                Finding(
-                    AlertKind.OSCILLATION,
-                    Severity.WARNING,
-                    "loss",
-                    t.spread,
-                    p.min_spread,
-                    f"loss bounces (relative spread {t.spread:.2f} over {t.span} steps) without a downward trend "
-                    f"(change {t.change * 100:+.1f}%)",
-                    details={"change": t.change, "spread": t.spread, "level": t.level, "span": t.span},
-                )
-            ]
-        return []
+        if not (-need < t.change < p.min_improvement and t.spread >= p.min_spread and t.level >= p.high_fraction):
+            return []
+        window = [v for s, v in self._losses if s > rec.step - t.span]
+        shape, corr = swing_structure(window)
+        if shape is None:
+            return []
+        swings = "swings in waves" if shape == "cyclic" else "alternates up and down"
+        return [
+            Finding(
+                AlertKind.OSCILLATION,
+                Severity.WARNING,
+                "loss",
+                t.spread,
+                p.min_spread,
+                f"loss {swings} (relative spread {t.spread:.2f} over {t.span} steps, autocorrelation {corr:+.2f}) "
+                f"without a downward trend (change {t.change * 100:+.1f}%)",
+                details={"change": t.change, "spread": t.spread, "level": t.level, "span": t.span,
+                         "shape": shape, "autocorrelation": corr},
+            )
+        ]

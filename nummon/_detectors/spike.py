@@ -8,7 +8,12 @@ from .. import _functional as F
 from .._policy import SpikePolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
 
-__all__ = ["SpikeDetector"]
+__all__ = ["SpikeDetector", "LOSS_MIN_FACTOR", "NOISE_MULTIPLE"]
+
+#: The smallest jump of a smooth loss that is a spike (ratio to its recent median), and how many
+#: of its robust standard deviations (log10) a jump must exceed to count below `loss_factor`.
+LOSS_MIN_FACTOR = 2.0
+NOISE_MULTIPLE = 8.0
 
 
 class SpikeDetector:
@@ -41,13 +46,19 @@ class SpikeDetector:
                 continue
             is_loss = metric in self.LOSS_METRICS
             factor = p.loss_factor if is_loss else p.grad_factor
-            if len(hist) < p.short_history:
+            short = len(hist) < p.short_history
+            if short:
                 factor *= p.short_history_multiplier
             lv = F.log10_safe(v)
-            # cheap pre-check: below factor x the smallest recent value it cannot be a jump
-            if len(hist) >= p.min_history and lv - min(hist) >= math.log10(factor):
+            # the loss's threshold scales with its own noise: a smooth loss that doubles has
+            # spiked (a large model's 2.2 -> 5), a noisy one needs up to `loss_factor`
+            floor = factor if short or not is_loss else min(factor, LOSS_MIN_FACTOR)
+            # cheap pre-check: below floor x the smallest recent value it cannot be a jump
+            if len(hist) >= p.min_history and lv - min(hist) >= math.log10(floor):
                 up, m_log, sigma = F.jump_decades(v, hist)
                 need = max(math.log10(factor), p.robust_z * sigma)
+                if is_loss and not short:
+                    need = max(min(need, max(math.log10(floor), NOISE_MULTIPLE * sigma)), p.robust_z * sigma)
                 if up >= need:
                     base = F.pow10(m_log)
                     out.append(

@@ -24,6 +24,7 @@ from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
 from .histograms import histograms
 from .kernels import NormKernels, as_real
+from .mechanisms import MechanismProbes
 from .optim import OptimizerView
 from .pending import GatherTicket, Pending
 from .preclip import PreClipCapture
@@ -58,6 +59,7 @@ class LaunchStep:
     state: list[torch.Tensor] = field(default_factory=list)
     lr: float | None = None
     acts: Any = None  # an ActivationStep
+    mech: Any = None  # a MechanismStep: the names behind the sampled mechanism segments
     batch_tensors: list[torch.Tensor] | None = None
 
 
@@ -104,8 +106,11 @@ class StatsEngine:
         # its decoder to `decoder.families`)
         self.families: list[Callable[[LaunchStep], list[Segment]]] = [
             self._loss_segments, self._grad_segments, self._param_segments, self._state_segments,
-            self._lr_segments, self._activation_segments, self._batch_segments,
+            self._lr_segments, self._activation_segments, self._mechanism_segments, self._batch_segments,
         ]
+        mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
+        self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
+                                          linear_rms=mp.linear_rms) if mp.enabled else None
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
@@ -146,7 +151,7 @@ class StatsEngine:
         return Pending(
             step=step, packed=host, event=event, layout=layout, grad_names=s.grad_names, acts=s.acts,
             grad_dtype=s.grad_dtype, loss_host=s.loss_host, loss_dtype=s.loss_dtype, lr=s.lr,
-            grads=s.grads, params=params if s.params else [], state=s.state, gather=ticket,
+            grads=s.grads, params=params if s.params else [], state=s.state, gather=ticket, mech=s.mech,
         )
 
     def _refresh(self) -> None:
@@ -217,6 +222,12 @@ class StatsEngine:
         s.acts, segs = self.probes.take(s.distributed)
         return segs
 
+    def _mechanism_segments(self, s: LaunchStep) -> list[Segment]:
+        if self.mechanisms is None:
+            return []
+        s.mech, segs = self.mechanisms.take(s.distributed)
+        return segs
+
     def _batch_segments(self, s: LaunchStep) -> list[Segment]:
         s.batch_tensors = tensors_in(s.batch) if s.batch is not None else None
         if not s.batch_tensors:
@@ -254,6 +265,8 @@ class StatsEngine:
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)
+        if self.mechanisms is not None:
+            self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
         if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
             self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
             self.probes.set_detail(True)
@@ -294,17 +307,23 @@ class StatsEngine:
     def hooks_paused(self) -> Iterator[None]:
         """Within this block the activation and gradient hooks record nothing."""
         self.probes.paused = True
+        if self.mechanisms is not None:
+            self.mechanisms.paused = True
         if self.preclip is not None:
             self.preclip.paused = True
         try:
             yield
         finally:
             self.probes.paused = False
+            if self.mechanisms is not None:
+                self.mechanisms.paused = False
             if self.preclip is not None:
                 self.preclip.paused = False
 
     def remove_hooks(self) -> None:
         self.probes.remove()
+        if self.mechanisms is not None:
+            self.mechanisms.remove()
         if self.preclip is not None:
             self.preclip.remove()
         self.watched.close()

@@ -39,6 +39,7 @@ class Pending:
     params: list[torch.Tensor] = field(default_factory=list)
     state: list[torch.Tensor] = field(default_factory=list)
     gather: GatherTicket | None = None
+    mech: Any = None  # MechanismStep: the names behind the sampled mechanism segments
 
     # read-only views kept for callers of the old dict-based fields
     @property

@@ -8,9 +8,12 @@ lives, and posts it with ``endsAt`` = now when the incident resolves. An escalat
 labels (state, severity): the old alert is resolved and the new one fires. Several URLs are the
 members of an HA cluster: every alert goes to each of them (they deduplicate among
 themselves). Posting runs on a thread of its own with timeouts and retries; a failure is
-counted (`failed`, per URL and batch) and logged, and never blocks the watch loop."""
+counted (`failed`, per URL and batch), an outage logged once, and nothing blocks the watch
+loop. ``user:password@`` in a URL is sent as HTTP basic auth and never printed."""
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import queue
@@ -24,6 +27,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .._errors import NummonError
+from .text import safe_url
+from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]
 
@@ -37,12 +42,14 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _redact(url: str) -> str:
-    """The URL without user:password (logs never show a secret)."""
+def _basic_auth(url: str) -> tuple[str, str | None]:
+    """(the URL without user:password, its HTTP basic Authorization header or None)."""
     p = urllib.parse.urlsplit(url)
-    if p.username or p.password:
-        p = p._replace(netloc=p.hostname + (f":{p.port}" if p.port else ""))
-    return urllib.parse.urlunsplit(p)
+    if p.username is None:
+        return url, None
+    netloc = (p.hostname or "") + (f":{p.port}" if p.port else "")
+    token = base64.b64encode(f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}".encode()).decode()
+    return urllib.parse.urlunsplit(p._replace(netloc=netloc)), f"Basic {token}"
 
 
 def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
@@ -63,7 +70,8 @@ def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
 class AlertmanagerTarget:
     """Posts incident events to one Alertmanager, or to each member of an HA cluster.
     `sent` counts batches delivered, `failed` batches a URL did not take after its retries,
-    `dropped` batches pushed out of a full queue."""
+    `dropped` batches pushed out of a full queue. `timeout_s` per request, `backoff_s` before
+    the first retry (doubling), `repeat_s` between re-posts of the firing alerts (seconds)."""
 
     kind = "alertmanager"
 
@@ -73,9 +81,16 @@ class AlertmanagerTarget:
         if not urls:
             raise NummonError("alertmanager: no URL given")
         for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise NummonError(f"alertmanager URL must start with http:// or https://, got {_redact(u)!r}")
+            try:
+                check_url(u)
+            except NummonError as e:
+                raise NummonError(f"alertmanager: {e}".replace("webhook URL", "URL")) from None
         self.urls = [u.rstrip("/") for u in urls]
+        self._auth = {u: _basic_auth(u) for u in self.urls}  # user:password@ in a URL: HTTP basic auth
+        self._down: set[str] = set()  # members whose last post failed: logged once per outage
+        # printed forms carry scheme and host only; the key names this target in the state file's outbox
+        self.shown = "alertmanager " + ", ".join(safe_url(u) for u in self.urls)
+        self.key = "alertmanager:" + hashlib.blake2b(",".join(self.urls).encode(), digest_size=6).hexdigest()
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         if repeat_s <= 0:
             raise NummonError(f"alertmanager: repeat interval must be > 0 seconds, got {repeat_s}")
@@ -191,22 +206,28 @@ class AlertmanagerTarget:
                     break
                 delay *= 2
             tries += 1
-            req = urllib.request.Request(url + "/api/v2/alerts", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+            target, auth = self._auth[url]
+            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            req = urllib.request.Request(target + "/api/v2/alerts", data=body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     resp.read()
+                if url in self._down:
+                    self._down.discard(url)
+                    log.warning("nummon watch: alertmanager %s takes alerts again", safe_url(url))
                 return True
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
-                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", _redact(url),
+                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", safe_url(url),
                                 body.count(b'"labels"'), e.code)
                     break
             except (urllib.error.URLError, OSError):
                 pass
         self.failed += 1
-        log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries)", _redact(url),
-                    body.count(b'"labels"'), tries)
+        if url not in self._down:  # every failure is counted; an outage is logged once, and its end
+            self._down.add(url)
+            log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries); further failures "
+                        "are counted, not logged, until it takes alerts again", safe_url(url), body.count(b'"labels"'), tries)
         return False
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -136,6 +136,8 @@ class Follower:
         own = {k[len("nummon/"):] for k in row if k.startswith("nummon/") and self.keymap.field(k) is not None}
         self._own_fields |= own
         if self._own_fields:
+            if not own:  # a row of the trainer's alone (its logging step, maybe out of order): not a step of nummon's
+                return None
             row = {k: v for k, v in row.items()
                    if k.startswith("nummon/") or self.keymap.field(k) not in self._own_fields}
         return self.keymap.record(step, row)

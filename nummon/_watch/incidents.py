@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import Any
 
-from .._types import INCIDENT_HEADLINES, TITLE_MAX, IncidentEvent, IncidentState
+from .._types import TITLE_MAX, IncidentEvent, IncidentState
 from .text import cut_at_word
 
 __all__ = ["RunIncident", "Notice", "event_id"]
@@ -49,11 +50,11 @@ class RunIncident:
         e = self.event
         if e.action:
             return cut_at_word(f"nummon: {e.action}", TITLE_MAX)
-        head = INCIDENT_HEADLINES.get(e.state, e.state.value)
+        head = replace(e, contributors=()).title  # "nummon: run unstable" (short: never cut)
         if e.contributors and e.state in (IncidentState.OPEN, IncidentState.CRITICAL):
             c = e.contributors[0]
             head += f": {c.kind.value} in {c.metric}"
-        return cut_at_word(f"nummon: {head}", TITLE_MAX)
+        return cut_at_word(head, TITLE_MAX)
 
     def summary(self) -> str:
         return f"run `{self.run}`: {self.event.summary()}"

@@ -189,4 +189,5 @@ class MetricsObserver:
         self.metrics.watched = watched
 
     def target_failed(self, target: Any) -> None:
-        self.metrics.count_failure(target_kind(target))
+        if not isinstance(getattr(target, "failed", None), int):  # targets with a count of their own are read at scrape
+            self.metrics.count_failure(target_kind(target))

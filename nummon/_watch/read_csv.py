@@ -112,9 +112,12 @@ class CsvFollower(Follower):
             "offset": self.done_offset,
             "rows": self.rows,
             "last_step": self.asm.last_emitted,
+            "ident": list(self.ident) if self.ident and self.ident[0] is not None else None,
         }
 
     def restore(self, pos: dict[str, Any]) -> None:
+        ident = pos.get("ident")
+        self.ident = tuple(ident) if isinstance(ident, list) and len(ident) == 2 else None
         last = pos.get("last_step")
         self.asm.last_emitted = None if last is None else int(last)
         header = str(pos.get("header", "")).encode("utf-8")

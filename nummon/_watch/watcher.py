@@ -18,7 +18,6 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
-from .base import NotALogError
 from .discovery import RunSpec, discover
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
@@ -94,6 +93,7 @@ class Watcher:
         self._dirty = self._outbox_changed = False
         self._state_failed: str | None = None
         self._announced = False
+        self._said: dict[str, str] = {}
         self._empty_roots: set[str] = set()
         self.notified = 0  # events handed to the targets
         self.delivered = 0  # events every target has
@@ -155,16 +155,26 @@ class Watcher:
             except (NummonError, ValueError, TypeError, KeyError) as e:
                 self.say(f"run {spec.id}: its saved state is not usable ({e}); reading it from the start")
                 run.close()
-                run = WatchedRun(spec.id, make_follower(spec.id, spec.format, self.keymap), self.policy)
+                run = WatchedRun(spec.id, follower.__class__(spec.id, self.keymap), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
         if self.observer is not None:
-            self.observer.run_started(run, spec)
+            try:
+                self.observer.run_started(run, spec)
+            except Exception as e:  # an observer's bug must not stop the watching
+                self._say_once(f"observer:{type(e).__name__}", f"run {spec.id}: an observer failed on its start "
+                               f"({type(e).__name__}: {e})")
 
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
-        """Name the run's problem once; leave it alone until its files change."""
+        """Name the run's problem once; leave it alone until its files change (then try it
+        again, and say its problem again only if it is a new one)."""
         self.bad[run_id] = _signature(spec or self.specs.get(run_id))
-        self.say(why if run_id in why else f"run {run_id}: {why}")
+        self._say_once(f"run:{run_id}", why if run_id in why else f"run {run_id}: {why}")
+
+    def _say_once(self, key: str, line: str) -> None:
+        if self._said.get(key) != line:
+            self._said[key] = line
+            self.say(line)
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self, final: bool = False) -> int:

@@ -50,10 +50,14 @@ def slack_payload(event: Any, host: str | None = None) -> dict[str, Any]:
     host = host or socket.gethostname()
     name = getattr(event, "name", None) or event.run
     summary = event.summary()
-    rich = f"*{mrkdwn(event.title)}*\nrun `{mrkdwn(name)}` on {mrkdwn(host)}\n{mrkdwn(summary)}"
+    prefix = f"run `{event.run}`: "
+    if summary.startswith(prefix):  # the run is named on the line above
+        summary = summary[len(prefix):]
+    where = f"run `{mrkdwn(name)}` on {mrkdwn(host)}" + (f" (`{mrkdwn(event.run)}`)" if name != event.run else "")
+    rich = f"*{mrkdwn(event.title)}*\n{where}\n{mrkdwn(summary)}"
     if len(rich) > _TEXT_MAX:
         rich = rich[: _TEXT_MAX - 1] + "…"
-    fallback = f"{plain(event.title)} (run {plain(name)} on {host})\n{plain(summary)}"
+    fallback = f"{plain(event.title)}\n{plain(where)}\n{plain(summary)}"
     d = event.to_dict()
     return {"text": fallback, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
             "event_id": d.get("event_id"), "nummon": d}
@@ -175,14 +179,24 @@ class WebhookTarget:
 
     def _send(self, body: bytes) -> int:
         parts = urlsplit(self.url)
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        kwargs = {"context": ssl.create_default_context()} if parts.scheme == "https" else {}
-        conn = cls(parts.hostname, parts.port, timeout=self.timeout_s, **kwargs)
+        https = parts.scheme == "https"
+        cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        kwargs = {"context": ssl.create_default_context()} if https else {}
         headers = {"Content-Type": "application/json", "User-Agent": "nummon-watch"}
         if parts.username is not None:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             headers["Authorization"] = "Basic " + base64.b64encode(cred).decode()
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        proxy = _proxy_for(parts.scheme, parts.hostname or "")
+        if proxy is None:
+            conn = cls(parts.hostname, parts.port, timeout=self.timeout_s, **kwargs)
+        elif https:  # a CONNECT tunnel through the proxy: TLS end to end
+            conn = cls(proxy.hostname, proxy.port or 8080, timeout=self.timeout_s, **kwargs)
+            conn.set_tunnel(parts.hostname, parts.port or 443)
+        else:  # a plain-HTTP proxy takes the absolute URL (without the user:password part)
+            conn = http.client.HTTPConnection(proxy.hostname, proxy.port or 8080, timeout=self.timeout_s)
+            netloc = parts.hostname if ":" not in (parts.hostname or "") else f"[{parts.hostname}]"
+            path = f"http://{netloc}{f':{parts.port}' if parts.port else ''}{path}"
         try:
             conn.request("POST", path, body=body, headers=headers)
             if conn.sock is not None:  # the body is sent: wait longer for a slow receiver's answer
@@ -223,6 +237,21 @@ class WebhookTarget:
         """The failure line of one lost event (no secret, the reason, the event named)."""
         return (f"webhook {self.shown}: could not deliver \"{outcome.title}\" of run {outcome.run} "
                 f"({outcome.reason}; {plural(outcome.tries, 'try')})")
+
+
+def _proxy_for(scheme: str, host: str):
+    """The proxy the environment names for this URL (HTTP(S)_PROXY, NO_PROXY), as urllib would
+    pick it, or None."""
+    import urllib.request
+
+    url = urllib.request.getproxies().get(scheme)
+    if not url or urllib.request.proxy_bypass(host):
+        return None
+    try:
+        p = urlsplit(url if "://" in url else f"http://{url}")
+        return p if p.hostname else None
+    except ValueError:
+        return None
 
 
 def _why(e: BaseException) -> str:

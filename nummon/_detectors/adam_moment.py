@@ -1,0 +1,76 @@
+"""Adam's second moment out of step with the gradients (Wortsman et al. 2023, arXiv 2304.13013:
+loss spikes follow 1-8 steps after v underestimates g²; arXiv 2506.04805: and when g² << v with
+most |g| below eps, the update is eps-dominated)."""
+from __future__ import annotations
+
+from .. import _functional as F
+from .._policy import AdamMomentPolicy
+from .._types import AlertKind, Finding, Severity, StepRecord
+
+__all__ = ["AdamMomentDetector"]
+
+
+class AdamMomentDetector:
+    """Warning when a tensor's RMS(g / sqrt(v_hat)) exceeds `warning_rms` (critical at
+    `critical_rms`), when most gradient elements are below Adam's eps, or when one step moves a
+    tensor by more than `warning_update_ratio` of its norm. All three are ratios: no unit, no
+    dependence on width or dtype."""
+
+    section = "adam_moment"
+    kinds = (AlertKind.ADAM_SECOND_MOMENT,)
+    needs = ()
+
+    def __init__(self, p: AdamMomentPolicy) -> None:
+        self._p = p
+        self._held: dict[str, int] = {}
+        self._small_base: list[float] = []  # the small-gradient fraction over the first samples
+
+    @property
+    def wants_sample(self) -> bool:
+        """A condition seen but not held for `patience` samples yet: sample the next step too."""
+        return any(0 < n < self._p.patience for n in self._held.values())
+
+    def _hold(self, key: str, on: bool) -> int:
+        n = self._held.get(key, 0) + 1 if on else 0
+        self._held[key] = n
+        return n
+
+    def update(self, rec: StepRecord) -> list[Finding]:
+        p = self._p
+        if rec.adam_ratio_rms is None or rec.step < p.start_step:
+            return []
+        out: list[Finding] = []
+        layers = rec.layer_adam_ratio_rms
+        rms = rec.adam_ratio_rms
+        if F.is_finite(rms) and self._hold("rms", rms >= p.warning_rms) >= p.patience:
+            name = max(layers, key=layers.__getitem__) if layers else None
+            sev = Severity.CRITICAL if rms >= p.critical_rms else Severity.WARNING
+            where = f" in `{name}`" if name else ""
+            out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, sev, "adam_ratio_rms", rms,
+                               p.critical_rms if sev is Severity.CRITICAL else p.warning_rms,
+                               f"Adam's second moment underestimates the gradient{where}: RMS(g/sqrt(v)) is {rms:.3g} "
+                               f"(about 1 when v tracks g²): the gradient jumped far above what v has seen",
+                               details={"tensor": name}))
+        small = rec.adam_small_grad_fraction
+        if F.is_finite(small):
+            base_q = self._small_base
+            if len(base_q) < p.baseline_samples:
+                base_q.append(small)
+            base = min(base_q)  # the lowest: the fraction can take off within the first samples
+            high = small >= p.small_fraction and small >= p.small_growth * base and len(base_q) >= 2
+            if self._hold("small", high) >= p.patience:
+                out.append(Finding(
+                    AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "adam_small_grad_fraction", small, p.small_fraction,
+                    f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
+                    f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
+                    f"(g² << v), the state that comes before a loss spike",
+                    details={"baseline_fraction": base}))
+        upd = rec.update_ratio_max
+        if F.is_finite(upd) and self._hold("update", upd >= p.warning_update_ratio) >= p.patience:
+            lu = rec.layer_update_ratio
+            name = max(lu, key=lu.__getitem__) if lu else None
+            where = f"`{name}`" if name else "one tensor"
+            out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "update_ratio_max", upd,
+                               p.warning_update_ratio,
+                               f"one Adam step moved {where} by {upd:.3g} of its norm", details={"tensor": name}))
+        return out

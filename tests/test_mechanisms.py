@@ -1,0 +1,308 @@
+"""The sampled mechanism probes on real models and optimizers: attention logits and entropy
+(hand-written, SDPA, nn.MultiheadAttention, a Hugging Face GPT-2 with SDPA built from a config),
+output log Z, Adam's second moment, per-sample losses, the cadence, and the JSONL round trip."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nummon
+from nummon._trace import read_trace
+
+
+class Attn(nn.Module):
+    def __init__(self, d=16, h=2, impl="manual"):
+        super().__init__()
+        self.h, self.dh, self.impl = h, d // h, impl
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, 4)
+
+    def scores(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def forward(self, x):
+        q, k, v = self.scores(x)
+        T = x.shape[1]
+        if self.impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = (q @ k.transpose(-2, -1)) / math.sqrt(self.dh)
+            s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+            y = torch.softmax(s, dim=-1) @ v
+        return self.out(y.transpose(1, 2).reshape(x.shape))
+
+
+def _reference(model, x):
+    """Max causal logit and mean normalised entropy, computed directly."""
+    with torch.no_grad():
+        q, k, _ = model.scores(x)
+        T = x.shape[1]
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(model.dh)
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+        p = s.softmax(-1)
+        ent = -torch.special.xlogy(p, p).sum(-1)
+        n = mask.sum(-1).float()
+        norm = (ent / torch.log(n.clamp(min=2)))[..., 1:]  # rows with one key have no entropy to lose
+        return float(s.amax()), float(norm.mean())
+
+
+def _step(model, opt, mon, x, y, **kw):
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return mon.post_step(loss, **kw)
+
+
+def _run(impl, steps=3, every=1, seed=0):
+    torch.manual_seed(seed)
+    model = Attn(impl=impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(3, 6, 16), torch.randint(0, 4, (3, 6))
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": every}})
+    reports = [_step(model, opt, mon, x, y) for _ in range(steps)]
+    mon.close()
+    return model, x, reports
+
+
+@pytest.mark.parametrize("impl", ["manual", "sdpa"])
+def test_attention_logits_and_entropy_match_a_direct_computation(impl):
+    torch.manual_seed(0)
+    model = Attn(impl=impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay those of the forward
+    x, y = torch.randn(3, 6, 16) * 3, torch.randint(0, 4, (3, 6))
+    mon = nummon.Monitor(model, opt)
+    rec = _step(model, opt, mon, x, y).record
+    mon.close()
+    want_max, want_ent = _reference(model, x if impl == "manual" else x[:1])  # SDPA: the first sample
+    assert rec.attention_logit_max == pytest.approx(want_max, rel=1e-5)
+    assert rec.attention_entropy == pytest.approx(want_ent, rel=1e-4)
+    # the loss's logits: log Z of the (18, 4) logits that went into cross_entropy
+    with torch.no_grad():
+        lse = torch.logsumexp(model(x).reshape(-1, 4), -1)
+    assert rec.output_logsumexp_mean == pytest.approx(float(lse.mean()), rel=1e-5)
+    assert rec.output_logsumexp_max == pytest.approx(float(lse.max()), rel=1e-5)
+
+
+def test_attention_is_named_after_the_module_that_computes_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Attn())
+    opt = torch.optim.AdamW(model.parameters())
+    mon = nummon.Monitor(model, opt)
+    rec = _step(model, opt, mon, torch.randn(2, 5, 16), torch.randint(0, 4, (2, 5))).record
+    mon.close()
+    assert list(rec.layer_attention_logit_max) == ["1"]
+    assert set(rec.layer_output_rms) == {"0", "1.qkv", "1.out"}
+
+
+def test_multihead_attention_is_seen():
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.mha(x, x, x)[0])
+
+    model = M()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay those of the forward
+    x = torch.randn(2, 5, 16)
+    mon = nummon.Monitor(model, opt)
+    rec = _step(model, opt, mon, x, torch.randint(0, 4, (2, 5))).record
+    mon.close()
+    assert list(rec.layer_attention_logit_max) == ["mha"]
+    with torch.no_grad():  # the logits of the first sample, from MHA's own projections
+        w, b = model.mha.in_proj_weight, model.mha.in_proj_bias
+        q = (x[0] @ w[:16].T + b[:16]).view(5, 2, 8).transpose(0, 1)
+        k = (x[0] @ w[16:32].T + b[16:32]).view(5, 2, 8).transpose(0, 1)
+        s = q @ k.transpose(-2, -1) / math.sqrt(8)
+        p = s.softmax(-1)
+        ent = float((-torch.special.xlogy(p, p).sum(-1) / math.log(5)).mean())
+    assert rec.attention_logit_max == pytest.approx(float(s.amax()), rel=1e-5)
+    assert rec.attention_entropy == pytest.approx(ent, rel=1e-4)
+
+
+def test_hugging_face_gpt2_with_sdpa_is_covered():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")  # never downloaded
+    assert model.config._attn_implementation == "sdpa"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(3):
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        rec = mon.post_step(out.loss).record
+    mon.close()
+    assert sorted(rec.layer_attention_logit_max) == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert all(math.isfinite(v) and v > 0 for v in rec.layer_attention_logit_max.values())
+    assert 0 < rec.attention_entropy <= 1
+    # HF computes the loss inside forward: log Z of its logits, near ln 64 for a fresh model
+    assert rec.output_logsumexp_mean == pytest.approx(math.log(64), abs=1.0)
+    assert rec.adam_ratio_rms is not None and rec.adam_ratio_rms > 0
+
+
+def test_adam_second_moment_matches_a_hand_computation():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 3))
+    model = nn.Module()
+    model.w = w
+    opt = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    v = torch.zeros_like(w)
+    rec = None
+    for t in range(1, 22):
+        g = torch.randn(5, 3) * (10.0 if t == 21 else 1.0)  # the last gradient is 10x: v lags behind
+        w.grad = g.clone()
+        v = 0.99 * v + 0.01 * g * g
+        v_hat = v / (1 - 0.99 ** t)
+        opt.step()
+        rec = mon.post_step(1.0).record
+    mon.close()
+    want = float(torch.sqrt((g * g / v_hat).mean()))
+    assert rec.adam_ratio_rms == pytest.approx(want, rel=1e-4)
+    assert rec.adam_ratio_rms > 3  # the spike the second moment did not see coming (at most 1/sqrt(0.01) = 10)
+    assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
+
+
+def test_cadence_samples_every_n_steps_and_nothing_between():
+    _, _, reports = _run("manual", steps=7, every=3)
+    sampled = [r.record.step for r in reports if r.record.attention_logit_max is not None]
+    assert sampled == [0, 3, 6]
+    assert all(r.record.output_logsumexp_mean is None for r in reports if r.record.step not in sampled)
+
+
+def test_no_probe_runs_when_mechanisms_are_off():
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.AdamW(model.parameters())
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"enabled": False}})
+    rec = _step(model, opt, mon, torch.randn(2, 5, 16), torch.randint(0, 4, (2, 5))).record
+    mon.close()
+    assert rec.attention_logit_max is None and rec.adam_ratio_rms is None and not rec.layer_output_rms
+
+
+def test_per_sample_losses_name_the_worst_samples_in_alerts_and_the_jsonl(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "events.jsonl"
+    mon = nummon.Monitor(model, opt, sinks=[nummon.JsonlSink(log)], policy={"mechanisms": {"every": 1}})
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for step in range(12):
+        xb = x.clone()
+        if step == 11:
+            xb[5] *= 1e4  # one poisoned sample
+        per = F.cross_entropy(model(xb), y, reduction="none")
+        loss = per.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rep = mon.post_step(loss, per_sample_loss=per)
+    mon.close()
+    rec = rep.record
+    assert rec.sample_loss_top[0] == 5
+    assert rec.sample_loss_ratio == pytest.approx(float(per.detach().max() / per.detach().mean()))
+    assert rep.alerts and rep.alerts[0].details["worst_samples"][0] == 5
+    back = [r for r in read_trace(log)]
+    assert back[-1].sample_loss_top[0] == 5
+    assert back[-1].layer_output_rms == rec.layer_output_rms
+
+
+def test_bad_per_sample_loss_is_refused_without_changing_state():
+    model = nn.Linear(2, 1)
+    mon = nummon.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(nummon.NummonError, match="per_sample_loss"):
+        mon.post_step(1.0, per_sample_loss=torch.tensor([]))
+    with pytest.raises(nummon.NummonError, match="per_sample_loss"):
+        mon.post_step(1.0, per_sample_loss="abc")
+    assert mon.step == 0
+    mon.close()
+
+
+def test_replay_of_the_jsonl_sees_the_mechanisms_the_live_monitor_saw(tmp_path):
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    log = tmp_path / "events.jsonl"
+    mon = nummon.Monitor(model, opt, sinks=[nummon.JsonlSink(log)], policy={"mechanisms": {"every": 2}})
+    x, y = torch.randn(2, 5, 16), torch.randint(0, 4, (2, 5))
+    live = [_step(model, opt, mon, x, y).record for _ in range(4)]
+    mon.close()
+    back = list(read_trace(log))
+    for a, b in zip(live, back):
+        assert a.attention_logit_max == b.attention_logit_max
+        assert a.layer_attention_entropy == b.layer_attention_entropy
+        assert a.adam_ratio_rms == b.adam_ratio_rms
+    lines = [json.loads(l) for l in log.read_text().splitlines()]
+    assert any("layer_attention_logit_max" in d for d in lines)
+
+
+def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
+    """The callbacks call post_step before optimizer.step(), a plain loop after: same RMS(g/sqrt(v_hat))."""
+    got = {}
+    for when in ("after", "before"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.9, 0.99))
+        mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+        vals = []
+        g = torch.Generator().manual_seed(1)
+        for t in range(4):
+            x = torch.randn(8, 4, generator=g) * (1 + 3 * t)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if when == "before":
+                vals.append(mon.post_step(1.0).record.adam_ratio_rms)
+                opt.step()
+            else:
+                opt.step()
+                vals.append(mon.post_step(1.0).record.adam_ratio_rms)
+        mon.close()
+        got[when] = vals
+    assert got["after"][0] is None and got["before"][0] is None  # nothing to compare the first gradient with
+    assert got["after"][1:] == pytest.approx(got["before"][1:], rel=1e-5)
+
+
+def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from nummon.integrations.lightning import NummonCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            per = (self.net(x) - y).pow(2).mean(1)
+            self.nummon_per_sample_loss = per.detach()
+            return per.mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    y[3] += 100.0  # the outlier the record must name
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    cb = NummonCallback(policy={"mechanisms": {"every": 1}}, follow_loggers=False, run_dir=str(tmp_path))
+    trainer = pl.Trainer(max_steps=2, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Module(), loader)
+    rec = cb.last_report.record
+    assert rec.sample_loss_top[0] == 3 and rec.sample_loss_ratio > 5

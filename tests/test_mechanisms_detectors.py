@@ -1,0 +1,100 @@
+"""The mechanism detectors as pure units over host floats: property-based (hypothesis) and rules."""
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nummon._detectors import AdamMomentDetector, AttentionDetector, OutputLogitsDetector
+from nummon._engine import HealthEngine
+from nummon._policy import AdamMomentPolicy, AttentionPolicy, OutputLogitsPolicy, Policy
+from nummon._types import AlertKind, Severity, StepRecord
+
+logits = st.floats(min_value=0.01, max_value=19.9, allow_nan=False)
+
+
+def _att(step, v, ent=0.9, loss=2.0):
+    return StepRecord(step=step, loss=loss, attention_logit_max=v, attention_entropy=ent,
+                      layer_attention_logit_max={"blocks.0.attn": v}, layer_attention_entropy={"blocks.0.attn": ent})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(logits, min_size=1, max_size=60))
+def test_attention_logits_below_the_floor_never_warn(values):
+    d = AttentionDetector(AttentionPolicy())
+    assert not any(d.update(_att(i, v)) for i, v in enumerate(values))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(min_value=0.5, max_value=5), st.floats(min_value=1.3, max_value=2.0))
+def test_geometric_attention_logit_growth_warns_before_the_critical_level(start, rate):
+    d = AttentionDetector(AttentionPolicy())
+    first = None
+    v, step = start, 0
+    while v < 1e4 and step < 200:
+        got = d.update(_att(step, v))
+        if got and first is None:
+            first = (step, v, got[0])
+        v *= rate
+        step += 1
+    assert first is not None
+    step, v, f = first
+    assert f.kind is AlertKind.ATTENTION_LOGITS and f.severity is Severity.WARNING and v < 100
+    assert "blocks.0.attn" in f.message
+
+
+def test_attention_critical_at_the_qk_clip_level_and_collapse_at_chance_is_named():
+    p = AttentionPolicy()
+    d = AttentionDetector(p)
+    for i in range(10):
+        d.update(_att(i, 5.0, ent=0.9, loss=5.5 if i < 3 else 2.0))
+    got = d.update(_att(10, 150.0, ent=0.01, loss=5.6)) + d.update(_att(11, 160.0, ent=0.01, loss=5.6))
+    kinds = {(f.kind, f.severity) for f in got}
+    assert (AlertKind.ATTENTION_LOGITS, Severity.CRITICAL) in kinds
+    collapse = [f for f in got if f.kind is AlertKind.ATTENTION_COLLAPSE]
+    assert collapse and collapse[-1].severity is Severity.CRITICAL and "chance" in collapse[-1].message
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(min_value=-30, max_value=30), st.lists(st.floats(min_value=-2, max_value=2), min_size=1, max_size=50))
+def test_output_log_z_within_its_band_never_warns(base, noise):
+    d = OutputLogitsDetector(OutputLogitsPolicy())
+    for i, n in enumerate(noise):
+        assert not d.update(StepRecord(step=i, output_logsumexp_mean=base + n, output_logit_max=abs(base) + 5))
+
+
+def test_output_log_z_drift_warns_then_goes_critical():
+    d = OutputLogitsDetector(OutputLogitsPolicy())
+    sev = []
+    for i in range(40):
+        z = 5.5 + (0 if i < 5 else 2.0 * (i - 5))
+        sev += [f.severity for f in d.update(StepRecord(step=i, output_logsumexp_mean=z))]
+    assert sev[0] is Severity.WARNING and Severity.CRITICAL in sev
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=2.99), min_size=1, max_size=50))
+def test_adam_ratio_below_the_warning_never_warns(values):
+    d = AdamMomentDetector(AdamMomentPolicy())
+    for i, v in enumerate(values):
+        assert not d.update(StepRecord(step=20 + i, adam_ratio_rms=v, adam_small_grad_fraction=0.01, update_ratio_max=0.01))
+
+
+def test_adam_ratio_held_warns_and_names_the_tensor():
+    d = AdamMomentDetector(AdamMomentPolicy())
+    got = []
+    for i in range(3):
+        got += d.update(StepRecord(step=20 + i, adam_ratio_rms=30.0, layer_adam_ratio_rms={"w": 30.0, "b": 1.0}))
+    assert got and got[0].kind is AlertKind.ADAM_SECOND_MOMENT and "`w`" in got[0].message
+
+
+def test_unsampled_steps_keep_a_condition_open_and_raise_nothing_new():
+    eng = HealthEngine(Policy())
+    alerts = []
+    for i in range(30):
+        v = 5.0 if i < 10 else 80.0
+        rec = _att(i, v) if i % 5 == 0 or i >= 10 else StepRecord(step=i, loss=2.0)
+        alerts += eng.step(rec).alerts
+    att = [a for a in alerts if a.kind is AlertKind.ATTENTION_LOGITS]
+    assert len(att) == 1 and att[0].hint and "qk-layernorm" in att[0].hint
+    assert not any(a.cleared for a in alerts)
+    assert math.isfinite(att[0].value)
