@@ -92,7 +92,12 @@ def tensorboard_dir(args: Any) -> str:
     return os.path.join(args.output_dir, default_logdir())
 
 
-class NummonCallback(transformers.TrainerCallback):
+# transformers >= 4.41 saves the `state()` of an `ExportableState` callback in each checkpoint's
+# trainer_state.json (`stateful_callbacks`); older versions save nothing
+_ExportableState: Any = getattr(transformers.trainer_callback, "ExportableState", None) or type("_NotExportable", (), {})
+
+
+class NummonCallback(transformers.TrainerCallback, _ExportableState):
     """Runs a `nummon.Monitor` on the Trainer's model and optimizer, one `post_step` per
     optimizer step with that step's true loss.
 
@@ -102,6 +107,10 @@ class NummonCallback(transformers.TrainerCallback):
     go to `args.output_dir`. `control.should_training_stop` is set after a critical alert when the
     policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
     `console`: one line per incident event on the "nummon" logger (False: none).
+    The health engine's state rides in every checkpoint the Trainer saves, and a run resumed from
+    one (`train(resume_from_checkpoint=...)`) starts its detectors warm. Leave the Trainer's
+    `restore_callback_states_from_checkpoint` off: it replaces callbacks with fresh copies that
+    lose their sinks (nummon restores its state without it).
     """
 
     def __init__(
@@ -127,6 +136,37 @@ class NummonCallback(transformers.TrainerCallback):
         self._rerunning = False
         self._share_scale = 1.0
         self._warned_no_loss = False
+        self._restored: dict[str, Any] | None = None  # the engine's state and next step, from load_state_dict
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The health engine's state (incident, re-warming records) and the next step. Plain data."""
+        if self.monitor is not None:
+            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+        return dict(self._restored) if self._restored else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()` at the next `on_train_begin` (as Lightning's stateful callbacks do)."""
+        self._restored = dict(state_dict) if state_dict.get("engine") else None
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer writes into a checkpoint's trainer_state.json (`ExportableState`): the
+        engine's state under "nummon", which the Trainer's own restore ignores (no constructor
+        arguments: sinks cannot be written to JSON)."""
+        return {"args": {}, "attributes": {}, "nummon": self.state_dict()}
+
+    def _checkpoint_state(self, state: Any) -> dict[str, Any] | None:
+        """The engine state saved with the checkpoint this run resumes from, else None. A fresh run
+        (global step 0) and a state saved at another step (the callback's own, from an earlier
+        `train()`) are not resumed from."""
+        saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        if isinstance(saved, list):  # several nummon callbacks on one Trainer: whose is whose is not recorded
+            log.warning("nummon: several NummonCallbacks on one Trainer; none resumes its state from the checkpoint")
+            return None
+        engine_state = saved.get("nummon") if isinstance(saved, dict) else None
+        if not engine_state or not engine_state.get("engine") or not state.global_step:
+            return None
+        return engine_state if engine_state.get("step") == state.global_step else None
 
     # ------------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -139,10 +179,15 @@ class NummonCallback(transformers.TrainerCallback):
         sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
         sinks += console_sinks(self.console, self.policy)
         sinks.append(events_sink(args.output_dir, self.policy, distributed))
+        restored = self._restored or self._checkpoint_state(state)
+        self._restored = None
+        start = int(restored.get("step", state.global_step)) if restored else state.global_step
         # a classifier's task names its chance level (stall.chance_loss), unless the policy does
         policy = with_class_count(self.policy, classification_classes(model))
         self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, policy,
-                               sinks, run_dir=args.output_dir, start_step=state.global_step)
+                               sinks, run_dir=args.output_dir, start_step=start)
+        if restored:
+            self.monitor.engine.load_state_dict(restored["engine"], origin="the checkpoint's nummon state")
         # with `average_tokens_across_devices` the Trainer multiplies each rank's share by the world size
         self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
         self._loss.reset()
