@@ -177,6 +177,7 @@ def variants() -> dict[str, Callable]:
         "bare (A/A)": bare,
         "nummon default": monitor("default"),
         "nummon without activation hooks": monitor({"sampling": {"activations": False}}),
+        "nummon, mechanism probes off": monitor({"mechanisms": {"enabled": False}}),
     }
 
 

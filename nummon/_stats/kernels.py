@@ -25,6 +25,9 @@ __all__ = ["NormKernels", "absmax_rows", "as_real"]
 #: tensors up to this many elements are measured in groups on CPU (copying them is cheaper
 #: than a kernel launch each); larger ones are measured where they lie
 SMALL_NUMEL = 1 << 15
+#: torch's intra-op grain (at::internal::GRAIN_SIZE): groups stay below it, so their reductions
+#: run on the calling thread
+GRAIN = 1 << 15
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,17 @@ class _Plan:
                 by_key.setdefault(("empty",), []).append(i)
             else:  # CPU: one shape and dtype (cat keeps the dtype); elsewhere one dtype for _foreach
                 by_key.setdefault((t.dtype, tuple(t.shape)) if cpu else (t.dtype, t.device), []).append(i)
-        groups = list(by_key.values())
+        groups = []
+        for idx in by_key.values():  # chunks below torch's parallel grain: a multi-threaded
+            chunk, size = [], 0       # reduction of a small matrix costs ms on a busy CPU
+            for i in idx:
+                n = tensors[i].numel()
+                if chunk and cpu and size + n > GRAIN:
+                    groups.append(chunk)
+                    chunk, size = [], 0
+                chunk.append(i)
+                size += n
+            groups.append(chunk)
         order = [i for g in groups for i in g] + big
         inverse = None
         if order != list(range(len(tensors))):
