@@ -145,9 +145,10 @@ class RecoveryPolicy(_Section):
     snapshot_every: int = Field(50, ge=1, description="take a snapshot every this many steps, when the last this-many steps raised no warning (steps)")
     lr_factor: float = Field(0.5, gt=0, le=1, description="after a rollback every param group's learning rate is multiplied by this (ratio)")
     max_rollbacks: int = Field(3, ge=0, description="retry budget: rollbacks allowed in a run; when spent, a critical alert stops the run as without recovery")
-    triggers: tuple[Literal["nonfinite", "runaway", "divergence", "extreme"], ...] = Field(
-        ("nonfinite", "runaway", "divergence", "extreme"),
-        description="critical alert kinds that trigger a rollback (a non-finite step always does unless its update was skipped)",
+    triggers: tuple[Literal["nonfinite", "runaway", "divergence", "extreme", "output_logits", "attention_logits"], ...] = Field(
+        ("nonfinite", "runaway", "divergence", "extreme", "output_logits", "attention_logits"),
+        description="critical alert kinds that trigger a rollback (a non-finite step always does unless its update was skipped); "
+        "critical output or attention logits are a divergence on its way, and a lower LR is their documented fix",
     )
 
 
