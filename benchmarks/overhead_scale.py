@@ -40,7 +40,7 @@ except ImportError:  # a bare checkout
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import nummon
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import steady_allocator  # noqa: E402
+from overhead import GPT, steady_allocator  # noqa: E402
 
 from nummon._demo_model import DemoCNN  # noqa: E402
 
@@ -61,39 +61,9 @@ def tiny_workload(n_tensors: int, dev: torch.device):
     return model, make_opt, loss_fn
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x, mask):
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 12, heads: int = 4, ctx: int = 64) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), 1)
-        for b in self.blocks:
-            x = b(x, mask)
-        return self.head(self.ln(x))
-
-
 def lm_workload(dev: torch.device, layers: int = 12):
     torch.manual_seed(0)
-    model = LM(layers=layers).to(dev)
+    model = GPT(vocab=512, d=128, layers=layers, heads=4, ctx=64).to(dev)  # the GPT of overhead.py, small
     idx = torch.randint(0, 512, (8, 65), device=dev)
 
     def make_opt(m):
@@ -124,8 +94,6 @@ def cnn_workload(dev: torch.device):
 def gpt_workload(dev: torch.device, layers: int):
     """GPT-2-small's shape (d=768, 12 heads, vocab 50257) with `layers` blocks, bf16 autocast,
     fused AdamW, batch 8x1024 (CUDA)."""
-    from overhead import GPT
-
     torch.manual_seed(0)
     model = GPT(layers=layers).to(dev)
     idx = torch.randint(0, 50257, (8, 1024), device=dev)
