@@ -7,15 +7,15 @@ import json
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+import webhook_receiver
 import yaml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "prometheus"
@@ -141,28 +141,12 @@ def prom_alerts(server: Server, name: str, state: str = "firing") -> list:
     return [a for a in got if a["labels"].get("alertname") == name and a["state"] == state]
 
 
-class Receiver:
+class Receiver(webhook_receiver.Receiver):
     """A Slack-compatible webhook on 127.0.0.1 recording each JSON body posted (Alertmanager's
     slack_configs post here)."""
 
     def __init__(self) -> None:
-        bodies = self.bodies = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length", 0))
-                bodies.append(json.loads(self.rfile.read(n)))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/slack"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__("/slack")
 
     def texts(self) -> list[str]:
         """Each message's attachments' titles and texts, one string per message."""
@@ -173,7 +157,3 @@ class Receiver:
                 parts += [str(a.get("title") or ""), str(a.get("text") or "")]
             out.append("\n".join(parts))
         return out
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()

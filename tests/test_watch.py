@@ -2,17 +2,16 @@
 on 127.0.0.1, SIGKILL and restart with the same state file."""
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+import webhook_receiver
 
 from nummon._json import dumps
 from nummon._policy import load_policy
@@ -67,34 +66,9 @@ def wait_for(cond, timeout=120.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class Receiver:
-    """A webhook endpoint on 127.0.0.1 recording every JSON body posted to it."""
-
-    def __init__(self):
-        bodies = self.bodies = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length", 0))
-                bodies.append(json.loads(self.rfile.read(n)))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
+class Receiver(webhook_receiver.Receiver):
     def ids(self):
         return [b["nummon"]["id"] for b in self.bodies]
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
