@@ -8,6 +8,7 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -19,7 +20,7 @@ from .._distributed import LayoutHeader, Reduce
 from .._errors import NummonError
 from .._policy import Policy
 from .._types import StepRecord
-from .decode import Decoder
+from .decode import Decoder, exact_where_overflowed
 from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
 from .histograms import histograms
@@ -313,6 +314,8 @@ class StatsEngine:
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)
+        if rec.nonfinite_parts and not pending.params and self.dist is None:
+            self._check_params(rec)
         if self.mechanisms is not None:
             self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
         if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
@@ -321,6 +324,21 @@ class StatsEngine:
             if self.preclip is not None:  # and measure max |g| from the next backward on
                 self.preclip.absmax = True
         return rec
+
+    def _check_params(self, rec: StepRecord) -> None:
+        """A non-finite step that did not measure the parameters (not due) measures them now:
+        weights an update made non-finite are the recovery's cue to roll back, where skipping the
+        batch would not help. The failure path only: its host read costs a healthy run nothing.
+        (Under torch.distributed the next due step, identical on every rank, tells it.)"""
+        params = self.watched.params
+        if not params:
+            return
+        with torch.no_grad():
+            measured = [as_real(p) for p in self.watched.local(params)]
+            norms = exact_where_overflowed(self.kernels.l2_norms(measured, key="param_check").tolist(), measured)
+        rec.param_norm = math.sqrt(math.fsum(v * v for v in norms)) if all(map(math.isfinite, norms)) else math.nan
+        if not math.isfinite(rec.param_norm) and "parameters" not in rec.nonfinite_parts:
+            rec.nonfinite_parts = rec.nonfinite_parts + ("parameters",)
 
     # ------------------------------------------------------------------ the rest
     def optimizer_kind(self) -> str | None:
