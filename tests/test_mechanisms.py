@@ -102,6 +102,35 @@ def test_attention_is_named_after_the_module_that_computes_it():
     assert set(rec.layer_output_rms) == {"0", "1.qkv", "1.out"}
 
 
+def test_linear_output_rms_is_the_largest_over_a_shared_layers_calls():
+    torch.manual_seed(0)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(self.a(self.a(x) * 3))  # `a` twice: its second output is the larger
+
+    model = Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    x = torch.randn(6, 8)
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    rec = mon.post_step(loss).record
+    mon.close()
+    with torch.no_grad():
+        first = model.a(x)
+        second = model.a(first * 3)
+        rms = lambda t: float(t.square().mean().sqrt())
+        assert rec.layer_output_rms["a"] == pytest.approx(max(rms(first), rms(second)), rel=1e-5)
+        assert rec.layer_output_rms["b"] == pytest.approx(rms(model.b(second)), rel=1e-5)
+
+
 def test_multihead_attention_is_seen():
     torch.manual_seed(0)
 

@@ -230,7 +230,7 @@ class MechanismProbes:
     def _reset(self) -> None:
         self._attn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._rms: dict[str, torch.Tensor] = {}
+        self._rms: dict[str, list[tuple[torch.Tensor, int]]] = {}  # per Linear: (sum of squares, elements) per call
 
     def arm(self, on: bool) -> None:
         """Sample (or not) the next forward and optimizer step."""
@@ -279,12 +279,10 @@ class MechanismProbes:
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
         if id(mod) in self._linear and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-            try:
-                with torch.no_grad():  # the RMS of the output's first RMS_BUDGET elements (the first tokens)
-                    o = out.detach().reshape(-1)[:RMS_BUDGET]
-                    rms = torch.linalg.vector_norm(o, dtype=torch.float32) / math.sqrt(o.numel())
-                prev = self._rms.get(name)
-                self._rms[name] = rms if prev is None else torch.maximum(prev, rms)
+            try:  # the mean square of the output's first RMS_BUDGET elements (the first tokens); sqrt at take()
+                o = out.detach().reshape(-1)[:RMS_BUDGET]
+                ss = torch.dot(o, o) if o.dtype == torch.float32 else torch.linalg.vector_norm(o, dtype=torch.float32).square()
+                self._rms.setdefault(name, []).append((ss, o.numel()))
             except Exception:  # a probe must never break the user's forward
                 self.errors += 1
 
@@ -429,9 +427,16 @@ class MechanismProbes:
                 lmax = torch.stack([o[2] for o in self._out]).amax().reshape(1)
                 segs += [Segment("mech_lse_mean", mean, Reduce.MEAN), Segment("mech_lse_max", mx, Reduce.MAX),
                          Segment("mech_logit_max", lmax, Reduce.MAX)]
-            if self._rms:
+            if self._rms:  # per module its largest RMS over the calls of this step
                 ms.linear = list(self._rms)
-                segs.append(Segment("mech_linear_rms", torch.stack(list(self._rms.values())), Reduce.MAX))
+                calls = [c for cs in self._rms.values() for c in cs]
+                ss = torch.stack([c[0] for c in calls])
+                ms_ = (ss / torch.tensor([float(c[1]) for c in calls], device=ss.device)).sqrt()
+                if len(calls) > len(ms.linear):  # a module called more than once (weight sharing)
+                    sizes = torch.tensor([len(cs) for cs in self._rms.values()], device=ss.device)
+                    owner = torch.repeat_interleave(torch.arange(len(ms.linear), device=ss.device), sizes)
+                    ms_ = torch.full((len(ms.linear),), -math.inf, device=ss.device).scatter_reduce(0, owner, ms_, "amax")
+                segs.append(Segment("mech_linear_rms", ms_, Reduce.MAX))
             if self.want_adam and self.optimizer is not None:
                 names, adam_segs, elements = self._adam()
                 if names:
