@@ -212,6 +212,7 @@ class MechanismProbes:
         # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
         # v's update (without a model forward to see: since the last take)
         self._stepped = False
+        self._steps_seen = 0  # optimizer steps since attaching (a host count: no device read)
         self._hooks_opt = []
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
             self._hooks_opt = [optimizer.register_step_pre_hook(self._before_step),
@@ -225,6 +226,7 @@ class MechanismProbes:
 
     def _after_step(self, *_: Any) -> None:
         self._stepped = True
+        self._steps_seen += 1
 
     # ------------------------------------------------------------------ forward capture
     def _reset(self) -> None:
@@ -438,7 +440,11 @@ class MechanismProbes:
                     ms_ = torch.full((len(ms.linear),), -math.inf, device=ss.device).scatter_reduce(0, owner, ms_, "amax")
                 segs.append(Segment("mech_linear_rms", ms_, Reduce.MAX))
             if self.want_adam and self.optimizer is not None:
-                names, adam_segs, elements = self._adam()
+                try:
+                    names, adam_segs, elements = self._adam()
+                except Exception:  # a probe must never break the user's step (e.g. a group across devices)
+                    self.errors += 1
+                    names, adam_segs, elements = [], [], 0.0
                 if names:
                     ms.adam, ms.adam_elements = names, elements
                     segs += adam_segs
@@ -481,7 +487,10 @@ class MechanismProbes:
                     kind.append(x)
                 steps.append(st.get("step", 0.0))
             # the first step's ratio is 1 by construction: nothing to tell yet
-            if not steps or float(steps[0]) < (2 if stepped else 1):
+            first = steps[0] if steps else None
+            on_device = isinstance(first, torch.Tensor) and first.device.type != "cpu"  # fused/capturable Adam
+            done = self._steps_seen if on_device else float(first) if first is not None else 0.0  # no sync
+            if not steps or done < (2 if stepped else 1):
                 continue
             sample = self._sampler.get(kinds[0], self._param_names)
             names += sample.names
