@@ -6,7 +6,7 @@ on sampled steps only and packed into the step's one device->host copy.
   materialises the logits: they are recomputed from q and k on a bounded sample of queries) and
   `nn.MultiheadAttention`;
 - output: log Z (log-sum-exp of the logits that go into cross-entropy / log_softmax), mean and
-  max, and the largest output logit;
+  max over the first `OUTPUT_BUDGET` logits' rows, and the largest output logit;
 - Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
   gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
   fraction of |g| below eps, and ||update|| / ||param||;
@@ -41,7 +41,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .transport import Layout, Segment
 
-__all__ = ["ADAM_SAMPLE", "ENTROPY_BUDGET", "RMS_BUDGET", "MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
+__all__ = ["ADAM_SAMPLE", "ENTROPY_BUDGET", "OUTPUT_BUDGET", "RMS_BUDGET", "MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -51,6 +51,9 @@ SDPA_QUERY_BUDGET = 1 << 18
 ENTROPY_BUDGET = 1 << 13
 #: A Linear's output RMS is that of its first this many elements (the first tokens or samples).
 RMS_BUDGET = 1 << 14
+#: log Z is taken over the first rows (samples, tokens) of the logits holding at most this many
+#: (at least one row); the largest logit over all of them.
+OUTPUT_BUDGET = 1 << 20
 #: The Adam statistics of a tensor are estimated from this many of its elements when it has
 #: more (a fixed random subset; all of them when it has fewer): ratios and fractions,
 #: which a uniform sample estimates without bias, at a cost that does not grow with the model.
@@ -386,9 +389,12 @@ class MechanismProbes:
     def _output(self, logits: torch.Tensor, dim: int) -> None:
         if not self.want_output or logits.numel() == 0:
             return
-        x = logits.detach().float()
-        lse = torch.logsumexp(x, dim=dim)
-        self._out.append((lse.mean(), lse.amax(), x.amax()))
+        x = logits.detach()
+        top = x.amax().float()  # over every logit, in their own dtype (no float copy of a large vocabulary's)
+        if x.ndim >= 2 and dim % x.ndim != 0 and x.numel() > OUTPUT_BUDGET:
+            x = x[: max(1, OUTPUT_BUDGET // x[0].numel())]  # log Z of the first samples / tokens
+        lse = torch.logsumexp(x.float(), dim=dim)
+        self._out.append((lse.mean(), lse.amax(), top))
 
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
