@@ -45,6 +45,10 @@ from overhead import GPT, steady_allocator  # noqa: E402
 from nummon._demo_model import DemoCNN  # noqa: E402
 
 
+#: the clock of a timed block (wall time; --cpu-time: this thread's CPU time)
+CLOCK = time.perf_counter
+
+
 # ---------------------------------------------------------------- workloads
 
 def tiny_workload(n_tensors: int, dev: torch.device):
@@ -162,7 +166,7 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) 
 
     def run(after, n):
         sync()
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(n):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model)
@@ -170,7 +174,7 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) 
             opt.step()
             after(loss)
         sync()
-        return (time.perf_counter() - t0) / n
+        return (CLOCK() - t0) / n
 
     run(lambda loss: None, warmup)
     phase = variants()
@@ -273,10 +277,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--workloads", default="tiny-20,tiny-100,tiny-1000,tiny-2000,lm12,cnn")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: one torch thread, timed by this thread's CPU time (time.thread_time): other "
+                         "processes on a shared machine then add little but cache and memory contention")
     ap.add_argument("--profile", default=None, help="a workload to profile: us per tensor in each part of the step")
     a = ap.parse_args(argv)
     steady = steady_allocator()
     dev = torch.device(a.device)
+    global CLOCK
+    if a.cpu_time and dev.type == "cpu":
+        torch.set_num_threads(1)
+        CLOCK = time.thread_time
     if a.profile:
         r = profile(a.profile, dev, a.steps or 4, a.rounds)
         print(f"{r['workload']}: {r['tensors']} tensors, bare {r['bare_ms']:.2f} ms, monitored +{r['extra_us_per_tensor']:.2f} us per tensor")
@@ -293,7 +304,8 @@ def main(argv=None) -> int:
         default_steps = {k: 4 * v for k, v in default_steps.items()} | {"gpt12": 10, "gpt48": 10}
     out = {"device": str(dev), "torch": torch.__version__, "steady_allocator": steady, "rounds": a.rounds,
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-           "date": time.strftime("%Y-%m-%d %H:%M"), "workloads": {}}
+           "date": time.strftime("%Y-%m-%d %H:%M"), "clock": "thread CPU time" if CLOCK is time.thread_time else "wall",
+           "workloads": {}}
     if dev.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(dev)
     print(f"{out['machine']}, torch {out['torch']}, {a.rounds} rounds, paired medians")

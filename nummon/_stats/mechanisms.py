@@ -10,7 +10,8 @@ on sampled steps only and packed into the step's one device->host copy.
 - Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
   gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
   fraction of |g| below eps, and ||update|| / ||param||;
-- per-layer output RMS of every `nn.Linear` (of its first `RMS_BUDGET` output elements).
+- per-layer output RMS of every `nn.Linear` (of its first `RMS_BUDGET` output elements; at
+  most `LINEAR_LIMIT` of them, evenly spaced).
 
 How, with no change to user code: a forward pre-hook on the model, on an armed step only, enters
 a `TorchFunctionMode` that sees softmax / SDPA / cross-entropy calls, and global module hooks
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,6 +53,10 @@ SDPA_QUERY_BUDGET = 1 << 18
 ENTROPY_BUDGET = 1 << 13
 #: A Linear's output RMS is that of its first this many elements (the first tokens or samples).
 RMS_BUDGET = 1 << 14
+#: at most this many `nn.Linear` outputs are measured (evenly spaced in registration order)
+LINEAR_LIMIT = 64
+#: the module names are re-read every this many sampled steps (a model may grow)
+NAMES_EVERY = 20
 #: log Z is taken over the first rows (samples, tokens) of the logits holding at most this many
 #: (at least one row); the largest logit over all of them.
 OUTPUT_BUDGET = 1 << 20
@@ -68,6 +74,14 @@ _MASKED = -1e4
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _SDPA = F.scaled_dot_product_attention
+_grad_of = operator.attrgetter("grad")
+_sparse = operator.attrgetter("is_sparse")
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
@@ -131,6 +145,13 @@ def _is_attention_scores(x: torch.Tensor, dim: int) -> bool:
     return x.ndim >= 4 or x.shape[-1] == x.shape[-2]
 
 
+def _spaced(items: list, k: int) -> list:
+    """At most `k` items, evenly spaced, the first and the last included."""
+    if len(items) <= k:
+        return items
+    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
+
+
 class _Sample:
     """How one list of tensors is read as a flat float32 vector: small tensors whole (one
     concatenation in C++), each large one as `ADAM_SAMPLE` fixed random elements (a `take`
@@ -164,9 +185,6 @@ class _Sample:
         parts += [torch.take(tensors[i], idx) for i, idx in zip(self.big, self.index)]
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]  # (cat promotes mixed dtypes)
         return flat if flat.dtype == torch.float32 else flat.float()
-
-    def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
-        return per_tensor.index_select(0, self.seg)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """The per-tensor mean of a flat per-element vector (float64 sums)."""
@@ -207,10 +225,12 @@ class MechanismProbes:
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
         self._linear: set[int] = set()
+        self._samples_until_names = 0
         self._reset()
         self._hooks: list[Any] = []
         self._samples: torch.Tensor | None = None
         self._sampler = _Samplers()
+        self._groups: dict[int, tuple[tuple, tuple]] = {}  # per param group: (key, its Adam tensors)
         # whether optimizer.step() ran since the model's last forward: post_step after the step (a
         # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
         # v's update (without a model forward to see: since the last take)
@@ -248,8 +268,12 @@ class MechanismProbes:
             return
         if self._global:  # a nested call of the model itself
             return
-        self._names = {id(m): n for n, m in self.model.named_modules()}  # cheap, and follows a growing model
-        self._linear = {id(m) for m in self.model.modules() if isinstance(m, nn.Linear)} if self.want_linear else set()
+        if self._samples_until_names <= 0:  # the module names, again now and then: a model may grow
+            self._names = {id(m): n for n, m in self.model.named_modules()}
+            linear = [id(m) for m in self.model.modules() if isinstance(m, nn.Linear)] if self.want_linear else []
+            self._linear = set(_spaced(linear, LINEAR_LIMIT))
+            self._samples_until_names = NAMES_EVERY
+        self._samples_until_names -= 1
         self._stack = []
         self._global = [_module.register_module_forward_pre_hook(self._push),
                         _module.register_module_forward_hook(self._pop, always_call=True)]
@@ -464,6 +488,27 @@ class MechanismProbes:
             return {}
         return {id(p): n for n, p in self.model.named_parameters()}
 
+    def _group_state(self, gi: int, group: dict) -> tuple[list, list, list, dict]:
+        """A group's parameters with Adam state, their exp_avg and exp_avg_sq, and the first one's
+        state dict (cached: Adam updates its state in place; `load_state_dict` replaces the
+        state mapping and the first step fills it, which the cache key notices)."""
+        state, params = self.optimizer.state, group["params"]
+        key = (id(state), len(state), id(params), len(params))
+        hit = self._groups.get(gi)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        ps, ms_, vs, first = [], [], [], {}
+        for p in params:
+            st = state.get(p)
+            m, v = (st.get("exp_avg"), st.get("exp_avg_sq")) if st else (None, None)
+            if m is None or v is None or p.is_sparse or v.shape != p.shape:  # e.g. a factored v
+                continue
+            first = first or st
+            ps.append(p), ms_.append(m), vs.append(v)
+        out = (ps, ms_, vs, first)
+        self._groups[gi] = (key, out)
+        return out
+
     def _adam(self) -> tuple[list[str], list[Segment], float]:
         """Per tensor: RMS(g / sqrt(v_hat)), the fraction of |g| < eps (packed as an element
         count), ||update|| / ||param||; exact on small tensors, estimated on large ones."""
@@ -473,49 +518,45 @@ class MechanismProbes:
         upd: list[torch.Tensor] = []
         elements = 0.0
         stepped = self._stepped
-        state = self.optimizer.state
-        for group in self.optimizer.param_groups:
+        for gi, group in enumerate(self.optimizer.param_groups):
             betas = group.get("betas")
             if betas is None or "eps" not in group:
                 continue
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
-            kinds: list[list[torch.Tensor]] = [[], [], [], []]  # p, g, m, v (read under no_grad)
-            steps: list[Any] = []
-            for p in group["params"]:
-                g, st = p.grad, state.get(p)
-                if g is None or not st:
-                    continue
-                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-                if m is None or v is None or g.is_sparse or v.shape != g.shape:  # e.g. a factored v
-                    continue
-                for kind, x in zip(kinds, (p, g, m, v)):
-                    kind.append(x)
-                steps.append(st.get("step", 0.0))
-            # the first step's ratio is 1 by construction: nothing to tell yet
-            first = steps[0] if steps else None
-            on_device = isinstance(first, torch.Tensor) and first.device.type != "cpu"  # fused/capturable Adam
-            done = self._steps_seen if on_device else float(first) if first is not None else 0.0  # no sync
-            if not steps or done < (2 if stepped else 1):
+            ps, ms_, vs, first = self._group_state(gi, group)
+            if not ps:
                 continue
-            sample = self._sampler.get(kinds[0], self._param_names)
+            gs = list(map(_grad_of, ps))
+            if any(map(_is_none, gs)) or any(map(_sparse, gs)):  # no (dense) gradient this step: Adam skips them too
+                keep = [i for i, g in enumerate(gs) if g is not None and not g.is_sparse]
+                ps, gs, ms_, vs = ([xs[i] for i in keep] for xs in (ps, gs, ms_, vs))
+                if not ps:
+                    continue
+            # the first step's ratio is 1 by construction: nothing to tell yet. The step count is
+            # read from the group's first state (the others step with it); a fused / capturable
+            # optimizer's lives on the device: a host count of the steps stands in (no sync)
+            t = first.get("step", 0.0)
+            on_device = isinstance(t, torch.Tensor) and t.device.type != "cpu"
+            if (self._steps_seen if on_device else float(t)) < (2 if stepped else 1):
+                continue
+            sample = self._sampler.get(ps, self._param_names)
             names += sample.names
             elements += sample.elements
-            P, G, M, V = (sample.values(k) for k in kinds)  # flat float32, with sample.seg
-            # the step count t of each tensor's state (one stack: no host read), and the bias
-            # corrections per tensor, spread to its elements
-            t = (torch.stack(steps) if isinstance(steps[0], torch.Tensor) else torch.tensor(steps)).to(G.device, torch.float32)
+            P, G, M, V = (sample.values(k) for k in (ps, gs, ms_, vs))  # flat float32, with sample.seg
+            if isinstance(t, torch.Tensor):
+                t = t.to(G.device, torch.float32)
             g2 = G * G
             # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
             # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
             # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
             # that had no gradient yet) can make it explode, and before/after give the same value
             vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
-            vhat = (vt * sample.per_element(1.0 / (1.0 - b2 ** tt))).clamp_min(eps * eps)
+            vhat = (vt / (1.0 - b2 ** tt)).clamp_min(eps * eps)
             rms.append(sample.mean(g2 / vhat).sqrt())
             small.append(sample.mean((G.abs() < eps).double()) * sample.sizes)  # (estimated) count of |g| < eps
             # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
-            step = M / ((V * sample.per_element(1.0 / (1.0 - b2 ** t))).sqrt() + eps)
+            step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
             upd.append(sample.mean(step.square()).sqrt() * (lr / (1.0 - b1 ** t))
                        / sample.mean(P.square()).sqrt().clamp(min=1e-30))
         if not names:
