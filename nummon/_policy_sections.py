@@ -188,7 +188,7 @@ class MechanismsPolicy(_Section):
     """Sampled probes of what comes before a transformer's loss spike (nummon/_stats/mechanisms.py)."""
 
     enabled: bool = Field(True, description="sample attention logits and entropy, output log Z, Adam's second moment and per-layer output RMS")
-    every: int = Field(10, ge=1, le=MAX_WINDOW, description="sample every this many steps; a sampled step costs about half a bare step of the CPU proxy LM, so 10 costs ~5% and 50 under 1% (benchmarks/RESULTS.md) (steps)")
+    every: int = Field(10, ge=1, le=MAX_WINDOW, description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 the detectors' baselines form too late for the proxies' spikes (steps)")
     during_incident: bool = Field(True, description="sample every step while an incident is open")
     attention: bool = Field(True, description="max attention logit and entropy per attention module (softmax of q·kᵀ scores, scaled_dot_product_attention, nn.MultiheadAttention)")
     output: bool = Field(True, description="log-sum-exp (log Z) and max of the logits that go into cross_entropy / log_softmax")
