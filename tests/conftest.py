@@ -5,6 +5,12 @@ from pathlib import Path
 
 # hypothesis keeps its caches outside the checkout (tests write only into temporary folders)
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "nummon-tests-hypothesis"))
+# One intra-op thread per process, set before torch is imported so that every subprocess and
+# spawned gloo rank inherits it: the suite runs as 2 xdist workers on 2 cores, and each of the
+# demo's or a rank's torch processes taking 2 more threads oversubscribes the cores (the demo
+# CLI's run used 43 s of CPU with 2 threads against 24 s with 1 on a loaded 2-core machine).
+# An OMP_NUM_THREADS the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
