@@ -47,6 +47,22 @@ def wandb_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+def start_ranks(fn, nprocs, args):
+    """Run fn(rank, *args) in `nprocs` processes and wait for them (torch.multiprocessing's
+    start_processes: a rank that raises or dies fails the call). The ranks are forked from a fork
+    server that imported torch and nummon once per xdist worker, not started as fresh interpreters
+    that each import torch (some 3 s of CPU per rank); the server is a clean single-threaded
+    process started for this purpose, so forking it is safe."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    # read when the server starts (the first call in this process); modules that fail to import
+    # are skipped by the server and imported by the ranks themselves
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "nummon._monitor", "dist_workers", "models"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def nummon_cmd():
     """The CLI as a subprocess command (the installed console script's module)."""
     return [sys.executable, "-m", "nummon"]
