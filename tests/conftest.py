@@ -8,7 +8,8 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gett
 # One intra-op thread per process, set before torch is imported so that every subprocess and
 # spawned gloo rank inherits it: the suite runs as 2 xdist workers on 2 cores, and each of the
 # demo's or a rank's torch processes taking 2 more threads oversubscribes the cores (the demo
-# CLI's run used 43 s of CPU with 2 threads against 24 s with 1 on a loaded 2-core machine).
+# model's 120 training steps took 43 s of CPU with 2 threads, 24 s with 1, on a loaded 2-core box).
+# In-process tests already ran on one thread: test_recovery.py sets it when it is imported.
 # An OMP_NUM_THREADS the caller set wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
