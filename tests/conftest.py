@@ -5,6 +5,13 @@ from pathlib import Path
 
 # hypothesis keeps its caches outside the checkout (tests write only into temporary folders)
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "nummon-tests-hypothesis"))
+# One intra-op thread per process, set before torch is imported so that every subprocess and
+# spawned gloo rank inherits it: the suite runs as 2 xdist workers on 2 cores, and each of the
+# demo's or a rank's torch processes taking 2 more threads oversubscribes the cores (the demo
+# model's 120 training steps took 43 s of CPU with 2 threads, 24 s with 1, on a loaded 2-core box).
+# In-process tests already ran on one thread: test_recovery.py sets it when it is imported.
+# An OMP_NUM_THREADS the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
@@ -39,6 +46,22 @@ def wandb_env(tmp_path, monkeypatch):
         monkeypatch.setenv(var, val)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
+
+
+def start_ranks(fn, nprocs, args):
+    """Run fn(rank, *args) in `nprocs` processes and wait for them (torch.multiprocessing's
+    start_processes: a rank that raises or dies fails the call). The ranks are forked from a fork
+    server that imported torch and nummon once per xdist worker, not started as fresh interpreters
+    that each import torch (some 3 s of CPU per rank); the server is a clean single-threaded
+    process started for this purpose, so forking it is safe."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    # read when the server starts (the first call in this process); modules that fail to import
+    # are skipped by the server and imported by the ranks themselves
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "nummon._monitor", "dist_workers", "models"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def nummon_cmd():

@@ -208,8 +208,10 @@ def dead_rank(rank, world, port, out_dir):
             mon.post_step(loss)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
-    else:
-        time.sleep(8)
+    else:  # alive but absent from the collective until rank 0 has given up (or 60 s)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out_dir, "rank0.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
     _out(out_dir, rank, {"error": err})
     _exit()
 

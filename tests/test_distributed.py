@@ -3,9 +3,9 @@ import json
 import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 import dist_workers as W
+from conftest import start_ranks
 
 
 def _port():
@@ -15,7 +15,7 @@ def _port():
 
 
 def spawn(fn, world, tmp_path, *extra):
-    mp.spawn(fn, args=(world, _port(), str(tmp_path), *extra), nprocs=world, join=True)
+    start_ranks(fn, world, (world, _port(), str(tmp_path), *extra))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

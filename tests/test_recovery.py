@@ -7,9 +7,9 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
+from conftest import start_ranks
 from models import MLP
 from nummon import Monitor, NummonError
 from nummon._policy import load_policy
@@ -329,7 +329,7 @@ def _ddp_worker(rank, world, port, out_dir):
 
 
 def test_ddp_two_gloo_ranks_skip_and_restore_the_same_step(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_ddp_worker, 2, (2, _port(), str(tmp_path)))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert [(e["action"], e["step"]) for e in r["recoveries"]] == [("skip", 6), ("rollback", 8)]
