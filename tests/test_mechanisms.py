@@ -183,6 +183,8 @@ def test_hugging_face_gpt2_with_sdpa_is_covered():
     # HF computes the loss inside forward: log Z of its logits, near ln 64 for a fresh model
     assert rec.output_logsumexp_mean == pytest.approx(math.log(64), abs=1.0)
     assert rec.adam_ratio_rms is not None and rec.adam_ratio_rms > 0
+    # GPT-2's projections are transformers' Conv1D: their output RMS is measured like a Linear's
+    assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "lm_head"} <= set(rec.layer_output_rms)
 
 
 def test_adam_second_moment_matches_a_hand_computation():

@@ -10,7 +10,7 @@ on sampled steps only and packed into the step's one device->host copy.
 - Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
   gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
   fraction of |g| below eps, and ||update|| / ||param||;
-- per-layer output RMS of every `nn.Linear` (of its first `RMS_BUDGET` output elements; at
+- per-layer output RMS of every `nn.Linear` (and transformers' GPT-2 `Conv1D`; of its first `RMS_BUDGET` output elements; at
   most `LINEAR_LIMIT` of them, evenly spaced).
 
 How, with no change to user code: a forward pre-hook on the model, on an armed step only, enters
@@ -145,6 +145,11 @@ def _is_attention_scores(x: torch.Tensor, dim: int) -> bool:
     return x.ndim >= 4 or x.shape[-1] == x.shape[-2]
 
 
+def _is_linear(m: nn.Module) -> bool:
+    """nn.Linear, or a linear layer by another name (GPT-2's `Conv1D` in transformers: x @ W + b)."""
+    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and hasattr(m, "nf"))
+
+
 def _spaced(items: list, k: int) -> list:
     """At most `k` items, evenly spaced, the first and the last included."""
     if len(items) <= k:
@@ -270,7 +275,7 @@ class MechanismProbes:
             return
         if self._samples_until_names <= 0:  # the module names, again now and then: a model may grow
             self._names = {id(m): n for n, m in self.model.named_modules()}
-            linear = [id(m) for m in self.model.modules() if isinstance(m, nn.Linear)] if self.want_linear else []
+            linear = [id(m) for m in self.model.modules() if _is_linear(m)] if self.want_linear else []
             self._linear = set(_spaced(linear, LINEAR_LIMIT))
             self._samples_until_names = NAMES_EVERY
         self._samples_until_names -= 1
@@ -294,7 +299,10 @@ class MechanismProbes:
         """Leave the capture mode (on the thread that entered it: modes are per thread)."""
         if self._mode is not None and threading.get_ident() == self._thread:
             mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+            try:
+                mode.__exit__(None, None, None)
+            except RuntimeError:  # closed from inside a torch call (a SIGTERM handler mid-forward):
+                pass               # the mode is off the stack while its handler runs, and ends with it
 
     def _push(self, mod: nn.Module, _inp: Any) -> None:
         name = self._names.get(id(mod))
