@@ -37,11 +37,16 @@ class ProxyConfig:
     attention: str = "manual"  # or "sdpa"
     weight_decay: float = 0.1
     clip: float = 1.0
+    ln_f_affine: bool = True  # False: the final LayerNorm has no learnable scale or shift
 
     @property
     def name(self) -> str:
         extra = ("+qkln" if self.qk_layernorm else "") + (f"+z{self.z_loss:g}" if self.z_loss else "")
         extra += "+sdpa" if self.attention == "sdpa" else ""
+        extra += f"+wd{self.weight_decay:g}" if self.weight_decay != 0.1 else ""
+        extra += f"+v{self.vocab}" if self.vocab != 256 else ""
+        extra += f"+t{self.steps}" if self.steps != 300 else ""
+        extra += "+noaffine" if not self.ln_f_affine else ""
         return f"lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
 
 
@@ -87,7 +92,7 @@ class TinyLM(nn.Module):
         self.emb = nn.Embedding(c.vocab, c.d)
         self.pos = nn.Parameter(torch.randn(c.seq, c.d) * 0.02)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.d)
+        self.ln_f = nn.LayerNorm(c.d, elementwise_affine=c.ln_f_affine)
         self.head = nn.Linear(c.d, c.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -135,7 +140,7 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
                             lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
     data = Corpus(c)
     mon = monitor_factory(model, opt) if monitor_factory else None
-    trace = {"loss": [], "grad_norm": [], "lr": [], "reports": []}
+    trace = {"loss": [], "grad_norm": [], "lr": [], "logz": [], "reports": []}
     for step in range(c.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(c, step)
@@ -151,6 +156,7 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
         trace["loss"].append(float(loss.detach()))
         trace["grad_norm"].append(float(gn))
         trace["lr"].append(opt.param_groups[0]["lr"])
+        trace["logz"].append(float(torch.logsumexp(logits.detach().float(), -1).mean()))
         if mon is not None:
             trace["reports"].append(mon.post_step(loss, per_sample_loss=per_tok.detach().view(c.batch, -1).mean(1)))
         if on_step is not None:
