@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ProxyConfig", "TinyLM", "Corpus", "train"]
+__all__ = ["ProxyConfig", "TinyLM", "Corpus", "build", "hf_model", "train"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ProxyConfig:
     weight_decay: float = 0.1
     clip: float = 1.0
     ln_f_affine: bool = True  # False: the final LayerNorm has no learnable scale or shift
+    arch: str = "tiny"  # or "gpt2" / "llama": a Hugging Face model built from a config, SDPA attention
 
     @property
     def name(self) -> str:
@@ -47,7 +48,8 @@ class ProxyConfig:
         extra += f"+v{self.vocab}" if self.vocab != 256 else ""
         extra += f"+t{self.steps}" if self.steps != 300 else ""
         extra += "+noaffine" if not self.ln_f_affine else ""
-        return f"lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
+        arch = "" if self.arch == "tiny" else f"{self.arch}-"
+        return f"{arch}lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
 
 
 class Attention(nn.Module):
@@ -102,6 +104,43 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def hf_model(c: ProxyConfig) -> nn.Module:
+    """A Hugging Face GPT-2 or Llama of the proxy's shape, built from a config (never downloaded),
+    with `attn_implementation="sdpa"`; GPT-2 ties its head to the embedding, Llama does not."""
+    import transformers
+
+    if c.arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=c.layers, n_embd=c.d, n_head=c.heads, vocab_size=c.vocab,
+                                      n_positions=c.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    elif c.arch == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=c.layers, hidden_size=c.d, num_attention_heads=c.heads,
+                                       num_key_value_heads=c.heads, intermediate_size=4 * c.d, vocab_size=c.vocab,
+                                       max_position_embeddings=c.seq, tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown proxy arch {c.arch!r}")
+    model = cls._from_config(cfg, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+class _Logits(nn.Module):
+    """The HF model's logits only, so the proxy's own loss (and its per-token losses) apply."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx, use_cache=False).logits
+
+
+def build(c: ProxyConfig) -> nn.Module:
+    return TinyLM(c) if c.arch == "tiny" else _Logits(hf_model(c))
+
+
 class Corpus:
     """Seeded batches: an order-1 Markov chain (5 successors per token), second half = first half."""
 
@@ -133,7 +172,7 @@ def lr_at(c: ProxyConfig, step: int) -> float:
 def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_factory=None) -> dict:
     """Train one proxy; returns its trace: per step loss, pre-clip grad norm, lr (and the monitor's reports)."""
     torch.manual_seed(c.seed)
-    model = TinyLM(c)
+    model = build(c)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
