@@ -30,6 +30,7 @@ class ProxyConfig:
     seq: int = 64
     batch: int = 16
     vocab: int = 256
+    data_vocab: int = 0  # tokens the corpus uses (0: all of `vocab`); the rest are never a target
     steps: int = 300
     warmup: int = 100
     qk_layernorm: bool = False
@@ -46,6 +47,7 @@ class ProxyConfig:
         extra += "+sdpa" if self.attention == "sdpa" else ""
         extra += f"+wd{self.weight_decay:g}" if self.weight_decay != 0.1 else ""
         extra += f"+v{self.vocab}" if self.vocab != 256 else ""
+        extra += f"+dv{self.data_vocab}" if self.data_vocab else ""
         extra += f"+t{self.steps}" if self.steps != 300 else ""
         extra += "+noaffine" if not self.ln_f_affine else ""
         arch = "" if self.arch == "tiny" else f"{self.arch}-"
@@ -146,7 +148,8 @@ class Corpus:
 
     def __init__(self, c: ProxyConfig) -> None:
         g = torch.Generator().manual_seed(1234)  # the same corpus for every run
-        self.succ = torch.randint(0, c.vocab, (c.vocab, 5), generator=g)
+        self.n = c.data_vocab or c.vocab
+        self.succ = torch.randint(0, self.n, (self.n, 5), generator=g)
         self.c = c
         self.g = torch.Generator().manual_seed(10_000 + c.seed)
 
@@ -154,7 +157,7 @@ class Corpus:
         c, g = self.c, self.g
         half = (c.seq + 1 + 1) // 2
         tok = torch.empty(c.batch, half, dtype=torch.long)
-        tok[:, 0] = torch.randint(0, c.vocab, (c.batch,), generator=g)
+        tok[:, 0] = torch.randint(0, self.n, (c.batch,), generator=g)
         choice = torch.randint(0, 5, (c.batch, half), generator=g)
         for t in range(1, half):
             tok[:, t] = self.succ[tok[:, t - 1], choice[:, t]]
@@ -179,7 +182,7 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
                             lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
     data = Corpus(c)
     mon = monitor_factory(model, opt) if monitor_factory else None
-    trace = {"loss": [], "grad_norm": [], "lr": [], "logz": [], "reports": []}
+    trace = {"loss": [], "grad_norm": [], "lr": [], "logz": [], "logit_mean": [], "reports": []}
     for step in range(c.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(c, step)
@@ -196,6 +199,7 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
         trace["grad_norm"].append(float(gn))
         trace["lr"].append(opt.param_groups[0]["lr"])
         trace["logz"].append(float(torch.logsumexp(logits.detach().float(), -1).mean()))
+        trace["logit_mean"].append(float(logits.detach().float().mean()))
         if mon is not None:
             trace["reports"].append(mon.post_step(loss, per_sample_loss=per_tok.detach().view(c.batch, -1).mean(1)))
         if on_step is not None:
