@@ -40,7 +40,7 @@ OUTPUT_LOGIT_CONFIGS = tuple(
 )
 
 #: Hugging Face GPT-2 and Llama of the same shape, built from a config with SDPA attention.
-HF_CONFIGS = tuple(ProxyConfig(arch=a, lr=lr, seed=0) for a in ("gpt2", "llama") for lr in (0.01, 0.3))
+HF_CONFIGS = tuple(ProxyConfig(arch=a, lr=lr, seed=0) for a in ("gpt2", "llama") for lr in (0.01, 0.03, 0.3))
 
 ALL = CONFIGS + OUTPUT_LOGIT_CONFIGS + HF_CONFIGS
 
