@@ -179,6 +179,38 @@ def test_adam_second_moment_matches_a_hand_computation():
     assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
 
 
+def test_adam_statistics_of_a_large_tensor_come_from_a_sample_close_to_the_exact_ones():
+    """A tensor over ADAM_SAMPLE elements is read at fixed sampled positions: the estimates stay
+    within a few percent of the whole tensor's values, and a tensor at most that size is exact."""
+    from nummon._stats.mechanisms import ADAM_SAMPLE
+
+    torch.manual_seed(0)
+    big, tiny = nn.Parameter(torch.randn(256, 64)), nn.Parameter(torch.randn(7))
+    assert big.numel() > 8 * ADAM_SAMPLE >= tiny.numel()
+    model = nn.Module()
+    model.big, model.tiny = big, tiny
+    opt = torch.optim.Adam([big, tiny], lr=0.1, betas=(0.9, 0.99), eps=1e-6)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    for t in range(1, 16):
+        for p in (big, tiny):
+            g = torch.randn(p.shape) * (torch.rand(p.shape) * 4 if t == 15 else 1.0)  # an uneven last jump
+            g[torch.rand(p.shape) < 0.3] = 0.0  # 30% of |g| below eps
+            p.grad = g
+        opt.step()
+        rec = mon.post_step(1.0).record
+    mon.close()
+    for p, name, rel in ((big, "big", 0.05), (tiny, "tiny", 1e-5)):
+        st = opt.state[p]
+        v_hat = st["exp_avg_sq"] / (1 - 0.99 ** 15)
+        want_rms = float(torch.sqrt((p.grad ** 2 / v_hat.clamp_min(1e-12)).mean()))
+        m_hat = st["exp_avg"] / (1 - 0.9 ** 15)
+        want_upd = float(0.1 * torch.linalg.vector_norm(m_hat / (v_hat.sqrt() + 1e-6)) / torch.linalg.vector_norm(p.detach()))
+        assert rec.layer_adam_ratio_rms[name] == pytest.approx(want_rms, rel=rel)
+        assert rec.layer_update_ratio[name] == pytest.approx(want_upd, rel=rel)
+    exact_small = float(sum((p.grad.abs() < 1e-6).sum() for p in (big, tiny)) / (big.numel() + tiny.numel()))
+    assert rec.adam_small_grad_fraction == pytest.approx(exact_small, abs=0.03)
+
+
 def test_cadence_samples_every_n_steps_and_nothing_between():
     _, _, reports = _run("manual", steps=7, every=3)
     sampled = [r.record.step for r in reports if r.record.attention_logit_max is not None]

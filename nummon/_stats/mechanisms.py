@@ -10,12 +10,18 @@ on sampled steps only and packed into the step's one device->host copy.
 - Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
   gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
   fraction of |g| below eps, and ||update|| / ||param||;
-- per-layer output RMS of every `nn.Linear`.
+- per-layer output RMS of every `nn.Linear` (of its first `RMS_BUDGET` output elements).
 
 How, with no change to user code: a forward pre-hook on the model, on an armed step only, enters
 a `TorchFunctionMode` that sees softmax / SDPA / cross-entropy calls, and global module hooks
-that keep the name of the module running; the forward hook leaves both. Unarmed steps pay one
-flag test. Everything computed here is detached and under no_grad.
+that keep the name of the module running; the forward hook leaves the module hooks, and the
+mode is left before `optimizer.step()` (its per-tensor loop would otherwise pass through Python)
+or at `post_step`, whichever comes first: the loss is usually computed after the forward.
+Unarmed steps pay one flag test. Everything computed here is detached and under no_grad.
+
+Cost is bounded per sampled step, whatever the model's size: the Adam statistics read
+`ADAM_SAMPLE` elements of each tensor, the attention entropy the first `ENTROPY_BUDGET` scores,
+and recomputed fused-attention logits at most `SDPA_QUERY_BUDGET` of them.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import inspect
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +41,22 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .transport import Layout, Segment
 
-__all__ = ["MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
+__all__ = ["ADAM_SAMPLE", "ENTROPY_BUDGET", "RMS_BUDGET", "MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
-SDPA_QUERY_BUDGET = 1 << 22
+SDPA_QUERY_BUDGET = 1 << 18
+#: The attention entropy is the mean over the score rows of the first (batch x head) slices
+#: holding at most this many scores (at least one slice); the max logit is over every score.
+ENTROPY_BUDGET = 1 << 13
+#: A Linear's output RMS is that of its first this many elements (the first tokens or samples).
+RMS_BUDGET = 1 << 14
+#: The Adam statistics of a tensor are estimated from this many of its elements when it has
+#: more (a fixed random subset; all of them when it has fewer): ratios and fractions,
+#: which a uniform sample estimates without bias, at a cost that does not grow with the model.
+ADAM_SAMPLE = 1024
+#: ... read as runs of this many consecutive elements (a random element each is a cache miss each)
+SAMPLE_RUN = 256
 #: Per-sample losses: indices of this many worst samples go into the record.
 TOP_SAMPLES = 5
 # a logit this far below zero is a mask (masked_fill(-1e9), finfo.min), not a score
@@ -48,6 +65,7 @@ _MASKED = -1e4
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _SDPA = F.scaled_dot_product_attention
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 @dataclass
@@ -110,6 +128,65 @@ def _is_attention_scores(x: torch.Tensor, dim: int) -> bool:
     return x.ndim >= 4 or x.shape[-1] == x.shape[-2]
 
 
+class _Sample:
+    """How one list of tensors is read as a flat float32 vector: small tensors whole (one
+    concatenation in C++), each large one as `ADAM_SAMPLE` fixed random elements (a `take`
+    each); `seg` is the tensor index of each element. Made once per list of shapes."""
+
+    def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        dev = tensors[0].device
+        self.names = names
+        self.shapes = [t.shape for t in tensors]
+        self.elements = float(sum(t.numel() for t in tensors))
+        self.sizes = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64, device=dev)
+        self.small = [i for i, t in enumerate(tensors) if t.numel() <= ADAM_SAMPLE]
+        self.big = [i for i, t in enumerate(tensors) if t.numel() > ADAM_SAMPLE]
+        self.index = []
+        for i in self.big:  # runs at fixed random offsets: few cache lines, and no stride that
+            n = tensors[i].numel()  # could alias with a row length
+            g = torch.Generator().manual_seed(n)
+            starts = torch.randperm(n // SAMPLE_RUN, generator=g)[: ADAM_SAMPLE // SAMPLE_RUN].sort().values * SAMPLE_RUN
+            self.index.append((starts[:, None] + torch.arange(SAMPLE_RUN)).reshape(-1).to(dev))
+        counts = [tensors[i].numel() for i in self.small] + [ADAM_SAMPLE] * len(self.big)
+        order = self.small + self.big
+        self.n = len(tensors)
+        self.seg = torch.repeat_interleave(torch.tensor(order, dtype=torch.long), torch.tensor(counts)).to(dev)
+        self.count = torch.zeros(self.n, dtype=torch.float64).index_add_(
+            0, torch.tensor(order, dtype=torch.long), torch.tensor(counts, dtype=torch.float64)).to(dev)
+
+    def values(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        parts = []
+        if self.small:
+            parts.append(torch._utils._flatten_dense_tensors([tensors[i] for i in self.small]))
+        parts += [torch.take(tensors[i], idx) for i, idx in zip(self.big, self.index)]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]  # (cat promotes mixed dtypes)
+        return flat if flat.dtype == torch.float32 else flat.float()
+
+    def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        return per_tensor.index_select(0, self.seg)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-tensor mean of a flat per-element vector (float64 sums)."""
+        total = torch.zeros(self.n, dtype=torch.float64, device=x.device).index_add_(0, self.seg, x.double())
+        return (total / self.count).to(x.dtype)
+
+
+class _Samplers:
+    """One `_Sample` per parameter group, re-made when its shapes change."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, _Sample] = {}
+
+    def get(self, params: list[torch.Tensor], names_of: Callable[[], dict[int, str]]) -> _Sample:
+        """The sample of these parameters; `names_of()` maps id(param) -> name (called on a miss)."""
+        key = (tensors_key := tuple(map(id, params)), params[0].device)
+        s = self._by_key.get(key)
+        if s is None or s.shapes != [p.shape for p in params]:
+            names = names_of()
+            s = self._by_key[key] = _Sample(params, [names.get(i, f"param{k}") for k, i in enumerate(tensors_key)])
+        return s
+
+
 class MechanismProbes:
     """The sampled probes of one model and optimizer; `arm(True)` before a forward to sample it."""
 
@@ -130,17 +207,21 @@ class MechanismProbes:
         self._reset()
         self._hooks: list[Any] = []
         self._samples: torch.Tensor | None = None
+        self._sampler = _Samplers()
         # whether optimizer.step() ran since the model's last forward: post_step after the step (a
         # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
         # v's update (without a model forward to see: since the last take)
         self._stepped = False
+        self._hooks_opt = []
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self._hooks_opt = optimizer.register_step_post_hook(self._after_step)
-        else:
-            self._hooks_opt = None
+            self._hooks_opt = [optimizer.register_step_pre_hook(self._before_step),
+                               optimizer.register_step_post_hook(self._after_step)]
         if model is not None and (attention or output or linear_rms):
             self._hooks = [model.register_forward_pre_hook(self._enter),
                            model.register_forward_hook(self._leave, always_call=True)]
+
+    def _before_step(self, *_: Any) -> None:
+        self._close_mode()  # the loss and backward are done: Adam's per-tensor loop need not pass through Python
 
     def _after_step(self, *_: Any) -> None:
         self._stepped = True
@@ -168,8 +249,8 @@ class MechanismProbes:
         self._global = [_module.register_module_forward_pre_hook(self._push),
                         _module.register_module_forward_hook(self._pop, always_call=True)]
         if self._mode is None:
-            # stays on until the step is taken: the loss (cross_entropy of the logits) is usually
-            # computed after the model's forward; the backward runs in C++ and is not seen
+            # stays on past the forward: the loss (cross_entropy of the logits) is usually computed
+            # after it; left before optimizer.step() or at post_step (the backward runs in C++)
             self._mode = _Capture(self)
             self._mode.__enter__()
             self._thread = threading.get_ident()
@@ -199,12 +280,11 @@ class MechanismProbes:
             self._stack.pop()
         if id(mod) in self._linear and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
             try:
-                with torch.no_grad():
-                    o = out.detach()
-                    wide = o.dtype in (torch.float64, torch.float32)  # half types: accumulate in float32
-                    rms = (torch.linalg.vector_norm(o) if wide else torch.linalg.vector_norm(o, dtype=torch.float32)) / math.sqrt(o.numel())
+                with torch.no_grad():  # the RMS of the output's first RMS_BUDGET elements (the first tokens)
+                    o = out.detach().reshape(-1)[:RMS_BUDGET]
+                    rms = torch.linalg.vector_norm(o, dtype=torch.float32) / math.sqrt(o.numel())
                 prev = self._rms.get(name)
-                self._rms[name] = rms.float() if prev is None else torch.maximum(prev, rms.float())
+                self._rms[name] = rms if prev is None else torch.maximum(prev, rms)
             except Exception:  # a probe must never break the user's forward
                 self.errors += 1
 
@@ -215,15 +295,22 @@ class MechanismProbes:
     def _attention(self, scores: torch.Tensor, probs: torch.Tensor | None) -> None:
         if not self.want_attention:
             return
-        s = scores.detach().float()
-        valid = s > _MASKED
-        mx = torch.where(valid, s, torch.full_like(s, -math.inf)).amax()
-        p = probs.detach().float() if isinstance(probs, torch.Tensor) else torch.softmax(s, dim=-1)
+        s = scores.detach()
+        mx = s.amax().float()  # masked scores (-inf, -1e9) are never the max of a row with a key left
+        # the entropy from the first slices only (the first sample's heads): it tells a collapse
+        # as well as the whole batch does, at a bounded cost
+        rows = s.reshape(-1, s.shape[-2], s.shape[-1]) if s.ndim >= 3 else s.reshape(1, 1, -1)
+        k = max(1, ENTROPY_BUDGET // max(rows.shape[1] * rows.shape[2], 1))
+        sub = rows[:k].float()
+        if isinstance(probs, torch.Tensor):
+            p = probs.detach().reshape(rows.shape)[:k].float()
+        else:
+            p = torch.softmax(sub, dim=-1)
         ent = -torch.special.xlogy(p, p).sum(-1)
-        keys = valid.sum(-1)
-        rows = keys >= 2
+        keys = (sub > _MASKED).sum(-1)
+        live = keys >= 2
         norm = ent / torch.log(keys.clamp(min=2).float())
-        mean = (norm * rows).sum() / rows.sum().clamp(min=1)
+        mean = (norm * live).sum() / live.sum().clamp(min=1)
         self._attn.setdefault(self._where(), []).append((mx, mean))
 
     @torch.no_grad()
@@ -267,7 +354,7 @@ class MechanismProbes:
         """nn.MultiheadAttention: its logits recomputed from the projections it was given."""
         if not self.want_attention:
             return
-        a = inspect.signature(F.multi_head_attention_forward).bind(*args, **kwargs).arguments
+        a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
         query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
         if query.ndim == 2:  # unbatched (L, E)
             query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -361,73 +448,61 @@ class MechanismProbes:
         return {id(p): n for n, p in self.model.named_parameters()}
 
     def _adam(self) -> tuple[list[str], list[Segment], float]:
-        """Per tensor: RMS(g / sqrt(v_hat)), count of |g| < eps, ||update|| / ||param||."""
-        names_of = self._param_names()
+        """Per tensor: RMS(g / sqrt(v_hat)), the fraction of |g| < eps (packed as an element
+        count), ||update|| / ||param||; exact on small tensors, estimated on large ones."""
         names: list[str] = []
         rms: list[torch.Tensor] = []
         small: list[torch.Tensor] = []
         upd: list[torch.Tensor] = []
-        sizes: list[float] = []
+        elements = 0.0
         stepped = self._stepped
-        for gi, group in enumerate(self.optimizer.param_groups):
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
             betas = group.get("betas")
             if betas is None or "eps" not in group:
                 continue
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
-            ps, gs, ms_, vs, ts = [], [], [], [], []
+            kinds: list[list[torch.Tensor]] = [[], [], [], []]  # p, g, m, v (read under no_grad)
+            steps: list[Any] = []
             for p in group["params"]:
-                st = self.optimizer.state.get(p)
-                if p.grad is None or p.grad.is_sparse or not st or "exp_avg_sq" not in st or "exp_avg" not in st:
+                g, st = p.grad, state.get(p)
+                if g is None or not st:
                     continue
-                t = st.get("step")
-                t = float(t) if t is not None else 0.0
-                if t < (2 if stepped else 1) or st["exp_avg_sq"].shape != p.grad.shape:  # the first: ratio 1
+                m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                if m is None or v is None or g.is_sparse or v.shape != g.shape:  # e.g. a factored v
                     continue
-                ps.append(p.detach()), gs.append(p.grad.detach().float()), ms_.append(st["exp_avg"].float())
-                vs.append(st["exp_avg_sq"].float()), ts.append(t)
-                names.append(names_of.get(id(p), f"group{gi}.param{len(names)}"))
-                sizes.append(float(p.numel()))
-            if not ps:
+                for kind, x in zip(kinds, (p, g, m, v)):
+                    kind.append(x)
+                steps.append(st.get("step", 0.0))
+            # the first step's ratio is 1 by construction: nothing to tell yet
+            if not steps or float(steps[0]) < (2 if stepped else 1):
                 continue
-            g2 = torch._foreach_mul(gs, gs)
+            sample = self._sampler.get(kinds[0], self._param_names)
+            names += sample.names
+            elements += sample.elements
+            P, G, M, V = (sample.values(k) for k in kinds)  # flat float32, with sample.seg
+            # the step count t of each tensor's state (one stack: no host read), and the bias
+            # corrections per tensor, spread to its elements
+            t = (torch.stack(steps) if isinstance(steps[0], torch.Tensor) else torch.tensor(steps)).to(G.device, torch.float32)
+            g2 = G * G
             # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
             # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
             # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
             # that had no gradient yet) can make it explode, and before/after give the same value
-            if stepped:
-                vhat = [v.clone() for v in vs]
-                tt = ts
-            else:
-                vhat = torch._foreach_mul(vs, b2)
-                torch._foreach_add_(vhat, g2, alpha=1.0 - b2)
-                tt = [t + 1.0 for t in ts]
-            for v, t in zip(vhat, tt):
-                v.mul_(1.0 / (1.0 - b2 ** t))
-            torch._foreach_clamp_min_(vhat, eps * eps)
-            vprev = vhat
-            torch._foreach_div_(g2, vprev)
-            norms = torch._foreach_norm(torch._foreach_sqrt(g2))
-            rms += [n / math.sqrt(s) for n, s in zip(norms, sizes[len(sizes) - len(ps):])]
-            a = torch._foreach_abs(gs)
-            torch._foreach_neg_(a)
-            torch._foreach_add_(a, eps)
-            torch._foreach_clamp_min_(a, 0.0)
-            small += list(torch._foreach_norm(a, 0))
-            # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps)
-            den = torch._foreach_sqrt(vs)
-            for d, t in zip(den, ts):
-                d.mul_(1.0 / math.sqrt(1.0 - b2 ** t))
-            torch._foreach_add_(den, eps)
-            step_dir = torch._foreach_div(ms_, den)
-            un = torch._foreach_norm(step_dir)
-            pn = torch._foreach_norm([p.float() for p in ps])
-            upd += [u * (lr / (1.0 - b1 ** t)) / pn_.clamp(min=1e-30) for u, pn_, t in zip(un, pn, ts)]
+            vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
+            vhat = (vt * sample.per_element(1.0 / (1.0 - b2 ** tt))).clamp_min(eps * eps)
+            rms.append(sample.mean(g2 / vhat).sqrt())
+            small.append(sample.mean((G.abs() < eps).double()) * sample.sizes)  # (estimated) count of |g| < eps
+            # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
+            step = M / ((V * sample.per_element(1.0 / (1.0 - b2 ** t))).sqrt() + eps)
+            upd.append(sample.mean(step.square()).sqrt() * (lr / (1.0 - b1 ** t))
+                       / sample.mean(P.square()).sqrt().clamp(min=1e-30))
         if not names:
             return [], [], 0.0
-        return names, [Segment("mech_adam_rms", torch.stack(rms), Reduce.MAX),
-                       Segment("mech_adam_small", torch.stack(small).double(), Reduce.MAX),
-                       Segment("mech_adam_update", torch.stack(upd), Reduce.MAX)], sum(sizes)
+        return names, [Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
+                       Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
+                       Segment("mech_adam_update", torch.cat(upd), Reduce.MAX)], elements
 
     # ------------------------------------------------------------------ host side
     def decode(self, rec: StepRecord, layout: Layout, vals: list[float], ms: MechanismStep | None) -> None:
@@ -465,9 +540,9 @@ class MechanismProbes:
     def remove(self) -> None:
         self._leave(None, None, None)
         self._close_mode()
-        if self._hooks_opt is not None:
-            self._hooks_opt.remove()
-            self._hooks_opt = None
+        for h in self._hooks_opt:
+            h.remove()
+        self._hooks_opt = []
         for h in self._hooks:
             h.remove()
         self._hooks = []
