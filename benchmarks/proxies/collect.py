@@ -30,13 +30,16 @@ CONFIGS = tuple(
 #: Wortsman et al.'s recipe for output-logit divergence (section 3.2): qk-layernorm on (no
 #: attention-logit growth), no weight decay, high LR, with and without z-loss 1e-4; no learnable
 #: scale on the final LayerNorm; and a head over 1024 tokens of which the corpus uses 256 (the
-#: other 768 are never a target, so Adam pushes their logits down every step).
+#: other 768 are never a target, so Adam pushes their logits down every step); and 3000 steps
+#: with the forward under bfloat16 autocast.
 OUTPUT_LOGIT_CONFIGS = tuple(
     [ProxyConfig(lr=lr, seed=0, qk_layernorm=True, weight_decay=0.0, z_loss=z) for lr in (0.3, 1.0) for z in (0.0, 1e-4)]
     + [ProxyConfig(lr=0.3, seed=s, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False) for s in (0, 1)]
     + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, z_loss=1e-4)]
     + [ProxyConfig(lr=0.1, seed=0, qk_layernorm=True, weight_decay=0.0, vocab=1024, data_vocab=256, z_loss=z)
        for z in (0.0, 1e-4)]
+    + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, bf16=True, steps=3000,
+                   z_loss=z) for z in (0.0, 1e-4)]  # bfloat16 logits, 3000 steps: where log Z drifts
 )
 
 #: Hugging Face GPT-2 and Llama of the same shape, built from a config with SDPA attention.

@@ -39,6 +39,7 @@ class ProxyConfig:
     weight_decay: float = 0.1
     clip: float = 1.0
     ln_f_affine: bool = True  # False: the final LayerNorm has no learnable scale or shift
+    bf16: bool = False  # forward under CPU/GPU autocast to bfloat16 (the logits come out in bfloat16)
     arch: str = "tiny"  # or "gpt2" / "llama": a Hugging Face model built from a config, SDPA attention
 
     @property
@@ -50,6 +51,7 @@ class ProxyConfig:
         extra += f"+dv{self.data_vocab}" if self.data_vocab else ""
         extra += f"+t{self.steps}" if self.steps != 300 else ""
         extra += "+noaffine" if not self.ln_f_affine else ""
+        extra += "+bf16" if self.bf16 else ""
         arch = "" if self.arch == "tiny" else f"{self.arch}-"
         return f"{arch}lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
 
@@ -187,7 +189,8 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
         for g in opt.param_groups:
             g["lr"] = lr_at(c, step)
         x, y = data.batch()
-        logits = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+            logits = model(x)
         per_tok = F.cross_entropy(logits.reshape(-1, c.vocab), y.reshape(-1), reduction="none")
         loss = per_tok.mean()
         total = loss + c.z_loss * torch.logsumexp(logits.float(), -1).pow(2).mean() if c.z_loss else loss
