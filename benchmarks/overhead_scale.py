@@ -146,6 +146,7 @@ def variants() -> dict[str, Callable]:
         "nummon default": monitor("default"),
         "nummon without activation hooks": monitor({"sampling": {"activations": False}}),
         "nummon, mechanism probes off": monitor({"mechanisms": {"enabled": False}}),
+        "nummon, every statistic every step": monitor({"sampling": {"params_every": 1, "optimizer_every": 1}}),
     }
 
 
@@ -285,9 +286,11 @@ def main(argv=None) -> int:
             with open(a.json, "w") as fh:
                 json.dump(r, fh, indent=1)
         return 0
-    default_steps = {"tiny-20": 60, "tiny-100": 20, "tiny-1000": 4, "tiny-2000": 2, "lm12": 5, "cnn": 5}
+    # a multiple of the default cadences (10 steps: parameter norms, max |g|, mechanism probes), so
+    # every round holds the same number of sampled steps
+    default_steps = {"tiny-20": 60, "tiny-100": 20, "tiny-1000": 10, "tiny-2000": 10, "lm12": 10, "cnn": 10}
     if dev.type == "cuda":  # short steps: more of them per round
-        default_steps = {k: 4 * v for k, v in default_steps.items()} | {"gpt12": 5, "gpt48": 3}
+        default_steps = {k: 4 * v for k, v in default_steps.items()} | {"gpt12": 10, "gpt48": 10}
     out = {"device": str(dev), "torch": torch.__version__, "steady_allocator": steady, "rounds": a.rounds,
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
            "date": time.strftime("%Y-%m-%d %H:%M"), "workloads": {}}

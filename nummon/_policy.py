@@ -94,8 +94,8 @@ class AlertPolicy(_Section):
 class SamplingPolicy(_Section):
     """How often each statistic is computed (the hot path reads gradients every step)."""
 
-    params_every: int = Field(1, ge=1, le=MAX_WINDOW, description="parameter L2 norms every this many steps")
-    optimizer_every: int = Field(1, ge=1, le=MAX_WINDOW, description="optimizer-state norm every this many steps")
+    params_every: int = Field(10, ge=1, le=MAX_WINDOW, description="parameter L2 norms and max |g| every this many steps, and every step while an incident is open or after a non-finite value (gradient norms are measured every step; between samples the largest gradient norm bounds max |g|, except for float16/float8 gradients, whose max |g| is measured every step) (steps)")
+    optimizer_every: int = Field(10, ge=1, le=MAX_WINDOW, description="optimizer-state norm every this many steps, and every step while an incident is open or after a non-finite value (steps)")
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
     activations_exclude: tuple[str, ...] = Field((), description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read")
     activations_all_every: int = Field(50, ge=1, le=MAX_WINDOW, description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)")

@@ -146,7 +146,7 @@ def _sharded_vs_reference(sharded, initial_state, make_opt, rank, world, steps=3
     ref = Net()
     ref.load_state_dict(initial_state)
     opt, ref_opt = make_opt(sharded.parameters()), make_opt(ref.parameters())
-    mon = nummon.Monitor(sharded, opt)
+    mon = nummon.Monitor(sharded, opt, policy={"sampling": {"params_every": 1}})  # parameter norms every step
     calls = CountCollectives()
     x, y, xa, ya = data_for(rank, world)
     out = {"got": [], "want": [], "pnorm": [], "ref_pnorm": []}
@@ -238,7 +238,7 @@ def ddp_finite_but_extreme(rank, world, port, out_dir):
         model.fc2.weight.mul_(1e21)  # random signs: the gradients reaching fc1 are ~1e20 too
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    mon = nummon.Monitor(ddp, opt, policy={"recorder": {"write": False}})
+    mon = nummon.Monitor(ddp, opt, policy={"recorder": {"write": False}, "sampling": {"params_every": 1}})
     x, y, _, _ = data_for(rank, world)
     records = []
     for _ in range(2):

@@ -102,6 +102,35 @@ def test_attention_is_named_after_the_module_that_computes_it():
     assert set(rec.layer_output_rms) == {"0", "1.qkv", "1.out"}
 
 
+def test_linear_output_rms_is_the_largest_over_a_shared_layers_calls():
+    torch.manual_seed(0)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(self.a(self.a(x) * 3))  # `a` twice: its second output is the larger
+
+    model = Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    x = torch.randn(6, 8)
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    rec = mon.post_step(loss).record
+    mon.close()
+    with torch.no_grad():
+        first = model.a(x)
+        second = model.a(first * 3)
+        rms = lambda t: float(t.square().mean().sqrt())
+        assert rec.layer_output_rms["a"] == pytest.approx(max(rms(first), rms(second)), rel=1e-5)
+        assert rec.layer_output_rms["b"] == pytest.approx(rms(model.b(second)), rel=1e-5)
+
+
 def test_multihead_attention_is_seen():
     torch.manual_seed(0)
 
@@ -338,3 +367,34 @@ def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(
     trainer.fit(Module(), loader)
     rec = cb.last_report.record
     assert rec.sample_loss_top[0] == 3 and rec.sample_loss_ratio > 5
+
+
+def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp_path):
+    """A model whose forward sets `nummon_per_sample_loss` gets its worst samples named through
+    the Trainer callback (the batch that did it), with no other change to the training code."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+    from transformers_runs import RandomTokens, training_args
+    from nummon.integrations.transformers import NummonCallback
+
+    class PerSampleGPT2(GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            self.last_ids = input_ids
+            logits = out.logits[:, :-1].float()
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="none")
+            per_token = per_token * torch.where(labels[:, 1:, None] == 7, 50.0, 1.0).squeeze(-1)  # token 7 costs 50x
+            self.nummon_per_sample_loss = per_token.mean(1).detach()
+            out.loss = per_token.mean()
+            return out
+
+    torch.manual_seed(0)
+    model = PerSampleGPT2(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    data = RandomTokens(n=8)
+    data.ids[5] = 7  # sample 5 of the batch of 8: all 7s
+    cb = NummonCallback(policy={"mechanisms": {"every": 1}})
+    Trainer(model=model, args=training_args(tmp_path, steps=2, batch=8), train_dataset=data, callbacks=[cb]).train()
+    rec = cb.last_report.record
+    # the Trainer shuffles the batch: the worst sample is wherever sample 5 went, the one of all 7s
+    assert rec.sample_loss_ratio > 5 and len(rec.sample_loss_top) == 5
+    assert bool((model.last_ids[rec.sample_loss_top[0]] == 7).all())

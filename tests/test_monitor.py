@@ -235,7 +235,7 @@ def test_statistics_are_exact_for_every_dtype_and_layout():
     torch.manual_seed(0)
     model = Mixed()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mon = Monitor(model, opt)
+    mon = Monitor(model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1}})  # every statistic, every step
     x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
     for _ in range(2):
         opt.zero_grad()
@@ -300,7 +300,7 @@ def test_optimizer_state_is_reread_after_load_state_dict():
         opt.step()
         return loss
 
-    mon = Monitor(model, opt)
+    mon = Monitor(model, opt, policy={"sampling": {"optimizer_every": 1}})
     for _ in range(3):
         before = mon.post_step(step()).record.optim_state_norm
     sd = opt.state_dict()

@@ -17,9 +17,12 @@ from nummon._policy import load_policy
 torch.set_num_threads(1)
 
 
-def _policy(**recovery):
+def _policy(params_every=1, **recovery):
+    """The `recover` preset; the parameters measured every step (a NaN weight is seen on the step
+    its update made it) unless `params_every` says otherwise."""
     base = load_policy("recover").model_dump()
     base["recovery"].update(recovery)
+    base["sampling"]["params_every"] = params_every
     return load_policy(base)
 
 
@@ -169,6 +172,24 @@ def test_rollback_restores_exact_weights_and_optimizer_state_and_lowers_lr(tmp_p
         r = _step(model, opt, mon, x, y)
         assert r.health.value in ("healthy", "incident") and not r.should_stop  # the incident stays open until its quiet period
     assert not torch.equal(w["fc1.weight"], model.fc1.weight)
+    mon.close()
+
+
+def test_off_their_cadence_a_nan_weight_is_rolled_back_at_the_next_step(tmp_path):
+    """With the parameters measured every 10 steps, an update that left a NaN weight shows at the
+    next step's forward; that failing step measures the parameters too, so recovery rolls back
+    (skipping the batch could not help) instead of skipping batch after batch."""
+    model, opt = _setup()
+    mon = Monitor(model, opt, policy=_policy(params_every=10, snapshot_every=5), run_dir=tmp_path)
+    x, y = _data()
+    for _ in range(7):
+        _step(model, opt, mon, x, y)
+    silent = _nan_weight(model, opt, mon, x, y)  # step 7: parameters not due
+    assert silent.record.param_norm is None and not silent.alerts
+    report = _step(model, opt, mon, x, y)
+    assert "parameters" in report.record.nonfinite_parts and not report.should_stop
+    assert [r["action"] for r in mon.recoveries][-1] == "rollback"
+    assert torch.isfinite(model.fc1.weight).all()
     mon.close()
 
 

@@ -25,7 +25,10 @@ def test_grad_norm_is_the_unclipped_norm_clip_grad_norm_returned(accumulate):
         assert total > 1.0  # it did clip: the gradients now have norm 1
         assert rec.grad_norm == pytest.approx(total, rel=1e-5)
         assert rec.clip_ratio == pytest.approx(1.0 / total, rel=1e-4)
-        assert rec.grad_max == pytest.approx(max(float(p.grad.abs().max()) for p in model.parameters()) * total, rel=1e-4)
+        if rec.step % 10 == 0:  # max |g| on the parameters' cadence (sampling.params_every)
+            assert rec.grad_max == pytest.approx(max(float(p.grad.abs().max()) for p in model.parameters()) * total, rel=1e-4)
+        else:
+            assert rec.grad_max is None
     mon.close()
 
 

@@ -82,6 +82,7 @@ class _Build:
     local: bool  # this rank's own values (single process): overflowed norms may be recomputed
     parts: list[str] = field(default_factory=list)  # the families that went non-finite
     bad_grads: list[str] = field(default_factory=list)
+    grad_bound: float | None = None  # max |g|, or the largest gradient L2 norm when max |g| was not measured
     first_bad_act: str | None = None
 
 
@@ -100,12 +101,15 @@ def _decode_grads(b: _Build) -> None:
     gn = exact_where_overflowed(gn, b.pending.grads) if b.local else gn
     rec.grad_norm = _l2(gn)
     rec.layer_grad_norms = dict(zip(names, gn))
-    if gmax is None:  # not packed: a norm bounds the max, and is finite only when it is
+    b.grad_bound = _nanmax(gn)  # max |g| <= the largest L2 norm: the headroom's bound between samples
+    if gmax is None:  # not measured this step: the norms tell finiteness (an overflowed one was recomputed)
         gmax = gn
-    rec.grad_max = _nanmax(gmax)
+    else:
+        rec.grad_max = _nanmax(gmax)
+        b.grad_bound = rec.grad_max
     # a gradient is non-finite when its max |g| or its L2 norm is (a finite-but-huge gradient
     # has a finite max even when its float32 norm overflows)
-    if not (math.isfinite(rec.grad_max) and not math.isnan(rec.grad_norm)):
+    if not (math.isfinite(_nanmax(gmax)) and not math.isnan(rec.grad_norm)):
         b.bad_grads = [n for n, v, w in zip(names, gmax, gn) if not math.isfinite(v) or math.isnan(w)]
         if b.bad_grads:
             b.parts.append("gradients")
@@ -115,9 +119,14 @@ def _decode_clip_ratio(b: _Build) -> None:
     post, rec = b.get("grad_norms_post"), b.rec
     if post is None or rec.grad_norm is None:  # grad_norm was measured before clipping
         return
+    pre_norm = rec.grad_norm
+    anchors = b.pending.clip_anchors
+    if anchors is not None:  # post-clip norms of a few gradients: against the same ones before
+        pre = b.get("grad_norms")
+        pre_norm = _l2([pre[i] for i in anchors])
     post_norm = _l2(post)
-    if rec.grad_norm and math.isfinite(rec.grad_norm) and math.isfinite(post_norm):
-        rec.clip_ratio = post_norm / rec.grad_norm
+    if pre_norm and math.isfinite(pre_norm) and math.isfinite(post_norm):
+        rec.clip_ratio = post_norm / pre_norm
 
 
 def _family_norm(b: _Build, segment: str, tensors: Sequence[torch.Tensor], part: str) -> float | None:
@@ -204,7 +213,7 @@ class Decoder:
         for decode in self.families:
             decode(b)
         rec = b.rec
-        self._headroom(rec, pending)
+        self._headroom(rec, pending, b.grad_bound)
         self._scaler_skip(b)
         origin = _Origin(b.first_bad_act, b.bad_grads)
         if b.parts:
@@ -230,11 +239,12 @@ class Decoder:
             b.parts = []
 
     @staticmethod
-    def _headroom(rec: StepRecord, pending: Pending) -> None:
-        """The family closest to its own dtype's limit (the loss against the loss's dtype)."""
+    def _headroom(rec: StepRecord, pending: Pending, grad_bound: float | None) -> None:
+        """The family closest to its own dtype's limit (the loss against the loss's dtype); the
+        gradients' max |g|, or its bound (the largest L2 norm) on steps that did not measure it."""
         best = None
         loss_mag = abs(rec.loss) if rec.loss is not None else None
-        for mag, dt in ((rec.grad_max, pending.grad_dtype), (rec.activation_max, pending.acts.dtype), (loss_mag, pending.loss_dtype)):
+        for mag, dt in ((grad_bound, pending.grad_dtype), (rec.activation_max, pending.acts.dtype), (loss_mag, pending.loss_dtype)):
             if mag is None or dt is None or not math.isfinite(mag):
                 continue
             h = headroom_decades(mag, dt)

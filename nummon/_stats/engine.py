@@ -8,6 +8,7 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -19,7 +20,7 @@ from .._distributed import LayoutHeader, Reduce
 from .._errors import NummonError
 from .._policy import Policy
 from .._types import StepRecord
-from .decode import Decoder
+from .decode import Decoder, exact_where_overflowed
 from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
 from .histograms import histograms
@@ -36,6 +37,13 @@ __all__ = ["LaunchStep", "StatsEngine", "check_grad_scaler"]
 
 #: after a non-finite step, every module's output is hooked for this many steps
 DETAIL_AFTER_NONFINITE = 50
+#: the clip ratio is measured on this many gradients, the smallest (clip_grad_norm_ scales
+#: every gradient by one factor, so a few tell it; a second read of all of them would cost a
+#: full pass over the gradients' memory)
+CLIP_ANCHORS = 8
+#: gradient dtypes whose range is narrow enough that max |g| is measured on every step (for the
+#: others the L2 norm, an upper bound of max |g|, stands for it between the sampled steps)
+NARROW_GRAD_DTYPES = ("float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
 @dataclass
@@ -47,6 +55,7 @@ class LaunchStep:
     batch: Any
     params_due: bool
     optim_due: bool
+    extremes_due: bool  # max |g| this step (with the parameters, or every step for narrow dtypes)
     dev: torch.device
     distributed: bool
     segments: list[Segment] = field(default_factory=list)
@@ -55,6 +64,7 @@ class LaunchStep:
     grads: list[torch.Tensor] = field(default_factory=list)
     grad_names: list[str] = field(default_factory=list)
     grad_dtype: str | None = None
+    clip_anchors: list[int] | None = None  # positions in `grads` the post-clip norms measured
     params: list[torch.Tensor] = field(default_factory=list)  # the measured parameters (rank-local)
     state: list[torch.Tensor] = field(default_factory=list)
     lr: float | None = None
@@ -113,6 +123,8 @@ class StatsEngine:
                                           linear_rms=mp.linear_rms) if mp.enabled else None
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
+        self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
+        self._anchor_cache: tuple[int, list[int], Any] = (-1, [], None)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
@@ -133,9 +145,12 @@ class StatsEngine:
         dev = params[0].device if params else self.device  # the model may have moved
         if isinstance(loss, torch.Tensor):
             dev = loss.device
-        s = LaunchStep(step, loss, batch, params_due, optim_due, dev, self.dist is not None)
+        close = self._watch_closely(step)  # while an incident is open or after a non-finite step
+        s = LaunchStep(step, loss, batch, params_due or close, optim_due or close, self._extremes_due(step, params_due),
+                       dev, self.dist is not None)
         for family in self.families:
             s.segments += family(s)
+        self._narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
         packed, layout = pack(s.segments, s.dev, wide=s.distributed)
         ticket = None
         if s.distributed:
@@ -148,11 +163,33 @@ class StatsEngine:
             ticket = GatherTicket(local, capacity)
         host, event = self.pinned.to_host(packed)
         self._arm_probes(step + 1)
+        if self.preclip is not None:  # what the next backward measures
+            every = self.policy.sampling.params_every
+            self.preclip.absmax = self._extremes_due(step + 1, (step + 1) % every == 0)
         return Pending(
             step=step, packed=host, event=event, layout=layout, grad_names=s.grad_names, acts=s.acts,
             grad_dtype=s.grad_dtype, loss_host=s.loss_host, loss_dtype=s.loss_dtype, lr=s.lr,
             grads=s.grads, params=params if s.params else [], state=s.state, gather=ticket, mech=s.mech,
+            clip_anchors=s.clip_anchors,
         )
+
+    def _watch_closely(self, step: int) -> bool:
+        return self._incident_open or step <= self._detail_until
+
+    def _extremes_due(self, step: int, params_due: bool) -> bool:
+        """max |g| is measured with the parameters' cadence, every step for narrow dtypes and
+        while the run is watched closely; the L2 norm bounds it (and shows NaN/Inf) between."""
+        return params_due or self._narrow_grads or self._watch_closely(step)
+
+    def _clip_anchors(self, grads: list[torch.Tensor]) -> tuple[list[int], Any]:
+        """The positions of the CLIP_ANCHORS smallest non-empty gradients, and a picker for them
+        (chosen once per list length)."""
+        n = len(grads)
+        if self._anchor_cache[0] != n:
+            sizes = [(g.numel(), i) for i, g in enumerate(grads) if g.numel()]
+            idx = sorted(i for _, i in sorted(sizes)[:CLIP_ANCHORS]) or [0]
+            self._anchor_cache = (n, idx, operator.itemgetter(*idx))
+        return self._anchor_cache[1], self._anchor_cache[2]
 
     def _refresh(self) -> None:
         if self.watched.refresh():
@@ -183,15 +220,24 @@ class StatsEngine:
         pre = self.preclip.take() if self.preclip is not None else None
         segs = []
         if pre is not None:
-            segs += [Segment("grad_norms", pre.norms, Reduce.LOCAL),  # single process only
-                     Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL)]
-            if grads:
-                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post"), rules))
+            segs.append(Segment("grad_norms", pre.norms, Reduce.LOCAL))  # single process only
+            if pre.extremes is not None:
+                segs.append(Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL))
+            if grads and names == pre.names:  # the clip ratio: a few gradients again, after clipping
+                idx, pick = self._clip_anchors(grads)
+                picked = pick(grads)
+                s.clip_anchors = idx
+                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(
+                    list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"), Reduce.LOCAL))
+            elif grads:  # other gradients than the backward left (replaced, or more): all of them
+                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL))
             s.grads, s.grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
         else:
-            if grads:
+            if grads and s.extremes_due:
                 norms, absmax = self.kernels.norms_and_absmax(grads, key="grads")
                 segs += [Segment("grad_norms", norms, rules), Segment("grad_absmax", absmax, Reduce.MAX)]
+            elif grads:
+                segs.append(Segment("grad_norms", self.kernels.l2_norms(grads, key="grads"), rules))
             s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
         for dt in raw_dtypes:
             s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
@@ -249,10 +295,13 @@ class StatsEngine:
                                or next_step <= self._detail_until or next_step % every == 0)
 
     def watch_all_modules(self, on: bool) -> None:
-        """Hook every watched module's output while `on` (the Monitor: while an incident is open)."""
+        """Hook every watched module's output, and measure everything every step, while `on`
+        (the Monitor: while an incident is open)."""
         self._incident_open = on
         if on:
             self.probes.set_detail(True)
+            if self.preclip is not None:
+                self.preclip.absmax = True
 
     def resolve(self, pending: Pending) -> StepRecord:
         """Read a launched step on the host (waits for its copy) and build the StepRecord."""
@@ -265,12 +314,31 @@ class StatsEngine:
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)
+        if rec.nonfinite_parts and not pending.params and self.dist is None:
+            self._check_params(rec)
         if self.mechanisms is not None:
             self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
         if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
             self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
             self.probes.set_detail(True)
+            if self.preclip is not None:  # and measure max |g| from the next backward on
+                self.preclip.absmax = True
         return rec
+
+    def _check_params(self, rec: StepRecord) -> None:
+        """A non-finite step that did not measure the parameters (not due) measures them now:
+        weights an update made non-finite are the recovery's cue to roll back, where skipping the
+        batch would not help. The failure path only: its host read costs a healthy run nothing.
+        (Under torch.distributed the next due step, identical on every rank, tells it.)"""
+        params = self.watched.params
+        if not params:
+            return
+        with torch.no_grad():
+            measured = [as_real(p) for p in self.watched.local(params)]
+            norms = exact_where_overflowed(self.kernels.l2_norms(measured, key="param_check").tolist(), measured)
+        rec.param_norm = math.sqrt(math.fsum(v * v for v in norms)) if all(map(math.isfinite, norms)) else math.nan
+        if not math.isfinite(rec.param_norm) and "parameters" not in rec.nonfinite_parts:
+            rec.nonfinite_parts = rec.nonfinite_parts + ("parameters",)
 
     # ------------------------------------------------------------------ the rest
     def optimizer_kind(self) -> str | None:

@@ -23,8 +23,9 @@ __all__ = ["NormKernels", "absmax_rows", "as_real"]
 
 
 #: tensors up to this many elements are measured in groups on CPU (copying them is cheaper
-#: than a kernel launch each); larger ones are measured where they lie
-SMALL_NUMEL = 1 << 15
+#: than a kernel launch each); larger ones are measured where they lie (on a 12-block LM's
+#: gradients, 2^15 concatenated its 16k-element weights too, and the copy cost more than it saved)
+SMALL_NUMEL = 1 << 12
 #: torch's intra-op grain (at::internal::GRAIN_SIZE): groups stay below it, so their reductions
 #: run on the calling thread
 GRAIN = 1 << 15

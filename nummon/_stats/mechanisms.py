@@ -6,7 +6,7 @@ on sampled steps only and packed into the step's one device->host copy.
   materialises the logits: they are recomputed from q and k on a bounded sample of queries) and
   `nn.MultiheadAttention`;
 - output: log Z (log-sum-exp of the logits that go into cross-entropy / log_softmax), mean and
-  max, and the largest output logit;
+  max over the first `OUTPUT_BUDGET` logits' rows, and the largest output logit;
 - Adam/AdamW: per tensor RMS(g / sqrt(v_hat)) (v_hat: the bias-corrected second moment this
   gradient is divided by, whether `post_step` runs before or after `optimizer.step()`), the
   fraction of |g| below eps, and ||update|| / ||param||;
@@ -41,7 +41,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .transport import Layout, Segment
 
-__all__ = ["ADAM_SAMPLE", "ENTROPY_BUDGET", "RMS_BUDGET", "MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
+__all__ = ["ADAM_SAMPLE", "ENTROPY_BUDGET", "OUTPUT_BUDGET", "RMS_BUDGET", "MechanismProbes", "MechanismStep", "SDPA_QUERY_BUDGET"]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -51,6 +51,9 @@ SDPA_QUERY_BUDGET = 1 << 18
 ENTROPY_BUDGET = 1 << 13
 #: A Linear's output RMS is that of its first this many elements (the first tokens or samples).
 RMS_BUDGET = 1 << 14
+#: log Z is taken over the first rows (samples, tokens) of the logits holding at most this many
+#: (at least one row); the largest logit over all of them.
+OUTPUT_BUDGET = 1 << 20
 #: The Adam statistics of a tensor are estimated from this many of its elements when it has
 #: more (a fixed random subset; all of them when it has fewer): ratios and fractions,
 #: which a uniform sample estimates without bias, at a cost that does not grow with the model.
@@ -212,6 +215,7 @@ class MechanismProbes:
         # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
         # v's update (without a model forward to see: since the last take)
         self._stepped = False
+        self._steps_seen = 0  # optimizer steps since attaching (a host count: no device read)
         self._hooks_opt = []
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
             self._hooks_opt = [optimizer.register_step_pre_hook(self._before_step),
@@ -225,12 +229,13 @@ class MechanismProbes:
 
     def _after_step(self, *_: Any) -> None:
         self._stepped = True
+        self._steps_seen += 1
 
     # ------------------------------------------------------------------ forward capture
     def _reset(self) -> None:
         self._attn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._rms: dict[str, torch.Tensor] = {}
+        self._rms: dict[str, list[tuple[torch.Tensor, int]]] = {}  # per Linear: (sum of squares, elements) per call
 
     def arm(self, on: bool) -> None:
         """Sample (or not) the next forward and optimizer step."""
@@ -279,12 +284,10 @@ class MechanismProbes:
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
         if id(mod) in self._linear and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-            try:
-                with torch.no_grad():  # the RMS of the output's first RMS_BUDGET elements (the first tokens)
-                    o = out.detach().reshape(-1)[:RMS_BUDGET]
-                    rms = torch.linalg.vector_norm(o, dtype=torch.float32) / math.sqrt(o.numel())
-                prev = self._rms.get(name)
-                self._rms[name] = rms if prev is None else torch.maximum(prev, rms)
+            try:  # the mean square of the output's first RMS_BUDGET elements (the first tokens); sqrt at take()
+                o = out.detach().reshape(-1)[:RMS_BUDGET]
+                ss = torch.dot(o, o) if o.dtype == torch.float32 else torch.linalg.vector_norm(o, dtype=torch.float32).square()
+                self._rms.setdefault(name, []).append((ss, o.numel()))
             except Exception:  # a probe must never break the user's forward
                 self.errors += 1
 
@@ -386,9 +389,12 @@ class MechanismProbes:
     def _output(self, logits: torch.Tensor, dim: int) -> None:
         if not self.want_output or logits.numel() == 0:
             return
-        x = logits.detach().float()
-        lse = torch.logsumexp(x, dim=dim)
-        self._out.append((lse.mean(), lse.amax(), x.amax()))
+        x = logits.detach()
+        top = x.amax().float()  # over every logit, in their own dtype (no float copy of a large vocabulary's)
+        if x.ndim >= 2 and dim % x.ndim != 0 and x.numel() > OUTPUT_BUDGET:
+            x = x[: max(1, OUTPUT_BUDGET // x[0].numel())]  # log Z of the first samples / tokens
+        lse = torch.logsumexp(x.float(), dim=dim)
+        self._out.append((lse.mean(), lse.amax(), top))
 
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
@@ -429,11 +435,22 @@ class MechanismProbes:
                 lmax = torch.stack([o[2] for o in self._out]).amax().reshape(1)
                 segs += [Segment("mech_lse_mean", mean, Reduce.MEAN), Segment("mech_lse_max", mx, Reduce.MAX),
                          Segment("mech_logit_max", lmax, Reduce.MAX)]
-            if self._rms:
+            if self._rms:  # per module its largest RMS over the calls of this step
                 ms.linear = list(self._rms)
-                segs.append(Segment("mech_linear_rms", torch.stack(list(self._rms.values())), Reduce.MAX))
+                calls = [c for cs in self._rms.values() for c in cs]
+                ss = torch.stack([c[0] for c in calls])
+                ms_ = (ss / torch.tensor([float(c[1]) for c in calls], device=ss.device)).sqrt()
+                if len(calls) > len(ms.linear):  # a module called more than once (weight sharing)
+                    sizes = torch.tensor([len(cs) for cs in self._rms.values()], device=ss.device)
+                    owner = torch.repeat_interleave(torch.arange(len(ms.linear), device=ss.device), sizes)
+                    ms_ = torch.full((len(ms.linear),), -math.inf, device=ss.device).scatter_reduce(0, owner, ms_, "amax")
+                segs.append(Segment("mech_linear_rms", ms_, Reduce.MAX))
             if self.want_adam and self.optimizer is not None:
-                names, adam_segs, elements = self._adam()
+                try:
+                    names, adam_segs, elements = self._adam()
+                except Exception:  # a probe must never break the user's step (e.g. a group across devices)
+                    self.errors += 1
+                    names, adam_segs, elements = [], [], 0.0
                 if names:
                     ms.adam, ms.adam_elements = names, elements
                     segs += adam_segs
@@ -476,7 +493,10 @@ class MechanismProbes:
                     kind.append(x)
                 steps.append(st.get("step", 0.0))
             # the first step's ratio is 1 by construction: nothing to tell yet
-            if not steps or float(steps[0]) < (2 if stepped else 1):
+            first = steps[0] if steps else None
+            on_device = isinstance(first, torch.Tensor) and first.device.type != "cpu"  # fused/capturable Adam
+            done = self._steps_seen if on_device else float(first) if first is not None else 0.0  # no sync
+            if not steps or done < (2 if stepped else 1):
                 continue
             sample = self._sampler.get(kinds[0], self._param_names)
             names += sample.names

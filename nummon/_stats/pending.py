@@ -40,6 +40,7 @@ class Pending:
     state: list[torch.Tensor] = field(default_factory=list)
     gather: GatherTicket | None = None
     mech: Any = None  # MechanismStep: the names behind the sampled mechanism segments
+    clip_anchors: list[int] | None = None  # positions in `grads` whose post-clip norms were packed
 
     # read-only views kept for callers of the old dict-based fields
     @property

@@ -30,7 +30,7 @@ class PreClipGrads:
     grads: list[torch.Tensor]  # the measured tensors (clipping later scales them in place)
     raw_dtypes: set[torch.dtype]
     norms: torch.Tensor  # (n,) float32 L2 norms
-    extremes: tuple[str, torch.Tensor]  # ("grad_absmax", (n,) max |g|), as `NormKernels.extremes`
+    extremes: tuple[str, torch.Tensor] | None  # ("grad_absmax", (n,) max |g|), when it was due
 
 
 _dtype = operator.attrgetter("dtype")
@@ -64,6 +64,7 @@ class PreClipCapture:
         self.install()
 
     paused = False  # forensics re-runs a backward that is not a training step
+    absmax = True  # whether the next backward measures max |g| too (the engine decides, per step)
 
     def install(self) -> None:
         """Hook the anchors not hooked yet (also after the model grew)."""
@@ -87,8 +88,12 @@ class PreClipCapture:
             grads, names, raw = self.watched.grads(dev, distributed=False)
             if not grads:
                 return
-            norms, absmax = self.kernels.norms_and_absmax(grads, key="preclip")
-            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, ("grad_absmax", absmax))
+            if self.absmax:
+                norms, absmax = self.kernels.norms_and_absmax(grads, key="preclip")
+                extremes = ("grad_absmax", absmax)
+            else:
+                norms, extremes = self.kernels.l2_norms(grads, key="preclip"), None
+            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, extremes)
 
     def take(self) -> PreClipGrads | None:
         """The statistics of the last backward since the previous call, or None."""
