@@ -135,16 +135,17 @@ def test_oscillation_bouncing_but_not_minibatch_noise():
 def test_vanishing_layer_among_live_ones():
     det = make(VanishingDetector)
     found = []
-    for i in range(60):
-        found.append(det.update(StepRecord(step=i, layer_grad_norms={"a.weight": 1.0, "b.weight": 0.0})))
-    assert not any(found[:49]) and "b.weight" in found[49][0].message
-    assert found[49][0].details["layers"] == {"b.weight": 0.0}
+    for i in range(65):  # b learns for 5 steps, then its gradient is gone
+        found.append(det.update(StepRecord(step=i, layer_grad_norms={"a.weight": 1.0, "b.weight": 0.5 if i < 5 else 0.0})))
+    assert not any(found[:54]) and "b.weight" in found[54][0].message
+    assert found[54][0].details["layers"] == {"b.weight": 0.0}
 
 
 def test_vanished_layers_of_one_step_are_one_finding_naming_the_worst():
     det = make(VanishingDetector)
     norms = {"live.weight": 1.0, **{f"l{i}.weight": i * 1e-9 for i in range(15)}}
-    for i in range(50):
+    det.update(StepRecord(step=0, layer_grad_norms=dict.fromkeys(norms, 1.0)))  # every layer learned once
+    for i in range(1, 51):
         found = det.update(StepRecord(step=i, layer_grad_norms=norms))
     assert len(found) == 1
     f = found[0]

@@ -16,7 +16,7 @@ import torch
 import nummon
 from benchmarks.proxies.lm import ProxyConfig, train
 
-__all__ = ["CONFIGS", "collect"]
+__all__ = ["ALL", "CONFIGS", "HF_CONFIGS", "OUTPUT_LOGIT_CONFIGS", "collect"]
 
 #: The proxies: healthy (lr 0.01), unstable (0.1, 0.3) at two widths and two seeds; the unstable
 #: LR again with qk-layernorm, with z-loss, and with fused (SDPA) attention.
@@ -26,6 +26,26 @@ CONFIGS = tuple(
     + [ProxyConfig(lr=0.3, seed=0, z_loss=1e-4), ProxyConfig(lr=0.3, seed=0, attention="sdpa"),
        ProxyConfig(lr=0.01, seed=0, qk_layernorm=True)]
 )
+
+#: Wortsman et al.'s recipe for output-logit divergence (section 3.2): qk-layernorm on (no
+#: attention-logit growth), no weight decay, high LR, with and without z-loss 1e-4; no learnable
+#: scale on the final LayerNorm; and a head over 1024 tokens of which the corpus uses 256 (the
+#: other 768 are never a target, so Adam pushes their logits down every step); and 3000 steps
+#: with the forward under bfloat16 autocast.
+OUTPUT_LOGIT_CONFIGS = tuple(
+    [ProxyConfig(lr=lr, seed=0, qk_layernorm=True, weight_decay=0.0, z_loss=z) for lr in (0.3, 1.0) for z in (0.0, 1e-4)]
+    + [ProxyConfig(lr=0.3, seed=s, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False) for s in (0, 1)]
+    + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, z_loss=1e-4)]
+    + [ProxyConfig(lr=0.1, seed=0, qk_layernorm=True, weight_decay=0.0, vocab=1024, data_vocab=256, z_loss=z)
+       for z in (0.0, 1e-4)]
+    + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, bf16=True, steps=3000,
+                   z_loss=z) for z in (0.0, 1e-4)]  # bfloat16 logits, 3000 steps: where log Z drifts
+)
+
+#: Hugging Face GPT-2 and Llama of the same shape, built from a config with SDPA attention.
+HF_CONFIGS = tuple(ProxyConfig(arch=a, lr=lr, seed=0) for a in ("gpt2", "llama") for lr in (0.01, 0.03, 0.3))
+
+ALL = CONFIGS + OUTPUT_LOGIT_CONFIGS + HF_CONFIGS
 
 
 def collect(c: ProxyConfig, out: Path) -> Path:
@@ -48,6 +68,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     want = sys.argv[2:]
-    for c in CONFIGS:
+    for c in ALL:
         if not want or any(w in c.name for w in want):
             collect(c, out)

@@ -17,7 +17,7 @@ from nummon._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, Severity, St
 
 from .peers import PEERS, loss_band_exit
 
-__all__ = ["first_warning", "score_trace"]
+__all__ = ["MECHANISM_KINDS", "first_warning", "first_warnings", "score_trace"]
 
 _BLANK = {f: None for f in MECHANISM_FIELDS} | {f: {} for f in MECHANISM_LAYER_FIELDS} | {"sample_loss_top": ()}
 
@@ -26,16 +26,33 @@ def _without(rec: StepRecord) -> StepRecord:
     return dataclasses.replace(rec, **_BLANK)
 
 
-def first_warning(records: list[StepRecord], every: int | None, policy: Policy | None = None) -> tuple[int | None, str | None]:
-    """(step, kind) of the first warning or critical alert; `every=None`: without the probes."""
+MECHANISM_KINDS = ("attention_logits", "output_logits", "adam_second_moment")
+
+
+def first_warnings(records: list[StepRecord], every: int | None, policy: Policy | None = None) -> dict[str, int]:
+    """The first step each alert kind reached warning or critical; `every=None`: without the probes."""
     eng = HealthEngine(policy or Policy())
+    first: dict[str, int] = {}
     for rec in records:  # sampled exactly as Monitor._arm_mechanisms decides
         sampled = every is not None and (rec.step % every == 0 or eng.wants_sample() or eng.incident_state.active)
         got = eng.step(rec if sampled else _without(rec))
         for a in got.alerts:
             if a.severity.rank >= Severity.WARNING.rank:
-                return rec.step, a.kind.value
-    return None, None
+                first.setdefault(a.kind.value, rec.step)
+    return first
+
+
+def first_warning(records: list[StepRecord], every: int | None, policy: Policy | None = None) -> tuple[int | None, str | None]:
+    """(step, kinds) of the first warning or critical alert (every kind raised at that step,
+    joined by "+"); `every=None`: without the probes."""
+    return _first(first_warnings(records, every, policy))
+
+
+def _first(first: dict[str, int]) -> tuple[int | None, str | None]:
+    if not first:
+        return None, None
+    step = min(first.values())
+    return step, "+".join(k for k, v in first.items() if v == step)
 
 
 def score_trace(path: Path, every: int) -> dict:
@@ -45,11 +62,22 @@ def score_trace(path: Path, every: int) -> dict:
     loss = [r.loss for r in recs]
     gn = [r.grad_norm for r in recs]
     exit_ = loss_band_exit(loss)
-    with_step, with_kind = first_warning(recs, every)
+    with_all = first_warnings(recs, every)
+    with_step, with_kind = _first(with_all)
     without_step, without_kind = first_warning(recs, None)
+    mechanism = _first({k: v for k, v in with_all.items() if k in MECHANISM_KINDS})
     peers = {name: rule(loss, gn) for name, rule in PEERS.items()}
-    return {"run": path.stem, "exit": exit_, "with": (with_step, with_kind), "without": (without_step, without_kind),
-            "peers": peers, "peak_logit": max((r.attention_logit_max or 0) for r in recs)}
+    return {"run": path.stem, "exit": exit_, "with": (with_step, with_kind), "without": (without_step, without_kind), "mechanism": mechanism,
+            "peers": peers, "peak_logit": max((r.attention_logit_max or 0) for r in recs), "log_z": _log_z(recs, exit_)}
+
+
+def _log_z(recs: list[StepRecord], exit_: int | None) -> str:
+    """Mean log Z: its first sample, at the step the loss leaves its band, and its peak (nats)."""
+    z = {r.step: r.output_logsumexp_mean for r in recs if r.output_logsumexp_mean is not None}
+    if not z:
+        return "—"
+    at = f" → {z[exit_]:.3g} at exit" if exit_ in z else ""
+    return f"{next(iter(z.values())):.3g}{at} → peak {max(z.values()):.3g}"
 
 
 def _lead(exit_: int | None, step: int | None) -> str:
@@ -67,15 +95,16 @@ def main() -> None:
     args = ap.parse_args()
     rows = [r for p in sorted(Path(args.traces).glob("*.jsonl")) if (r := score_trace(p, args.every))]
     names = list(PEERS)
-    print(f"| run | loss leaves band | peak attention logit | nummon with probes (kind) | nummon without | "
+    print(f"| run | loss leaves band | peak attention logit | log Z | nummon with probes (kind) | first mechanism warning | nummon without | "
           + " | ".join(names) + " |")
-    print("|---" * (5 + len(names)) + "|")
+    print("|---" * (7 + len(names)) + "|")
     for r in rows:
         e = r["exit"]
         w = _lead(e, r["with"][0]) + (f" ({r['with'][1]})" if r["with"][1] else "")
+        m = _lead(e, r["mechanism"][0]) + (f" ({r['mechanism'][1]})" if r["mechanism"][1] else "")
         wo = _lead(e, r["without"][0]) + (f" ({r['without'][1]})" if r["without"][1] else "")
         peers = " | ".join(_lead(e, r["peers"][n]) for n in names)
-        print(f"| {r['run']} | {e if e is not None else '—'} | {r['peak_logit']:.3g} | {w} | {wo} | {peers} |")
+        print(f"| {r['run']} | {e if e is not None else '—'} | {r['peak_logit']:.3g} | {r['log_z']} | {w} | {m} | {wo} | {peers} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ProxyConfig", "TinyLM", "Corpus", "train"]
+__all__ = ["ProxyConfig", "TinyLM", "Corpus", "build", "hf_model", "train"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class ProxyConfig:
     seq: int = 64
     batch: int = 16
     vocab: int = 256
+    data_vocab: int = 0  # tokens the corpus uses (0: all of `vocab`); the rest are never a target
     steps: int = 300
     warmup: int = 100
     qk_layernorm: bool = False
@@ -37,12 +38,22 @@ class ProxyConfig:
     attention: str = "manual"  # or "sdpa"
     weight_decay: float = 0.1
     clip: float = 1.0
+    ln_f_affine: bool = True  # False: the final LayerNorm has no learnable scale or shift
+    bf16: bool = False  # forward under CPU/GPU autocast to bfloat16 (the logits come out in bfloat16)
+    arch: str = "tiny"  # or "gpt2" / "llama": a Hugging Face model built from a config, SDPA attention
 
     @property
     def name(self) -> str:
         extra = ("+qkln" if self.qk_layernorm else "") + (f"+z{self.z_loss:g}" if self.z_loss else "")
         extra += "+sdpa" if self.attention == "sdpa" else ""
-        return f"lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
+        extra += f"+wd{self.weight_decay:g}" if self.weight_decay != 0.1 else ""
+        extra += f"+v{self.vocab}" if self.vocab != 256 else ""
+        extra += f"+dv{self.data_vocab}" if self.data_vocab else ""
+        extra += f"+t{self.steps}" if self.steps != 300 else ""
+        extra += "+noaffine" if not self.ln_f_affine else ""
+        extra += "+bf16" if self.bf16 else ""
+        arch = "" if self.arch == "tiny" else f"{self.arch}-"
+        return f"{arch}lr{self.lr:g}-d{self.d}-s{self.seed}{extra}"
 
 
 class Attention(nn.Module):
@@ -87,7 +98,7 @@ class TinyLM(nn.Module):
         self.emb = nn.Embedding(c.vocab, c.d)
         self.pos = nn.Parameter(torch.randn(c.seq, c.d) * 0.02)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.d)
+        self.ln_f = nn.LayerNorm(c.d, elementwise_affine=c.ln_f_affine)
         self.head = nn.Linear(c.d, c.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -97,12 +108,50 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def hf_model(c: ProxyConfig) -> nn.Module:
+    """A Hugging Face GPT-2 or Llama of the proxy's shape, built from a config (never downloaded),
+    with `attn_implementation="sdpa"`; GPT-2 ties its head to the embedding, Llama does not."""
+    import transformers
+
+    if c.arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=c.layers, n_embd=c.d, n_head=c.heads, vocab_size=c.vocab,
+                                      n_positions=c.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    elif c.arch == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=c.layers, hidden_size=c.d, num_attention_heads=c.heads,
+                                       num_key_value_heads=c.heads, intermediate_size=4 * c.d, vocab_size=c.vocab,
+                                       max_position_embeddings=c.seq, tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown proxy arch {c.arch!r}")
+    model = cls._from_config(cfg, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+class _Logits(nn.Module):
+    """The HF model's logits only, so the proxy's own loss (and its per-token losses) apply."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx, use_cache=False).logits
+
+
+def build(c: ProxyConfig) -> nn.Module:
+    return TinyLM(c) if c.arch == "tiny" else _Logits(hf_model(c))
+
+
 class Corpus:
     """Seeded batches: an order-1 Markov chain (5 successors per token), second half = first half."""
 
     def __init__(self, c: ProxyConfig) -> None:
         g = torch.Generator().manual_seed(1234)  # the same corpus for every run
-        self.succ = torch.randint(0, c.vocab, (c.vocab, 5), generator=g)
+        self.n = c.data_vocab or c.vocab
+        self.succ = torch.randint(0, self.n, (self.n, 5), generator=g)
         self.c = c
         self.g = torch.Generator().manual_seed(10_000 + c.seed)
 
@@ -110,7 +159,7 @@ class Corpus:
         c, g = self.c, self.g
         half = (c.seq + 1 + 1) // 2
         tok = torch.empty(c.batch, half, dtype=torch.long)
-        tok[:, 0] = torch.randint(0, c.vocab, (c.batch,), generator=g)
+        tok[:, 0] = torch.randint(0, self.n, (c.batch,), generator=g)
         choice = torch.randint(0, 5, (c.batch, half), generator=g)
         for t in range(1, half):
             tok[:, t] = self.succ[tok[:, t - 1], choice[:, t]]
@@ -128,19 +177,20 @@ def lr_at(c: ProxyConfig, step: int) -> float:
 def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_factory=None) -> dict:
     """Train one proxy; returns its trace: per step loss, pre-clip grad norm, lr (and the monitor's reports)."""
     torch.manual_seed(c.seed)
-    model = TinyLM(c)
+    model = build(c)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
                             lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
     data = Corpus(c)
     mon = monitor_factory(model, opt) if monitor_factory else None
-    trace = {"loss": [], "grad_norm": [], "lr": [], "reports": []}
+    trace = {"loss": [], "grad_norm": [], "lr": [], "logz": [], "logit_mean": [], "reports": []}
     for step in range(c.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(c, step)
         x, y = data.batch()
-        logits = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+            logits = model(x)
         per_tok = F.cross_entropy(logits.reshape(-1, c.vocab), y.reshape(-1), reduction="none")
         loss = per_tok.mean()
         total = loss + c.z_loss * torch.logsumexp(logits.float(), -1).pow(2).mean() if c.z_loss else loss
@@ -151,6 +201,8 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
         trace["loss"].append(float(loss.detach()))
         trace["grad_norm"].append(float(gn))
         trace["lr"].append(opt.param_groups[0]["lr"])
+        trace["logz"].append(float(torch.logsumexp(logits.detach().float(), -1).mean()))
+        trace["logit_mean"].append(float(logits.detach().float().mean()))
         if mon is not None:
             trace["reports"].append(mon.post_step(loss, per_sample_loss=per_tok.detach().view(c.batch, -1).mean(1)))
         if on_step is not None:

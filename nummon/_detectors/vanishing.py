@@ -1,4 +1,8 @@
-"""Some layers' gradients ~0 for many steps while other layers' are not."""
+"""Some layers' gradients ~0 for many steps while other layers' are not, after they had one.
+
+A tensor whose gradient has been ~0 from its first step on has not vanished: its gradient is
+structurally zero (a LayerNorm bias on the keys, which shifts every logit of a query alike so
+softmax ignores it; a parameter the loss does not use) and only a change in it is news."""
 from __future__ import annotations
 
 from .. import _functional as F
@@ -19,6 +23,7 @@ class VanishingDetector:
     def __init__(self, p: VanishingPolicy) -> None:
         self._p = p
         self._count: dict[str, int] = {}
+        self._live: set[str] = set()  # tensors whose gradient has been above the limit at least once
 
     def update(self, rec: StepRecord) -> list[Finding]:
         norms = {k: v for k, v in rec.layer_grad_norms.items() if F.is_finite(v)}
@@ -29,7 +34,9 @@ class VanishingDetector:
             return []
         limit = self._p.ratio * top
         for name, v in norms.items():
-            self._count[name] = self._count.get(name, 0) + 1 if v <= limit else 0
+            if v > limit:
+                self._live.add(name)
+            self._count[name] = self._count.get(name, 0) + 1 if v <= limit and name in self._live else 0
         gone = sorted((v, name) for name, v in norms.items() if self._count[name] >= self._p.patience)
         if not gone:
             return []
