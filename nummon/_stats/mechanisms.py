@@ -82,7 +82,7 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 
 
 @dataclass
@@ -389,7 +389,8 @@ class MechanismProbes:
         """nn.MultiheadAttention: its logits recomputed from the projections it was given."""
         if not self.want_attention:
             return
-        a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = dict(zip(_MHA_PARAMS, args))  # (inspect's bind costs more than the probe)
+        a.update(kwargs)
         query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
         if query.ndim == 2:  # unbatched (L, E)
             query, key = query.unsqueeze(1), key.unsqueeze(1)
