@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 __all__ = [
+    "spaced",
     "DTYPE_MAX",
     "MAD_TO_SIGMA",
     "is_finite",
@@ -148,6 +149,16 @@ def fmt_num(v: Any, none: str = "—") -> str:
     if not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.4g}"
+
+
+T = TypeVar("T")
+
+
+def spaced(items: Sequence[T], k: int) -> list[T]:
+    """At most `k` of `items`, evenly spaced, the first and the last included."""
+    if len(items) <= k:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
 
 
 def cut_at_word(text: str, limit: int) -> str:

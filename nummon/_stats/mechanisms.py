@@ -40,6 +40,7 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from .._distributed import Reduce
+from .._functional import spaced
 from .._types import StepRecord
 from .transport import Layout, Segment
 
@@ -148,13 +149,6 @@ def _is_attention_scores(x: torch.Tensor, dim: int) -> bool:
 def _is_linear(m: nn.Module) -> bool:
     """nn.Linear, or a linear layer by another name (GPT-2's `Conv1D` in transformers: x @ W + b)."""
     return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and hasattr(m, "nf"))
-
-
-def _spaced(items: list, k: int) -> list:
-    """At most `k` items, evenly spaced, the first and the last included."""
-    if len(items) <= k:
-        return items
-    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
 
 
 class _Sample:
@@ -276,7 +270,7 @@ class MechanismProbes:
         if self._samples_until_names <= 0:  # the module names, again now and then: a model may grow
             self._names = {id(m): n for n, m in self.model.named_modules()}
             linear = [id(m) for m in self.model.modules() if _is_linear(m)] if self.want_linear else []
-            self._linear = set(_spaced(linear, LINEAR_LIMIT))
+            self._linear = set(spaced(linear, LINEAR_LIMIT))
             self._samples_until_names = NAMES_EVERY
         self._samples_until_names -= 1
         self._stack = []

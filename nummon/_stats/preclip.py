@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._functional import spaced
 from .kernels import NormKernels
 from .watch import WatchedParams
 
@@ -41,10 +42,7 @@ ANCHORS = 8
 
 def anchors(params: list[torch.Tensor], k: int = ANCHORS) -> list[torch.Tensor]:
     """Up to `k` parameters spread evenly over the list, the first and the last included."""
-    n = len(params)
-    if n <= k:
-        return list(params)
-    return [params[round(i * (n - 1) / (k - 1))] for i in range(k)]
+    return spaced(params, k)
 
 
 class PreClipCapture:

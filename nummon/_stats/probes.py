@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._distributed import Reduce
+from .._functional import spaced
 from .dtypes import dtype_name, narrowest
 from .kernels import absmax_rows
 from .transport import Segment
@@ -59,13 +60,6 @@ def _watched(model: nn.Module, exclude: Sequence[str]) -> list[tuple[str, nn.Mod
             if n and any(True for _ in m.parameters(recurse=False)) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
 
 
-def _spaced(items: list[str], k: int) -> list[str]:
-    """At most `k` items, evenly spaced, the first and the last included."""
-    if len(items) <= k:
-        return items
-    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
-
-
 def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str] = ()) -> list[str]:
     """The module names hooked every step on a large model: the blocks of its main stack and
     the watched modules outside it (each capped at `BOUNDARY_LIMIT`, evenly spaced)."""
@@ -78,7 +72,7 @@ def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str
     blocks = [b for b in children[stack] if not any(fnmatch.fnmatchcase(b, p) for p in exclude)]
     inside = tuple(b + "." for b in children[stack])
     outside = [w for w in watched if w not in children[stack] and not w.startswith(inside)]
-    chosen = set(_spaced(blocks, BOUNDARY_LIMIT)) | set(_spaced(outside, BOUNDARY_LIMIT))
+    chosen = set(spaced(blocks, BOUNDARY_LIMIT)) | set(spaced(outside, BOUNDARY_LIMIT))
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(chosen, key=order.__getitem__)
 
