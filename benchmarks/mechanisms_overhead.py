@@ -1,88 +1,62 @@
-"""Cost of the sampled mechanism probes on the CPU proxy LM (benchmarks/proxies/lm.py, d 128,
-2 blocks, 4 heads, batch 16 x 64 tokens, AdamW), as ratios side by side in one process.
+"""Cost of the sampled mechanism probes, as ratios side by side in one process: on the CPU
+proxy LM (benchmarks/proxies/lm.py: d 128, 2 blocks, 4 heads, batch 16 x 64 tokens, AdamW) by
+default, or any workload of `overhead_scale.py` (`--workload lm12`).
 
-Variants run interleaved in short blocks (a new order each round; a block is `every` steps, so
-it holds exactly one sampled step at the default cadence): the bare training step; nummon with
-the probes off; with the probes at the default cadence; and each probe alone at every step (its
-cost per sampled step). Time is this thread's CPU time (`time.thread_time`, torch on one
-thread), so the other processes on a shared machine add little noise; each variant's median
-block time is divided by the bare step's.
+The variants: the bare training step; nummon with the probes off; with the probes at the
+default cadence; all probes at every step; and each probe alone at every step (its cost per
+sampled step, with the capture's own). Each trains its own copy of the model with its Monitor
+kept for the whole run, the variants taking turns step by step (`overhead_scale.measure`);
+time is this thread's CPU time (torch on one thread), so other processes add little but
+contention. "vs probes off" is the difference in percent of a bare step.
 
-    flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--steps K]
+    flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--workload W]
 """
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
+import os
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-import nummon
-from benchmarks.proxies.lm import Corpus, ProxyConfig, TinyLM
+sys.path.insert(0, os.path.dirname(__file__))
+import overhead_scale  # noqa: E402
+
+import nummon  # noqa: E402
 
 OFF = {"attention": False, "output": False, "adam": False, "linear_rms": False}
 
 
-def variants(every: int) -> dict[str, dict | None]:
+def variants(every: int) -> dict:
     base = {"alerts": {"stop_on_critical": False}, "recorder": {"write": False}}
-    out: dict[str, dict | None] = {"bare": None, "nummon, probes off": {**base, "mechanisms": {"enabled": False}},
-                                   f"nummon, probes every {every} (default)": {**base, "mechanisms": {"every": every}},
-                                   "nummon, all probes every step": {**base, "mechanisms": {"every": 1}}}
+    mon = overhead_scale.attach_monitor
+    out = {"bare": overhead_scale.bare, "bare (A/A)": overhead_scale.bare,
+           "nummon, probes off": mon({**base, "mechanisms": {"enabled": False}}),
+           f"nummon, probes every {every} (default)": mon({**base, "mechanisms": {"every": every}}),
+           "nummon, all probes every step": mon({**base, "mechanisms": {"every": 1}})}
     for probe in OFF:
-        out[f"nummon + {probe} only, every step"] = {**base, "mechanisms": {**OFF, probe: True, "every": 1}}
+        out[f"nummon + {probe} only, every step"] = mon({**base, "mechanisms": {**OFF, probe: True, "every": 1}})
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10, help="steps per round (a multiple of the cadence)")
+    ap.add_argument("--workload", default="proxy")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    c = ProxyConfig(lr=0.01)
-    torch.manual_seed(0)
-    model = TinyLM(c)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = Corpus(c)
-    batches = [data.batch() for _ in range(8)]
+    overhead_scale.CLOCK = time.thread_time
     every = nummon.Policy().mechanisms.every
-    vs = variants(every)
-    times: dict[str, list[float]] = {k: [] for k in vs}
-
-    def run(policy: dict | None, steps: int) -> float:
-        mon = nummon.Monitor(model, opt, policy=policy) if policy is not None else None
-        t = []
-        for i in range(steps):
-            x, y = batches[i % len(batches)]
-            t0 = time.thread_time()
-            loss = F.cross_entropy(model(x).reshape(-1, c.vocab), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if mon is not None:
-                mon.post_step(loss)
-            t.append(time.thread_time() - t0)
-        if mon is not None:
-            mon.close()
-        return statistics.fmean(t)  # the mean: a sampled step is one in `every`
-
-    for name, pol in vs.items():  # warm-up
-        run(pol, every)
-    for _ in range(args.rounds):
-        order = list(vs)
-        random.shuffle(order)
-        for name in order:
-            times[name].append(run(vs[name], every))
-    bare = statistics.median(times["bare"])
-    print(f"bare step: {bare * 1e3:.2f} ms CPU (median of {args.rounds} blocks of {every} steps, 1 thread)")
+    r = overhead_scale.measure(args.workload, torch.device("cpu"), args.rounds, args.steps, 5, variants(every))
+    print(f"{args.workload}: bare step {r['bare_ms']:.2f} ms CPU (paired medians of {args.rounds} rounds of "
+          f"{args.steps} steps, variants in turn step by step, 1 thread)")
     print("| variant | step / bare step | vs probes off (% of a bare step) |")
     print("|---|---|---|")
-    off = statistics.median(times["nummon, probes off"])
-    for name, ts in times.items():
-        m = statistics.median(ts)
-        print(f"| {name} | {m / bare:.4f} | {(m - off) / bare * 100:+.2f}% |")
+    off = r["variants"]["nummon, probes off"]["paired_ratio"]
+    for name, v in r["variants"].items():
+        print(f"| {name} | {v['paired_ratio']:.4f} | {(v['paired_ratio'] - off) * 100:+.2f}% |")
 
 
 if __name__ == "__main__":

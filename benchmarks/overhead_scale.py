@@ -7,11 +7,12 @@ Workloads (CPU by default, CUDA with --device cuda):
 - `cnn`: the demo CNN (batch 64, SGD momentum), the model of `benchmarks/overhead.py`;
 - `gptL` (GPU): GPT-2-small's shape with L blocks, bf16 autocast, fused AdamW.
 
-Per workload, one process, one model and one optimizer: each variant in turn attaches (a
-Monitor, or nothing), trains one untimed and `steps` timed steps, and detaches; the variants
-run interleaved in a new order each round, and each round's time is divided by the bare time
-of the same round (paired), so load from other processes cancels in the ratio. `bare (A/A)` is
-a second bare variant: its ratio shows the harness's own noise. Medians over rounds.
+Per workload, one process: every variant (a Monitor, or nothing) trains its own copy of the
+model (same seed, same data) and keeps its Monitor for the whole run; on CPU the variants take
+turns step by step in a new order each step, and each round's mean step is divided by the bare
+variant's of the same round (paired), so a change in the machine's speed cancels in the ratio.
+`bare (A/A)` is a second bare variant: its ratio shows the harness's own noise. Medians over
+rounds.
 
     python benchmarks/overhead_scale.py [--device cpu|cuda] [--rounds N] [--steps K]
         [--workloads tiny-20,tiny-100,tiny-1000,tiny-2000,lm12,cnn] [--json out.json]
@@ -95,6 +96,25 @@ def cnn_workload(dev: torch.device):
     return model, make_opt, loss_fn
 
 
+def proxy_workload(dev: torch.device):
+    """The tiny pre-LN LM of the mechanism proxies (benchmarks/proxies/lm.py: d 128, 2 blocks,
+    hand-written attention, batch 16x64, AdamW with weight decay groups)."""
+    from proxies.lm import Corpus, ProxyConfig, TinyLM
+
+    c = ProxyConfig(lr=0.01)
+    torch.manual_seed(0)
+    model = TinyLM(c).to(dev)
+    x, y = (t.to(dev) for t in Corpus(c).batch())
+
+    def make_opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def loss_fn(m):
+        return nn.functional.cross_entropy(m(x).reshape(-1, c.vocab), y.reshape(-1))
+
+    return model, make_opt, loss_fn
+
+
 def gpt_workload(dev: torch.device, layers: int):
     """GPT-2-small's shape (d=768, 12 heads, vocab 50257) with `layers` blocks, bf16 autocast,
     fused AdamW, batch 8x1024 (CUDA)."""
@@ -122,41 +142,54 @@ def workload(name: str, dev: torch.device):
         return lm_workload(dev, int(name[2:] or 12))
     if name == "cnn":
         return cnn_workload(dev)
+    if name == "proxy":
+        return proxy_workload(dev)
     raise SystemExit(f"unknown workload {name!r}")
 
 
 # ---------------------------------------------------------------- variants
 
+def attach_monitor(policy):
+    """A variant: a Monitor with this policy on the variant's own model and optimizer."""
+    def attach(model, opt):
+        mon = nummon.Monitor(model, opt, policy=policy)
+        return mon.post_step, mon.close
+    return attach
+
+
+def bare(model, opt):
+    return (lambda loss: None), (lambda: None)
+
+
 def variants() -> dict[str, Callable]:
-    def bare(model, opt):
-        return (lambda loss: None), (lambda: None)
-
-    def monitor(policy):
-        steps = [0]  # the step count carries over between rounds, so every-k work lands on schedule
-
-        def attach(model, opt):
-            mon = nummon.Monitor(model, opt, policy=policy, start_step=steps[0])
-
-            def detach():
-                steps[0] = mon.step
-                mon.close()
-
-            return mon.post_step, detach
-        return attach
-
     return {
         "bare": bare,
         "bare (A/A)": bare,
-        "nummon default": monitor("default"),
-        "nummon without activation hooks": monitor({"sampling": {"activations": False}}),
-        "nummon, mechanism probes off": monitor({"mechanisms": {"enabled": False}}),
-        "nummon, every statistic every step": monitor({"sampling": {"params_every": 1, "optimizer_every": 1}}),
+        "nummon default": attach_monitor("default"),
+        "nummon without activation hooks": attach_monitor({"sampling": {"activations": False}}),
+        "nummon, mechanism probes off": attach_monitor({"mechanisms": {"enabled": False}}),
+        "nummon, every statistic every step": attach_monitor({"sampling": {"params_every": 1, "optimizer_every": 1}}),
     }
 
 
-def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) -> dict:
-    model, make_opt, loss_fn = workload(name, dev)
-    opt = make_opt(model)
+def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int,
+            phase: dict[str, Callable] | None = None) -> dict:
+    """Every variant trains its own copy of the workload (same seed: the same weights, data and
+    work) with its attachment kept for the whole run, as in a real run: the sampled steps, the
+    first-call and discovery costs land as often as they do in training. On CPU the variants
+    take turns step by step (a new order each step), so a change in the machine's speed hits
+    them all alike; on CUDA in blocks of `steps` (a sync per step would hide the lagged copy).
+    A round is `steps` steps of every variant; its mean step time is divided by the bare
+    variant's of the same round (paired), and the ratio is the median over rounds."""
+    phase = phase or variants()
+    names = list(phase)
+    runs = {}
+    for v in names:
+        model, make_opt, loss_fn = workload(name, dev)
+        opt = make_opt(model)
+        after, close = phase[v](model, opt)
+        runs[v] = (model, opt, loss_fn, after, close)
+    model = runs[names[0]][0]
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
     n_modules = sum(1 for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False)))
 
@@ -164,7 +197,8 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) 
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def run(after, n):
+    def run(v, n):
+        model, opt, loss_fn, after, _ = runs[v]
         sync()
         t0 = CLOCK()
         for _ in range(n):
@@ -174,23 +208,27 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int) 
             opt.step()
             after(loss)
         sync()
-        return (CLOCK() - t0) / n
+        return CLOCK() - t0
 
-    run(lambda loss: None, warmup)
-    phase = variants()
-    times: dict[str, list[float]] = {k: [] for k in phase}
-    order = list(phase)
+    for v in names:  # untimed: first calls allocate buffers
+        run(v, warmup)
+    times: dict[str, list[float]] = {k: [] for k in names}
     rng = random.Random(0)
+    block = steps if dev.type == "cuda" else 1
     for _ in range(rounds):
-        rng.shuffle(order)
-        for v in order:
-            after, close = phase[v](model, opt)
-            run(after, 1)  # untimed: the first step after attaching allocates buffers
-            times[v].append(run(after, steps))
-            close()
+        acc = dict.fromkeys(names, 0.0)
+        for _ in range(steps // block):
+            rng.shuffle(names)
+            for v in names:
+                acc[v] += run(v, block)
+        for v in names:
+            times[v].append(acc[v] / steps)
+    for v in runs:
+        runs[v][4]()
     bare = times["bare"]
     res = {"tensors": n_tensors, "modules": n_modules, "bare_ms": statistics.median(bare) * 1e3, "variants": {}}
-    for v, ts in times.items():
+    for v in phase:
+        ts = times[v]
         ratio = statistics.median(t / b for t, b in zip(ts, bare))
         extra_us = statistics.median((t - b) for t, b in zip(ts, bare)) * 1e6
         res["variants"][v] = {"median_ms": statistics.median(ts) * 1e3, "paired_ratio": ratio,

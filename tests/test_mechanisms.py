@@ -213,7 +213,7 @@ def test_adam_second_moment_matches_a_hand_computation():
 def test_adam_statistics_of_a_large_tensor_come_from_a_sample_close_to_the_exact_ones():
     """A tensor over ADAM_SAMPLE elements is read at fixed sampled positions: the estimates stay
     within a few percent of the whole tensor's values, and a tensor at most that size is exact."""
-    from nummon._stats.mechanisms import ADAM_SAMPLE
+    from nummon._stats.adam_stats import ADAM_SAMPLE
 
     torch.manual_seed(0)
     big, tiny = nn.Parameter(torch.randn(256, 64)), nn.Parameter(torch.randn(7))

@@ -1,0 +1,191 @@
+"""Adam/AdamW second-moment health, per tensor, from the optimizer state on the device: RMS(g /
+sqrt(v_hat)), the fraction of |g| below eps, and ||update|| / ||param||.
+
+Cost is bounded per sampled step, whatever the model's size: a tensor of more than `ADAM_SAMPLE`
+elements is read at fixed random runs of `SAMPLE_RUN` consecutive elements, smaller ones whole;
+the four quantities (parameter, gradient, both moments) of a parameter group are read by one
+concatenation, and every per-tensor mean of the group is one reduction.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+
+from .._distributed import Reduce
+from .transport import Segment
+
+__all__ = ["ADAM_SAMPLE", "SAMPLE_RUN", "AdamStatistics"]
+
+#: The Adam statistics of a tensor are estimated from this many of its elements when it has
+#: more (a fixed random subset; all of them when it has fewer): ratios and fractions,
+#: which a uniform sample estimates without bias, at a cost that does not grow with the model.
+ADAM_SAMPLE = 1024
+#: ... read as runs of this many consecutive elements (a random element each is a cache miss each)
+SAMPLE_RUN = 256
+
+_grad_of = operator.attrgetter("grad")
+
+
+class _Sample:
+    """Where one list of tensors is read: small tensors whole, each large one at `ADAM_SAMPLE`
+    fixed random positions (runs of `SAMPLE_RUN`). The flat read holds the small tensors first,
+    then `ADAM_SAMPLE` elements per large one, so a per-tensor mean is one `index_add_` over the
+    small part and one row mean over the large part. Made once per list of shapes."""
+
+    def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        dev = tensors[0].device
+        self.names = names
+        self.shapes = [t.shape for t in tensors]
+        self.elements = float(sum(t.numel() for t in tensors))
+        self.small = [i for i, t in enumerate(tensors) if t.numel() <= ADAM_SAMPLE]
+        self.big = [i for i, t in enumerate(tensors) if t.numel() > ADAM_SAMPLE]
+        self.starts: list[list[int]] = []  # per large tensor: its runs' first elements
+        self.index: list[torch.Tensor] = []  # ... and the positions they read (a `take` each)
+        for i in self.big:  # runs at fixed random offsets: few cache lines, and no stride that
+            n = tensors[i].numel()  # could alias with a row length
+            g = torch.Generator().manual_seed(n)
+            starts = (torch.randperm(n // SAMPLE_RUN, generator=g)[: ADAM_SAMPLE // SAMPLE_RUN].sort().values
+                      * SAMPLE_RUN)
+            self.starts.append(starts.tolist())
+            self.index.append((starts[:, None] + torch.arange(SAMPLE_RUN)).reshape(-1).to(dev))
+        sizes = [tensors[i].numel() for i in self.small]
+        self.n_small = sum(sizes)  # elements of the flat read before the large tensors' samples
+        self.width = self.n_small + ADAM_SAMPLE * len(self.big)
+        self.seg = torch.repeat_interleave(torch.arange(len(self.small)), torch.tensor(sizes, dtype=torch.long)).to(dev)
+        self.small_count = torch.tensor(sizes, dtype=torch.float32, device=dev)
+        # the result's order is that of `tensors`: small ones first in the means, then large
+        order = self.small + self.big
+        self.unorder = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=dev)
+        self.sizes = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float32, device=dev)
+
+    def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Flat views of what is read of `tensors` (for tensors updated in place: cacheable)."""
+        out = [tensors[i].reshape(-1) for i in self.small]
+        for i, starts in zip(self.big, self.starts):
+            flat = tensors[i].reshape(-1)
+            out += [flat[s : s + SAMPLE_RUN] for s in starts]
+        return out
+
+    def reads(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What is read of `tensors` (new tensors every step, such as gradients): few calls."""
+        out = [torch._utils._flatten_dense_tensors([tensors[i] for i in self.small])] if self.small else []
+        return out + [torch.take(tensors[i], idx) for i, idx in zip(self.big, self.index)]
+
+    def means(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-tensor means of the rows of a (k, width) per-element matrix: (k, n_tensors)."""
+        parts = []
+        if self.small:
+            total = torch.zeros(x.shape[0], len(self.small), dtype=x.dtype, device=x.device)
+            parts.append(total.index_add_(1, self.seg, x[:, : self.n_small]) / self.small_count)
+        if self.big:
+            parts.append(x[:, self.n_small :].reshape(x.shape[0], len(self.big), ADAM_SAMPLE).mean(-1))
+        out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        return out.index_select(1, self.unorder) if self.small and self.big else out
+
+
+class _Group:
+    """One parameter group's tensors with Adam state, their sample and the cached views of the
+    tensors Adam updates in place (parameters, exp_avg, exp_avg_sq)."""
+
+    def __init__(self, key: tuple, ps: list, ms: list, vs: list, first: dict, names: list[str]) -> None:
+        self.key, self.ps, self.ms, self.vs, self.first = key, ps, ms, vs, first
+        self.sample = _Sample(ps, names)
+        self.fixed = self.sample.views(ps) + self.sample.views(ms) + self.sample.views(vs)
+
+
+class AdamStatistics:
+    """Per tensor of an Adam-like optimizer (state `exp_avg` and `exp_avg_sq`, group `betas` and
+    `eps`): the segments `mech_adam_rms`, `mech_adam_small`, `mech_adam_update`."""
+
+    def __init__(self, optimizer: Any, names_of: Callable[[], dict[int, str]]) -> None:
+        self.optimizer = optimizer
+        self._names_of = names_of  # id(param) -> name
+        self._groups: dict[int, _Group] = {}
+
+    def refresh(self) -> None:
+        """Forget the cached groups (a parameter replaced out of place, `p.data = ...`, is seen again)."""
+        self._groups = {}
+
+    def _group(self, gi: int, group: dict) -> _Group | None:
+        """The group's parameters with Adam state (cached: Adam updates its state in place;
+        `load_state_dict` replaces the state mapping and the first step fills it, which the key
+        notices)."""
+        state, params = self.optimizer.state, group["params"]
+        key = (id(state), len(state), id(params), len(params))
+        hit = self._groups.get(gi)
+        if hit is not None and hit.key == key:
+            return hit
+        ps, ms, vs, first = [], [], [], {}
+        for p in params:
+            st = state.get(p)
+            m, v = (st.get("exp_avg"), st.get("exp_avg_sq")) if st else (None, None)
+            if m is None or v is None or p.is_sparse or v.shape != p.shape:  # e.g. a factored v
+                continue
+            first = first or st
+            ps.append(p), ms.append(m), vs.append(v)
+        if not ps or len({t.device for t in ps}) > 1:
+            self._groups.pop(gi, None)
+            return None
+        names = self._names_of()
+        out = self._groups[gi] = _Group(key, ps, ms, vs, first, [names.get(id(p), f"param{k}") for k, p in enumerate(ps)])
+        return out
+
+    def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float]:
+        """(tensor names, segments, gradient elements the |g| < eps counts are out of);
+        `stepped`: optimizer.step() already ran for this gradient; `steps_seen`: a host count of
+        the optimizer's steps (for a fused / capturable one, whose step count is on the device)."""
+        names: list[str] = []
+        rms, small, upd = [], [], []
+        elements = 0.0
+        for gi, group in enumerate(self.optimizer.param_groups):
+            betas = group.get("betas")
+            if betas is None or "eps" not in group:
+                continue
+            g = self._group(gi, group)
+            if g is None:
+                continue
+            grads = list(map(_grad_of, g.ps))
+            missing = [k for k, x in enumerate(grads) if x is None or x.is_sparse]
+            if len(missing) == len(grads):
+                continue
+            if missing:  # no (dense) gradient this step: Adam skips them, and so do these statistics
+                for k in missing:
+                    grads[k] = torch.zeros_like(g.ps[k])
+            # the first step's ratio is 1 by construction: nothing to tell yet. The step count is
+            # read from the group's first state (the others step with it); a fused / capturable
+            # optimizer's lives on the device: the host count stands in (no sync)
+            t = g.first.get("step", 0.0)
+            on_device = isinstance(t, torch.Tensor) and t.device.type != "cpu"
+            if (steps_seen if on_device else float(t)) < (2 if stepped else 1):
+                continue
+            b1, b2 = (float(b) for b in betas)
+            eps, lr = float(group["eps"]), float(group["lr"])
+            s = g.sample
+            names += [n for k, n in enumerate(s.names) if k not in missing] if missing else s.names
+            elements += s.elements - sum(g.ps[k].numel() for k in missing)
+            flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
+            P, M, V, G = flat.float().reshape(4, s.width).unbind(0)
+            if isinstance(t, torch.Tensor):
+                t = t.to(G.device, torch.float32)
+            g2 = G * G
+            # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
+            # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
+            # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
+            # that had no gradient yet) can make it explode, and before/after give the same value
+            vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
+            ratio = g2 / (vt / (1.0 - b2 ** tt)).clamp_min(eps * eps)
+            # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
+            step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
+            mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
+            if missing:
+                mean = mean[:, [k for k in range(len(grads)) if k not in missing]]
+            rms.append(mean[0].sqrt())
+            small.append(mean[1] * (s.sizes[[k for k in range(len(grads)) if k not in missing]] if missing else s.sizes))  # (estimated) count of |g| < eps
+            upd.append(mean[2].sqrt() * (lr / (1.0 - b1 ** t)) / mean[3].sqrt().clamp(min=1e-30))
+        if not names:
+            return [], [], 0.0
+        return names, [Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
+                       Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
+                       Segment("mech_adam_update", torch.cat(upd), Reduce.MAX)], elements

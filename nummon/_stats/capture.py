@@ -1,0 +1,500 @@
+"""What one sampled forward's attention, output-logit and Linear calls show, measured on the
+device: the max pre-softmax logit and the mean normalised entropy per attention module, log Z
+of the output logits, the output RMS of `nn.Linear` layers.
+
+- attention: hand-written q·kᵀ -> softmax, `F.scaled_dot_product_attention` (the fused kernel
+  never materialises the logits: they are recomputed from q and k on a bounded sample of
+  queries) and `nn.MultiheadAttention`;
+- output: log Z (log-sum-exp of the logits that go into cross-entropy / log_softmax), mean and
+  max over the first `OUTPUT_BUDGET` logits' rows, and the largest output logit;
+- per-layer output RMS of `nn.Linear` (and transformers' GPT-2 `Conv1D`) outputs: of the first
+  `RMS_BUDGET` elements, for at most `LINEAR_LIMIT` layers, evenly spaced.
+
+How, with no change to user code. A `TorchFunctionMode` sees the softmax / SDPA / MHA /
+cross-entropy calls, but every torch call under a mode passes through Python (~10 µs each), so
+it covers a whole forward only on a *discovery* forward: the first sampled one and every
+`PLAN_EVERY`-th after it, with global module hooks that name the module running. It leaves a
+`_Plan`: which modules compute attention, which module's output becomes the logits (matched by
+size), the Linear layers to measure. Every other sampled forward hooks just those modules: the
+mode is on only inside the attention modules, log Z is read from the head's output, and the
+Linear outputs from their own forward hooks. What no module holds falls back to the mode: after
+the forward (a loss computed from the model's output) or over the whole forward.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _module
+from torch.overrides import TorchFunctionMode
+
+from .._functional import spaced
+
+__all__ = ["ENTROPY_BUDGET", "LINEAR_LIMIT", "OUTPUT_BUDGET", "PLAN_EVERY", "RMS_BUDGET", "SDPA_QUERY_BUDGET",
+           "ForwardCapture"]
+
+#: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
+#: call: the first batch element, and evenly spaced queries when the sequence is long.
+SDPA_QUERY_BUDGET = 1 << 18
+#: The attention entropy is the mean over the score rows of the first (batch x head) slices
+#: holding at most this many scores (at least one slice); the max logit is over every score.
+ENTROPY_BUDGET = 1 << 13
+#: A Linear's output RMS is that of its first this many elements (the first tokens or samples).
+RMS_BUDGET = 1 << 14
+#: at most this many `nn.Linear` outputs are measured (evenly spaced in registration order)
+LINEAR_LIMIT = 64
+#: a discovery forward (the whole forward under the mode, the plan made again) every this many
+#: sampled forwards: a model may grow or change the path its forward takes
+PLAN_EVERY = 20
+#: log Z is taken over the first rows (samples, tokens) of the logits holding at most this many,
+#: and at least `OUTPUT_ROWS` rows; the largest logit over all of them.
+OUTPUT_BUDGET = 1 << 16
+OUTPUT_ROWS = 16
+# a logit this far below zero is a mask (masked_fill(-1e9), finfo.min), not a score
+_MASKED = -1e4
+
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+_LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+_SDPA = F.scaled_dot_product_attention
+# autograd nodes that move or cast values without computing new ones: logits that reach the
+# loss through them are a module's output (HF's `.float()`, a shift by one token, a reshape)
+_SAME_VALUES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0",
+                "TransposeBackward0", "PermuteBackward0", "SliceBackward0", "ExpandBackward0"}
+_MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+def _dim_of(args: tuple, kwargs: dict, default: int | None = None) -> int | None:
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    return args[1] if len(args) > 1 and isinstance(args[1], int) else default
+
+
+def _is_attention_scores(x: torch.Tensor, dim: int) -> bool:
+    """A softmax over the last dim of (batch, heads, queries, keys) or (batch*heads, q, k) scores."""
+    if not x.is_floating_point() or x.ndim < 3 or dim not in (-1, x.ndim - 1):
+        return False
+    return x.ndim >= 4 or x.shape[-1] == x.shape[-2]
+
+
+def _is_linear(m: nn.Module) -> bool:
+    """nn.Linear, or a linear layer by another name (GPT-2's `Conv1D` in transformers: x @ W + b)."""
+    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and hasattr(m, "nf"))
+
+
+class _Capture(TorchFunctionMode):
+    """Sees the attention and output-logit calls made while it is on."""
+
+    def __init__(self, capture: "ForwardCapture") -> None:
+        super().__init__()
+        self.c = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self.c
+        out = func(*args, **kwargs)
+        try:
+            if func is F.multi_head_attention_forward:  # its inner calls run with this mode off
+                c._mha(args, kwargs)
+            elif func in _SOFTMAX:
+                x = args[0]
+                dim = _dim_of(args, kwargs)
+                if isinstance(x, torch.Tensor) and dim is not None and _is_attention_scores(x, dim):
+                    c._attention(x, out)
+            elif func is _SDPA:
+                c._sdpa(args, kwargs)
+            elif func is F.cross_entropy:
+                x = args[0] if args else kwargs.get("input")
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    c._loss_logits(x, 1 if x.ndim >= 2 else 0)
+            elif func in _LOG_SOFTMAX:
+                x = args[0]
+                dim = _dim_of(args, kwargs)
+                if isinstance(x, torch.Tensor) and dim is not None and not _is_attention_scores(x, dim):
+                    c._loss_logits(x, dim)
+        except Exception:  # a probe must never break the user's forward
+            c.errors += 1
+        return out
+
+
+@dataclass
+class _Plan:
+    """Where a model's attention and output-logit calls happen, from a discovery forward."""
+
+    attention: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)  # innermost module of each call
+    mha: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)  # nn.MultiheadAttention: read from its inputs
+    heads: dict[int, tuple[nn.Module, str]] = field(default_factory=dict)  # modules whose output became logits
+    linear: list[tuple[nn.Module, str]] = field(default_factory=list)
+    tail: bool = False  # logits that no module output matched, after the forward: the mode on after it
+    whole: bool = False  # a call no module holds within the forward: the mode on over every forward
+
+
+class ForwardCapture:
+    """The device values one sampled forward leaves: `attn` (per module: (max logit, mean
+    entropy) per call), `out` ((mean, max log Z, max logit) per call), `rms` (per Linear:
+    (sum of squares, elements) per call). `begin()` / `end()` bracket the model's forward;
+    `close()` leaves the mode before the optimizer step or when the step's values are taken."""
+
+    def __init__(self, model: nn.Module, attention: bool, output: bool, linear: bool) -> None:
+        self.model = model
+        self.want_attention, self.want_output, self.want_linear = attention, output, linear
+        self.errors = 0  # probe failures swallowed (never the user's problem)
+        self.plan: _Plan | None = None
+        self._until_plan = 0
+        self._mode: _Capture | None = None
+        self._thread = 0
+        self._discovering = False
+        self._in_forward = False
+        self._hooks: list[Any] = []
+        self._names: dict[int, tuple[nn.Module, str]] = {}  # discovery: id(module) -> (module, name)
+        self._stack: list[tuple[nn.Module, str]] = []
+        self._outputs: dict[Any, tuple[tuple[nn.Module, str], int]] = {}  # discovery: output storage / grad_fn -> module
+        self._last_out: Any = None
+        self._depth = 0  # attention modules entered (scoped forwards)
+        self._resume: list[bool] = []  # per child of an attention module running: whether to re-enter the mode after it
+        self.reset()
+
+    def reset(self) -> None:
+        self.attn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.rms: dict[str, list[tuple[torch.Tensor, int]]] = {}
+
+    # ------------------------------------------------------------------ the forward
+    def begin(self) -> bool:
+        """The model's sampled forward starts; True when it is a discovery forward."""
+        self._thread = threading.get_ident()
+        self._in_forward = True
+        self._stack = []
+        self._depth = 0
+        self._resume = []
+        # a call that no module holds leaves no cheaper way: such a model is discovered every time
+        discover = self.plan is None or self._until_plan <= 0 or self.plan.whole
+        self._until_plan = PLAN_EVERY if discover else self._until_plan - 1
+        if discover:
+            self._discover()
+        else:
+            self._scoped(self.plan)
+        return discover
+
+    def _discover(self) -> None:
+        self._discovering = True
+        self._names = {id(m): (m, n) for n, m in self.model.named_modules()}
+        linear = [(m, n) for m, n in self._names.values() if _is_linear(m)] if self.want_linear else []
+        self.plan = _Plan(linear=spaced(linear, LINEAR_LIMIT))
+        self._linear_ids = {id(m) for m, _ in self.plan.linear}
+        self._outputs = {}
+        self._hooks = [_module.register_module_forward_pre_hook(self._push),
+                       _module.register_module_forward_hook(self._pop, always_call=True)]
+        self._enter_mode()
+
+    def _scoped(self, plan: _Plan) -> None:
+        if plan.whole:
+            self._enter_mode()
+        hooks = self._hooks
+        for mod, name in plan.linear:
+            hooks.append(mod.register_forward_hook(partial(self._linear_out, name)))
+        if not (plan.whole or plan.tail):
+            for mod, name in plan.heads.values():
+                hooks.append(mod.register_forward_hook(self._head_out))
+        if plan.whole:
+            return
+        # the mode is on while an attention module's own code runs (the softmax / SDPA call is
+        # there), and off while its children run: their calls, and the hooks on them (the
+        # activation probes, the Linear RMS), need not pass through Python
+        for mod, name in plan.mha.values():
+            hooks.append(mod.register_forward_pre_hook(partial(self._mha_in, name), with_kwargs=True))
+        for mod, name in plan.attention.values():
+            hooks.append(mod.register_forward_pre_hook(partial(self._attention_in, mod, name)))
+            hooks.append(mod.register_forward_hook(partial(self._attention_out, mod), always_call=True, prepend=True))
+            for child in mod.children():
+                if id(child) not in plan.attention:
+                    hooks.append(child.register_forward_pre_hook(self._child_in, prepend=True))
+                    hooks.append(child.register_forward_hook(self._child_out, always_call=True))
+
+    def end(self) -> None:
+        """The model's forward ended (or raised)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._stack = []
+        self._last_out = None
+        self._in_forward = False
+        if self._depth:  # an attention module that raised: its forward hook ran, but to be sure
+            self._depth = 0
+            self._leave_mode()
+        if not self._discovering and self.plan is not None and self.plan.tail and not self.plan.whole:
+            self._enter_mode()  # the loss's logits, computed from the model's output
+
+    def close(self) -> None:
+        """Leave the mode (on the thread that entered it: modes are per thread); a discovery's
+        plan is complete then (the loss was computed, usually after the forward)."""
+        if threading.get_ident() != self._thread:
+            return
+        self._leave_mode()
+        if self._discovering:
+            self._discovering = False
+            self._names, self._outputs = {}, {}
+            plan = self.plan
+            for key, (mod, name) in list(plan.attention.items()):
+                if isinstance(mod, nn.MultiheadAttention) and type(mod).forward is nn.MultiheadAttention.forward:
+                    plan.mha[key] = plan.attention.pop(key)  # its logits come from its inputs: no mode needed
+
+    def _enter_mode(self) -> None:
+        if self._mode is None:
+            self._mode = _Capture(self)
+            self._mode.__enter__()
+
+    def _leave_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            try:
+                mode.__exit__(None, None, None)
+            except RuntimeError:  # closed from inside a torch call (a SIGTERM handler mid-forward):
+                pass               # the mode is off the stack while its handler runs, and ends with it
+
+    # ------------------------------------------------------------------ discovery hooks
+    def _push(self, mod: nn.Module, _inp: Any) -> None:
+        hit = self._names.get(id(mod))
+        if hit is not None:
+            self._stack.append(hit)
+
+    def _pop(self, mod: nn.Module, _inp: Any, out: Any) -> None:
+        hit = self._names.get(id(mod))
+        if hit is None:
+            return
+        if self._stack and self._stack[-1][0] is mod:
+            self._stack.pop()
+        if isinstance(out, torch.Tensor) and out.ndim and out.is_floating_point():
+            if out is not self._last_out:  # (a parent returning its child's output is not its source)
+                self._outputs[out.untyped_storage().data_ptr()] = (hit, out.shape[-1])
+                if out.grad_fn is not None:
+                    self._outputs[out.grad_fn] = (hit, out.shape[-1])
+            self._last_out = out
+            if id(mod) in self._linear_ids:
+                self._linear_out(hit[1], mod, _inp, out)
+
+    # ------------------------------------------------------------------ scoped hooks
+    def _attention_in(self, mod: nn.Module, name: str, _m: nn.Module, _inp: Any) -> None:
+        if threading.get_ident() != self._thread:  # a DataParallel replica's thread
+            return
+        self._stack.append((mod, name))
+        self._depth += 1
+        if self._depth == 1:
+            self._enter_mode()
+
+    def _attention_out(self, mod: nn.Module, _m: nn.Module, _inp: Any, _out: Any) -> None:
+        if threading.get_ident() != self._thread or not self._depth:
+            return
+        if self._stack and self._stack[-1][0] is mod:
+            self._stack.pop()
+        self._depth -= 1
+        if self._depth == 0:
+            self._leave_mode()
+
+    _MHA_FORWARD = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+                    "is_causal")
+
+    def _mha_in(self, name: str, mod: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+        """nn.MultiheadAttention's forward arguments, as F.multi_head_attention_forward gets them."""
+        if threading.get_ident() != self._thread:
+            return
+        a = dict(zip(self._MHA_FORWARD, args))
+        a.update(kwargs)
+        q, k = a["query"], a["key"]
+        if mod.batch_first and q.ndim == 3:
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
+        self._stack.append((mod, name))
+        try:
+            self._mha((), {"query": q, "key": k, "num_heads": mod.num_heads, "in_proj_weight": mod.in_proj_weight,
+                           "in_proj_bias": mod.in_proj_bias, "use_separate_proj_weight": not mod._qkv_same_embed_dim,
+                           "q_proj_weight": mod.q_proj_weight, "k_proj_weight": mod.k_proj_weight,
+                           "attn_mask": a.get("attn_mask"), "key_padding_mask": a.get("key_padding_mask"),
+                           "is_causal": a.get("is_causal", False)})
+        except Exception:  # a probe must never break the user's forward
+            self.errors += 1
+        finally:
+            self._stack.pop()
+
+    def _child_in(self, _m: nn.Module, _inp: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self._resume.append(self._mode is not None)
+            self._leave_mode()
+
+    def _child_out(self, _m: nn.Module, _inp: Any, _out: Any) -> None:
+        if threading.get_ident() == self._thread and self._resume and self._resume.pop() and self._depth:
+            self._enter_mode()
+
+    def _head_out(self, _m: nn.Module, _inp: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.ndim and threading.get_ident() == self._thread:
+            try:
+                self._output(out, -1)
+            except Exception:  # a probe must never break the user's forward
+                self.errors += 1
+
+    def _linear_out(self, name: str, _m: nn.Module, _inp: Any, out: Any) -> None:
+        if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel()):
+            return
+        try:  # the mean square of the output's first RMS_BUDGET elements (the first tokens); sqrt at take
+            with torch.no_grad():
+                o = out.detach().reshape(-1)[:RMS_BUDGET]
+                ss = torch.dot(o, o) if o.dtype == torch.float32 else torch.linalg.vector_norm(o, dtype=torch.float32).square()
+            self.rms.setdefault(name, []).append((ss, o.numel()))
+        except Exception:  # a probe must never break the user's forward
+            self.errors += 1
+
+    # ------------------------------------------------------------------ what the mode saw
+    def _where(self) -> str:
+        if self._discovering:
+            if self._in_forward and self._stack:
+                mod, name = self._stack[-1]
+                self.plan.attention.setdefault(id(mod), (mod, name))
+                return name
+            if self._in_forward:
+                self.plan.whole = True
+            else:
+                self.plan.tail = True
+        return self._stack[-1][1] if self._stack else "attention"
+
+    def _source(self, x: torch.Tensor) -> tuple[tuple[nn.Module, str], int] | None:
+        """The module whose output `x` is, up to views, slices, copies and casts, and the size of
+        that output's last dim (discovery)."""
+        hit = self._outputs.get(x.untyped_storage().data_ptr())
+        fn = x.grad_fn
+        for _ in range(6):
+            if hit is not None or fn is None:
+                break
+            hit = self._outputs.get(fn)
+            if type(fn).__name__ not in _SAME_VALUES:
+                break
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            fn = nxt[0] if len(nxt) == 1 else None
+        return hit
+
+    def _loss_logits(self, logits: torch.Tensor, dim: int) -> None:
+        """Logits that go into cross-entropy / log_softmax over `dim`: measured, and on a
+        discovery forward matched with the module output they came from (by size)."""
+        if not self.want_output or logits.numel() == 0:
+            return
+        if self._discovering:
+            src = self._source(logits) if dim % logits.ndim == logits.ndim - 1 else None
+            head = src[0] if src is not None and src[1] == logits.shape[dim] else None  # its last dim the classes
+            if head is not None:
+                self.plan.heads.setdefault(id(head[0]), head)
+            elif self._in_forward:
+                self.plan.whole = True
+            else:
+                self.plan.tail = True
+        elif not (self.plan.whole or self.plan.tail):
+            return  # the head's forward hook measured these logits
+        self._output(logits, dim)
+
+
+    @torch.no_grad()
+    def _attention(self, scores: torch.Tensor, probs: torch.Tensor | None) -> None:
+        if not self.want_attention:
+            return
+        s = scores.detach()
+        mx = s.amax().float()  # masked scores (-inf, -1e9) are never the max of a row with a key left
+        # the entropy from the first slices only (the first sample's heads): it tells a collapse
+        # as well as the whole batch does, at a bounded cost
+        rows = s.reshape(-1, s.shape[-2], s.shape[-1]) if s.ndim >= 3 else s.reshape(1, 1, -1)
+        k = max(1, ENTROPY_BUDGET // max(rows.shape[1] * rows.shape[2], 1))
+        sub = rows[:k].float()
+        if isinstance(probs, torch.Tensor):
+            p = probs.detach().reshape(rows.shape)[:k].float()
+        else:
+            p = torch.softmax(sub, dim=-1)
+        ent = -torch.special.xlogy(p, p).sum(-1)
+        keys = (sub > _MASKED).sum(-1)
+        live = keys >= 2
+        norm = ent / torch.log(keys.clamp(min=2).float())
+        mean = (norm * live).sum() / live.sum().clamp(min=1)
+        self.attn.setdefault(self._where(), []).append((mx, mean))
+
+    @torch.no_grad()
+    def _sdpa(self, args: tuple, kwargs: dict) -> None:
+        if not self.want_attention:
+            return
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        q, k = a["query"].detach(), a["key"].detach()
+        mask, causal, scale = a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale")
+        if q.ndim < 2:
+            return
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if q.ndim >= 3 and k.ndim == q.ndim and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped-query attention
+        L, S = q.shape[-2], k.shape[-2]
+        qi = torch.arange(L, device=q.device)
+        if q.ndim >= 3:  # the first batch element: the logits of one sample tell the growth
+            q, k = q[:1], k[:1]
+            if mask is not None and mask.ndim == q.ndim:
+                mask = mask[:1]
+        per_query = max(1, q.numel() // max(q.shape[-1] * L, 1)) * S  # logits per query row
+        keep = max(1, min(L, SDPA_QUERY_BUDGET // per_query))
+        if keep < L:  # evenly spaced queries
+            qi = torch.linspace(0, L - 1, keep, device=q.device).long()
+            q = q.index_select(-2, qi)
+        s = (q.float() @ k.float().transpose(-2, -1)) * scale
+        if causal:
+            allowed = torch.arange(S, device=s.device)[None, :] <= (qi[:, None] + (S - L))
+            s = s.masked_fill(~allowed, -math.inf)
+        if mask is not None:
+            m = mask.detach()
+            if m.shape[-2] == L and keep < L:
+                m = m.index_select(-2, qi)
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        self._attention(s, None)
+
+    @torch.no_grad()
+    def _mha(self, args: tuple, kwargs: dict) -> None:
+        """nn.MultiheadAttention: its logits recomputed from the projections it was given."""
+        if not self.want_attention:
+            return
+        a = dict(zip(_MHA_PARAMS, args))  # (inspect's bind costs more than the probe)
+        a.update(kwargs)
+        query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
+        if query.ndim == 2:  # unbatched (L, E)
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
+        E = query.shape[-1]
+        if a.get("use_separate_proj_weight"):
+            wq, wk = a["q_proj_weight"], a["k_proj_weight"]
+        else:
+            wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
+        b = a.get("in_proj_bias")
+        bq, bk = (b[:E], b[E : 2 * E]) if b is not None else (None, None)
+        L, N, S = query.shape[0], query.shape[1], key.shape[0]
+        q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
+        k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
+        s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = a.get("attn_mask")
+        if a.get("is_causal") and mask is None:
+            mask = torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1)
+        if mask is not None:
+            m = mask.detach()
+            if m.ndim == 3:  # (N * heads, L, S)
+                m = m[:heads]
+            s = s.masked_fill(m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        kpm = a.get("key_padding_mask")
+        if kpm is not None:  # (N, S): True or -inf where a key is padding
+            kpm = kpm.detach()[:1].reshape(1, 1, S)
+            s = s.masked_fill(kpm, -math.inf) if kpm.dtype == torch.bool else s + kpm.float()
+        self._attention(s, None)
+
+    @torch.no_grad()
+    def _output(self, logits: torch.Tensor, dim: int) -> None:
+        if not self.want_output or logits.numel() == 0:
+            return
+        x = logits.detach()
+        top = x.amax().float()  # over every logit, in their own dtype (no float copy of a large vocabulary's)
+        if x.ndim >= 2 and dim % x.ndim != 0 and x.numel() > OUTPUT_BUDGET:  # log Z of the first samples / tokens
+            x = x[: max(1, OUTPUT_BUDGET // x[0].numel(), OUTPUT_ROWS // max(1, x[0].numel() // x.shape[dim]))]
+        lse = torch.logsumexp(x.float(), dim=dim)
+        self.out.append((lse.mean(), lse.amax(), top))
