@@ -210,6 +210,28 @@ def test_adam_second_moment_matches_a_hand_computation():
     assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
 
 
+def test_adam_statistics_skip_a_tensor_without_a_gradient_this_step_and_keep_the_others():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.a, model.b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(2000))  # small, and sampled
+    opt = torch.optim.Adam([model.a, model.b], lr=0.1, betas=(0.9, 0.99))
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    recs = []
+    for t in range(4):
+        model.a.grad = torch.randn(4, 3)
+        model.b.grad = None if t == 3 else torch.randn(2000)  # `b` unused at the last step: Adam skips it
+        opt.step()
+        recs.append(mon.post_step(1.0).record)
+    mon.close()
+    assert set(recs[2].layer_adam_ratio_rms) == {"a", "b"}
+    assert set(recs[3].layer_adam_ratio_rms) == {"a"}
+    st = opt.state[model.a]
+    v_hat = st["exp_avg_sq"] / (1 - 0.99 ** 4)
+    want = float(torch.sqrt((model.a.grad ** 2 / v_hat).mean()))
+    assert recs[3].layer_adam_ratio_rms["a"] == pytest.approx(want, rel=1e-5)
+    assert recs[3].adam_small_grad_fraction == 0.0  # out of `a`'s 12 elements, none below eps
+
+
 def test_adam_statistics_of_a_large_tensor_come_from_a_sample_close_to_the_exact_ones():
     """A tensor over ADAM_SAMPLE elements is read at fixed sampled positions: the estimates stay
     within a few percent of the whole tensor's values, and a tensor at most that size is exact."""

@@ -147,12 +147,12 @@ class AdamStatistics:
             if g is None:
                 continue
             grads = list(map(_grad_of, g.ps))
-            missing = [k for k, x in enumerate(grads) if x is None or x.is_sparse]
+            missing = {k for k, x in enumerate(grads) if x is None or x.is_sparse}
             if len(missing) == len(grads):
                 continue
-            if missing:  # no (dense) gradient this step: Adam skips them, and so do these statistics
-                for k in missing:
-                    grads[k] = torch.zeros_like(g.ps[k])
+            present = [k for k in range(len(grads)) if k not in missing]
+            for k in missing:  # no (dense) gradient this step: Adam skips them, and so do these statistics
+                grads[k] = torch.zeros_like(g.ps[k])
             # the first step's ratio is 1 by construction: nothing to tell yet. The step count is
             # read from the group's first state (the others step with it); a fused / capturable
             # optimizer's lives on the device: the host count stands in (no sync)
@@ -163,7 +163,7 @@ class AdamStatistics:
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
             s = g.sample
-            names += [n for k, n in enumerate(s.names) if k not in missing] if missing else s.names
+            names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
             P, M, V, G = flat.float().reshape(4, s.width).unbind(0)
@@ -179,10 +179,11 @@ class AdamStatistics:
             # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
             step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
             mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
+            sizes = s.sizes
             if missing:
-                mean = mean[:, [k for k in range(len(grads)) if k not in missing]]
+                mean, sizes = mean[:, present], sizes[present]
             rms.append(mean[0].sqrt())
-            small.append(mean[1] * (s.sizes[[k for k in range(len(grads)) if k not in missing]] if missing else s.sizes))  # (estimated) count of |g| < eps
+            small.append(mean[1] * sizes)  # (estimated) count of |g| < eps
             upd.append(mean[2].sqrt() * (lr / (1.0 - b1 ** t)) / mean[3].sqrt().clamp(min=1e-30))
         if not names:
             return [], [], 0.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -154,7 +155,8 @@ class ForwardCapture:
         self._hooks: list[Any] = []
         self._names: dict[int, tuple[nn.Module, str]] = {}  # discovery: id(module) -> (module, name)
         self._stack: list[tuple[nn.Module, str]] = []
-        self._outputs: dict[Any, tuple[tuple[nn.Module, str], int]] = {}  # discovery: output storage / grad_fn -> module
+        self._outputs: dict[tuple[str, int], tuple] = {}  # discovery: output storage / autograd node -> (module, its last dim, the output)
+        self._linear_ids: set[int] = set()
         self._last_out: Any = None
         self._depth = 0  # attention modules entered (scoped forwards)
         self._resume: list[bool] = []  # per child of an attention module running: whether to re-enter the mode after it
@@ -194,16 +196,12 @@ class ForwardCapture:
         self._enter_mode()
 
     def _scoped(self, plan: _Plan) -> None:
-        if plan.whole:
-            self._enter_mode()
         hooks = self._hooks
         for mod, name in plan.linear:
             hooks.append(mod.register_forward_hook(partial(self._linear_out, name)))
-        if not (plan.whole or plan.tail):
+        if not plan.tail:
             for mod, name in plan.heads.values():
                 hooks.append(mod.register_forward_hook(self._head_out))
-        if plan.whole:
-            return
         # the mode is on while an attention module's own code runs (the softmax / SDPA call is
         # there), and off while its children run: their calls, and the hooks on them (the
         # activation probes, the Linear RMS), need not pass through Python
@@ -228,7 +226,7 @@ class ForwardCapture:
         if self._depth:  # an attention module that raised: its forward hook ran, but to be sure
             self._depth = 0
             self._leave_mode()
-        if not self._discovering and self.plan is not None and self.plan.tail and not self.plan.whole:
+        if not self._discovering and self.plan is not None and self.plan.tail:
             self._enter_mode()  # the loss's logits, computed from the model's output
 
     def close(self) -> None:
@@ -272,9 +270,12 @@ class ForwardCapture:
             self._stack.pop()
         if isinstance(out, torch.Tensor) and out.ndim and out.is_floating_point():
             if out is not self._last_out:  # (a parent returning its child's output is not its source)
-                self._outputs[out.untyped_storage().data_ptr()] = (hit, out.shape[-1])
+                # by storage and by autograd node, held weakly: an id or an address is only that
+                # output's while it lives (a freed output's storage can hold the logits)
+                seen = (hit, out.shape[-1], weakref.ref(out))
+                self._outputs[("storage", out.untyped_storage().data_ptr())] = seen
                 if out.grad_fn is not None:
-                    self._outputs[out.grad_fn] = (hit, out.shape[-1])
+                    self._outputs[("node", id(out.grad_fn))] = seen
             self._last_out = out
             if id(mod) in self._linear_ids:
                 self._linear_out(hit[1], mod, _inp, out)
@@ -364,17 +365,24 @@ class ForwardCapture:
     def _source(self, x: torch.Tensor) -> tuple[tuple[nn.Module, str], int] | None:
         """The module whose output `x` is, up to views, slices, copies and casts, and the size of
         that output's last dim (discovery)."""
-        hit = self._outputs.get(x.untyped_storage().data_ptr())
+        ptr = x.untyped_storage().data_ptr()
+        seen = self._outputs.get(("storage", ptr))
+        out = seen[2]() if seen is not None else None
+        if out is not None and out.untyped_storage().data_ptr() == ptr:
+            return seen[:2]
         fn = x.grad_fn
         for _ in range(6):
-            if hit is not None or fn is None:
+            if fn is None:
                 break
-            hit = self._outputs.get(fn)
+            seen = self._outputs.get(("node", id(fn)))
+            out = seen[2]() if seen is not None else None
+            if out is not None and out.grad_fn is fn:
+                return seen[:2]
             if type(fn).__name__ not in _SAME_VALUES:
                 break
             nxt = [f for f, _ in fn.next_functions if f is not None]
             fn = nxt[0] if len(nxt) == 1 else None
-        return hit
+        return None
 
     def _loss_logits(self, logits: torch.Tensor, dim: int) -> None:
         """Logits that go into cross-entropy / log_softmax over `dim`: measured, and on a
@@ -390,7 +398,7 @@ class ForwardCapture:
                 self.plan.whole = True
             else:
                 self.plan.tail = True
-        elif not (self.plan.whole or self.plan.tail):
+        elif not self.plan.tail:
             return  # the head's forward hook measured these logits
         self._output(logits, dim)
 
