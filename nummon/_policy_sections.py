@@ -200,8 +200,9 @@ class AttentionPolicy(_Section):
     """Attention-logit growth and attention-entropy collapse (Dehghani et al. 2023; Wortsman et al. 2023)."""
 
     enabled: bool = True
-    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="a layer's baseline is the lowest running median of this many consecutive samples, once `start_step` has passed (samples)")
-    start_step: int = Field(0, ge=0, le=MAX_WINDOW, description="samples before this step do not set the baseline (steps)")
+    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="a layer's entropy baseline is the highest of its first this many samples (samples)")
+    recent_steps: int = Field(80, ge=1, le=100 * MAX_WINDOW, description="a layer's recent logit level is the median of its samples of the last this many steps (its last sample when none is that recent), whatever the cadence (steps)")
+    start_step: int = Field(0, ge=0, le=MAX_WINDOW, description="samples before this step do not set the recent level (steps)")
     warning_growth: float = Field(3.0, gt=1, description="warning when a layer's max logit stands this multiple above its baseline and above warning_floor (ratio)")
     warning_floor: float = Field(20.0, gt=0, description="logits below this never warn: a logit gap of 20 already gives a one-hot softmax weight of 1 - 2e-9 (logit units)")
     warning_logit: float = Field(50.0, gt=0, description="warning at this max logit whatever the baseline (logit units)")

@@ -42,6 +42,29 @@ def test_geometric_attention_logit_growth_warns_before_the_critical_level(start,
     assert "blocks.0.attn" in f.message
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 10, 25, 50, 100]), st.floats(min_value=0.05, max_value=1.0))
+def test_a_slow_steady_rise_of_the_logits_never_warns_at_any_cadence(every, start):
+    """A healthy run's logits rise as it learns (Llama at lr 0.01: 0.2, 6.4 at step 100, 28 at
+    200, 37 at 300): growth of 1.5x per 50 steps, below the warning level, warns at no cadence
+    (the recent level spans the same steps at every cadence)."""
+    d = AttentionDetector(AttentionPolicy())
+    rate = 1.5 ** (1 / 50)
+    assert not any(d.update(_att(step, min(start * rate ** step, 45.0))) for step in range(0, 1500, every))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 5, 10, 20]), st.floats(min_value=1.0, max_value=5.0))
+def test_fast_growth_warns_at_every_cadence_before_the_critical_level(every, start):
+    """Sampled as the Monitor samples: on the cadence, and the next step whenever a condition
+    waits for confirmation."""
+    d = AttentionDetector(AttentionPolicy())
+    rate = 3.0 ** (1 / 20)  # 3x per 20 steps
+    first = next((start * rate ** step for step in range(400)
+                  if (step % every == 0 or d.wants_sample) and d.update(_att(step, start * rate ** step))), None)
+    assert first is not None and first < 100
+
+
 def test_attention_critical_at_the_qk_clip_level_and_collapse_at_chance_is_named():
     p = AttentionPolicy()
     d = AttentionDetector(p)

@@ -12,8 +12,8 @@ from .trend import StartLevel
 
 __all__ = ["AttentionDetector"]
 
-#: Sampled values of each layer kept for its recent level (samples).
-_RECENT = 8
+#: At most this many samples of each layer are kept for its recent level.
+_RECENT = 64
 
 
 class AttentionDetector:
@@ -33,7 +33,7 @@ class AttentionDetector:
     def __init__(self, p: AttentionPolicy, level: StartLevel | None = None) -> None:
         self._p = p
         self._level = level or StartLevel(10)
-        self._recent: dict[str, deque[float]] = {}
+        self._recent: dict[str, deque[tuple[int, float]]] = {}  # per layer: (step, max logit) of its samples
         self._entropy_base: dict[str, deque[float]] = {}
         self._held: dict[tuple[str, str], int] = {}  # (condition, layer) -> consecutive samples
 
@@ -60,9 +60,11 @@ class AttentionDetector:
             if not F.is_finite(v):
                 continue  # the nonfinite detector takes over
             recent = self._recent.setdefault(name, deque(maxlen=_RECENT))
-            base = F.median(list(recent)) if recent else None
+            while len(recent) > 1 and recent[0][0] <= rec.step - p.recent_steps:
+                recent.popleft()  # a window in steps: the same time span at every cadence
+            base = F.median([x for _, x in recent]) if recent else None
             if rec.step >= p.start_step:
-                recent.append(v)
+                recent.append((rec.step, v))
             grown = base is not None and base > 0 and v >= p.warning_growth * base and v >= p.warning_floor
             sev = None
             if self._hold(("crit", name), v >= p.critical_logit) >= p.patience:
