@@ -198,3 +198,37 @@ def test_a_model_that_grows_has_its_new_attention_measured_at_the_next_discovery
     mon.close()
     assert seen[0] == {"0"}  # the old plan: the new layer's logits are not among the head's
     assert seen[-1] == {"0", "2"}
+
+
+def test_an_attention_module_called_twice_reports_its_largest_logit_and_its_mean_entropy():
+    from test_mechanisms import _reference
+
+    torch.manual_seed(0)
+    attn = Attn(d=16, impl="manual")
+    attn.out = nn.Linear(16, 16)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.head = attn, nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.attn(self.attn(x) * 4))
+
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    x, y = torch.randn(2, 6, 16), torch.randint(0, 4, (2, 6))
+    recs = []
+    for _ in range(2):  # discovery, then planned
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss).record)
+    mon.close()
+    with torch.no_grad():
+        (m1, e1), (m2, e2) = _reference(attn, x), _reference(attn, attn(x) * 4)
+    for rec in recs:
+        assert rec.layer_attention_logit_max["attn"] == pytest.approx(max(m1, m2), rel=1e-5)
+        assert rec.layer_attention_entropy["attn"] == pytest.approx((e1 + e2) / 2, rel=1e-4)

@@ -107,7 +107,7 @@ class _Capture(TorchFunctionMode):
                 x = args[0]
                 dim = _dim_of(args, kwargs)
                 if isinstance(x, torch.Tensor) and dim is not None and _is_attention_scores(x, dim):
-                    c._attention(x, out)
+                    c._attention(x)
             elif func is _SDPA:
                 c._sdpa(args, kwargs)
             elif func is F.cross_entropy:
@@ -137,8 +137,8 @@ class _Plan:
 
 
 class ForwardCapture:
-    """The device values one sampled forward leaves: `attn` (per module: (max logit, mean
-    entropy) per call), `out` ((mean, max log Z, max logit) per call), `rms` (per Linear:
+    """The device values one sampled forward leaves: `attn` (per module: (max logit, the
+    first score slices) per call), `out` ((mean, max log Z, max logit) per call), `rms` (per Linear:
     (sum of squares, elements) per call). `begin()` / `end()` bracket the model's forward;
     `close()` leaves the mode before the optimizer step or when the step's values are taken."""
 
@@ -404,26 +404,55 @@ class ForwardCapture:
 
 
     @torch.no_grad()
-    def _attention(self, scores: torch.Tensor, probs: torch.Tensor | None) -> None:
+    def _attention(self, scores: torch.Tensor) -> None:
+        """The max over every score now; a copy of the first slices' scores for the entropy,
+        computed for every call of the step at once (`attention_values`)."""
         if not self.want_attention:
             return
         s = scores.detach()
-        mx = s.amax().float()  # masked scores (-inf, -1e9) are never the max of a row with a key left
+        mx = s.amax()  # masked scores (-inf, -1e9) are never the max of a row with a key left
         # the entropy from the first slices only (the first sample's heads): it tells a collapse
         # as well as the whole batch does, at a bounded cost
         rows = s.reshape(-1, s.shape[-2], s.shape[-1]) if s.ndim >= 3 else s.reshape(1, 1, -1)
         k = max(1, ENTROPY_BUDGET // max(rows.shape[1] * rows.shape[2], 1))
-        sub = rows[:k].float()
-        if isinstance(probs, torch.Tensor):
-            p = probs.detach().reshape(rows.shape)[:k].float()
-        else:
-            p = torch.softmax(sub, dim=-1)
-        ent = -torch.special.xlogy(p, p).sum(-1)
-        keys = (sub > _MASKED).sum(-1)
-        live = keys >= 2
-        norm = ent / torch.log(keys.clamp(min=2).float())
-        mean = (norm * live).sum() / live.sum().clamp(min=1)
-        self.attn.setdefault(self._where(), []).append((mx, mean))
+        self.attn.setdefault(self._where(), []).append((mx, rows[:k].to(torch.float32, copy=True)))
+
+    @torch.no_grad()
+    def attention_values(self) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
+        """Per attention module: its max logit over the step's calls and its mean normalised
+        entropy (entropy / ln keys, over the query rows with two keys or more), the mean over
+        its calls; one batched computation per shape of score rows."""
+        if not self.attn:
+            return None
+        names = list(self.attn)
+        owner = [i for i, n in enumerate(names) for _ in self.attn[n]]  # per call, its module
+        calls = [c for n in names for c in self.attn[n]]
+        by_shape: dict[tuple, list[int]] = {}
+        for j, (_, sub) in enumerate(calls):
+            by_shape.setdefault((sub.shape[1:], sub.device), []).append(j)
+        parts, order = [], []
+        for idx in by_shape.values():
+            x = torch.cat([calls[j][1] for j in idx]) if len(idx) > 1 else calls[idx[0]][1]  # (slices, queries, keys)
+            ent = torch.special.entr(torch.softmax(x, dim=-1)).sum(-1)
+            keys = (x > _MASKED).sum(-1)
+            live = keys >= 2
+            norm = torch.where(live, ent / torch.log(keys.clamp(min=2).float()), 0.0)
+            per = torch.stack([norm.sum(-1), live.sum(-1).float()])  # per slice: summed entropy, live rows
+            sizes = [calls[j][1].shape[0] for j in idx]
+            if max(sizes) > 1:  # slices -> calls
+                slice_owner = torch.repeat_interleave(torch.arange(len(idx), device=x.device), torch.tensor(sizes, device=x.device))
+                per = torch.zeros(2, len(idx), device=x.device).index_add_(1, slice_owner, per)
+            parts.append(per[0] / per[1].clamp(min=1))
+            order += idx
+        means = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if order != sorted(order):
+            means = means[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=means.device)]
+        mx = torch.stack([c[0] for c in calls]).float()
+        if len(calls) > len(names):  # a module called more than once: its largest logit, its mean entropy
+            own = torch.tensor(owner, device=mx.device)
+            mx = torch.full((len(names),), -math.inf, device=mx.device).scatter_reduce(0, own, mx, "amax")
+            means = torch.zeros(len(names), device=mx.device).scatter_reduce(0, own, means, "mean", include_self=False)
+        return names, mx, means
 
     @torch.no_grad()
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
@@ -459,7 +488,7 @@ class ForwardCapture:
             if m.shape[-2] == L and keep < L:
                 m = m.index_select(-2, qi)
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
-        self._attention(s, None)
+        self._attention(s)
 
     @torch.no_grad()
     def _mha(self, args: tuple, kwargs: dict) -> None:
@@ -494,7 +523,7 @@ class ForwardCapture:
         if kpm is not None:  # (N, S): True or -inf where a key is padding
             kpm = kpm.detach()[:1].reshape(1, 1, S)
             s = s.masked_fill(kpm, -math.inf) if kpm.dtype == torch.bool else s + kpm.float()
-        self._attention(s, None)
+        self._attention(s)
 
     @torch.no_grad()
     def _output(self, logits: torch.Tensor, dim: int) -> None:

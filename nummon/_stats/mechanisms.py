@@ -155,10 +155,9 @@ class MechanismProbes:
     def _forward_segments(cap: ForwardCapture, ms: MechanismStep) -> list[Segment]:
         """The forward's device values as segments; `ms` gets their names."""
         segs = []
-        if cap.attn:
-            ms.attention = list(cap.attn)
-            mx = torch.stack([torch.stack([v[0] for v in vs]).amax() for vs in cap.attn.values()])
-            ent = torch.stack([torch.stack([v[1] for v in vs]).mean() for vs in cap.attn.values()])
+        attn = cap.attention_values()
+        if attn is not None:
+            ms.attention, mx, ent = attn
             segs += [Segment("mech_attn_max", mx, Reduce.MAX), Segment("mech_attn_entropy", ent, Reduce.MEAN)]
         if cap.out:
             ms.output = True
