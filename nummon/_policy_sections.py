@@ -206,7 +206,7 @@ class AttentionPolicy(_Section):
     warning_growth: float = Field(3.0, gt=1, description="warning when a layer's max logit stands this multiple above its baseline and above warning_floor (ratio)")
     warning_floor: float = Field(20.0, gt=0, description="logits below this never warn: a logit gap of 20 already gives a one-hot softmax weight of 1 - 2e-9 (logit units)")
     warning_logit: float = Field(50.0, gt=0, description="warning at this max logit whatever the baseline (logit units)")
-    critical_logit: float = Field(100.0, gt=0, description="critical at this max logit: where Kimi K2's QK-clip caps logits (logit units)")
+    critical_logit: float = Field(1e4, gt=0, description="critical at this max logit (a stop, and a rollback under recovery): on the CPU proxies the logits of runs that diverged passed 1e4 only after their loss had left its band, and a healthy Llama's copy heads reached 1.6e3; QK-clip (Kimi K2) caps them at 100, where nummon warns (logit units)")
     collapse_entropy: float = Field(0.1, gt=0, lt=1, description="attention collapsed when a layer's mean normalised entropy (entropy / ln keys) falls below this (fraction)")
     collapse_drop: float = Field(0.25, gt=0, lt=1, description="and below this fraction of its baseline entropy (fraction)")
     chance_match: float = Field(0.05, gt=0, lt=1, description="after a collapse, a loss within this relative distance of its starting level is the model back at chance: critical (fraction)")
