@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nummon import AlertKind, Health, Monitor, NummonError
@@ -210,4 +211,25 @@ def test_pre_clip_statistics_use_a_few_anchor_hooks():
     rec = mon.post_step(1.0).record
     assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-5)  # the unclipped norm
     assert rec.clip_ratio == pytest.approx(1e-3 / norm.item(), rel=1e-4)
+    mon.close()
+
+
+def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_largest_gradient():
+    """The demo CNN has 8 tensors: the 8 smallest would be all of them, fc1's 1.6M elements
+    included; the clip ratio comes from the small ones."""
+    from nummon._demo_model import DemoCNN
+    from nummon._stats.engine import CLIP_ANCHOR_ELEMENTS
+
+    torch.manual_seed(0)
+    model = DemoCNN()
+    mon = Monitor(model)
+    F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.randint(0, 10, (4,))).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+    rec = mon.post_step(1.0).record
+    params = list(model.parameters())
+    anchors = mon.stats._anchor_cache[1]
+    assert sum(params[i].numel() for i in anchors) <= CLIP_ANCHOR_ELEMENTS and len(anchors) > 1
+    assert all(params[i] is not model.fc1.weight for i in anchors)
+    assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-4)  # float32 sums over 1.6M squares, two orders
+    assert rec.clip_ratio == pytest.approx(1e-2 / norm.item(), rel=1e-4)
     mon.close()

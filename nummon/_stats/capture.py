@@ -507,7 +507,7 @@ class ForwardCapture:
             wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
         b = a.get("in_proj_bias")
         bq, bk = (b[:E], b[E : 2 * E]) if b is not None else (None, None)
-        L, N, S = query.shape[0], query.shape[1], key.shape[0]
+        L, S = query.shape[0], key.shape[0]
         q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
         k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
         s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])

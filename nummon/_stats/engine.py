@@ -41,6 +41,9 @@ DETAIL_AFTER_NONFINITE = 50
 #: every gradient by one factor, so a few tell it; a second read of all of them would cost a
 #: full pass over the gradients' memory)
 CLIP_ANCHORS = 8
+#: ... holding at most this many elements together (at least one gradient): on a small model the
+#: 8 smallest can include its largest matrix (the demo CNN's fc1, 1.6M of its 1.6M)
+CLIP_ANCHOR_ELEMENTS = 1 << 16
 #: gradient dtypes whose range is narrow enough that max |g| is measured on every step (for the
 #: others the L2 norm, an upper bound of max |g|, stands for it between the sampled steps)
 NARROW_GRAD_DTYPES = ("float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -182,12 +185,18 @@ class StatsEngine:
         return params_due or self._narrow_grads or self._watch_closely(step)
 
     def _clip_anchors(self, grads: list[torch.Tensor]) -> tuple[list[int], Any]:
-        """The positions of the CLIP_ANCHORS smallest non-empty gradients, and a picker for them
-        (chosen once per list length)."""
+        """The positions of the smallest non-empty gradients (at most CLIP_ANCHORS, holding at
+        most CLIP_ANCHOR_ELEMENTS but for the first), and a picker for them (chosen once per
+        list length)."""
         n = len(grads)
         if self._anchor_cache[0] != n:
-            sizes = [(g.numel(), i) for i, g in enumerate(grads) if g.numel()]
-            idx = sorted(i for _, i in sorted(sizes)[:CLIP_ANCHORS]) or [0]
+            chosen, total = [], 0
+            for size, i in sorted((g.numel(), i) for i, g in enumerate(grads) if g.numel())[:CLIP_ANCHORS]:
+                if chosen and total + size > CLIP_ANCHOR_ELEMENTS:
+                    break
+                chosen.append(i)
+                total += size
+            idx = sorted(chosen) or [0]
             self._anchor_cache = (n, idx, operator.itemgetter(*idx))
         return self._anchor_cache[1], self._anchor_cache[2]
 
