@@ -109,7 +109,8 @@ class AttentionDetector:
                      and rec.loss >= (1 - p.chance_match) * start)
         if at_chance:
             msg = (f"attention collapsed in `{name}` (entropy {e:.2g} of its maximum, was {base:.2g}) and the loss "
-                   f"{rec.loss:.4g} is back at its starting level {start:.4g}: the model has lost what it learned "
+                   f"{rec.loss:.4g} is back at{' or above' if rec.loss > (1 + p.chance_match) * start else ''} its "
+                   f"starting level {start:.4g}: the model has lost what it learned "
                    f"and is predicting at chance; this is not a stall")
         else:
             msg = (f"attention collapsed in `{name}`: entropy {e:.2g} of its maximum (was {base:.2g}); each query "
