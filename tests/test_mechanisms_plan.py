@@ -232,3 +232,30 @@ def test_an_attention_module_called_twice_reports_its_largest_logit_and_its_mean
     for rec in recs:
         assert rec.layer_attention_logit_max["attn"] == pytest.approx(max(m1, m2), rel=1e-5)
         assert rec.layer_attention_entropy["attn"] == pytest.approx((e1 + e2) / 2, rel=1e-4)
+
+
+def test_gradient_accumulation_measures_every_micro_batch_in_discovery_and_planned_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Attn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    xs = [torch.randn(2, 6, 16), torch.randn(2, 6, 16) * 3]  # the second micro-batch has the larger logits
+    y = torch.randint(0, 4, (2, 6))
+    recs = []
+    for _ in range(3):
+        opt.zero_grad()
+        for x in xs:
+            loss = F.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1))
+            loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss).record)
+    p = mon.stats.mechanisms.capture.plan
+    mon.close()
+    assert p.heads and not (p.tail or p.whole)
+    with torch.no_grad():
+        from test_mechanisms import _reference
+        want = max(_reference(model[1], model[0](x))[0] for x in xs)
+    for rec in recs:
+        assert rec.layer_attention_logit_max["1"] == pytest.approx(want, rel=1e-5)
+        for f in FIELDS:
+            assert getattr(rec, f) == pytest.approx(getattr(recs[0], f), rel=1e-6), f

@@ -26,6 +26,7 @@ import inspect
 import math
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -58,6 +59,8 @@ PLAN_EVERY = 20
 #: and at least `OUTPUT_ROWS` rows; the largest logit over all of them.
 OUTPUT_BUDGET = 1 << 16
 OUTPUT_ROWS = 16
+#: a discovery forward holds its last this many module outputs until the loss has been computed
+RECENT_OUTPUTS = 4
 # a logit this far below zero is a mask (masked_fill(-1e9), finfo.min), not a score
 _MASKED = -1e4
 
@@ -158,6 +161,7 @@ class ForwardCapture:
         self._outputs: dict[tuple[str, int], tuple] = {}  # discovery: output storage / autograd node -> (module, its last dim, the output)
         self._linear_ids: set[int] = set()
         self._last_out: Any = None
+        self._recent: deque = deque(maxlen=RECENT_OUTPUTS)  # discovery: the last module outputs, held
         self._depth = 0  # attention modules entered (scoped forwards)
         self._resume: list[bool] = []  # per child of an attention module running: whether to re-enter the mode after it
         self.reset()
@@ -170,6 +174,7 @@ class ForwardCapture:
     # ------------------------------------------------------------------ the forward
     def begin(self) -> bool:
         """The model's sampled forward starts; True when it is a discovery forward."""
+        self.close()  # a second forward before the optimizer step (gradient accumulation): the first's plan is complete
         self._thread = threading.get_ident()
         self._in_forward = True
         self._stack = []
@@ -191,6 +196,7 @@ class ForwardCapture:
         self.plan = _Plan(linear=spaced(linear, LINEAR_LIMIT))
         self._linear_ids = {id(m) for m, _ in self.plan.linear}
         self._outputs = {}
+        self._recent.clear()
         self._hooks = [_module.register_module_forward_pre_hook(self._push),
                        _module.register_module_forward_hook(self._pop, always_call=True)]
         self._enter_mode()
@@ -238,6 +244,7 @@ class ForwardCapture:
         if self._discovering:
             self._discovering = False
             self._names, self._outputs = {}, {}
+            self._recent.clear()
             plan = self.plan
             for key, (mod, name) in list(plan.attention.items()):
                 if isinstance(mod, nn.MultiheadAttention) and type(mod).forward is nn.MultiheadAttention.forward:
@@ -270,8 +277,11 @@ class ForwardCapture:
             self._stack.pop()
         if isinstance(out, torch.Tensor) and out.ndim and out.is_floating_point():
             if out is not self._last_out:  # (a parent returning its child's output is not its source)
-                # by storage and by autograd node, held weakly: an id or an address is only that
-                # output's while it lives (a freed output's storage can hold the logits)
+                # the last few outputs held (the logits' module is usually the last before the
+                # loss, and `model(x).reshape(...)` frees the output's Python object at once);
+                # the others by storage and autograd node, held weakly: an id or an address is
+                # only that output's while it lives (a freed output's storage can hold the logits)
+                self._recent.append((hit, out.shape[-1], out))
                 seen = (hit, out.shape[-1], weakref.ref(out))
                 self._outputs[("storage", out.untyped_storage().data_ptr())] = seen
                 if out.grad_fn is not None:
@@ -366,22 +376,25 @@ class ForwardCapture:
         """The module whose output `x` is, up to views, slices, copies and casts, and the size of
         that output's last dim (discovery)."""
         ptr = x.untyped_storage().data_ptr()
-        seen = self._outputs.get(("storage", ptr))
-        out = seen[2]() if seen is not None else None
-        if out is not None and out.untyped_storage().data_ptr() == ptr:
-            return seen[:2]
-        fn = x.grad_fn
-        for _ in range(6):
-            if fn is None:
-                break
-            seen = self._outputs.get(("node", id(fn)))
-            out = seen[2]() if seen is not None else None
-            if out is not None and out.grad_fn is fn:
-                return seen[:2]
+        nodes, fn = [], x.grad_fn  # x's autograd node and those it moves or casts values from
+        while fn is not None and len(nodes) < 6:
+            nodes.append(fn)
             if type(fn).__name__ not in _SAME_VALUES:
                 break
             nxt = [f for f, _ in fn.next_functions if f is not None]
             fn = nxt[0] if len(nxt) == 1 else None
+        for hit, last, out in reversed(self._recent):
+            if out.untyped_storage().data_ptr() == ptr or any(out.grad_fn is f for f in nodes):
+                return hit, last
+        seen = self._outputs.get(("storage", ptr))
+        out = seen[2]() if seen is not None else None
+        if out is not None and out.untyped_storage().data_ptr() == ptr:
+            return seen[:2]
+        for f in nodes:
+            seen = self._outputs.get(("node", id(f)))
+            out = seen[2]() if seen is not None else None
+            if out is not None and out.grad_fn is f:
+                return seen[:2]
         return None
 
     def _loss_logits(self, logits: torch.Tensor, dim: int) -> None:
