@@ -9,7 +9,7 @@ kept for the whole run, the variants taking turns step by step (`overhead_scale.
 time is this thread's CPU time (torch on one thread), so other processes add little but
 contention. "vs probes off" is the difference in percent of a bare step.
 
-    flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--workload W]
+    flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--workload W] [--no-single]
 """
 from __future__ import annotations
 
@@ -45,11 +45,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=10, help="steps per round (a multiple of the cadence)")
     ap.add_argument("--workload", default="proxy")
+    ap.add_argument("--no-single", action="store_true", help="leave out the one-probe-only variants (more rounds in the same time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     overhead_scale.CLOCK = time.thread_time
     every = nummon.Policy().mechanisms.every
-    r = overhead_scale.measure(args.workload, torch.device("cpu"), args.rounds, args.steps, 5, variants(every))
+    vs = variants(every)
+    if args.no_single:
+        vs = {k: v for k, v in vs.items() if " only, " not in k}
+    r = overhead_scale.measure(args.workload, torch.device("cpu"), args.rounds, args.steps, 5, vs)
     print(f"{args.workload}: bare step {r['bare_ms']:.2f} ms CPU (paired medians of {args.rounds} rounds of "
           f"{args.steps} steps, variants in turn step by step, 1 thread)")
     print("| variant | step / bare step | vs probes off (% of a bare step) |")

@@ -45,6 +45,8 @@ LOG10_FIELDS = ("loss", "grad_norm", "activation_max")
 HEALTH_GROUP = "nummon_health"
 MORE_GROUP = "nummon_more"
 MECHANISM_GROUP = "nummon_mechanisms"
+# a constant of the optimizer (kept in the record so that replay judges the ratio alike), not a chart
+_NOT_CHARTED = frozenset({"adam_ratio_bound"})
 #: Per-layer mechanism metric -> the StepRecord field (own groups; not in the top-offender charts).
 MECHANISM_LAYER_METRICS = {"attention_logit_max": "layer_attention_logit_max",
                            "attention_entropy": "layer_attention_entropy"}
@@ -110,7 +112,7 @@ def step_scalars(record: StepRecord, health: Health | None, incident_state: Inci
             out[f"nummon_layers_{metric}/{layer}"] = v
     for name in MECHANISM_FIELDS:  # sampled: only on the steps that measured them
         v = getattr(record, name, None)
-        if v is not None:
+        if v is not None and name not in _NOT_CHARTED:
             out[f"{MECHANISM_GROUP}/{name}"] = float(v)
     for metric, field_name in MECHANISM_LAYER_METRICS.items():
         for layer, v in getattr(record, field_name, {}).items():

@@ -242,6 +242,7 @@ class AdamMomentPolicy(_Section):
     enabled: bool = True
     warning_rms: float = Field(3.0, gt=1, description="warning when a tensor's RMS(g / sqrt(v_hat)) exceeds this: the second moment underestimated g² (about 1 when v tracks g²; at most 1/sqrt(1 - beta2): 4.5 for beta2 0.95, 31.6 for 0.999) (ratio)")
     critical_rms: float = Field(10.0, gt=1, description="critical above this (reachable with beta2 >= 0.99) (ratio)")
+    bound_fraction: float = Field(0.5, gt=0, lt=1, description="the warning level is at least this fraction of the ratio's bound 1/sqrt(1 - beta2), and the critical one at least halfway from there to the bound: with a long second-moment memory (beta2 0.999: bound 31.6) ratios of 3-4 come and go in healthy runs (fraction)")
     small_fraction: float = Field(0.1, gt=0, le=1, description="warning when at least this fraction of gradient elements is below Adam's eps (their parameters have stopped receiving gradient while Adam's second moment still carries their old size) (fraction)")
     small_growth: float = Field(5.0, ge=1, description="and that fraction is at least this multiple of the run's own level: the lowest of its first `baseline_samples` samples (ratio)")
     baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="samples from `start_step` on that set the run's own level of the small-gradient fraction (samples)")

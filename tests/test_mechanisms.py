@@ -207,6 +207,7 @@ def test_adam_second_moment_matches_a_hand_computation():
     want = float(torch.sqrt((g * g / v_hat).mean()))
     assert rec.adam_ratio_rms == pytest.approx(want, rel=1e-4)
     assert rec.adam_ratio_rms > 3  # the spike the second moment did not see coming (at most 1/sqrt(0.01) = 10)
+    assert rec.adam_ratio_bound == pytest.approx(10.0)
     assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
 
 

@@ -35,6 +35,15 @@ class AdamMomentDetector:
         self._held[key] = n
         return n
 
+    def _levels(self, bound: float | None) -> tuple[float, float]:
+        """(warning, critical) levels of RMS(g / sqrt(v_hat)) for an optimizer whose ratio is
+        bounded by `bound` = 1/sqrt(1 - beta2) (None: unknown, the policy's levels)."""
+        p = self._p
+        if bound is None or not F.is_finite(bound):
+            return p.warning_rms, p.critical_rms
+        warn = max(p.warning_rms, p.bound_fraction * bound)
+        return warn, max(p.critical_rms, (warn + bound) / 2)
+
     def update(self, rec: StepRecord) -> list[Finding]:
         p = self._p
         if rec.adam_ratio_rms is None or rec.step < p.start_step:
@@ -42,12 +51,13 @@ class AdamMomentDetector:
         out: list[Finding] = []
         layers = rec.layer_adam_ratio_rms
         rms = rec.adam_ratio_rms
-        if F.is_finite(rms) and self._hold("rms", rms >= p.warning_rms) >= p.patience:
+        warn, crit = self._levels(rec.adam_ratio_bound)
+        if F.is_finite(rms) and self._hold("rms", rms >= warn) >= p.patience:
             name = max(layers, key=layers.__getitem__) if layers else None
-            sev = Severity.CRITICAL if rms >= p.critical_rms else Severity.WARNING
+            sev = Severity.CRITICAL if rms >= crit else Severity.WARNING
             where = f" in `{name}`" if name else ""
             out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, sev, "adam_ratio_rms", rms,
-                               p.critical_rms if sev is Severity.CRITICAL else p.warning_rms,
+                               crit if sev is Severity.CRITICAL else warn,
                                f"Adam's second moment underestimates the gradient{where}: RMS(g/sqrt(v)) is {rms:.3g} "
                                f"(about 1 when v tracks g²): the gradient jumped far above what v has seen",
                                details={"tensor": name}))

@@ -8,6 +8,7 @@ concatenation, and every per-tensor mean of the group is one reduction.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable
 
@@ -132,13 +133,14 @@ class AdamStatistics:
         out = self._groups[gi] = _Group(key, ps, ms, vs, first, [names.get(id(p), f"param{k}") for k, p in enumerate(ps)])
         return out
 
-    def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float]:
-        """(tensor names, segments, gradient elements the |g| < eps counts are out of);
+    def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float, float]:
+        """(tensor names, segments, gradient elements the |g| < eps counts are out of, the
+        largest bound 1/sqrt(1 - beta2) of the ratio over the groups measured);
         `stepped`: optimizer.step() already ran for this gradient; `steps_seen`: a host count of
         the optimizer's steps (for a fused / capturable one, whose step count is on the device)."""
         names: list[str] = []
         rms, small, upd = [], [], []
-        elements = 0.0
+        elements, bound = 0.0, 0.0
         for gi, group in enumerate(self.optimizer.param_groups):
             betas = group.get("betas")
             if betas is None or "eps" not in group:
@@ -163,6 +165,7 @@ class AdamStatistics:
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
             s = g.sample
+            bound = max(bound, 1.0 / (1.0 - b2) ** 0.5) if b2 < 1 else math.inf
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
@@ -186,7 +189,7 @@ class AdamStatistics:
             small.append(mean[1] * sizes)  # (estimated) count of |g| < eps
             upd.append(mean[2].sqrt() * (lr / (1.0 - b1 ** t)) / mean[3].sqrt().clamp(min=1e-30))
         if not names:
-            return [], [], 0.0
+            return [], [], 0.0, 0.0
         return names, [Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
                        Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
-                       Segment("mech_adam_update", torch.cat(upd), Reduce.MAX)], elements
+                       Segment("mech_adam_update", torch.cat(upd), Reduce.MAX)], elements, bound

@@ -44,6 +44,7 @@ class MechanismStep:
     output: bool = False
     samples: int = 0  # per-sample losses: top indices packed
     adam_elements: float = 0.0  # gradient elements the |g| < eps counts are out of
+    adam_bound: float = 0.0  # 1/sqrt(1 - beta2): the ratio's bound
 
 
 class MechanismProbes:
@@ -140,12 +141,12 @@ class MechanismProbes:
                 cap.reset()
             if self.adam is not None:
                 try:
-                    names, adam_segs, elements = self.adam.measure(self._stepped, self._steps_seen)
+                    names, adam_segs, elements, bound = self.adam.measure(self._stepped, self._steps_seen)
                 except Exception:  # a probe must never break the user's step (e.g. a group across devices)
                     self._errors += 1
-                    names, adam_segs, elements = [], [], 0.0
+                    names, adam_segs, elements, bound = [], [], 0.0, 0.0
                 if names:
-                    ms.adam, ms.adam_elements = names, elements
+                    ms.adam, ms.adam_elements, ms.adam_bound = names, elements, bound
                     segs += adam_segs
         if not self._hooks:
             self._stepped = False
@@ -215,6 +216,7 @@ class MechanismProbes:
             rec.adam_ratio_rms = max(r)
             rec.update_ratio_max = max(upd)
             rec.adam_small_grad_fraction = sum(small) / ms.adam_elements if ms.adam_elements else None
+            rec.adam_ratio_bound = ms.adam_bound or None
 
     def remove(self) -> None:
         if self.capture is not None:
