@@ -167,6 +167,7 @@ class ForwardCapture:
         self.reset()
 
     def reset(self) -> None:
+        self._pending: list[tuple[str, tuple]] = []  # planned MHA calls: (name, _mha_qk's tuple)
         self.attn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.rms: dict[str, list[tuple[torch.Tensor, int]]] = {}
@@ -313,24 +314,23 @@ class ForwardCapture:
 
     def _mha_in(self, name: str, mod: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
         """nn.MultiheadAttention's forward arguments, as F.multi_head_attention_forward gets them."""
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or not self.want_attention:
             return
         a = dict(zip(self._MHA_FORWARD, args))
         a.update(kwargs)
         q, k = a["query"], a["key"]
         if mod.batch_first and q.ndim == 3:
             q, k = q.transpose(0, 1), k.transpose(0, 1)
-        self._stack.append((mod, name))
-        try:
-            self._mha((), {"query": q, "key": k, "num_heads": mod.num_heads, "in_proj_weight": mod.in_proj_weight,
-                           "in_proj_bias": mod.in_proj_bias, "use_separate_proj_weight": not mod._qkv_same_embed_dim,
-                           "q_proj_weight": mod.q_proj_weight, "k_proj_weight": mod.k_proj_weight,
-                           "attn_mask": a.get("attn_mask"), "key_padding_mask": a.get("key_padding_mask"),
-                           "is_causal": a.get("is_causal", False)})
+        try:  # the projections now (the weights the forward used); the logits of all layers at take, batched
+            with torch.no_grad():
+                self._pending.append((name, self._mha_qk(
+                    {"query": q, "key": k, "num_heads": mod.num_heads, "in_proj_weight": mod.in_proj_weight,
+                     "in_proj_bias": mod.in_proj_bias, "use_separate_proj_weight": not mod._qkv_same_embed_dim,
+                     "q_proj_weight": mod.q_proj_weight, "k_proj_weight": mod.k_proj_weight,
+                     "attn_mask": a.get("attn_mask"), "key_padding_mask": a.get("key_padding_mask"),
+                     "is_causal": a.get("is_causal", False)})))
         except Exception:  # a probe must never break the user's forward
             self.errors += 1
-        finally:
-            self._stack.pop()
 
     def _child_in(self, _m: nn.Module, _inp: Any) -> None:
         if threading.get_ident() == self._thread:
@@ -435,6 +435,12 @@ class ForwardCapture:
         """Per attention module: its max logit over the step's calls and its mean normalised
         entropy (entropy / ln keys, over the query rows with two keys or more), the mean over
         its calls; one batched computation per shape of score rows."""
+        if self._pending:
+            try:
+                self._flush_mha()
+            except Exception:  # a probe must never break the user's step
+                self.errors += 1
+                self._pending = []
         if not self.attn:
             return None
         names = list(self.attn)
@@ -510,6 +516,13 @@ class ForwardCapture:
             return
         a = dict(zip(_MHA_PARAMS, args))  # (inspect's bind costs more than the probe)
         a.update(kwargs)
+        qk = self._mha_qk(a)
+        self._materialize(self._where(), [qk])
+
+    @staticmethod
+    def _mha_qk(a: dict) -> tuple:
+        """(q (heads, L, d), k (heads, S, d) of the first sample, attn_mask, is_causal, key
+        padding (1, 1, S) or None) from F.multi_head_attention_forward's arguments."""
         query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
         if query.ndim == 2:  # unbatched (L, E)
             query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -523,20 +536,51 @@ class ForwardCapture:
         L, S = query.shape[0], key.shape[0]
         q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
         k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
-        s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
         mask = a.get("attn_mask")
-        if a.get("is_causal") and mask is None:
-            mask = torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1)
         if mask is not None:
-            m = mask.detach()
-            if m.ndim == 3:  # (N * heads, L, S)
-                m = m[:heads]
-            s = s.masked_fill(m, -math.inf) if m.dtype == torch.bool else s + m.float()
+            mask = mask.detach()
+            if mask.ndim == 3:  # (N * heads, L, S)
+                mask = mask[:heads]
         kpm = a.get("key_padding_mask")
         if kpm is not None:  # (N, S): True or -inf where a key is padding
             kpm = kpm.detach()[:1].reshape(1, 1, S)
+        return q, k, mask, bool(a.get("is_causal")) and mask is None, kpm
+
+    def _materialize(self, name: str | list[str], qks: list[tuple]) -> None:
+        """The logits of MHA calls with the same shapes and masks, in one batched product:
+        their maxima and first score slices go where `_attention` puts them."""
+        names = [name] * len(qks) if isinstance(name, str) else name
+        q0, k0, mask, causal, kpm0 = qks[0]
+        qs = torch.stack([qk[0] for qk in qks]).float()  # (calls, heads, L, d)
+        ks = torch.stack([qk[1] for qk in qks]).float()
+        s = (qs @ ks.transpose(-2, -1)) / math.sqrt(q0.shape[-1])  # (calls, heads, L, S)
+        L, S = s.shape[-2], s.shape[-1]
+        if causal:
+            s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+        if mask is not None:
+            s = s.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
+        if kpm0 is not None:
+            kpm = torch.stack([qk[4] for qk in qks])  # (calls, 1, 1, S)
             s = s.masked_fill(kpm, -math.inf) if kpm.dtype == torch.bool else s + kpm.float()
-        self._attention(s)
+        mx = s.amax(dim=(1, 2, 3))  # masked scores (-inf) are never the max of a row with a key left
+        k = max(1, ENTROPY_BUDGET // max(L * S, 1))
+        sub = s[:, :k]
+        for i, n in enumerate(names):
+            self.attn.setdefault(n, []).append((mx[i], sub[i]))
+
+    def _flush_mha(self) -> None:
+        """The MHA calls the planned forward deferred: grouped by shapes and masks."""
+        groups: dict[tuple, tuple[list[str], list[tuple]]] = {}
+        for name, qk in self._pending:
+            q, k, mask, causal, kpm = qk
+            key = (q.shape, k.shape, q.device, id(mask) if mask is not None else None, causal,
+                   None if kpm is None else kpm.dtype)
+            names, qks = groups.setdefault(key, ([], []))
+            names.append(name)
+            qks.append(qk)
+        self._pending = []
+        for names, qks in groups.values():
+            self._materialize(names, qks)
 
     @torch.no_grad()
     def _output(self, logits: torch.Tensor, dim: int) -> None:
