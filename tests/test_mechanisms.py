@@ -334,8 +334,10 @@ def test_replay_of_the_jsonl_sees_the_mechanisms_the_live_monitor_saw(tmp_path):
         assert a.attention_logit_max == b.attention_logit_max
         assert a.layer_attention_entropy == b.layer_attention_entropy
         assert a.adam_ratio_rms == b.adam_ratio_rms
+        assert a.adam_ratio_bound == b.adam_ratio_bound  # replay judges the ratio against the same bound
     lines = [json.loads(l) for l in log.read_text().splitlines()]
     assert any("layer_attention_logit_max" in d for d in lines)
+    assert any(b.adam_ratio_bound == pytest.approx(1 / math.sqrt(1 - 0.999)) for b in back)  # AdamW's default beta2
 
 
 def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
