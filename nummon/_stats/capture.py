@@ -174,7 +174,8 @@ class ForwardCapture:
 
     # ------------------------------------------------------------------ the forward
     def begin(self) -> bool:
-        """The model's sampled forward starts; True when it is a discovery forward."""
+        """The model's sampled forward starts; True when it is a periodic discovery forward (one
+        every `PLAN_EVERY`, not a `whole` plan's every time)."""
         self.close()  # a second forward before the optimizer step (gradient accumulation): the first's plan is complete
         self._thread = threading.get_ident()
         self._in_forward = True
@@ -182,13 +183,13 @@ class ForwardCapture:
         self._depth = 0
         self._resume = []
         # a call that no module holds leaves no cheaper way: such a model is discovered every time
-        discover = self.plan is None or self._until_plan <= 0 or self.plan.whole
-        self._until_plan = PLAN_EVERY if discover else self._until_plan - 1
-        if discover:
+        periodic = self.plan is None or self._until_plan <= 0
+        self._until_plan = PLAN_EVERY if periodic else self._until_plan - 1
+        if periodic or self.plan.whole:
             self._discover()
         else:
             self._scoped(self.plan)
-        return discover
+        return periodic
 
     def _discover(self) -> None:
         self._discovering = True

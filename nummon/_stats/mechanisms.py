@@ -105,7 +105,6 @@ class MechanismProbes:
             self._in_forward = False
             self.capture.end()
 
-
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
     def per_sample(self, losses: Any) -> None:
