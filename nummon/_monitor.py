@@ -236,7 +236,7 @@ class Monitor:
         if per_sample_loss is not None and self.stats.mechanisms is not None:
             self.stats.mechanisms.per_sample(per_sample_loss)
         pending = self.stats.launch(
-            s, loss, batch, params_due=s % sp.params_every == 0, optim_due=s % sp.optimizer_every == 0
+            s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s)
         )
         hist = None
         if self._hist_every and self._hist_due(s):

@@ -102,6 +102,15 @@ class SamplingPolicy(_Section):
     histogram_every: int = Field(0, ge=0, le=MAX_WINDOW, description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)")
     lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
 
+    def params_due(self, step: int) -> bool:
+        """Whether `step` measures the parameters and max |g| on the cadence (the Monitor for
+        this step, the pre-clip capture for the next backward: one rule for both)."""
+        return step % self.params_every == 0
+
+    def optimizer_due(self, step: int) -> bool:
+        """Whether `step` measures the optimizer state on the cadence."""
+        return step % self.optimizer_every == 0
+
 
 class RecorderPolicy(_Section):
     steps: int = Field(64, ge=1, le=MAX_WINDOW, description="steps of statistics kept by the flight recorder")

@@ -167,8 +167,7 @@ class StatsEngine:
         host, event = self.pinned.to_host(packed)
         self._arm_probes(step + 1)
         if self.preclip is not None:  # what the next backward measures
-            every = self.policy.sampling.params_every
-            self.preclip.absmax = self._extremes_due(step + 1, (step + 1) % every == 0)
+            self.preclip.absmax = self._extremes_due(step + 1, self.policy.sampling.params_due(step + 1))
         return Pending(
             step=step, packed=host, event=event, layout=layout, grad_names=s.grad_names, acts=s.acts,
             grad_dtype=s.grad_dtype, loss_host=s.loss_host, loss_dtype=s.loss_dtype, lr=s.lr,
