@@ -23,6 +23,7 @@ from .._types import StepRecord
 from .decode import Decoder, exact_where_overflowed
 from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
+from .compiled import has_compiled_parts, unwrap_compiled
 from .histograms import histograms
 from .kernels import NormKernels, as_real
 from .mechanisms import MechanismProbes
@@ -93,6 +94,10 @@ class StatsEngine:
     def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, policy: Policy,
                  dist: Any = None, grad_scaler: Any = None) -> None:
         check_grad_scaler(grad_scaler)
+        # a torch.compile wrapper: its module is watched (names without `_orig_mod.`), and the
+        # forward probes stay off (they would break or recompile the graph on sampled steps)
+        compiled = model is not None and (unwrap_compiled(model) is not model or has_compiled_parts(model))
+        model = unwrap_compiled(model)
         self.model = model
         self.optimizer = optimizer
         self.policy = policy
@@ -123,7 +128,7 @@ class StatsEngine:
         ]
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
-                                          linear_rms=mp.linear_rms) if mp.enabled else None
+                                          linear_rms=mp.linear_rms, compiled=compiled) if mp.enabled else None
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)

@@ -16,6 +16,7 @@ is detached and under no_grad.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
+from .compiled import has_compiled_parts, tracing
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
@@ -51,8 +53,13 @@ class MechanismProbes:
     """The sampled probes of one model and optimizer; `arm(True)` before a forward to sample it."""
 
     def __init__(self, model: nn.Module | None, optimizer: Any, adam: bool = True, attention: bool = True,
-                 output: bool = True, linear_rms: bool = True) -> None:
+                 output: bool = True, linear_rms: bool = True, compiled: bool = False) -> None:
         self.model = model
+        # on a compiled model the forward is left alone (see compiled.py); the optimizer's probes work
+        self.forward_off = False
+        self._traced = False  # a forward hook of ours ran inside torch.compile's tracing
+        if compiled and (attention or output or linear_rms):
+            self._compiled()
         self.optimizer = optimizer
         self.armed = False
         self.paused = False
@@ -93,14 +100,33 @@ class MechanismProbes:
         self.armed = bool(on)
 
     def _enter(self, _mod: nn.Module, _inp: Any) -> None:
+        if tracing():  # compiled after the Monitor was made: traced into the graph, a no-op there
+            self._traced = True
+            return
         if self._in_forward:  # a nested call of the model itself
             return
         self._in_forward = True
         self._stepped = False  # the step's forward: an optimizer.step() from now on is this step's
-        if self.armed and not self.paused and self.capture.begin() and self.adam is not None:
+        if self.armed and not self.paused and not self._forward_compiled() and self.capture.begin() and self.adam is not None:
             self.adam.refresh()  # now and then: a parameter replaced out of place is read again
 
+    def _forward_compiled(self) -> bool:
+        """Whether the forward is (now) compiled: checked on sampled forwards only (a walk of the
+        modules), since a submodule may be compiled in place after the Monitor was made."""
+        if not self.forward_off and (self._traced or has_compiled_parts(self.model)):
+            self._compiled()
+        return self.forward_off
+
+    def _compiled(self) -> None:
+        self.forward_off = True
+        warnings.warn(
+            "nummon: the model is compiled (torch.compile), so the forward's mechanism probes (attention logits, "
+            "output log Z, Linear output RMS) are off: they would break or recompile its graph. Gradients, "
+            "parameters, activations and Adam's statistics are measured as usual.", stacklevel=3)
+
     def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
+        if tracing():
+            return
         if self._in_forward:
             self._in_forward = False
             self.capture.end()
@@ -122,6 +148,8 @@ class MechanismProbes:
     # ------------------------------------------------------------------ the step
     def take(self, distributed: bool) -> tuple[MechanismStep, list[Segment]]:
         """This step's segments (empty when it was not sampled); resets for the next step."""
+        if self._traced and not self.forward_off:
+            self._compiled()
         if self.capture is not None:
             self.capture.close()
         ms, segs = MechanismStep(), []

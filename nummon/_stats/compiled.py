@@ -1,0 +1,40 @@
+"""`torch.compile`d models: the module to watch behind the wrapper, and whether a hook is being
+traced.
+
+A compiled model runs its modules' forward hooks inside the compiled graph: dynamo traces them
+once, and guards on the module's hooks and on the torch-function mode stack. A hook that makes a
+per-step Python decision, registers hooks, or enters a mode then breaks the graph or recompiles
+it on every sampled step. So on a compiled model the mechanism probes leave the forward alone.
+The activation probes' hook is written to trace into the graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["has_compiled_parts", "tracing", "unwrap_compiled"]
+
+
+def _is_wrapper(m: nn.Module) -> bool:
+    # torch._dynamo.OptimizedModule, without importing torch._dynamo (a second of import time)
+    return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
+
+
+def unwrap_compiled(model: nn.Module | None) -> nn.Module | None:
+    """The module a `torch.compile(model)` wrapper holds (its parameters and submodules under
+    their own names, not `_orig_mod.`), or the model itself."""
+    while model is not None and _is_wrapper(model):
+        model = model._orig_mod
+    return model
+
+
+def has_compiled_parts(model: nn.Module) -> bool:
+    """Whether the model or one of its submodules is compiled: a `torch.compile` wrapper or a
+    module compiled in place (`module.compile()`)."""
+    return any(_is_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def tracing() -> bool:
+    """Whether this code is being traced by `torch.compile` (not run eagerly)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())

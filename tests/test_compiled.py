@@ -1,0 +1,106 @@
+"""A `torch.compile`d model: measured as the eager one, with no graph break and no recompile per
+step from nummon's hooks (`fullgraph=True` raises on a break), names without `_orig_mod.`, and
+the forward's mechanism probes off, said once (they would break or recompile the graph).
+
+`aot_eager` traces and functionalises like inductor, without compiling kernels (seconds, not a
+minute per model on this CPU)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nummon
+
+torch._dynamo = pytest.importorskip("torch._dynamo")
+
+QUIET = {"recorder": {"write": False}, "alerts": {"stop_on_critical": False}, "mechanisms": {"every": 1}}
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 32)
+        self.blocks = nn.Sequential(*[Block(32) for _ in range(3)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.emb(x)))
+
+
+def _train(how, steps=8, poison_at=None):
+    """Records of `steps` AdamW steps on one seeded model, data and Monitor; `how`: "eager",
+    "before" (torch.compile, then the Monitor), "after" (the Monitor, then torch.compile) or
+    "block" (one block compiled in place). At `poison_at` a weight of blocks.1.fc goes Inf."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = model
+    if how == "before":
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    if how == "block":
+        model.blocks[0].compile(backend="aot_eager", fullgraph=True)
+    mon = nummon.Monitor(run, opt, policy=QUIET)
+    if how == "after":
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    recs = []
+    for step in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        if step == poison_at:
+            with torch.no_grad():
+                model.blocks[1].fc.weight[0, 0] = math.inf
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(x), y)
+        loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss).record)
+    mon.close()
+    return recs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _same(a, b, rel=1e-5):
+    return a == pytest.approx(b, rel=rel, nan_ok=True)
+
+
+@pytest.mark.parametrize("how", ["before", "after"])
+def test_a_compiled_model_is_measured_as_the_eager_one(how):
+    eager, _ = _train("eager")
+    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off"):
+        compiled, graphs = _train(how)
+    assert graphs <= 2  # the first forward makes the activation buffers, the second reuses them: no recompile after
+    for e, c in zip(eager, compiled):
+        assert list(c.layer_grad_norms) == list(e.layer_grad_norms) == [n for n, _ in Net().named_parameters()]
+        assert c.layer_activation_max.keys() == e.layer_activation_max.keys()
+        for name, value in e.layer_activation_max.items():
+            assert _same(c.layer_activation_max[name], value), (c.step, name)
+        assert _same(c.grad_norm, e.grad_norm) and _same(c.loss, e.loss)
+        assert (c.adam_ratio_rms is None) is (e.adam_ratio_rms is None)  # the optimizer's probe works
+        if e.adam_ratio_rms is not None:
+            assert _same(c.adam_ratio_rms, e.adam_ratio_rms, rel=1e-4)
+    assert eager[-1].output_logsumexp_mean is not None and compiled[-1].output_logsumexp_mean is None
+
+
+def test_the_first_non_finite_module_of_a_compiled_model_is_named():
+    eager, _ = _train("eager", steps=4, poison_at=2)
+    with pytest.warns(UserWarning, match="compiled"):
+        compiled, _ = _train("before", steps=4, poison_at=2)
+    assert eager[2].nonfinite_location == "output of `blocks.1.fc` (forward)"
+    assert [r.nonfinite_location for r in compiled] == [r.nonfinite_location for r in eager]
+
+
+def test_a_block_compiled_in_place_turns_the_forward_probes_off():
+    with pytest.warns(UserWarning, match="compiled"):
+        recs, _ = _train("block", steps=3)
+    assert recs[-1].output_logsumexp_mean is None and recs[-1].layer_activation_max
