@@ -12,7 +12,7 @@ from torch import nn
 
 import nummon
 
-torch._dynamo = pytest.importorskip("torch._dynamo")
+dynamo = pytest.importorskip("torch._dynamo")
 
 QUIET = {"recorder": {"write": False}, "alerts": {"stop_on_critical": False}, "mechanisms": {"every": 1}}
 
@@ -41,8 +41,8 @@ def _train(how, steps=8, poison_at=None):
     """Records of `steps` AdamW steps on one seeded model, data and Monitor; `how`: "eager",
     "before" (torch.compile, then the Monitor), "after" (the Monitor, then torch.compile) or
     "block" (one block compiled in place). At `poison_at` a weight of blocks.1.fc goes Inf."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -67,7 +67,7 @@ def _train(how, steps=8, poison_at=None):
         opt.step()
         recs.append(mon.post_step(loss).record)
     mon.close()
-    return recs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return recs, dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _same(a, b, rel=1e-5):
