@@ -104,3 +104,18 @@ def test_a_block_compiled_in_place_turns_the_forward_probes_off():
     with pytest.warns(UserWarning, match="compiled"):
         recs, _ = _train("block", steps=3)
     assert recs[-1].output_logsumexp_mean is None and recs[-1].layer_activation_max
+
+
+def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model():
+    from nummon.diagnose import explain_nonfinite
+
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    run = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    nn.functional.cross_entropy(run(x), y).backward()  # compiled and run once
+    with torch.no_grad():
+        model.blocks[1].ln.weight.fill_(math.inf)
+    report = explain_nonfinite(lambda: nn.functional.cross_entropy(run(x), y))
+    assert (report.module, report.op) == ("blocks.1.ln", "aten::native_layer_norm")  # not `_orig_mod.blocks.1.ln`

@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils._pytree import tree_leaves
 
+from .._stats.compiled import is_compile_wrapper
+
 __all__ = ["ModuleScope", "user_location"]
 
 
@@ -88,6 +90,8 @@ class ModuleScope:
         self._handles = []
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if is_compile_wrapper(module):  # torch.compile's wrapper: its module is the root (no `_orig_mod.` in names)
+            return
         path = self._path_of(module)
         if not self._stack and all(root is not module for root in self._roots):
             self._roots.append(module)

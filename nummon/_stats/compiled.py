@@ -12,18 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_compiled_parts", "tracing", "unwrap_compiled"]
+__all__ = ["has_compiled_parts", "is_compile_wrapper", "tracing", "unwrap_compiled"]
 
 
-def _is_wrapper(m: nn.Module) -> bool:
-    # torch._dynamo.OptimizedModule, without importing torch._dynamo (a second of import time)
+def is_compile_wrapper(m: nn.Module) -> bool:
+    """Whether `m` is what `torch.compile(module)` returns (torch._dynamo's OptimizedModule,
+    recognised without importing torch._dynamo: a second of import time)."""
     return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
 
 
 def unwrap_compiled(model: nn.Module | None) -> nn.Module | None:
     """The module a `torch.compile(model)` wrapper holds (its parameters and submodules under
     their own names, not `_orig_mod.`), or the model itself."""
-    while model is not None and _is_wrapper(model):
+    while model is not None and is_compile_wrapper(model):
         model = model._orig_mod
     return model
 
@@ -31,7 +32,7 @@ def unwrap_compiled(model: nn.Module | None) -> nn.Module | None:
 def has_compiled_parts(model: nn.Module) -> bool:
     """Whether the model or one of its submodules is compiled: a `torch.compile` wrapper or a
     module compiled in place (`module.compile()`)."""
-    return any(_is_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return any(is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def tracing() -> bool:
