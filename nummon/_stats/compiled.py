@@ -5,7 +5,7 @@ A compiled model runs its modules' forward hooks inside the compiled graph: dyna
 once, and guards on the module's hooks and on the torch-function mode stack. A hook that makes a
 per-step Python decision, registers hooks, or enters a mode then breaks the graph or recompiles
 it on every sampled step. So on a compiled model the mechanism probes leave the forward alone.
-The activation probes' hook is written to trace into the graph.
+The activation probes' hook traces into the graph as it is (no break, no recompile per step).
 """
 from __future__ import annotations
 

@@ -98,7 +98,6 @@ class ActivationProbes:
         self.paused = False  # forensics re-runs a forward that is not a training step
         self.want_tensors = False  # keep the outputs for histograms
         self.tensors: dict[str, torch.Tensor] = {}
-        self.budget = ACT_BUDGET  # elements read of a large output while detail is off
 
     def install(self, model: nn.Module) -> None:
         """Choose and hook the modules (again when the model grew). Modules keep their index
@@ -161,8 +160,8 @@ class ActivationProbes:
             if not t.is_floating_point() or t.numel() == 0:
                 return
             t = t.detach()
-            if not self.detail and t.numel() > self.budget and t.is_contiguous():
-                t = t.view(-1)[: self.budget]
+            if not self.detail and t.numel() > ACT_BUDGET and t.is_contiguous():
+                t = t.view(-1)[:ACT_BUDGET]
             if self._src[idx] is None:  # the first call of this module in this step
                 lo, hi = self._buffer_views(t.dtype, t.device)[idx]
                 # one kernel, no conversion: min and max of bf16/fp16 values are exact in their own dtype
