@@ -77,8 +77,9 @@ def _same(a, b, rel=1e-5):
 @pytest.mark.parametrize("how", ["before", "after"])
 def test_a_compiled_model_is_measured_as_the_eager_one(how):
     eager, _ = _train("eager")
-    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off"):
+    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off") as said:
         compiled, graphs = _train(how)
+    assert [w.filename for w in said] == [__file__]  # once, at the user's line (Monitor(...) or post_step)
     assert graphs <= 2  # the first forward makes the activation buffers, the second reuses them: no recompile after
     for e, c in zip(eager, compiled):
         assert list(c.layer_grad_norms) == list(e.layer_grad_norms) == [n for n, _ in Net().named_parameters()]

@@ -9,10 +9,18 @@ The activation probes' hook traces into the graph as it is (no break, no recompi
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import torch
 from torch import nn
 
-__all__ = ["has_compiled_parts", "is_compile_wrapper", "tracing", "unwrap_compiled"]
+__all__ = ["has_compiled_parts", "is_compile_wrapper", "tracing", "unwrap_compiled", "warn_at_user_line"]
+
+# frames in these folders are not the user's: nummon's own and torch's (module calls, hooks)
+_NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 def is_compile_wrapper(m: nn.Module) -> bool:
@@ -39,3 +47,13 @@ def tracing() -> bool:
     """Whether this code is being traced by `torch.compile` (not run eagerly)."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def warn_at_user_line(message: str) -> None:
+    """A UserWarning pointing at the innermost line of the user's code on the stack (the call of
+    the model, `Monitor(...)` or `post_step`), not at nummon's or torch's own frames."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_USER):
+        frame = frame.f_back
+    filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("nummon", 0)
+    warnings.warn_explicit(message, UserWarning, filename, line)

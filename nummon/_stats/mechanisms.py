@@ -16,7 +16,6 @@ is detached and under no_grad.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +26,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
-from .compiled import has_compiled_parts, tracing
+from .compiled import has_compiled_parts, tracing, warn_at_user_line
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
@@ -119,10 +118,10 @@ class MechanismProbes:
 
     def _compiled(self) -> None:
         self.forward_off = True
-        warnings.warn(
+        warn_at_user_line(
             "nummon: the model is compiled (torch.compile), so the forward's mechanism probes (attention logits, "
             "output log Z, Linear output RMS) are off: they would break or recompile its graph. Gradients, "
-            "parameters, activations and Adam's statistics are measured as usual.", stacklevel=3)
+            "parameters, activations and Adam's statistics are measured as usual.")
 
     def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
         if tracing():
