@@ -120,3 +120,29 @@ def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model
         model.blocks[1].ln.weight.fill_(math.inf)
     report = explain_nonfinite(lambda: nn.functional.cross_entropy(run(x), y))
     assert (report.module, report.op) == ("blocks.1.ln", "aten::native_layer_norm")  # not `_orig_mod.blocks.1.ln`
+
+
+def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
+    """`TrainingArguments(torch_compile=True)`: the Trainer compiles the model itself; the
+    callback's records carry the model's own names, activations and Adam's statistics, and the
+    forward probes are off, said once."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer
+
+    from nummon.integrations.transformers import NummonCallback
+    from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
+
+    dynamo.reset()
+    model = tiny_gpt2()
+    cb = NummonCallback(policy=QUIET, console=False)
+    args = training_args(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
+    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False),
+                      callbacks=[cb])
+    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off") as said:
+        trainer.train()
+    assert len([w for w in said if "nummon" in str(w.message)]) == 1
+    rec = cb.last_report.record
+    assert list(rec.layer_grad_norms) == [n for n, p in model.named_parameters() if p.requires_grad]
+    assert rec.layer_activation_max and all(not n.startswith("_orig_mod") for n in rec.layer_activation_max)
+    assert rec.adam_ratio_rms is not None and rec.output_logsumexp_mean is None
