@@ -11,7 +11,7 @@ from .._types import StepRecord
 from . import fs
 from .keymap import KeyMap
 
-__all__ = ["NotALogError", "Follower", "StepAssembler", "FileMark", "as_step", "POLL_BYTES"]
+__all__ = ["NotALogError", "Follower", "OneFileFollower", "StepAssembler", "FileMark", "as_step", "POLL_BYTES"]
 
 #: Bytes one poll reads at most: a long backlog streams through in bounded memory.
 POLL_BYTES = 4 * 1024 * 1024
@@ -176,3 +176,28 @@ class StepAssembler:
         if rec is not None:
             out.append(rec)
         return True
+
+
+class OneFileFollower(Follower):
+    """A follower of one file, which it knows by identity (`FileMark`): a file replaced,
+    truncated or re-run since the last poll is read again from the start."""
+
+    def __init__(self, path: str, keymap: KeyMap | None = None) -> None:
+        super().__init__(path, keymap)
+        self.mark = FileMark()
+
+    def _restart(self) -> None:
+        """Forget the read position (the file is read again from its start)."""
+        raise NotImplementedError
+
+    def _stat(self) -> "fs.Stat | None":
+        """The file's stat (None while it does not exist), after restarting when it is no longer
+        the file read so far."""
+        st = fs.stat(self.path)
+        if st is None:
+            return None
+        why = self.mark.check(self.path, st)
+        if why:
+            self.note(f"{self.path}: {why}; reading it again from the start")
+            self._restart()
+        return st

@@ -9,7 +9,7 @@ from typing import Any
 from .._trace import TraceError, record_from_dict
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, FileMark, Follower, NotALogError
+from .base import POLL_BYTES, NotALogError, OneFileFollower
 
 __all__ = ["JsonlFollower", "MAX_LINE"]
 
@@ -17,7 +17,7 @@ __all__ = ["JsonlFollower", "MAX_LINE"]
 MAX_LINE = 16 * 1024 * 1024
 
 
-class JsonlFollower(Follower):
+class JsonlFollower(OneFileFollower):
     """One JSONL file: step lines become records, `"type": "alert"` (and other non-step) lines are
     skipped."""
 
@@ -28,20 +28,16 @@ class JsonlFollower(Follower):
         self.offset = 0  # bytes consumed (always at a line start)
         self.lineno = 0
         self.count = 0  # records returned: the default step of a line without "step"
-        self.mark = FileMark()
         self._skipping = False  # inside an over-long line
+
+    def _restart(self) -> None:
+        self.offset = self.lineno = self.count = 0
+        self._skipping = False
 
     def poll(self, final: bool = False) -> list[StepRecord]:
         self.more = False
-        st = fs.stat(self.path)
-        if st is None:
-            return []
-        why = self.mark.check(self.path, st)
-        if why:
-            self.note(f"{self.path}: {why}; reading it again from the start")
-            self.offset = self.lineno = self.count = 0
-            self._skipping = False
-        if st.size <= self.offset:
+        st = self._stat()
+        if st is None or st.size <= self.offset:
             return []
         data = fs.read_bytes(self.path, self.offset, POLL_BYTES)
         end = data.rfind(b"\n") + 1

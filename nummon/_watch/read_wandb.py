@@ -13,7 +13,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, FileMark, Follower, NotALogError, as_step
+from .base import POLL_BYTES, NotALogError, OneFileFollower, as_step
 from .read_tb import _require
 
 __all__ = ["WandbFollower", "is_wandb_file", "WANDB_MAGIC"]
@@ -37,7 +37,7 @@ def _pb():
     return wandb_internal_pb2
 
 
-class WandbFollower(Follower):
+class WandbFollower(OneFileFollower):
     format = "wandb"
 
     def __init__(self, path: str, keymap=None) -> None:
@@ -45,19 +45,15 @@ class WandbFollower(Follower):
         self._pb = _pb()
         self.offset = 0  # at a record boundary (after the file header once read)
         self.count = 0
-        self.mark = FileMark()
         self._suspect: int | None = None
+
+    def _restart(self) -> None:
+        self.offset = self.count = 0
 
     def poll(self, final: bool = False) -> list[StepRecord]:
         self.more = False
-        st = fs.stat(self.path)
-        if st is None:
-            return []
-        why = self.mark.check(self.path, st)
-        if why:
-            self.note(f"{self.path}: {why}; reading it again from the start")
-            self.offset = self.count = 0
-        if st.size <= self.offset:
+        st = self._stat()
+        if st is None or st.size <= self.offset:
             return []
         size = POLL_BYTES
         while True:
