@@ -112,7 +112,7 @@ class MechanismProbes:
     def _forward_compiled(self) -> bool:
         """Whether the forward is (now) compiled: checked on sampled forwards only (a walk of the
         modules), since a submodule may be compiled in place after the Monitor was made."""
-        if not self.forward_off and (self._traced or has_compiled_parts(self.model)):
+        if not self.forward_off and has_compiled_parts(self.model):  # (a traced forward: `take` turns them off)
             self._compiled()
         return self.forward_off
 
