@@ -1,16 +1,20 @@
 """A `torch.compile`d model: measured as the eager one, with no graph break and no recompile per
 step from nummon's hooks (`fullgraph=True` raises on a break), names without `_orig_mod.`, and
-the forward's mechanism probes off, said once (they would break or recompile the graph).
+the forward's mechanism probes measured by replaying the sampled step's first sample eagerly,
+with no trace left on training (random generators, buffers, graphs).
 
 `aot_eager` traces and functionalises like inductor, without compiling kernels (seconds, not a
 minute per model on this CPU)."""
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import nummon
+from nummon._stats import mechanisms
+from nummon._stats.compiled import autocast_state, first_sample, replayed
 
 dynamo = pytest.importorskip("torch._dynamo")
 
@@ -74,12 +78,17 @@ def _same(a, b, rel=1e-5):
     return a == pytest.approx(b, rel=rel, nan_ok=True)
 
 
+def _nummon_warnings(caught):
+    return [w for w in caught if "nummon" in str(w.message)]
+
+
 @pytest.mark.parametrize("how", ["before", "after"])
 def test_a_compiled_model_is_measured_as_the_eager_one(how):
     eager, _ = _train("eager")
-    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off") as said:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         compiled, graphs = _train(how)
-    assert [w.filename for w in said] == [__file__]  # once, at the user's line (Monitor(...) or post_step)
+    assert not _nummon_warnings(caught)
     assert graphs <= 2  # the first forward makes the activation buffers, the second reuses them: no recompile after
     for e, c in zip(eager, compiled):
         assert list(c.layer_grad_norms) == list(e.layer_grad_norms) == [n for n, _ in Net().named_parameters()]
@@ -90,21 +99,114 @@ def test_a_compiled_model_is_measured_as_the_eager_one(how):
         assert (c.adam_ratio_rms is None) is (e.adam_ratio_rms is None)  # the optimizer's probe works
         if e.adam_ratio_rms is not None:
             assert _same(c.adam_ratio_rms, e.adam_ratio_rms, rel=1e-4)
-    assert eager[-1].output_logsumexp_mean is not None and compiled[-1].output_logsumexp_mean is None
+        # the forward's probes: the same Linear layers (their values are the first sample's, after the step)
+        assert c.layer_output_rms.keys() == e.layer_output_rms.keys() and c.layer_output_rms
+
+
+def test_a_block_compiled_in_place_is_replayed_too():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recs, _ = _train("block", steps=3)
+    assert not _nummon_warnings(caught)
+    assert recs[-1].layer_output_rms.keys() == _train("eager", steps=3)[0][-1].layer_output_rms.keys()
+
+
+def test_without_an_eager_stance_the_forward_probes_are_off_said_once(monkeypatch):
+    monkeypatch.setattr(mechanisms, "can_replay", lambda: False)  # torch before 2.6
+    with pytest.warns(UserWarning, match="compiled .* cannot run it eagerly .* mechanism probes .* are off") as said:
+        recs, graphs = _train("before", steps=4)
+    assert [w.filename for w in said] == [__file__]  # once, at the user's line (Monitor(...) or post_step)
+    assert graphs <= 2 and recs[-1].layer_output_rms == {} and recs[-1].adam_ratio_rms is not None
 
 
 def test_the_first_non_finite_module_of_a_compiled_model_is_named():
     eager, _ = _train("eager", steps=4, poison_at=2)
-    with pytest.warns(UserWarning, match="compiled"):
-        compiled, _ = _train("before", steps=4, poison_at=2)
+    compiled, _ = _train("before", steps=4, poison_at=2)
     assert eager[2].nonfinite_location == "output of `blocks.1.fc` (forward)"
     assert [r.nonfinite_location for r in compiled] == [r.nonfinite_location for r in eager]
 
 
-def test_a_block_compiled_in_place_turns_the_forward_probes_off():
-    with pytest.warns(UserWarning, match="compiled"):
-        recs, _ = _train("block", steps=3)
-    assert recs[-1].output_logsumexp_mean is None and recs[-1].layer_activation_max
+class Attention(nn.Module):
+    """Hand-written causal attention; `keep` makes an eager forward keep its largest pre-softmax logit."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+        self.keep, self.kept = False, None
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (u.view(b, t, self.heads, d // self.heads).transpose(1, 2) for u in self.qkv(x).split(d, 2))
+        logits = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
+        logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        if self.keep:
+            self.kept = float(logits.amax())
+        return self.out((logits.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class TinyLM(nn.Module):
+    """The loss inside the forward (as nanoGPT and Hugging Face models with labels), dropout on."""
+
+    def __init__(self, vocab=50, d=32):
+        super().__init__()
+        self.emb, self.drop = nn.Embedding(vocab, d), nn.Dropout(0.1)
+        self.attn = nn.ModuleList([Attention(d), Attention(d)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.drop(self.emb(idx))
+        for a in self.attn:
+            x = x + a(x)
+        logits = self.head(self.ln(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train_lm(monitor, steps=6):
+    """(losses, the records, the final weights, graphs) of a compiled TinyLM, `fullgraph=True`."""
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    mon = nummon.Monitor(run, opt, policy={**QUIET, "mechanisms": {"every": 2}}) if monitor else None
+    g = torch.Generator().manual_seed(1)
+    losses, recs = [], []
+    for _ in range(steps):
+        idx = torch.randint(0, 50, (4, 16), generator=g)
+        opt.zero_grad()
+        loss = run(idx, idx)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if mon is not None:
+            recs.append(mon.post_step(loss).record)
+    if mon is not None:
+        mon.close()
+    return losses, recs, model, idx, dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_a_compiled_transformer_is_probed_on_its_first_sample_and_trains_as_without_nummon():
+    bare_losses, _, bare, _, bare_graphs = _train_lm(False)
+    losses, recs, model, idx, graphs = _train_lm(True)
+    # no trace on training: the replay's dropout draws and everything else leave the run bit-identical
+    assert losses == bare_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+    assert graphs <= bare_graphs + 1  # the activation buffers' first forward, as on any compiled model
+    sampled = [r for r in recs if r.attention_logit_max is not None]
+    assert [r.step for r in sampled] == [0, 2, 4]
+    assert all(r.output_logsumexp_mean is not None and "head" in r.layer_output_rms for r in sampled)
+    assert not [r for r in recs if r not in sampled and r.layer_attention_logit_max]
+    # the values: the first sample of the step's batch through the weights after its update
+    # (post_step comes after optimizer.step here), in train mode, with the dropout draws the
+    # next step will make (the generators are put back after the replay): step 4 of 5 runs
+    _, recs5, model5, idx5, _ = _train_lm(True, steps=5)
+    for a in model5.attn:
+        a.keep = True
+    with torch.no_grad():
+        model5(idx5[:1], idx5[:1])
+    assert recs5[4].layer_attention_logit_max == pytest.approx({"attn.0": model5.attn[0].kept, "attn.1": model5.attn[1].kept},
+                                                               rel=1e-5)
 
 
 def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model():
@@ -124,8 +226,8 @@ def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model
 
 def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     """`TrainingArguments(torch_compile=True)`: the Trainer compiles the model itself; the
-    callback's records carry the model's own names, activations and Adam's statistics, and the
-    forward probes are off, said once."""
+    callback's records carry the model's own names, activations, Adam's statistics and the
+    forward's probes (attention logits, output log Z), with no warning."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import Trainer
@@ -139,10 +241,40 @@ def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     args = training_args(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False),
                       callbacks=[cb])
-    with pytest.warns(UserWarning, match="compiled .* mechanism probes .* are off") as said:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.train()
-    assert len([w for w in said if "nummon" in str(w.message)]) == 1
+    assert not _nummon_warnings(caught)
     rec = cb.last_report.record
     assert list(rec.layer_grad_norms) == [n for n, p in model.named_parameters() if p.requires_grad]
     assert rec.layer_activation_max and all(not n.startswith("_orig_mod") for n in rec.layer_activation_max)
-    assert rec.adam_ratio_rms is not None and rec.output_logsumexp_mean is None
+    assert rec.adam_ratio_rms is not None
+    assert list(rec.layer_attention_logit_max) == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert rec.output_logsumexp_mean is not None
+
+
+def test_the_first_sample_is_cut_from_every_batched_tensor_and_nothing_else():
+    x, mask, pos = torch.randn(4, 16, 8), torch.ones(4, 1, 16, 16), torch.arange(16)
+    (a, n), kw = first_sample((x, 3), {"mask": mask, "pos": pos, "extra": {"y": torch.zeros(4)}})
+    assert a.shape == (1, 16, 8) and torch.equal(a, x[:1]) and n == 3
+    assert kw["mask"].shape == (1, 1, 16, 16) and kw["pos"] is pos and kw["extra"]["y"].shape == (1,)
+    one = torch.randn(1, 5)
+    assert first_sample((one,), {})[0][0] is one
+
+
+def test_a_replayed_forward_leaves_buffers_and_random_generators_as_they_were_and_keeps_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+    x = torch.randn(8, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        regions = autocast_state()
+    assert regions == (("cpu", torch.bfloat16),) and autocast_state() == ()
+    with replayed(model, regions):
+        out = model(x)
+        assert torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
+    assert out.dtype == torch.bfloat16 and not out.requires_grad
+    assert (out == 0).any()  # train mode: dropout (and batch statistics) as in training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats, batch count
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -2,21 +2,28 @@
 traced.
 
 A compiled model runs its modules' forward hooks inside the compiled graph: dynamo traces them
-once, and guards on the module's hooks and on the torch-function mode stack. A hook that makes a
-per-step Python decision, registers hooks, or enters a mode then breaks the graph or recompiles
-it on every sampled step. So on a compiled model the mechanism probes leave the forward alone.
-The activation probes' hook traces into the graph as it is (no break, no recompile per step).
+once, and guards on the module's hooks and on the torch-function mode stack. A hook that
+registers hooks or enters a mode then breaks the graph or recompiles it on every sampled step.
+So on a compiled model the forward's mechanism probes keep the sampled step's inputs (a side
+effect that traces cleanly) and replay its first sample eagerly when the step is taken
+(`first_sample`, `replayed`). The activation probes' hook traces into the graph as it is (no
+break, no recompile per step).
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import sys
 import warnings
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["has_compiled_parts", "is_compile_wrapper", "tracing", "unwrap_compiled", "warn_at_user_line"]
+__all__ = ["autocast_state", "can_replay", "first_sample", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
+           "unwrap_compiled", "warn_at_user_line"]
 
 # frames in these folders are not the user's: nummon's own and torch's (module calls, hooks)
 _NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -57,3 +64,53 @@ def warn_at_user_line(message: str) -> None:
         frame = frame.f_back
     filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("nummon", 0)
     warnings.warn_explicit(message, UserWarning, filename, line)
+
+
+def can_replay() -> bool:
+    """Whether compiled code can be made to run eagerly (`torch.compiler.set_stance`, torch 2.6+)."""
+    return callable(getattr(getattr(torch, "compiler", None), "set_stance", None))
+
+
+def first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward's arguments cut to their first sample: every tensor whose first dimension is
+    the batch's (that of the first tensor with a dimension) keeps its first row; the rest, and
+    a batch of one, are left as they are."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim]
+    n = leaves[0].shape[0] if leaves else 1
+    if n <= 1:
+        return args, kwargs
+
+    def cut(t: Any) -> Any:
+        return t[:1] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == n else t
+
+    return tree_map(cut, args), tree_map(cut, kwargs)
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions in force, as (device type, dtype) pairs (traces as a constant)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def replayed(model: nn.Module, autocast: tuple[tuple[str, torch.dtype], ...] = ()) -> Iterator[None]:
+    """A forward of `model` that leaves no trace: compiled parts run eagerly, with no gradient,
+    under the `autocast` regions the original forward ran in, and the random generators (CPU,
+    the model's CUDA device) and the buffers (batch-norm statistics) are as they were after it.
+    Train mode is kept: a module's eval path may differ (nn.MultiheadAttention's fused fast path)."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = {t.device.index or 0 for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda}
+    cuda_states = [(i, torch.cuda.get_rng_state(i)) for i in sorted(cuda)]
+    try:
+        with contextlib.ExitStack() as regions:
+            for device_type, dtype in autocast:
+                regions.enter_context(torch.autocast(device_type, dtype=dtype))
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        for i, state in cuda_states:
+            torch.cuda.set_rng_state(state, i)

@@ -95,7 +95,7 @@ class StatsEngine:
                  dist: Any = None, grad_scaler: Any = None) -> None:
         check_grad_scaler(grad_scaler)
         # a torch.compile wrapper: its module is watched (names without `_orig_mod.`), and the
-        # forward probes stay off (they would break or recompile the graph on sampled steps)
+        # forward probes replay the sampled step's first sample eagerly (see compiled.py)
         compiled = model is not None and (unwrap_compiled(model) is not model or has_compiled_parts(model))
         model = unwrap_compiled(model)
         self.model = model
@@ -129,6 +129,8 @@ class StatsEngine:
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
                                           linear_rms=mp.linear_rms, compiled=compiled) if mp.enabled else None
+        if self.mechanisms is not None:  # a compiled model's replayed forward is no training step
+            self.mechanisms.others_paused = self._activations_paused
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
@@ -383,6 +385,14 @@ class StatsEngine:
         tensors += [(f"activations/{n}", t) for n, t in self.probes.tensors.items()]
         self.probes.tensors = {}
         return histograms(tensors, bins)
+
+    @contextlib.contextmanager
+    def _activations_paused(self) -> Iterator[None]:
+        was, self.probes.paused = self.probes.paused, True
+        try:
+            yield
+        finally:
+            self.probes.paused = was
 
     @contextlib.contextmanager
     def hooks_paused(self) -> Iterator[None]:

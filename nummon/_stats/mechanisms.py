@@ -12,12 +12,17 @@ flag test); its forward hook ends the forward's part; the capture's mode is left
 `optimizer.step()` (its per-tensor loop would otherwise pass through Python) or at `take`,
 whichever comes first: the loss is usually computed after the forward. Everything computed here
 is detached and under no_grad.
+
+A compiled model (see compiled.py) cannot run the capture inside its graph: there the pre-hook
+only keeps the armed forward's inputs, and `take` replays the first sample eagerly under the
+capture, leaving no trace (random generators, buffers, activation probes).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -26,7 +31,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
-from .compiled import has_compiled_parts, tracing, warn_at_user_line
+from .compiled import autocast_state, can_replay, first_sample, has_compiled_parts, replayed, tracing, warn_at_user_line
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
@@ -54,9 +59,15 @@ class MechanismProbes:
     def __init__(self, model: nn.Module | None, optimizer: Any, adam: bool = True, attention: bool = True,
                  output: bool = True, linear_rms: bool = True, compiled: bool = False) -> None:
         self.model = model
-        # on a compiled model the forward is left alone (see compiled.py); the optimizer's probes work
+        # a compiled model's forward is replayed (see compiled.py); where torch cannot run compiled
+        # code eagerly, the forward's probes are off and the optimizer's work alone
+        self.replay = False
         self.forward_off = False
         self._traced = False  # a forward hook of ours ran inside torch.compile's tracing
+        self._stash: tuple | None = None  # the armed forward's (args, kwargs, autocast regions), to replay
+        self._replaying = False
+        #: within it, the other probes record nothing (the engine pauses its activation probes)
+        self.others_paused: Callable[[], ContextManager] = contextlib.nullcontext
         if compiled and (attention or output or linear_rms):
             self._compiled()
         self.optimizer = optimizer
@@ -78,7 +89,7 @@ class MechanismProbes:
                                optimizer.register_step_post_hook(self._after_step)]
         self._hooks = []
         if model is not None and (attention or output or linear_rms):
-            self._hooks = [model.register_forward_pre_hook(self._enter),
+            self._hooks = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
                            model.register_forward_hook(self._leave, always_call=True)]
 
     @property
@@ -98,37 +109,65 @@ class MechanismProbes:
         """Sample (or not) the next forward and optimizer step."""
         self.armed = bool(on)
 
-    def _enter(self, _mod: nn.Module, _inp: Any) -> None:
-        if tracing():  # compiled after the Monitor was made: traced into the graph, a no-op there
-            self._traced = True
+    def _enter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying:
+            return
+        if tracing() or self.replay:  # compiled: keep the inputs (traced, this is a side effect of the graph)
+            if tracing():
+                self._traced = True
+            self._stepped = False
+            if self.armed and not self.paused and not self.forward_off and self._stash is None:  # the step's first (micro-)batch
+                self._stash = (args, kwargs, autocast_state())
             return
         if self._in_forward:  # a nested call of the model itself
             return
         self._in_forward = True
         self._stepped = False  # the step's forward: an optimizer.step() from now on is this step's
-        if self.armed and not self.paused and not self._forward_compiled() and self.capture.begin() and self.adam is not None:
-            self.adam.refresh()  # now and then: a parameter replaced out of place is read again
-
-    def _forward_compiled(self) -> bool:
-        """Whether the forward is (now) compiled: checked on sampled forwards only (a walk of the
-        modules), since a submodule may be compiled in place after the Monitor was made."""
-        if not self.forward_off and has_compiled_parts(self.model):  # (a traced forward: `take` turns them off)
-            self._compiled()
-        return self.forward_off
+        if self.armed and not self.paused and not self.forward_off:
+            if has_compiled_parts(self.model):  # compiled in place since (a walk: sampled forwards only)
+                self._in_forward = False
+                self._compiled()
+                self._enter(_mod, args, kwargs)
+            elif self.capture.begin() and self.adam is not None:
+                self.adam.refresh()  # now and then: a parameter replaced out of place is read again
 
     def _compiled(self) -> None:
+        """The model is (now) compiled: its forward is replayed, or where torch cannot, left alone."""
+        if can_replay():
+            self.replay = True
+            return
         self.forward_off = True
         warn_at_user_line(
-            "nummon: the model is compiled (torch.compile), so the forward's mechanism probes (attention logits, "
-            "output log Z, Linear output RMS) are off: they would break or recompile its graph. Gradients, "
-            "parameters, activations and Adam's statistics are measured as usual.")
+            "nummon: the model is compiled (torch.compile), and this torch cannot run it eagerly (torch.compiler."
+            "set_stance, torch 2.6+), so the forward's mechanism probes (attention logits, output log Z, Linear output "
+            "RMS) are off. Gradients, parameters, activations and Adam's statistics are measured as usual.")
 
     def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
-        if tracing():
+        if tracing() or self._replaying:
             return
         if self._in_forward:
             self._in_forward = False
             self.capture.end()
+
+    def _replay(self, stash: tuple) -> None:
+        """The armed forward of a compiled model, again on its first sample, eagerly under the
+        capture (after the optimizer step where `post_step` comes after it)."""
+        cap = self.capture
+        self._replaying = True
+        try:
+            args, kwargs = first_sample(stash[0], stash[1])
+            with replayed(self.model, stash[2]), self.others_paused():
+                if cap.begin() and self.adam is not None:
+                    self.adam.refresh()
+                try:
+                    self.model(*args, **kwargs)
+                finally:
+                    cap.end()
+                    cap.close()
+        except Exception:  # a probe must never break the user's step
+            self._errors += 1
+        finally:
+            self._replaying = False
 
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
@@ -147,8 +186,9 @@ class MechanismProbes:
     # ------------------------------------------------------------------ the step
     def take(self, distributed: bool) -> tuple[MechanismStep, list[Segment]]:
         """This step's segments (empty when it was not sampled); resets for the next step."""
-        if self._traced and not self.forward_off:
+        if self._traced and not self.replay and not self.forward_off:
             self._compiled()
+        stash, self._stash = self._stash, None
         if self.capture is not None:
             self.capture.close()
         ms, segs = MechanismStep(), []
@@ -163,6 +203,8 @@ class MechanismProbes:
             return ms, segs
         with torch.no_grad():
             if cap is not None:
+                if stash is not None and self.replay:
+                    self._replay(stash)
                 segs += self._forward_segments(cap, ms)
                 cap.reset()
             if self.adam is not None:
