@@ -119,6 +119,36 @@ def test_noise_around_a_loss_near_zero_is_no_rebound():
     assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
 
 
+def test_a_fall_still_under_way_is_no_rebound():
+    """SmolVLM fine-tune (tests/data/real/hf_smolvlm_kvasir_vqa): 19.2, 14.4, 5.46, 0.41, 0.12 ...
+    The median of the last five records (5.46) stands 13x above the latest low, but every record
+    is lower than the one before: the best must come before most of the records held against it."""
+    losses = [19.23, 14.42, 5.463, 0.4056, 0.1221, 0.03956, 0.02436, 0.01861, 0.01459, 0.01127, 0.0084, 0.005, 0.0041]
+    assert loud(zip(range(10, 140, 10), losses)) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_noisy_loss_that_only_wanders_is_no_rebound(seed):
+    """Log-normal noise of a factor ~2 per record around a slow fall (a small batch's loss, as in
+    the real ViT and Whisper fine-tunes): the lowest of many noisy medians is no level to hold
+    the run to, and 300 records of it raise no divergence."""
+    rnd = random.Random(seed)
+    losses = [0.05 * math.exp(-i / 400) * math.exp(rnd.gauss(0, 0.8)) for i in range(300)]
+    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+
+
+def test_a_quiet_loss_held_twice_its_best_is_a_rebound():
+    """Whisper large-v3 LoRA with too high an LR (tests/data/real/hf_whisper_v3_lora_tr_lr_too_high):
+    0.83 -> 0.12 at step 125, then, with noise of a few percent, up to 0.27-0.31 and held: 2.3x
+    the best, far more than its noise, which a factor of 3 would have missed."""
+    rnd = random.Random(5)
+    fall = [0.83, 0.49, 0.16, 0.121, 0.118, 0.134]
+    rise = [min(0.3, 0.134 + 0.012 * i) * (1 + 0.03 * rnd.uniform(-1, 1)) for i in range(1, 30)]
+    got = [a for a in loud(zip(range(25, 25 * 36, 25), fall + rise)) if a.kind is AlertKind.DIVERGENCE]
+    assert got and got[0].details["rule"] == "rebound" and 2.0 <= got[0].details["ratio"] < 3.0
+    assert "the best 0.1" in got[0].message  # (the lowest median of three: 0.121)
+
+
 def test_rebound_settings_are_validated():
     with pytest.raises(Exception, match="rebound_factor"):
         Policy.load({"divergence": {"rebound_factor": 1.0}})

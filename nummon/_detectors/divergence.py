@@ -1,6 +1,7 @@
 """The loss held far above where it started."""
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from .. import _functional as F
@@ -18,7 +19,10 @@ class DivergenceDetector:
     A median, not "every record": a run bouncing between 20 and 200 from a start of 4 is
     diverged even when single records dip below the factor, and a spike of one or two records
     that recovers moves it not at all. The second rule catches a run that had learned and lost
-    it (a LoRA loss 1.4 -> 6.4 -> 4.6..5.5, only 3x its start). Shared value: ``level``.
+    it (a LoRA loss 1.4 -> 6.4 -> 4.6..5.5, only 3x its start), judged against a best that
+    came before most of the held records (not the low end of a fall still under way) and
+    against the loss's own noise (the lowest of many noisy records is no level to hold a run
+    to). Shared value: ``level``.
     """
 
     section = "divergence"
@@ -30,17 +34,30 @@ class DivergenceDetector:
         self._level = level
         self._recent: deque[float] = deque(maxlen=p.patience)
         self._smooth: deque[float] = deque(maxlen=p.rebound_smoothing)
-        self._best: float | None = None  # lowest median of `rebound_smoothing` consecutive losses so far
+        # smoothed medians not yet old enough to be the best: the held median must be of records
+        # mostly after the best (else a fall still under way reads as a rebound above its low end)
+        self._young: deque[float] = deque()
+        self._best: float | None = None  # lowest median of `rebound_smoothing` consecutive losses, before the held ones
+        self._steps: deque[float] = deque(maxlen=p.rebound_noise_records)  # |change of ln loss| per record
+        self._last: float | None = None
+        self._candidates = 0  # smoothed medians the best is the lowest of
 
     def update(self, rec: StepRecord) -> list[Finding]:
         base = self._level.observe(rec)
         if not F.is_finite(rec.loss):
             return []
-        self._recent.append(float(rec.loss))
-        self._smooth.append(float(rec.loss))
+        loss = float(rec.loss)
+        self._recent.append(loss)
+        self._smooth.append(loss)
+        if self._last is not None and self._last > 0 and loss > 0:
+            self._steps.append(abs(math.log(loss / self._last)))
+        self._last = loss
         if len(self._smooth) == self._smooth.maxlen:
-            m = F.median(self._smooth)
+            self._young.append(F.median(self._smooth))
+        while len(self._young) > (self._p.patience + 1) // 2:  # the held median's majority comes after it
+            m = self._young.popleft()
             self._best = m if self._best is None else min(self._best, m)
+            self._candidates += 1
         if base is None or base <= 0 or len(self._recent) < self._p.patience:
             return []
         held = F.median(self._recent)
@@ -71,7 +88,11 @@ class DivergenceDetector:
         if best is None or best <= 0 or held < p.rebound_min_level * base:
             return []
         ratio = held / best
-        if ratio < p.rebound_factor:
+        # the lowest of n noisy medians lies about sigma * sqrt(2 ln n) below their level (the
+        # expected maximum of n Gaussians): a rise must stand clear of that to be one
+        noise = F.median(self._steps) if self._steps else 0.0
+        floor = p.rebound_noise * noise * math.sqrt(2 * math.log(self._candidates + 1))
+        if ratio < p.rebound_factor or math.log(ratio) < floor:
             return []
         return [
             Finding(
@@ -82,6 +103,6 @@ class DivergenceDetector:
                 best * p.rebound_factor,
                 f"loss has held around {F.fmt_num(held)} (median of the last {p.patience} records), "
                 f"{ratio:.3g}x the best {F.fmt_num(best)} it had reached: the run is losing what it learned",
-                details={"ratio": ratio, "best": best, "baseline": base, "rule": "rebound"},
+                details={"ratio": ratio, "best": best, "baseline": base, "rule": "rebound", "noise": noise},
             )
         ]
