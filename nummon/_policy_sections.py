@@ -67,6 +67,7 @@ class RunawayPolicy(_Section):
     enabled: bool = True
     min_growth: float = Field(1.5, gt=1, description="a step counts as growth when the value grows by at least this factor per step (ratio)")
     warning_steps: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a warning (steps)")
+    warning_records: int = Field(2, ge=1, le=MAX_WINDOW, description="and growth records for a warning: with logs every N steps, one jump between two records is a spike (explosion), not a rate to forecast overflow from (records)")
     critical_steps: int = Field(3, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a critical alert (steps)")
     warning_total_factor: float = Field(10.0, gt=1, description="total growth over the streak needed for a warning (ratio)")
     critical_total_factor: float = Field(100.0, gt=1, description="total growth over the streak needed for a critical alert (ratio)")
@@ -157,7 +158,9 @@ class StallPolicy(_Section):
     """No meaningful improvement over the trend window while the loss is still high."""
 
     enabled: bool = True
-    min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower, but never below a fifth of this value (fraction)")
+    min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower, but never below min_improvement_floor x this value (fraction)")
+    min_improvement_floor: float = Field(0.1, gt=0, le=1, description="the lowest min_improvement is lowered to for a slow run, as a fraction of it: a pretrained model's fine-tune improves its loss by ~1% per window and is learning (fraction)")
+    min_records: int = Field(20, ge=4, le=MAX_WINDOW, description="finite losses the trend window must hold before a flat one counts as a stall: ten records of a slow fine-tune cannot tell its progress from noise (records)")
     high_fraction: float = Field(0.5, gt=0, description="the loss counts as still high above this fraction of its starting level (fraction)")
     max_spread: float = Field(0.2, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
     frozen_records: int = Field(10, ge=2, le=MAX_WINDOW, description="a loss that has not moved for this many consecutive finite records while still above high_fraction of its starting level is a stall, however short the run (records)")

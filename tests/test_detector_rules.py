@@ -3,12 +3,15 @@ a frozen loss, a loss pinned at a classifier's chance level, an opt-in chance lo
 held several times above the best it reached. Each is judged through the whole engine."""
 import math
 import random
+import re
 
 import pytest
 
 from nummon import AlertKind, Policy, Severity
 
 from loss_curves import P, loud
+from nummon import StepRecord
+from nummon._engine import HealthEngine
 
 
 def kinds(alerts):
@@ -154,3 +157,45 @@ def test_rebound_settings_are_validated():
         Policy.load({"divergence": {"rebound_factor": 1.0}})
     with pytest.raises(Exception, match="chance_loss"):
         Policy.load({"stall": {"chance_loss": -1}})
+
+
+# --------------------------------------------------------------------------- a slow fine-tune, one jump
+
+
+def test_a_pretrained_models_slow_fine_tune_is_no_stall():
+    """t5-small summarisation (tests/data/real/hf_t5_small_summarization_plateau), logged every 500
+    steps: 2.00, then 1.90 creeping to ~1.73 over 60k steps under +-1% noise. Its first ten records
+    cannot tell progress from noise, and ~1% per window is a pretrained model learning, not a stall."""
+    rnd = random.Random(7)
+    steps = range(500, 500 * 121, 500)
+    losses = [1.996] + [(1.70 + 0.2 * math.exp(-s / 30000)) * (1 + 0.01 * rnd.uniform(-1, 1)) for s in steps[1:]]
+    assert [a for a in loud(zip(steps, losses)) if a.kind is AlertKind.STALL] == []
+
+
+def test_a_loss_at_chance_with_noise_is_still_a_stall_and_says_its_starting_level():
+    rnd = random.Random(8)
+    losses = [2.3026 * (1 + 0.004 * rnd.uniform(-1, 1)) for _ in range(60)]
+    stalls = [a for a in loud(zip(range(500, 500 * 61, 500), losses)) if a.kind is AlertKind.STALL]
+    assert stalls and stalls[0].step == 500 * 21  # as soon as the window holds stall.min_records (20) losses
+    assert re.search(r"still at 100% of its starting level 2\.\d+$", stalls[0].message), stalls[0].message
+
+
+def _grad_alerts(norms):
+    eng = HealthEngine(P)
+    out = []
+    for i, g in enumerate(norms):
+        out += [a for a in eng.step(StepRecord(step=2 * i, loss=5.0 * 0.97**i, grad_norm=g)).alerts if a.severity is not Severity.INFO]
+    return out
+
+
+def test_one_jump_between_two_records_is_an_explosion_with_no_overflow_forecast():
+    """TrOCR (tests/data/real/hf_trocr_fractions_huge_gradnorm), logged every 2 steps: the gradient
+    norm 8.5e4 -> 1.9e6 for one record and back. One jump gives no rate to forecast overflow from."""
+    rnd = random.Random(9)
+    norms = [1.5e5 * math.exp(rnd.gauss(0, 0.3)) for _ in range(40)]
+    norms[30] = norms[29] * 22
+    got = _grad_alerts(norms)
+    assert [a.kind for a in got] == [AlertKind.EXPLOSION] and got[0].step == 60
+    # two growth records in a row are a rate: the runaway warning, with its countdown, comes then
+    norms[31] = norms[30] * 3
+    assert AlertKind.RUNAWAY in [a.kind for a in _grad_alerts(norms)]

@@ -112,6 +112,15 @@ def test_policy_show_output_round_trips(tmp_path):
         assert nummon.load_policy(str(f)) == nummon.load_policy(name)
 
 
+def test_the_readme_lists_every_field_of_the_default_policy_as_policy_show_prints_it():
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("<summary>Every field of the <code>default</code> policy"):]
+    block = block[block.index("```yaml\n") + len("```yaml\n"):]
+    assert block[: block.index("```")] == cli("policy", "show", "default").stdout
+
+
 def test_min_severity_filter():
     p = cli("replay", "--format", "jsonl", "--min-severity", "critical", str(DATA / "batch39_46.jsonl"))
     sev = {json.loads(l)["severity"] for l in p.stdout.splitlines()}

@@ -75,7 +75,7 @@ class RunawayDetector:
         if len(hist) < p.short_history:
             # early in a run (or trace) growth from tiny initial values is normal: demand more
             warn_f, crit_f = warn_f**p.short_history_multiplier, crit_f**p.short_history_multiplier
-        if streak < p.warning_steps or total < warn_f:
+        if streak < p.warning_steps or self._records[metric] < p.warning_records or total < warn_f:
             return None
         # the value must also stand above the metric's recent level (median of earlier samples)
         earlier = list(hist)[:-1]

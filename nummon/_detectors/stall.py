@@ -67,9 +67,9 @@ class StallDetector:
         if found is not None:
             return [found]
         p = self._p
-        if t is None:
+        if t is None or t.records < p.min_records:
             return []
-        need = improvement_needed(p.min_improvement, t.expected)
+        need = improvement_needed(p.min_improvement, t.expected, p.min_improvement_floor)
         if t.change > -need and t.level >= p.high_fraction and t.spread < p.max_spread:
             return [
                 Finding(
@@ -79,7 +79,7 @@ class StallDetector:
                     rec.loss,
                     need,
                     f"loss improved {max(-t.change, 0) * 100:.1f}% over the last {t.span} steps "
-                    f"(< {need * 100:.2g}%) and is still at {t.level * 100:.0f}% of its starting level",
+                    f"(< {need * 100:.2g}%) and is still at {t.level * 100:.0f}% of its starting level {F.fmt_num(base)}",
                     details={"change": t.change, "spread": t.spread, "level": t.level, "span": t.span},
                 )
             ]

@@ -46,15 +46,16 @@ class TrendStats:
     spread: float  # IQR / |median| over the window
     level: float  # median of the second half / starting level
     span: int  # window length (steps)
+    records: int  # finite losses in the window
     expected: float  # relative improvement the run's own average rate predicts over half the span (>= 0)
 
 
-def improvement_needed(min_improvement: float, expected: float) -> float:
+def improvement_needed(min_improvement: float, expected: float, floor: float = 0.2) -> float:
     """The improvement a window must show to count as progress: ``min_improvement``, lowered to
     half the run's own average progress over the same span when that is slower, but never below
-    a fifth of ``min_improvement`` (a slow fine-tune is not a stall because it is slow; a loss
+    ``floor`` x ``min_improvement`` (a slow fine-tune is not a stall because it is slow; a loss
     that moves by noise only is)."""
-    return min(min_improvement, max(0.5 * expected, 0.2 * min_improvement))
+    return min(min_improvement, max(0.5 * expected, floor * min_improvement))
 
 
 class LossTrend:
@@ -138,5 +139,6 @@ class LossTrend:
         elapsed = max(step - self._first_step, 1)
         rate = math.log(now / base) / elapsed if now > 0 else 0.0  # average log-change per step so far
         expected = 1.0 - math.exp(rate * span / 2) if rate < 0 else 0.0
-        self._stats = TrendStats(F.relative_change(first, second), F.relative_spread(first + second), now / base, span, expected)
+        self._stats = TrendStats(F.relative_change(first, second), F.relative_spread(first + second), now / base, span,
+                                 len(first) + len(second), expected)
         return self._stats
