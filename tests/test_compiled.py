@@ -99,8 +99,11 @@ def test_a_compiled_model_is_measured_as_the_eager_one(how):
         assert (c.adam_ratio_rms is None) is (e.adam_ratio_rms is None)  # the optimizer's probe works
         if e.adam_ratio_rms is not None:
             assert _same(c.adam_ratio_rms, e.adam_ratio_rms, rel=1e-4)
-        # the forward's probes: the same Linear layers (their values are the first sample's, after the step)
+        # the forward's probes: the same Linear layers (their values are the first sample's, after the step),
+        # and log Z of the logits the loss outside the model read (the replay's output)
         assert c.layer_output_rms.keys() == e.layer_output_rms.keys() and c.layer_output_rms
+        assert (c.output_logsumexp_mean is None) is (e.output_logsumexp_mean is None)
+    assert compiled[-1].output_logsumexp_mean is not None
 
 
 def test_a_block_compiled_in_place_is_replayed_too():
@@ -278,3 +281,26 @@ def test_a_replayed_forward_leaves_buffers_and_random_generators_as_they_were_an
     assert (out == 0).any()  # train mode: dropout (and batch statistics) as in training
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats, batch count
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_log_z_is_measured_only_for_a_cross_entropy_of_the_compiled_output():
+    from nummon._stats.compiled import loss_reads_compiled_output
+
+    dynamo.reset()
+    head = nn.Linear(8, 5)
+    run = torch.compile(head, backend="aot_eager")
+    x, y = torch.randn(3, 4, 8), torch.randint(0, 5, (3, 4))
+    ce = nn.functional.cross_entropy
+    reads = [ce(run(x).view(-1, 5), y.view(-1)) / 2,  # gradient accumulation's division
+             ce(run(x).transpose(1, 2), y),
+             nn.functional.nll_loss(nn.functional.log_softmax(run(x), -1).flatten(0, 1), y.flatten()),
+             ce(run(x).view(-1, 5), y.view(-1), label_smoothing=0.1)]
+    others = [run(x).square().mean(),  # no log-softmax: not logits
+              ce(head(x).view(-1, 5), y.view(-1)),  # eager logits
+              ce((run(x) / 2.0).view(-1, 5), y.view(-1)),  # computed from the output: not what the replay returns
+              torch.tensor(1.0), 1.0]
+    for loss in reads + others:
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()  # as post_step sees it: after backward
+    assert [loss_reads_compiled_output(loss) for loss in reads] == [True] * 4
+    assert [loss_reads_compiled_output(loss) for loss in others] == [False] * 5

@@ -39,8 +39,8 @@ from torch.overrides import TorchFunctionMode
 
 from .._functional import spaced
 
-__all__ = ["ENTROPY_BUDGET", "LINEAR_LIMIT", "OUTPUT_BUDGET", "PLAN_EVERY", "RMS_BUDGET", "SDPA_QUERY_BUDGET",
-           "ForwardCapture"]
+__all__ = ["ENTROPY_BUDGET", "LINEAR_LIMIT", "OUTPUT_BUDGET", "PLAN_EVERY", "RMS_BUDGET", "SAME_VALUES",
+           "SDPA_QUERY_BUDGET", "ForwardCapture"]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -69,7 +69,7 @@ _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _SDPA = F.scaled_dot_product_attention
 # autograd nodes that move or cast values without computing new ones: logits that reach the
 # loss through them are a module's output (HF's `.float()`, a shift by one token, a reshape)
-_SAME_VALUES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0",
+SAME_VALUES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0",
                 "TransposeBackward0", "PermuteBackward0", "SliceBackward0", "ExpandBackward0"}
 _MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 
@@ -380,7 +380,7 @@ class ForwardCapture:
         nodes, fn = [], x.grad_fn  # x's autograd node and those it moves or casts values from
         while fn is not None and len(nodes) < 6:
             nodes.append(fn)
-            if type(fn).__name__ not in _SAME_VALUES:
+            if type(fn).__name__ not in SAME_VALUES:
                 break
             nxt = [f for f, _ in fn.next_functions if f is not None]
             fn = nxt[0] if len(nxt) == 1 else None
@@ -582,6 +582,11 @@ class ForwardCapture:
         self._pending = []
         for names, qks in groups.values():
             self._materialize(names, qks)
+
+    def output_logits(self, logits: torch.Tensor) -> None:
+        """Measure `logits` (classes last) as the step's output logits: what a loss computed
+        outside a replayed forward read (see compiled.py)."""
+        self._output(logits, -1)
 
     @torch.no_grad()
     def _output(self, logits: torch.Tensor, dim: int) -> None:

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["autocast_state", "can_replay", "first_sample", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
+from .capture import SAME_VALUES
+
+__all__ = ["autocast_state", "can_replay", "first_sample", "loss_reads_compiled_output", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
            "unwrap_compiled", "warn_at_user_line"]
 
 # frames in these folders are not the user's: nummon's own and torch's (module calls, hooks)
@@ -114,3 +116,31 @@ def replayed(model: nn.Module, autocast: tuple[tuple[str, torch.dtype], ...] = (
         torch.set_rng_state(cpu)
         for i, state in cuda_states:
             torch.cuda.set_rng_state(state, i)
+
+
+# between a loss and its log-softmax: reductions and scalings of the loss (a mean, a division
+# for gradient accumulation, label smoothing's sum)
+_LOSS_SIDE = {"NllLossBackward0", "NllLoss2DBackward0", "MeanBackward0", "SumBackward0", "DivBackward0", "MulBackward0",
+              "MulBackward1", "AddBackward0"}
+
+
+def _first_input(node: Any) -> Any:
+    return next((f for f, _ in node.next_functions if f is not None), None)
+
+
+def loss_reads_compiled_output(loss: Any) -> bool:
+    """Whether `loss` is a cross-entropy (a log-softmax) of values that came straight, through
+    views and casts only, out of a compiled graph: the logits of a compiled model whose loss is
+    computed outside it, which its replayed forward returns (readable after backward)."""
+    node = getattr(loss, "grad_fn", None)
+    for _ in range(8):
+        if node is None or type(node).__name__ == "LogSoftmaxBackward0":
+            break
+        name = type(node).__name__
+        node = _first_input(node) if name in _LOSS_SIDE or name in SAME_VALUES else None
+    if node is None or type(node).__name__ != "LogSoftmaxBackward0":
+        return False
+    node = _first_input(node)
+    while node is not None and type(node).__name__ in SAME_VALUES:
+        node = _first_input(node)
+    return node is not None and type(node).__name__.startswith("CompiledFunction")

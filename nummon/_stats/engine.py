@@ -286,7 +286,7 @@ class StatsEngine:
     def _mechanism_segments(self, s: LaunchStep) -> list[Segment]:
         if self.mechanisms is None:
             return []
-        s.mech, segs = self.mechanisms.take(s.distributed)
+        s.mech, segs = self.mechanisms.take(s.distributed, s.loss)
         return segs
 
     def _batch_segments(self, s: LaunchStep) -> list[Segment]:

@@ -31,7 +31,7 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
-from .compiled import autocast_state, can_replay, first_sample, has_compiled_parts, replayed, tracing, warn_at_user_line
+from .compiled import autocast_state, can_replay, first_sample, has_compiled_parts, loss_reads_compiled_output, replayed, tracing, warn_at_user_line
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
@@ -149,9 +149,11 @@ class MechanismProbes:
             self._in_forward = False
             self.capture.end()
 
-    def _replay(self, stash: tuple) -> None:
+    def _replay(self, stash: tuple, loss: Any) -> None:
         """The armed forward of a compiled model, again on its first sample, eagerly under the
-        capture (after the optimizer step where `post_step` comes after it)."""
+        capture (after the optimizer step where `post_step` comes after it). A loss computed
+        outside the model is not replayed: when it was the cross-entropy of the model's output,
+        that output of the replay is measured as the logits."""
         cap = self.capture
         self._replaying = True
         try:
@@ -160,10 +162,14 @@ class MechanismProbes:
                 if cap.begin() and self.adam is not None:
                     self.adam.refresh()
                 try:
-                    self.model(*args, **kwargs)
+                    out = self.model(*args, **kwargs)
                 finally:
                     cap.end()
                     cap.close()
+                logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+                if (not cap.out and isinstance(logits, torch.Tensor) and logits.is_floating_point()
+                        and loss_reads_compiled_output(loss)):
+                    cap.output_logits(logits)
         except Exception:  # a probe must never break the user's step
             self._errors += 1
         finally:
@@ -184,8 +190,9 @@ class MechanismProbes:
         self._samples = torch.cat([ratio, top])
 
     # ------------------------------------------------------------------ the step
-    def take(self, distributed: bool) -> tuple[MechanismStep, list[Segment]]:
-        """This step's segments (empty when it was not sampled); resets for the next step."""
+    def take(self, distributed: bool, loss: Any = None) -> tuple[MechanismStep, list[Segment]]:
+        """This step's segments (empty when it was not sampled); resets for the next step.
+        `loss`: the step's loss, as `post_step` got it."""
         if self._traced and not self.replay and not self.forward_off:
             self._compiled()
         stash, self._stash = self._stash, None
@@ -204,7 +211,7 @@ class MechanismProbes:
         with torch.no_grad():
             if cap is not None:
                 if stash is not None and self.replay:
-                    self._replay(stash)
+                    self._replay(stash, loss)
                 segs += self._forward_segments(cap, ms)
                 cap.reset()
             if self.adam is not None:
