@@ -199,3 +199,22 @@ def test_one_jump_between_two_records_is_an_explosion_with_no_overflow_forecast(
     # two growth records in a row are a rate: the runaway warning, with its countdown, comes then
     norms[31] = norms[30] * 3
     assert AlertKind.RUNAWAY in [a.kind for a in _grad_alerts(norms)]
+
+
+def test_a_loss_printed_too_coarsely_to_move_is_not_frozen():
+    """PaiNN on QM9 (tests/data/real/painn_qm9_gap_converged): 0.0392 -> 0.0057, printed with 4
+    decimals, so 0.0057 repeats while the model still learns: one printed unit is 1.8% of it."""
+    pts = [(1, 0.0392), (2, 0.0138), (3, 0.0124), (4, 0.0114), (5, 0.0107), (6, 0.0102), (7, 0.01), (8, 0.0098)]
+    pts += [(s, 0.0057) for s in range(9, 40)]
+    assert [a for a in loud(pts) if a.kind is AlertKind.STALL] == []
+    # the same loss printed finely enough to show movement, and not moving, is frozen
+    assert [a.kind for a in loud(pts[:8] + [(s, 0.005712) for s in range(9, 40)])] == [AlertKind.STALL]
+
+
+def test_a_fine_tune_that_came_down_and_drifts_is_no_stall():
+    """MedAlpaca-13b full fine-tune (tests/data/real/hf_medalpaca13b_full_ft_per_step), every step:
+    1.80, down to ~1.55 in the warm-up, then drifting to ~1.41 under +-10% noise. It has learned;
+    the slow drift of a pretrained model is no stall (a loss held at its start is: tests above)."""
+    rnd = random.Random(11)
+    losses = [1.80 - 0.25 * min(s, 60) / 60 - 0.14 * s / 800 + 0.1 * rnd.uniform(-1, 1) for s in range(400)]
+    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.STALL] == []

@@ -104,9 +104,14 @@ class StallDetector:
             return None
         last = list(self._recent)[-n:]
         held = F.median(last)
-        if held <= 0 or held < p.high_fraction * base:
+        if held <= 0 or held < p.frozen_high_fraction * base:
             return None  # near zero or far below the start: converged, whatever the rounding
         spread = (max(last) - min(last)) / held
+        if held < p.high_fraction * base and max(map(F.printed_unit, last)) > p.frozen_tolerance * held:
+            # a run that came down, now printed too coarsely to show a movement (0.0057 with 4
+            # decimals: 1.8% a unit): converging at its print's floor. (One that never left its
+            # start, 3.7 printed twelve times, is frozen however it is printed.)
+            return None
         if spread > p.frozen_tolerance:
             # moving, even if within 1% of some ln k: near 1.79 a seq2seq token loss is not "a
             # 6-class classifier at chance". The class count is not known here (stall.chance_loss
