@@ -218,3 +218,9 @@ def test_a_fine_tune_that_came_down_and_drifts_is_no_stall():
     rnd = random.Random(11)
     losses = [1.80 - 0.25 * min(s, 60) / 60 - 0.14 * s / 800 + 0.1 * rnd.uniform(-1, 1) for s in range(400)]
     assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.STALL] == []
+
+
+def test_losses_at_the_ends_of_the_float_range_do_not_break_the_rebound_rule():
+    """Found by the property tests: 5e-324 after 1e308 (a ratio that underflows to 0)."""
+    pts = list(enumerate([1e308, 5e-324, 1e308, 5e-324, 3.0, 2.0, 1.5, 1e-300, 1e300, 1.0, 2.0, 4.0, 4.0, 4.0]))
+    loud(pts)  # no exception

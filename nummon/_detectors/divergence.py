@@ -50,7 +50,7 @@ class DivergenceDetector:
         self._recent.append(loss)
         self._smooth.append(loss)
         if self._last is not None and self._last > 0 and loss > 0:
-            self._steps.append(abs(math.log(loss / self._last)))
+            self._steps.append(abs(math.log(loss) - math.log(self._last)))  # (a ratio can under- or overflow)
         self._last = loss
         if len(self._smooth) == self._smooth.maxlen:
             self._young.append(F.median(self._smooth))
@@ -87,12 +87,13 @@ class DivergenceDetector:
         p, best = self._p, self._best
         if best is None or best <= 0 or held < p.rebound_min_level * base:
             return []
-        ratio = held / best
+        log_ratio = math.log(held) - math.log(best)  # (held / best can overflow)
+        ratio = math.exp(min(log_ratio, 700.0))
         # the lowest of n noisy medians lies about sigma * sqrt(2 ln n) below their level (the
         # expected maximum of n Gaussians): a rise must stand clear of that to be one
         noise = F.median(self._steps) if self._steps else 0.0
         floor = p.rebound_noise * noise * math.sqrt(2 * math.log(self._candidates + 1))
-        if ratio < p.rebound_factor or math.log(ratio) < floor:
+        if ratio < p.rebound_factor or log_ratio < floor:
             return []
         return [
             Finding(
