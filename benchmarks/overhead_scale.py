@@ -42,8 +42,8 @@ except ImportError:  # a bare checkout
     import nummon
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import GPT, steady_allocator  # noqa: E402
+from overhead import cnn_workload as overhead_cnn  # noqa: E402
 
-from nummon._demo_model import DemoCNN  # noqa: E402
 
 
 #: the clock of a timed block (wall time; --cpu-time: this thread's CPU time)
@@ -82,17 +82,8 @@ def lm_workload(dev: torch.device, layers: int = 12):
 
 
 def cnn_workload(dev: torch.device):
-    torch.manual_seed(0)
-    model = DemoCNN().to(dev)
-    x = torch.randn(64, 1, 28, 28, device=dev)
-    y = torch.randint(0, 10, (64,), device=dev)
-
-    def make_opt(m):
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-
-    def loss_fn(m):
-        return nn.functional.cross_entropy(m(x), y)
-
+    """overhead.py's demo CNN (batch 64, SGD with momentum), without its autocast context."""
+    model, make_opt, loss_fn, _ = overhead_cnn(dev)
     return model, make_opt, loss_fn
 
 
