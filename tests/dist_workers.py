@@ -307,3 +307,36 @@ def one_rank_in_a_barrier(rank, world, port, out_dir):
         err = f"{type(e).__name__}: {e}"
     _out(out_dir, rank, {"error": err})
     _exit()
+
+
+def compiled_ddp_mechanisms(rank, world, port, out_dir):
+    """DDP, compiled (aot_eager), a BatchNorm buffer DDP broadcasts on every forward: the
+    forward's probes come from the eager replay, which joins no collective."""
+    import torch._dynamo
+
+    import nummon
+
+    setup(rank, world, port)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    run = torch.compile(ddp, backend="aot_eager")
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    mon = nummon.Monitor(run, opt, policy={"recorder": {"write": False}, "mechanisms": {"every": 2}})
+    calls = CountCollectives().__enter__()
+    x, y, _, _ = data_for(rank, world)
+    records, per_step = [], []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(x), y)
+        loss.backward()
+        opt.step()
+        before = calls.n
+        records.append(mon.post_step(loss).record.to_dict())
+        per_step.append(calls.n - before)
+    mon.close()
+    calls.__exit__()
+    _out(out_dir, rank, {"records": records, "collectives": per_step, "errors": mon.stats.mechanisms.errors,
+                         "weights": [float(p.detach().sum()) for p in model.parameters()]})
+    del run, ddp
+    teardown()
+    _exit()

@@ -90,3 +90,13 @@ def test_finite_but_extreme_is_not_taken_for_nonfinite_across_ranks(tmp_path):
             assert rec["grad_norm"] == pytest.approx(r["ref"]["grad_norm"], rel=1e-5)
         assert not any(kind == "nonfinite" for kind, _ in r["alerts"])
     assert res[0]["alerts"] == res[1]["alerts"]
+
+
+def test_a_compiled_ddp_model_gets_its_forward_probes_from_a_replay_that_joins_no_collective(tmp_path):
+    res = spawn(W.compiled_ddp_mechanisms, 2, tmp_path)
+    for r in res:
+        assert r["errors"] == 0 and r["collectives"] == [1, 1, 1, 1]  # one gather per step, as in eager
+        sampled = [rec for rec in r["records"] if rec["step"] % 2 == 0]
+        assert len(sampled) == 2 and all(rec["layer_output_rms"] for rec in sampled)
+        assert all(rec["output_logsumexp_mean"] is not None for rec in sampled)  # the loss outside read its output
+    assert res[0]["weights"] == res[1]["weights"]  # still one model

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .capture import SAME_VALUES
 
-__all__ = ["autocast_state", "can_replay", "first_sample", "loss_reads_compiled_output", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
+__all__ = ["autocast_state", "can_replay", "first_sample", "has_batch_norm", "loss_reads_compiled_output", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
            "unwrap_compiled", "warn_at_user_line"]
 
 # frames in these folders are not the user's: nummon's own and torch's (module calls, hooks)
@@ -73,17 +73,17 @@ def can_replay() -> bool:
     return callable(getattr(getattr(torch, "compiler", None), "set_stance", None))
 
 
-def first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A forward's arguments cut to their first sample: every tensor whose first dimension is
-    the batch's (that of the first tensor with a dimension) keeps its first row; the rest, and
-    a batch of one, are left as they are."""
+def first_sample(args: tuple, kwargs: dict, samples: int = 1) -> tuple[tuple, dict]:
+    """A forward's arguments cut to their first `samples`: every tensor whose first dimension is
+    the batch's (that of the first tensor with a dimension) keeps its first rows; the rest, and
+    a batch no larger, are left as they are."""
     leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim]
     n = leaves[0].shape[0] if leaves else 1
-    if n <= 1:
+    if n <= samples:
         return args, kwargs
 
     def cut(t: Any) -> Any:
-        return t[:1] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == n else t
+        return t[:samples] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == n else t
 
     return tree_map(cut, args), tree_map(cut, kwargs)
 
@@ -91,6 +91,11 @@ def first_sample(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     """The autocast regions in force, as (device type, dtype) pairs (traces as a constant)."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d))
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    """Whether a batch-norm layer is in the model: in train mode it needs two samples or more."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
-from .compiled import autocast_state, can_replay, first_sample, has_compiled_parts, loss_reads_compiled_output, replayed, tracing, warn_at_user_line
+from .compiled import (autocast_state, can_replay, first_sample, has_batch_norm, has_compiled_parts,
+                       loss_reads_compiled_output, replayed, tracing, warn_at_user_line)
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
@@ -53,6 +54,12 @@ class MechanismStep:
     adam_bound: float = 0.0  # 1/sqrt(1 - beta2): the ratio's bound
 
 
+def _replayable(model: nn.Module) -> nn.Module:
+    """What a replay runs: a DDP wrapper's module (the same replicated weights, and no
+    collective that every rank would have to join), else the model."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 class MechanismProbes:
     """The sampled probes of one model and optimizer; `arm(True)` before a forward to sample it."""
 
@@ -66,6 +73,7 @@ class MechanismProbes:
         self._traced = False  # a forward hook of ours ran inside torch.compile's tracing
         self._stash: tuple | None = None  # the armed forward's (args, kwargs, autocast regions), to replay
         self._replaying = False
+        self._replay_samples: int | None = None  # samples a replay takes (found at the first)
         #: within it, the other probes record nothing (the engine pauses its activation probes)
         self.others_paused: Callable[[], ContextManager] = contextlib.nullcontext
         if compiled and (attention or output or linear_rms):
@@ -150,19 +158,22 @@ class MechanismProbes:
             self.capture.end()
 
     def _replay(self, stash: tuple, loss: Any) -> None:
-        """The armed forward of a compiled model, again on its first sample, eagerly under the
-        capture (after the optimizer step where `post_step` comes after it). A loss computed
+        """The armed forward of a compiled model, again on its first sample (two with batch norm),
+        eagerly under the capture (after the optimizer step where `post_step` comes after it). A loss computed
         outside the model is not replayed: when it was the cross-entropy of the model's output,
         that output of the replay is measured as the logits."""
         cap = self.capture
         self._replaying = True
         try:
-            args, kwargs = first_sample(stash[0], stash[1])
+            target = _replayable(self.model)
+            if self._replay_samples is None:  # batch norm in train mode needs two samples
+                self._replay_samples = 2 if has_batch_norm(target) else 1
+            args, kwargs = first_sample(stash[0], stash[1], self._replay_samples)
             with replayed(self.model, stash[2]), self.others_paused():
                 if cap.begin() and self.adam is not None:
                     self.adam.refresh()
                 try:
-                    out = self.model(*args, **kwargs)
+                    out = target(*args, **kwargs)
                 finally:
                     cap.end()
                     cap.close()
