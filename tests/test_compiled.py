@@ -304,3 +304,37 @@ def test_log_z_is_measured_only_for_a_cross_entropy_of_the_compiled_output():
             loss.backward()  # as post_step sees it: after backward
     assert [loss_reads_compiled_output(loss) for loss in reads] == [True] * 4
     assert [loss_reads_compiled_output(loss) for loss in others] == [False] * 5
+
+
+class WholeBatchOnly(Net):
+    """A forward that refuses a batch of one (a reshape to a fixed batch, say): its replay fails."""
+
+    def forward(self, x):
+        if x.shape[0] != 16:
+            raise ValueError("this model takes batches of 16")
+        return super().forward(x)
+
+
+def test_a_model_that_cannot_be_replayed_loses_only_its_forward_probes_said_once():
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = WholeBatchOnly()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = torch.compile(model, backend="aot_eager")
+    mon = nummon.Monitor(run, opt, policy=QUIET)  # forward probes every step
+    g = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match=r"replaying the compiled model's first sample failed 3 times in a row "
+                                         r"\(ValueError: this model takes batches of 16\)") as said:
+        recs = []
+        for _ in range(6):
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(run(x), y)
+            loss.backward()
+            opt.step()
+            recs.append(mon.post_step(loss).record)
+    mon.close()
+    assert len(_nummon_warnings(said)) == 1 and said[0].filename == __file__
+    assert mon.stats.mechanisms.errors == 3  # not replayed after the third
+    assert all(r.layer_output_rms == {} and r.grad_norm > 0 and r.layer_activation_max for r in recs)
+    assert recs[-1].adam_ratio_rms is not None

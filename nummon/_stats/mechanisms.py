@@ -35,10 +35,12 @@ from .compiled import (autocast_state, can_replay, first_sample, has_batch_norm,
                        loss_reads_compiled_output, replayed, tracing, warn_at_user_line)
 from .transport import Layout, Segment
 
-__all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
+__all__ = ["MechanismProbes", "MechanismStep", "REPLAY_FAILURES", "TOP_SAMPLES"]
 
 #: Per-sample losses: indices of this many worst samples go into the record.
 TOP_SAMPLES = 5
+#: A compiled model whose replay fails this many sampled steps in a row is no longer replayed.
+REPLAY_FAILURES = 3
 
 
 @dataclass
@@ -74,6 +76,7 @@ class MechanismProbes:
         self._stash: tuple | None = None  # the armed forward's (args, kwargs, autocast regions), to replay
         self._replaying = False
         self._replay_samples: int | None = None  # samples a replay takes (found at the first)
+        self._replay_failures = 0  # in a row
         #: within it, the other probes record nothing (the engine pauses its activation probes)
         self.others_paused: Callable[[], ContextManager] = contextlib.nullcontext
         if compiled and (attention or output or linear_rms):
@@ -159,9 +162,10 @@ class MechanismProbes:
 
     def _replay(self, stash: tuple, loss: Any) -> None:
         """The armed forward of a compiled model, again on its first sample (two with batch norm),
-        eagerly under the capture (after the optimizer step where `post_step` comes after it). A loss computed
-        outside the model is not replayed: when it was the cross-entropy of the model's output,
-        that output of the replay is measured as the logits."""
+        eagerly under the capture (after the optimizer step where `post_step` comes after it). A
+        loss computed outside the model is not replayed: when it was the cross-entropy of the
+        model's output, that output of the replay is measured as the logits. A model that fails
+        `REPLAY_FAILURES` replays in a row has its forward's probes turned off, said once."""
         cap = self.capture
         self._replaying = True
         try:
@@ -181,8 +185,19 @@ class MechanismProbes:
                 if (not cap.out and isinstance(logits, torch.Tensor) and logits.is_floating_point()
                         and loss_reads_compiled_output(loss)):
                     cap.output_logits(logits)
-        except Exception:  # a probe must never break the user's step
+            self._replay_failures = 0
+        except Exception as e:  # a probe must never break the user's step
             self._errors += 1
+            cap.reset()  # what the failed forward left
+            self._replay_failures += 1
+            if self._replay_failures >= REPLAY_FAILURES:
+                self.forward_off = True
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                warn_at_user_line(
+                    f"nummon: replaying the compiled model's first sample failed {REPLAY_FAILURES} times in a row "
+                    f"({type(e).__name__}: {first}), so its forward's mechanism probes (attention logits, output log Z, "
+                    "Linear output RMS) are off. Gradients, parameters, activations and Adam's statistics are measured "
+                    "as usual.")
         finally:
             self._replaying = False
 
