@@ -41,14 +41,15 @@ class Net(nn.Module):
         return self.head(self.blocks(self.emb(x)))
 
 
-def _train(how, steps=8, poison_at=None):
+def _train(how, steps=8, poison_at=None, net=None, errors=None):
     """Records of `steps` AdamW steps on one seeded model, data and Monitor; `how`: "eager",
     "before" (torch.compile, then the Monitor), "after" (the Monitor, then torch.compile) or
-    "block" (one block compiled in place). At `poison_at` a weight of blocks.1.fc goes Inf."""
+    "block" (one block compiled in place). At `poison_at` a weight of blocks.1.fc goes Inf.
+    `net`: the model's class (Net); `errors`: a list that gets the mechanism probes' error count."""
     dynamo.reset()
     dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    model = Net()
+    model = (net or Net)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = model
     if how == "before":
@@ -71,6 +72,8 @@ def _train(how, steps=8, poison_at=None):
         opt.step()
         recs.append(mon.post_step(loss).record)
     mon.close()
+    if errors is not None:
+        errors.append(mon.stats.mechanisms.errors)
     return recs, dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -316,25 +319,11 @@ class WholeBatchOnly(Net):
 
 
 def test_a_model_that_cannot_be_replayed_loses_only_its_forward_probes_said_once():
-    dynamo.reset()
-    torch.manual_seed(0)
-    model = WholeBatchOnly()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run = torch.compile(model, backend="aot_eager")
-    mon = nummon.Monitor(run, opt, policy=QUIET)  # forward probes every step
-    g = torch.Generator().manual_seed(1)
+    errors = []
     with pytest.warns(UserWarning, match=r"replaying the compiled model's first sample failed 3 times in a row "
                                          r"\(ValueError: this model takes batches of 16\)") as said:
-        recs = []
-        for _ in range(6):
-            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(run(x), y)
-            loss.backward()
-            opt.step()
-            recs.append(mon.post_step(loss).record)
-    mon.close()
+        recs, _ = _train("before", steps=6, net=WholeBatchOnly, errors=errors)  # forward probes every step
     assert len(_nummon_warnings(said)) == 1 and said[0].filename == __file__
-    assert mon.stats.mechanisms.errors == 3  # not replayed after the third
+    assert errors == [3]  # not replayed after the third
     assert all(r.layer_output_rms == {} and r.grad_norm > 0 and r.layer_activation_max for r in recs)
     assert recs[-1].adam_ratio_rms is not None
