@@ -44,6 +44,9 @@ def hint_for(finding: Finding, context: dict | None = None) -> str:
         return "float16 overflow ahead: use bfloat16 autocast or torch.amp.GradScaler (dynamic loss scaling)"
     if kind is AlertKind.NONFINITE and finding.metric == "input":
         return "the input batch holds NaN/Inf: fix the data pipeline (normalisation by a zero std, corrupt files)"
+    if kind is AlertKind.NONFINITE and finding.details.get("rule") == "log_skip":
+        return ("with fp16 and a loss scaler this is the scaler calibrating, nothing to do while it stays rare; "
+                "without one, the next update makes the weights non-finite: lower the LR, clip gradients, check the data")
     if kind is AlertKind.NONFINITE and "forward" in (finding.location or ""):
         return ("the forward pass overflowed here: if it is a softmax/log/exp use log_softmax or add an epsilon; "
                 "if values grew step by step, lower the LR and clip gradients")

@@ -46,6 +46,7 @@ class _Section(BaseModel):
 
 class NonfinitePolicy(_Section):
     enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
+    log_skip_records: int = Field(10, ge=1, le=MAX_WINDOW, description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP): a warning, critical once it has lasted this many records in a row (records)")
 
 
 class SpikePolicy(_Section):
@@ -162,7 +163,7 @@ class StallPolicy(_Section):
     min_improvement_floor: float = Field(0.1, gt=0, le=1, description="the lowest min_improvement is lowered to for a slow run, as a fraction of it: a pretrained model's fine-tune improves its loss by ~1% per window and is learning (fraction)")
     min_records: int = Field(20, ge=4, le=MAX_WINDOW, description="finite losses the trend window must hold before a flat one counts as a stall: ten records of a slow fine-tune cannot tell its progress from noise (records)")
     high_fraction: float = Field(0.9, gt=0, description="a flat trend window is a stall only while the loss is above this fraction of its starting level: a run that has come further down has learned, and its plateau is convergence or a pretrained model's slow fine-tune (fraction)")
-    max_spread: float = Field(0.2, gt=0, description="above this relative spread (IQR / median) a flat loss is oscillation, not a stall (fraction)")
+    max_spread: float = Field(0.05, gt=0, description="a flat loss is a stall only while its relative spread (IQR / median over the window) stays below this: a model stuck at chance predicts alike for every input and its loss barely varies from batch to batch, one whose loss varies more is responding to its inputs (fraction)")
     frozen_records: int = Field(10, ge=2, le=MAX_WINDOW, description="a loss that has not moved for this many consecutive finite records while still above frozen_high_fraction of its starting level is a stall, however short the run (records)")
     frozen_high_fraction: float = Field(0.5, gt=0, description="a frozen loss counts as still high above this fraction of its starting level (fraction)")
     frozen_tolerance: float = Field(1e-3, ge=0, lt=1, description="the loss counts as not moving while (max - min) / median of those records stays at or below this; 1e-3 covers losses printed with 4 significant digits; a loss printed more coarsely than this (one unit of its last printed digit) cannot show that it moves, and is not called frozen once it has come below high_fraction of its starting level (fraction)")

@@ -224,3 +224,51 @@ def test_losses_at_the_ends_of_the_float_range_do_not_break_the_rebound_rule():
     """Found by the property tests: 5e-324 after 1e308 (a ratio that underflows to 0)."""
     pts = list(enumerate([1e308, 5e-324, 1e308, 5e-324, 3.0, 2.0, 1.5, 1e-300, 1e300, 1.0, 2.0, 4.0, 4.0, 4.0]))
     loud(pts)  # no exception
+
+
+# --------------------------------------------------------------------------- a log's skipped fp16 steps, a noisy flat loss
+
+
+def _log_alerts(rows):
+    eng = HealthEngine(P)
+    return [a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
+            if a.severity is not Severity.INFO]
+
+
+def test_a_logs_non_finite_grad_norm_beside_a_finite_loss_is_a_scaler_skip_warning():
+    """Hugging Face fp16 logs (tests/data/real/hf_llama2_qlora_fp16_inf_gradnorm): grad_norm inf at one
+    step, the loss finite, the run fine after it: the GradScaler skipped the step."""
+    rows = [(0.3 - 0.001 * i, 0.7) for i in range(40)]
+    rows[32] = (0.339, math.inf)
+    got = _log_alerts(rows)
+    assert [(a.kind, a.severity, a.step) for a in got] == [(AlertKind.NONFINITE, Severity.WARNING, 33)]
+    assert "loss scaler (fp16 AMP) skipping the step" in got[0].message and "fp16" in got[0].hint
+
+
+def test_a_logs_non_finite_gradients_that_persist_or_reach_the_loss_are_critical():
+    falling = [(3.0 * 0.97**i, 0.7) for i in range(5)]
+    got = _log_alerts(falling + [(2.5 * 0.97**i, math.nan) for i in range(12)])
+    assert [a.severity for a in got] == [Severity.WARNING, Severity.CRITICAL]
+    assert got[1].step == 5 + 10  # the tenth record in a row
+    got = _log_alerts(falling + [(2.5, math.inf), (math.nan, math.nan)])
+    assert [a.severity for a in got] == [Severity.WARNING, Severity.CRITICAL]
+    assert "first non-finite tensor: grad_norm" in got[1].message  # not the loss that followed it
+
+
+def test_a_live_records_non_finite_gradients_are_critical_at_once():
+    """A Monitor's record names its non-finite parts: it knows whether a scaler skipped the step."""
+    eng = HealthEngine(P)
+    for i in range(5):
+        eng.step(StepRecord(step=i, loss=0.3, grad_norm=0.7))
+    rec = StepRecord(step=5, loss=0.3, grad_norm=math.inf, nonfinite_parts=("grad_norm",))
+    assert [a.severity for a in eng.step(rec).alerts] == [Severity.CRITICAL]
+
+
+def test_a_flat_loss_that_varies_from_batch_to_batch_is_no_stall():
+    """Stanford Alpaca's LLaMA-7B fine-tune (tests/data/real/hf_alpaca_llama7b_full_ft_3ep_per_step), every
+    step: ~1.1 for its first epoch, a 6% spread from batch to batch. A model stuck at chance predicts alike
+    for every input (the synthetic stalls: 0.2-3%); one whose loss varies this much is responding to them."""
+    rnd = random.Random(12)
+    assert [a for a in loud((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)) if a.kind is AlertKind.STALL] == []
+    rnd = random.Random(12)
+    assert AlertKind.STALL in kinds(loud((s, 2.3 * (1 + 0.02 * rnd.uniform(-1, 1))) for s in range(300)))

@@ -38,6 +38,17 @@ KNOWN_MISSES = {
     # an epoch loss 1.09 -> 1.24 over five epochs (the source's fix: a smaller learning rate): 1.13x its best,
     # where noisy healthy runs wander further
     "keras_issue5239_rmsprop_rise": "1.13x",
+    # (fourth batch) 1.64, then 11.8 and frozen at 10.3735 = ln 32000 for eight records: one record before the
+    # collapse is no level to hold it to (the rebound's best is a median of three), 6.3x is under the 10x of
+    # divergence.warning_factor, and eight frozen records are fewer than stall.frozen_records
+    "hf_qlora_lr5_collapse_ln32000": "one record before",
+}
+#: Healthy runs the detectors warn on, and why; pinned like KNOWN_MISSES.
+KNOWN_FALSE_ALARMS = {
+    # (fourth batch) continued training of an already trained Pythia-1B, per step: flat at 2.2 with a 3% spread
+    # for 470 steps, by every number nummon sees the synthetic stall mlp_sgd_lr1.5_s2 (2.34, a 3% spread); only
+    # knowing that the model was already trained tells them apart
+    "hf_tokalign_pythia1b_stage2_per_step": "stall",
 }
 # one verbose score.py line: "ok   healthy         name    why" or "FAIL ..."
 LINE = re.compile(r"^(ok|FAIL)\s+(\S+)\s+(\S+)\s+(.*)$")
@@ -89,7 +100,7 @@ def test_the_dev_set_is_real_and_large_enough():
 
 
 def test_no_warning_on_healthy_runs(verdicts):
-    assert not _failures(verdicts, _names("healthy"))
+    assert not _failures(verdicts, [n for n in _names("healthy") if n not in KNOWN_FALSE_ALARMS])
 
 
 def test_no_critical_on_spikes_that_recover(verdicts):
@@ -132,8 +143,12 @@ def test_finite_blowups_are_warned(verdicts):
     assert not _failures(verdicts, [n for n in _names("diverged_finite", "explode_finite") if n not in KNOWN_MISSES])
 
 
-def test_known_misses_are_still_missed(verdicts):
-    """Each is a real failure the detectors miss for the reason KNOWN_MISSES gives; one that is now found
-    leaves the list (and moves into the test of its label)."""
+def test_known_misses_and_false_alarms_are_still_there(verdicts):
+    """Each is a real failure the detectors miss, or a healthy run they warn on, for the reason given
+    (KNOWN_MISSES, KNOWN_FALSE_ALARMS); one that is now right leaves its list (and moves into the test of its
+    label)."""
     for name in KNOWN_MISSES:
         assert name in verdicts and not verdicts[name][0], f"{name} is found now: take it out of KNOWN_MISSES"
+    for name, kind in KNOWN_FALSE_ALARMS.items():
+        assert name in verdicts and not verdicts[name][0], f"{name} is quiet now: take it out of KNOWN_FALSE_ALARMS"
+        assert f"'{kind}'" in verdicts[name][2], verdicts[name]

@@ -8,6 +8,9 @@ from .._types import AlertKind, Finding, Severity, StepRecord
 
 __all__ = ["NonfiniteDetector"]
 
+# the scalars of a record that are gradient statistics
+_GRAD_PARTS = {"grad_norm", "grad_max"}
+
 
 class NonfiniteDetector:
     """Critical on the first NaN/Inf anywhere; keeps the first location while the condition holds."""
@@ -17,7 +20,9 @@ class NonfiniteDetector:
     needs = ()
 
     def __init__(self, p: NonfinitePolicy) -> None:
+        self._p = p
         self._first: tuple[str, str] | None = None  # (metric, location) of the first non-finite step
+        self._skips = 0  # log records in a row with non-finite gradients beside a finite loss
 
     def update(self, rec: StepRecord) -> list[Finding]:
         out: list[Finding] = []
@@ -48,15 +53,21 @@ class NonfiniteDetector:
                 )
             )
         parts = list(rec.nonfinite_parts)
-        if not parts and not rec.is_finite():  # records from traces carry no parts: find them
+        from_log = not parts
+        if from_log and not rec.is_finite():  # records from traces carry no parts: find them
             parts = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
             parts += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
         if not parts:
             self._first = None
+            self._skips = 0
             return out
+        skip = self._skipped_in_log(rec, parts, from_log)
         if self._first is None:
             metric = parts[0]
             self._first = (metric, rec.nonfinite_location or metric)
+        if skip is not None:  # (the first non-finite is kept: the loss may follow at the next record)
+            out.append(skip)
+            return out
         metric, location = self._first
         count = f" ({rec.nonfinite_count} values)" if rec.nonfinite_count else ""
         where = f"first non-finite tensor: {location}"
@@ -76,3 +87,28 @@ class NonfiniteDetector:
             )
         )
         return out
+
+    def _skipped_in_log(self, rec: StepRecord, parts: list[str], from_log: bool) -> Finding | None:
+        """A log's non-finite gradient norm beside a finite loss, with no word of a scaler: what
+        an fp16 loss scaler's skipped step looks like (Hugging Face logs its grad_norm as inf or
+        nan). A warning, until it lasts `log_skip_records` records in a row (then None: critical)."""
+        grads_only = all(p in _GRAD_PARTS or p.startswith("grad of ") for p in parts)
+        if not (from_log and rec.scaler_skipped is None and grads_only and rec.loss is not None and math.isfinite(rec.loss)):
+            self._skips = 0
+            return None
+        self._skips += 1
+        if self._skips >= self._p.log_skip_records:
+            return None
+        in_a_row = "" if self._skips == 1 else f" ({self._skips} records in a row)"
+        return Finding(
+            AlertKind.NONFINITE,
+            Severity.WARNING,
+            parts[0],
+            None,
+            None,
+            f"non-finite {', '.join(dict.fromkeys(parts))} beside a finite loss{in_a_row}: in a log, the mark of a loss "
+            "scaler (fp16 AMP) skipping the step, harmless while the losses after it stay finite; critical if it "
+            f"lasts {self._p.log_skip_records} records",
+            location=parts[0],
+            details={"parts": list(dict.fromkeys(parts)), "records": self._skips, "rule": "log_skip"},
+        )
