@@ -46,7 +46,8 @@ class _Section(BaseModel):
 
 class NonfinitePolicy(_Section):
     enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
-    log_skip_records: int = Field(10, ge=1, le=MAX_WINDOW, description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP): a warning, critical once it has lasted this many records in a row (records)")
+    log_skip_warning: int = Field(3, ge=1, le=MAX_WINDOW, description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP; the scaler calibrates so at the start of a run): info, a warning once it has lasted this many records in a row (records)")
+    log_skip_records: int = Field(10, ge=1, le=MAX_WINDOW, description="and critical once it has lasted this many: the scaler is skipping every step, the run no longer trains (records)")
 
 
 class SpikePolicy(_Section):

@@ -91,7 +91,8 @@ class NonfiniteDetector:
     def _skipped_in_log(self, rec: StepRecord, parts: list[str], from_log: bool) -> Finding | None:
         """A log's non-finite gradient norm beside a finite loss, with no word of a scaler: what
         an fp16 loss scaler's skipped step looks like (Hugging Face logs its grad_norm as inf or
-        nan). A warning, until it lasts `log_skip_records` records in a row (then None: critical)."""
+        nan). Info, a warning from `log_skip_warning` records in a row, and from `log_skip_records`
+        None: critical."""
         grads_only = all(p in _GRAD_PARTS or p.startswith("grad of ") for p in parts)
         if not (from_log and rec.scaler_skipped is None and grads_only and rec.loss is not None and math.isfinite(rec.loss)):
             self._skips = 0
@@ -102,7 +103,7 @@ class NonfiniteDetector:
         in_a_row = "" if self._skips == 1 else f" ({self._skips} records in a row)"
         return Finding(
             AlertKind.NONFINITE,
-            Severity.WARNING,
+            Severity.WARNING if self._skips >= self._p.log_skip_warning else Severity.INFO,
             parts[0],
             None,
             None,
