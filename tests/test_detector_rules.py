@@ -274,3 +274,9 @@ def test_a_flat_loss_that_varies_from_batch_to_batch_is_no_stall():
     assert [a for a in loud((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)) if a.kind is AlertKind.STALL] == []
     rnd = random.Random(12)
     assert AlertKind.STALL in kinds(loud((s, 2.3 * (1 + 0.02 * rnd.uniform(-1, 1))) for s in range(300)))
+
+
+def test_a_logs_runaway_that_ends_in_an_infinite_grad_norm_is_critical_at_once():
+    """Not a scaler's skip: the gradient norm had run 100x above its level before going inf."""
+    got = _log_alerts([(1.0 + 0.01 * i, 1.0) for i in range(20)] + [(1.2, 3.0**i) for i in range(1, 8)] + [(1.2, math.inf)])
+    assert got[-1].severity is Severity.CRITICAL and got[-1].kind is AlertKind.NONFINITE and got[-1].step == 28

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from .._policy import NonfinitePolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
@@ -10,6 +11,10 @@ __all__ = ["NonfiniteDetector"]
 
 # the scalars of a record that are gradient statistics
 _GRAD_PARTS = {"grad_norm", "grad_max"}
+# a log's skipped step is one amid ordinary gradient norms: the last finite one within this factor
+# of the median of the `_NORM_HISTORY` before it (a runaway ending in inf is no skip)
+_RUN_UP = 10.0
+_NORM_HISTORY = 20
 
 
 class NonfiniteDetector:
@@ -23,6 +28,7 @@ class NonfiniteDetector:
         self._p = p
         self._first: tuple[str, str] | None = None  # (metric, location) of the first non-finite step
         self._skips = 0  # log records in a row with non-finite gradients beside a finite loss
+        self._norms: deque[float] = deque(maxlen=_NORM_HISTORY)  # the last finite gradient norms
 
     def update(self, rec: StepRecord) -> list[Finding]:
         out: list[Finding] = []
@@ -52,6 +58,9 @@ class NonfiniteDetector:
                     location="input batch",
                 )
             )
+        g = rec.grad_norm
+        if g is not None and math.isfinite(g) and g > 0:
+            self._norms.append(g)
         parts = list(rec.nonfinite_parts)
         from_log = not parts
         if from_log and not rec.is_finite():  # records from traces carry no parts: find them
@@ -94,7 +103,8 @@ class NonfiniteDetector:
         nan). Info, a warning from `log_skip_warning` records in a row, and from `log_skip_records`
         None: critical."""
         grads_only = all(p in _GRAD_PARTS or p.startswith("grad of ") for p in parts)
-        if not (from_log and rec.scaler_skipped is None and grads_only and rec.loss is not None and math.isfinite(rec.loss)):
+        if not (from_log and rec.scaler_skipped is None and grads_only and rec.loss is not None
+                and math.isfinite(rec.loss) and not self._running_away()):
             self._skips = 0
             return None
         self._skips += 1
@@ -113,3 +123,11 @@ class NonfiniteDetector:
             location=parts[0],
             details={"parts": list(dict.fromkeys(parts)), "records": self._skips, "rule": "log_skip"},
         )
+
+    def _running_away(self) -> bool:
+        """Whether the last finite gradient norm stood `_RUN_UP` x above the ones before it: then a
+        non-finite one ends a blow-up, not a scaler's calibration amid ordinary gradients."""
+        if len(self._norms) < 2:
+            return False
+        *before, last = self._norms
+        return last >= _RUN_UP * sorted(before)[len(before) // 2]
