@@ -127,12 +127,12 @@ class DivergencePolicy(_Section):
     """Loss far above its starting level, held for a while."""
 
     enabled: bool = True
-    warning_factor: float = Field(10.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
+    warning_factor: float = Field(5.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
     critical_factor: float = Field(1e4, gt=1, description="critical when it stays above this multiple (ratio)")
     patience: int = Field(5, ge=1, le=MAX_WINDOW, description="the median of the last this many finite losses, and the current loss, must stand above the factor (records)")
     rebound_factor: float = Field(2.0, gt=1, description="warning when the median of the last `patience` losses stands at least this multiple above the best (lowest) smoothed loss reached before them: a run that had learned and lost it, however low it started (ratio)")
-    rebound_noise: float = Field(2.5, ge=0, description="and when that rise, in log space, is at least this many times the loss's noise (the median |change of ln loss| from one record to the next, over the last `rebound_noise_records`) times sqrt(2 ln n), n the smoothed medians the best is the lowest of: the lowest of many noisy records is no level a run can be held to (multiple)")
-    rebound_noise_records: int = Field(50, ge=2, le=MAX_WINDOW, description="record-to-record changes the loss's noise is measured over (records)")
+    noise_multiple: float = Field(2.5, ge=0, description="a warning (either rule) also needs the rise, in log space, to be at least this many times the loss's noise (the median |change of ln loss| from one record to the next, over the last `noise_records`) times sqrt(2 ln n), n the medians the level it is measured from is the lowest of: the lowest of many noisy records is no level a run can be held to (multiple)")
+    noise_records: int = Field(50, ge=2, le=MAX_WINDOW, description="record-to-record changes the loss's noise is measured over (records)")
     rebound_smoothing: int = Field(3, ge=1, le=MAX_WINDOW, description="the best loss so far is the lowest median of this many consecutive finite losses, so one lucky batch does not set it (records)")
     rebound_min_level: float = Field(0.25, ge=0, description="a rebound counts only while the held loss is at least this fraction of the starting level: noise around a loss near zero is not divergence (fraction)")
 

@@ -280,3 +280,19 @@ def test_a_logs_runaway_that_ends_in_an_infinite_grad_norm_is_critical_at_once()
     """Not a scaler's skip: the gradient norm had run 100x above its level before going inf."""
     got = _log_alerts([(1.0 + 0.01 * i, 1.0) for i in range(20)] + [(1.2, 3.0**i) for i in range(1, 8)] + [(1.2, math.inf)])
     assert got[-1].severity is Severity.CRITICAL and got[-1].kind is AlertKind.NONFINITE and got[-1].step == 28
+
+
+def test_a_loss_held_five_times_its_start_is_a_divergence_warning():
+    """QLoRA at lr 5 (tests/data/real/hf_qlora_lr5_collapse_ln32000): 1.64, then 11.8 and 10.3735 (ln 32000,
+    a uniform guess over the vocabulary) from then on: 6.3x where it started, by the fifth record."""
+    got = loud(zip(range(1, 11), [1.637, 11.8069] + [10.3735] * 8))
+    assert got and got[0].kind is AlertKind.DIVERGENCE and got[0].step == 5 and "6.34x its starting level" in got[0].message
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_very_noisy_loss_that_only_wanders_is_not_held_five_times_its_start(seed):
+    """The starting level is the lowest of ten running medians too: with a factor of ~2 of noise per
+    record it lies well below where the loss sits, and the 5x rule is judged against that noise."""
+    rnd = random.Random(seed)
+    losses = [0.05 * math.exp(rnd.gauss(0, 0.8)) for _ in range(300)]
+    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []

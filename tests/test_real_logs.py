@@ -38,10 +38,6 @@ KNOWN_MISSES = {
     # an epoch loss 1.09 -> 1.24 over five epochs (the source's fix: a smaller learning rate): 1.13x its best,
     # where noisy healthy runs wander further
     "keras_issue5239_rmsprop_rise": "1.13x",
-    # (fourth batch) 1.64, then 11.8 and frozen at 10.3735 = ln 32000 for eight records: one record before the
-    # collapse is no level to hold it to (the rebound's best is a median of three), 6.3x is under the 10x of
-    # divergence.warning_factor, and eight frozen records are fewer than stall.frozen_records
-    "hf_qlora_lr5_collapse_ln32000": "one record before",
 }
 #: Healthy runs the detectors warn on, and why; pinned like KNOWN_MISSES.
 KNOWN_FALSE_ALARMS = {

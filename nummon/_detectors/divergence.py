@@ -20,9 +20,10 @@ class DivergenceDetector:
     diverged even when single records dip below the factor, and a spike of one or two records
     that recovers moves it not at all. The second rule catches a run that had learned and lost
     it (a LoRA loss 1.4 -> 6.4 -> 4.6..5.5, only 3x its start), judged against a best that
-    came before most of the held records (not the low end of a fall still under way) and
-    against the loss's own noise (the lowest of many noisy records is no level to hold a run
-    to). Shared value: ``level``.
+    came before most of the held records (not the low end of a fall still under way). Both
+    warnings are judged against the loss's own noise too: the starting level and the best are
+    the lowest of several noisy medians, and the lowest of many noisy records is no level to
+    hold a run to. Shared value: ``level``.
     """
 
     section = "divergence"
@@ -38,7 +39,7 @@ class DivergenceDetector:
         # mostly after the best (else a fall still under way reads as a rebound above its low end)
         self._young: deque[float] = deque()
         self._best: float | None = None  # lowest median of `rebound_smoothing` consecutive losses, before the held ones
-        self._steps: deque[float] = deque(maxlen=p.rebound_noise_records)  # |change of ln loss| per record
+        self._steps: deque[float] = deque(maxlen=p.noise_records)  # |change of ln loss| per record
         self._last: float | None = None
         self._candidates = 0  # smoothed medians the best is the lowest of
 
@@ -64,7 +65,7 @@ class DivergenceDetector:
         ratio = held / base
         if ratio >= self._p.critical_factor:
             sev, thr = Severity.CRITICAL, self._p.critical_factor
-        elif ratio >= self._p.warning_factor:
+        elif ratio >= self._p.warning_factor and math.log(ratio) >= self._noise_floor(self._level.samples):
             sev, thr = Severity.WARNING, self._p.warning_factor
         else:
             return self._rebound(held, base, rec.loss)
@@ -81,6 +82,12 @@ class DivergenceDetector:
             )
         ]
 
+    def _noise_floor(self, n: int) -> float:
+        """The rise (ln units) a held loss must stand above the lowest of `n` noisy medians: they
+        lie about sigma * sqrt(2 ln n) below their level (the expected maximum of n Gaussians)."""
+        noise = F.median(self._steps) if self._steps else 0.0
+        return self._p.noise_multiple * noise * math.sqrt(2 * math.log(n + 1))
+
     def _rebound(self, held: float, base: float, loss: float) -> list[Finding]:
         """Warning: the held loss stands ``rebound_factor`` x above the best it reached, and is
         not noise near zero (at least ``rebound_min_level`` of the starting level)."""
@@ -89,12 +96,9 @@ class DivergenceDetector:
             return []
         log_ratio = math.log(held) - math.log(best)  # (held / best can overflow)
         ratio = math.exp(min(log_ratio, 700.0))
-        # the lowest of n noisy medians lies about sigma * sqrt(2 ln n) below their level (the
-        # expected maximum of n Gaussians): a rise must stand clear of that to be one
-        noise = F.median(self._steps) if self._steps else 0.0
-        floor = p.rebound_noise * noise * math.sqrt(2 * math.log(self._candidates + 1))
-        if ratio < p.rebound_factor or log_ratio < floor:
+        if ratio < p.rebound_factor or log_ratio < self._noise_floor(self._candidates):
             return []
+        noise = F.median(self._steps) if self._steps else 0.0
         return [
             Finding(
                 AlertKind.DIVERGENCE,
