@@ -63,9 +63,11 @@ class DivergenceDetector:
             return []
         held = F.median(self._recent)
         ratio = held / base
+        # the starting level is the lowest of nested running medians: counted as one noisy median
+        warn = ratio >= self._p.warning_factor and math.log(ratio) >= self._noise_floor(1)
         if ratio >= self._p.critical_factor:
             sev, thr = Severity.CRITICAL, self._p.critical_factor
-        elif ratio >= self._p.warning_factor and math.log(ratio) >= self._noise_floor(self._level.samples):
+        elif warn:
             sev, thr = Severity.WARNING, self._p.warning_factor
         else:
             return self._rebound(held, base, rec.loss)

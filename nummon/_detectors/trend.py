@@ -26,11 +26,6 @@ class StartLevel:
         self._seen: StepRecord | None = None
         self.value: float | None = None
 
-    @property
-    def samples(self) -> int:
-        """The running medians the level is the lowest of so far."""
-        return len(self._first)
-
     def observe(self, rec: StepRecord) -> float | None:
         """The level after this record (idempotent per record: every sharer may call it)."""
         if rec is self._seen:
