@@ -129,8 +129,8 @@ class StatsEngine:
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
                                           linear_rms=mp.linear_rms, compiled=compiled) if mp.enabled else None
-        if self.mechanisms is not None:  # a compiled model's replayed forward is no training step
-            self.mechanisms.others_paused = self._activations_paused
+        if self.mechanisms is not None and self.mechanisms.replay is not None:  # a replayed forward is no training step
+            self.mechanisms.replay.others_paused = self._activations_paused
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)

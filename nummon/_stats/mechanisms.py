@@ -13,16 +13,15 @@ flag test); its forward hook ends the forward's part; the capture's mode is left
 whichever comes first: the loss is usually computed after the forward. Everything computed here
 is detached and under no_grad.
 
-A compiled model (see compiled.py) cannot run the capture inside its graph: there the pre-hook
+A compiled model (compiled.py, replay.py) cannot run the capture inside its graph: there the pre-hook
 only keeps the armed forward's inputs, and `take` replays the first sample eagerly under the
 capture, leaving no trace (random generators, buffers, activation probes).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,16 +30,14 @@ from .._distributed import Reduce
 from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
-from .compiled import (autocast_state, can_replay, first_sample, has_batch_norm, has_compiled_parts,
-                       loss_reads_compiled_output, replayed, tracing, warn_at_user_line)
+from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
+from .replay import ForwardReplay
 from .transport import Layout, Segment
 
-__all__ = ["MechanismProbes", "MechanismStep", "REPLAY_FAILURES", "TOP_SAMPLES"]
+__all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
 
 #: Per-sample losses: indices of this many worst samples go into the record.
 TOP_SAMPLES = 5
-#: A compiled model whose replay fails this many sampled steps in a row is no longer replayed.
-REPLAY_FAILURES = 3
 
 
 @dataclass
@@ -56,31 +53,14 @@ class MechanismStep:
     adam_bound: float = 0.0  # 1/sqrt(1 - beta2): the ratio's bound
 
 
-def _replayable(model: nn.Module) -> nn.Module:
-    """What a replay runs: a DDP wrapper's module (the same replicated weights, and no
-    collective that every rank would have to join), else the model."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
 class MechanismProbes:
     """The sampled probes of one model and optimizer; `arm(True)` before a forward to sample it."""
 
     def __init__(self, model: nn.Module | None, optimizer: Any, adam: bool = True, attention: bool = True,
                  output: bool = True, linear_rms: bool = True, compiled: bool = False) -> None:
         self.model = model
-        # a compiled model's forward is replayed (see compiled.py); where torch cannot run compiled
-        # code eagerly, the forward's probes are off and the optimizer's work alone
-        self.replay = False
-        self.forward_off = False
+        self.forward_off = False  # the forward's probes: off on a compiled model torch cannot run eagerly
         self._traced = False  # a forward hook of ours ran inside torch.compile's tracing
-        self._stash: tuple | None = None  # the armed forward's (args, kwargs, autocast regions), to replay
-        self._replaying = False
-        self._replay_samples: int | None = None  # samples a replay takes (found at the first)
-        self._replay_failures = 0  # in a row
-        #: within it, the other probes record nothing (the engine pauses its activation probes)
-        self.others_paused: Callable[[], ContextManager] = contextlib.nullcontext
-        if compiled and (attention or output or linear_rms):
-            self._compiled()
         self.optimizer = optimizer
         self.armed = False
         self.paused = False
@@ -88,6 +68,10 @@ class MechanismProbes:
         self._in_forward = False
         self._samples: torch.Tensor | None = None
         self.capture = ForwardCapture(model, attention, output, linear_rms) if model is not None else None
+        # a compiled model's forward is replayed (replay.py)
+        self.replay = ForwardReplay(model, self.capture) if self.capture is not None else None
+        if compiled and (attention or output or linear_rms):
+            self._compiled()
         self.adam = AdamStatistics(optimizer, self._param_names) if adam and optimizer is not None else None
         # whether optimizer.step() ran since the model's last forward: post_step after the step (a
         # plain loop) or before it (the Lightning and HF callbacks) sees the state after or before
@@ -106,7 +90,8 @@ class MechanismProbes:
     @property
     def errors(self) -> int:
         """Probe failures swallowed so far (never the user's problem)."""
-        return self._errors + (self.capture.errors if self.capture is not None else 0)
+        return (self._errors + (self.capture.errors if self.capture is not None else 0)
+                + (self.replay.errors if self.replay is not None else 0))
 
     def _before_step(self, *_: Any) -> None:
         if self.capture is not None:  # the loss and backward are done: Adam's per-tensor loop need not pass through Python
@@ -121,14 +106,15 @@ class MechanismProbes:
         self.armed = bool(on)
 
     def _enter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying:
+        replay = self.replay
+        if replay.running:
             return
-        if tracing() or self.replay:  # compiled: keep the inputs (traced, this is a side effect of the graph)
+        if tracing() or replay.active:  # compiled: keep the inputs (traced, this is a side effect of the graph)
             if tracing():
                 self._traced = True
             self._stepped = False
-            if self.armed and not self.paused and not self.forward_off and self._stash is None:  # the step's first (micro-)batch
-                self._stash = (args, kwargs, autocast_state())
+            if self.armed and not self.paused and not self.forward_off:
+                replay.keep(args, kwargs)
             return
         if self._in_forward:  # a nested call of the model itself
             return
@@ -144,8 +130,8 @@ class MechanismProbes:
 
     def _compiled(self) -> None:
         """The model is (now) compiled: its forward is replayed, or where torch cannot, left alone."""
-        if can_replay():
-            self.replay = True
+        if can_replay() and self.replay is not None:
+            self.replay.active = True
             return
         self.forward_off = True
         warn_at_user_line(
@@ -154,52 +140,15 @@ class MechanismProbes:
             "RMS) are off. Gradients, parameters, activations and Adam's statistics are measured as usual.")
 
     def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
-        if tracing() or self._replaying:
+        if tracing() or self.replay.running:
             return
         if self._in_forward:
             self._in_forward = False
             self.capture.end()
 
-    def _replay(self, stash: tuple, loss: Any) -> None:
-        """The armed forward of a compiled model, again on its first sample (two with batch norm),
-        eagerly under the capture (after the optimizer step where `post_step` comes after it). A
-        loss computed outside the model is not replayed: when it was the cross-entropy of the
-        model's output, that output of the replay is measured as the logits. A model that fails
-        `REPLAY_FAILURES` replays in a row has its forward's probes turned off, said once."""
-        cap = self.capture
-        self._replaying = True
-        try:
-            target = _replayable(self.model)
-            if self._replay_samples is None:  # batch norm in train mode needs two samples
-                self._replay_samples = 2 if has_batch_norm(target) else 1
-            args, kwargs = first_sample(stash[0], stash[1], self._replay_samples)
-            with replayed(self.model, stash[2]), self.others_paused():
-                if cap.begin() and self.adam is not None:
-                    self.adam.refresh()
-                try:
-                    out = target(*args, **kwargs)
-                finally:
-                    cap.end()
-                    cap.close()
-                logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-                if (not cap.out and isinstance(logits, torch.Tensor) and logits.is_floating_point()
-                        and loss_reads_compiled_output(loss)):
-                    cap.output_logits(logits)
-            self._replay_failures = 0
-        except Exception as e:  # a probe must never break the user's step
-            self._errors += 1
-            cap.reset()  # what the failed forward left
-            self._replay_failures += 1
-            if self._replay_failures >= REPLAY_FAILURES:
-                self.forward_off = True
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                warn_at_user_line(
-                    f"nummon: replaying the compiled model's first sample failed {REPLAY_FAILURES} times in a row "
-                    f"({type(e).__name__}: {first}), so its forward's mechanism probes (attention logits, output log Z, "
-                    "Linear output RMS) are off. Gradients, parameters, activations and Adam's statistics are measured "
-                    "as usual.")
-        finally:
-            self._replaying = False
+    def _refresh_adam(self) -> None:
+        if self.adam is not None:
+            self.adam.refresh()
 
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
@@ -219,9 +168,10 @@ class MechanismProbes:
     def take(self, distributed: bool, loss: Any = None) -> tuple[MechanismStep, list[Segment]]:
         """This step's segments (empty when it was not sampled); resets for the next step.
         `loss`: the step's loss, as `post_step` got it."""
-        if self._traced and not self.replay and not self.forward_off:
+        replay = self.replay
+        if self._traced and replay is not None and not replay.active and not self.forward_off:
             self._compiled()
-        stash, self._stash = self._stash, None
+        kept = replay.take() if replay is not None else None
         if self.capture is not None:
             self.capture.close()
         ms, segs = MechanismStep(), []
@@ -236,8 +186,8 @@ class MechanismProbes:
             return ms, segs
         with torch.no_grad():
             if cap is not None:
-                if stash is not None and self.replay:
-                    self._replay(stash, loss)
+                if kept is not None and replay.active and not replay.failed:
+                    replay.run(kept, loss, self._refresh_adam)
                 segs += self._forward_segments(cap, ms)
                 cap.reset()
             if self.adam is not None:
