@@ -84,10 +84,14 @@ class DivergenceDetector:
             )
         ]
 
-    def _noise_floor(self, n: int) -> float:
+    def _noise(self) -> float:
+        """The loss's typical change from one record to the next (median |change of ln loss|)."""
+        return F.median(self._steps) if self._steps else 0.0
+
+    def _noise_floor(self, n: int, noise: float | None = None) -> float:
         """The rise (ln units) a held loss must stand above the lowest of `n` noisy medians: they
         lie about sigma * sqrt(2 ln n) below their level (the expected maximum of n Gaussians)."""
-        noise = F.median(self._steps) if self._steps else 0.0
+        noise = self._noise() if noise is None else noise
         return self._p.noise_multiple * noise * math.sqrt(2 * math.log(n + 1))
 
     def _rebound(self, held: float, base: float, loss: float) -> list[Finding]:
@@ -98,9 +102,11 @@ class DivergenceDetector:
             return []
         log_ratio = math.log(held) - math.log(best)  # (held / best can overflow)
         ratio = math.exp(min(log_ratio, 700.0))
-        if ratio < p.rebound_factor or log_ratio < self._noise_floor(self._candidates):
+        if ratio < p.rebound_factor:
             return []
-        noise = F.median(self._steps) if self._steps else 0.0
+        noise = self._noise()
+        if log_ratio < self._noise_floor(self._candidates, noise):
+            return []
         return [
             Finding(
                 AlertKind.DIVERGENCE,
