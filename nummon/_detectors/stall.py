@@ -16,6 +16,13 @@ __all__ = ["StallDetector", "CHANCE_CLASSES", "chance_classes"]
 #: name one: small k only, because ln k for larger k lie so close together that almost any loss
 #: would sit near one of them.
 CHANCE_CLASSES = range(2, 11)
+#: A loss that came down to ln 2 and stays there is a binary classifier predicting its prior, even
+#: in a short run: ln 2 is the only ln k judged without the class count. The ln k of larger k lie
+#: among ordinary converged losses (a healthy Whisper fine-tune sits within 1% of ln 3 for 22
+#: records in the real-log set, a T5 within 1% of ln 6 for 15), and ln 2 only counts for a run that
+#: started within 2 ln 2 (a from-scratch classifier's first losses; a language model coming down
+#: from 2+ to 0.69 has learned).
+BINARY_START = (1.05, 2.0)  # the first loss, in units of ln 2: it came down, from a classifier's start
 
 
 def chance_classes(loss: float, match: float) -> int | None:
@@ -48,12 +55,13 @@ class StallDetector:
         self._p = p
         self._trend = trend
         self._level = level
-        self._recent: deque[float] = deque(maxlen=max(p.frozen_records, p.chance_records))
+        self._recent: deque[float] = deque(maxlen=max(p.frozen_records, p.chance_records, p.min_records))
         # the current stretch of losses pinned within chance_match of ln k: k, first step, records
         self._pinned_k: int | None = None
         self._pinned_since = 0
         self._pinned_records = 0
         self._finite = 0  # finite losses seen
+        self._first_loss: float | None = None
 
     def update(self, rec: StepRecord) -> list[Finding]:
         t = self._trend.observe(rec)
@@ -63,7 +71,9 @@ class StallDetector:
         self._recent.append(float(rec.loss))
         self._track_pinned(rec.step, float(rec.loss))
         self._finite += 1
-        found = self._frozen(base, rec.step) or self._at_chance()
+        if self._first_loss is None:
+            self._first_loss = float(rec.loss)
+        found = self._frozen(base, rec.step) or self._at_chance() or self._stuck_at_ln2()
         if found is not None:
             return [found]
         p = self._p
@@ -140,6 +150,36 @@ class StallDetector:
         """The held loss is ln k to the precision of a frozen loss (the class count is not
         known: only a loss sitting exactly on ln k says "chance level")."""
         return abs(held - math.log(k)) <= max(self._p.frozen_tolerance, 1e-4) * 2 * math.log(k)
+
+    def _stuck_at_ln2(self) -> Finding | None:
+        """A run that came down from a binary classifier's start to ln 2 and has stayed within
+        ``chance_match`` of it for ``min_records`` records, not falling: stuck at chance, however
+        few steps that is (a per-step trace of 21 batches is as telling as one of 21 epochs)."""
+        p, ln2 = self._p, math.log(2)
+        n = p.min_records
+        first = self._first_loss
+        if (self._pinned_k != 2 or self._pinned_records < n or first is None
+                or not BINARY_START[0] * ln2 <= first <= BINARY_START[1] * ln2):
+            return None
+        last = list(self._recent)[-n:] if len(self._recent) >= n else None
+        if last is None:
+            return None
+        half = n // 2
+        if F.relative_change(last[:half], last[half:]) <= -p.chance_match / 2:
+            return None  # still creeping down through ln 2: leaving it
+        held = F.median(last)
+        return Finding(
+            AlertKind.STALL,
+            Severity.WARNING,
+            "loss",
+            held,
+            ln2,
+            f"loss came down from {F.fmt_num(first)} to {F.fmt_num(held)} and has stayed within "
+            f"{p.chance_match * 100:.2g}% of ln 2 = {ln2:.4f} for {self._pinned_records} records: the chance level "
+            "of a binary classifier (it predicts the class prior for every input); set stall.chance_loss if the task "
+            "has more classes",
+            details={"chance_classes": 2, "records": self._pinned_records, "first_loss": first},
+        )
 
     def _at_chance(self) -> Finding | None:
         """With ``chance_loss`` set: the recent losses at chance and not falling."""
