@@ -10,6 +10,7 @@ before an issue is resolved.
 usage:
   python benchmarks/real_split.py list [tune|blind]          the traces of a part, one a line
   python benchmarks/real_split.py score tune|blind [-v]      score.py over that part only
+  python benchmarks/real_split.py alarms tune|blind          false alarms per 1,000 healthy records
 """
 from __future__ import annotations
 
@@ -73,6 +74,20 @@ def score(part: str, verbose: bool) -> int:
         return subprocess.run(cmd).returncode
 
 
+def false_alarms(part: str) -> tuple[int, int, int]:
+    """(loud alerts on healthy traces, healthy records, healthy traces) of one part: a loud alert is
+    a warning or critical of any kind, what score.py counts as a false alarm on a healthy run."""
+    labels = json.loads((REAL / "labels.json").read_text())
+    names = [n for n, p in split().items() if p == part and labels[n]["label"] == "healthy"]
+    paths = [str(REAL / f"{n}.jsonl") for n in names]
+    out = subprocess.run([sys.executable, "-m", "nummon", "replay", "--format", "jsonl", *paths],
+                         capture_output=True, text=True, check=True).stdout
+    loud = sum(1 for line in out.splitlines() if line.startswith("{")
+               and json.loads(line).get("severity") in ("warning", "critical"))
+    records = sum(sum(1 for line in (REAL / f"{n}.jsonl").read_text().splitlines() if line.strip()) for n in names)
+    return loud, records, len(names)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["list"]:
         parts = split()
@@ -82,6 +97,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["score"] and len(argv) >= 2 and argv[1] in ("tune", "blind"):
         return score(argv[1], "-v" in argv)
+    if argv[:1] == ["alarms"] and len(argv) >= 2 and argv[1] in ("tune", "blind"):
+        loud, records, traces = false_alarms(argv[1])
+        print(f"{argv[1]}: {loud} loud alerts on {traces} healthy traces, {records} records: "
+              f"{1000 * loud / max(records, 1):.2f} per 1,000 healthy records")
+        return 0
     print(__doc__, file=sys.stderr)
     return 2
 
