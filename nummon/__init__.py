@@ -42,6 +42,7 @@ __all__ = [
     "Monitor",
     "NummonError",
     "Policy",
+    "MlflowSink",
     "PolicyError",
     "PrometheusSink",
     "RunContext",
@@ -66,10 +67,12 @@ _LAZY = {
     "TensorBoardSink": ".integrations.tensorboard",
     "PrometheusSink": ".integrations.prometheus",
     "WandbSink": ".integrations.wandb",
+    "MlflowSink": ".integrations.mlflow",
 }
 
 if TYPE_CHECKING:
     from ._monitor import Monitor
+    from .integrations.mlflow import MlflowSink
     from .integrations.prometheus import PrometheusSink
     from .integrations.tensorboard import TensorBoardSink
     from .integrations.wandb import WandbSink

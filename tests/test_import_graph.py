@@ -110,7 +110,7 @@ def test_the_import_graph_has_no_circle():
     assert circles == []
 
 
-@pytest.mark.parametrize("backend", ["lightning", "transformers", "wandb.sdk", "torch.utils.tensorboard"])
+@pytest.mark.parametrize("backend", ["lightning", "transformers", "wandb.sdk", "torch.utils.tensorboard", "mlflow"])
 def test_only_integrations_import_the_training_frameworks_and_loggers(backend):
     offenders = []
     for name, path in modules().items():

@@ -6,12 +6,12 @@ import nummon
 
 EXPECTED = {
     "Alert", "AlertKind", "BaseSink", "ConsoleSink", "Contributor", "DistributedError", "Health", "IncidentEvent",
-    "IncidentState", "JsonlSink", "MemorySink", "Monitor", "NummonError", "Policy", "PolicyError", "PrometheusSink", "RunContext", "Severity",
+    "IncidentState", "JsonlSink", "MemorySink", "MlflowSink", "Monitor", "NummonError", "Policy", "PolicyError", "PrometheusSink", "RunContext", "Severity",
     "Sink", "StateError", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
     "diagnose", "load_policy", "preset_names", "read_trace", "replay",
 }
 INTEGRATIONS = {"TensorBoardSink": "nummon.integrations.tensorboard", "WandbSink": "nummon.integrations.wandb",
-                "PrometheusSink": "nummon.integrations.prometheus"}
+                "PrometheusSink": "nummon.integrations.prometheus", "MlflowSink": "nummon.integrations.mlflow"}
 
 
 def test_all_is_pinned_and_resolves():

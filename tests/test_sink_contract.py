@@ -58,6 +58,16 @@ def prometheus_delivered(sink, tmp_path, caplog, wandb_env):
     assert sink.url is None  # the endpoint is down after close
 
 
+def mlflow_delivered(sink, tmp_path, caplog, wandb_env):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(sink.client.tracking_uri)
+    run = client.get_run(sink.run_id)
+    assert run.data.tags["nummon.state"] == "critical" and run.data.tags["nummon.incident"] == INCIDENT.title
+    assert [m.step for m in client.get_metric_history(sink.run_id, "nummon/loss")] == [0, 100]
+    assert [a.path for a in client.list_artifacts(sink.run_id, "nummon")] == ["nummon/incident-1-step7.md"]
+
+
 def make(name, tmp_path):
     if name == "jsonl":
         return nummon.JsonlSink(tmp_path / "events.jsonl")
@@ -73,6 +83,11 @@ def make(name, tmp_path):
         from nummon.integrations.wandb import WandbSink
 
         return WandbSink(project="nummon-contract")
+    if name == "mlflow":
+        pytest.importorskip("mlflow")
+        from nummon.integrations.mlflow import MlflowSink
+
+        return MlflowSink(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="contract")
     pytest.importorskip("prometheus_client")
     from nummon.integrations.prometheus import PrometheusSink
 
@@ -80,7 +95,8 @@ def make(name, tmp_path):
 
 
 DELIVERED = {"jsonl": jsonl_delivered, "memory": memory_delivered, "console": console_delivered,
-             "tensorboard": tensorboard_delivered, "wandb": wandb_delivered, "prometheus": prometheus_delivered}
+             "tensorboard": tensorboard_delivered, "wandb": wandb_delivered, "prometheus": prometheus_delivered,
+             "mlflow": mlflow_delivered}
 
 
 @pytest.mark.parametrize("name", sorted(DELIVERED))

@@ -20,8 +20,8 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
-    r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders; a folder of *.jsonl means each of them")
-    r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb"), default=None,
+    r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders (a folder of *.jsonl means each of them), or an MLflow run: mlflow:<tracking-uri>#<run-id>")
+    r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"), default=None,
                    help="force the log format (default: detected from the name and first bytes)")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
     r.add_argument("--format", choices=("text", "jsonl"), default="text")
@@ -76,6 +76,9 @@ def _expand(paths: list[str], forced: str | None) -> list[Any]:
 
     out: list[Any] = []
     for p in paths:
+        if p.startswith("mlflow:"):  # a run on an MLflow tracking server: mlflow:<uri>#<run-id>
+            out.append(p)
+            continue
         path = Path(p)
         if path.is_dir() and forced in (None, "jsonl") and any(path.glob("*.jsonl")):
             out.extend(expand_paths([p]))

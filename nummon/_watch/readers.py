@@ -11,6 +11,7 @@ from .keymap import KeyMap
 from .read_csv import CsvFollower
 from .read_hf import STATE_NAME, HfStateFollower
 from .read_jsonl import JsonlFollower
+from .read_mlflow import MlflowFollower, is_mlflow_source
 from .read_tb import TensorBoardFollower, is_event_file
 from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file
 
@@ -22,11 +23,14 @@ FORMATS: dict[str, type[Follower]] = {
     "hf": HfStateFollower,
     "csv": CsvFollower,
     "wandb": WandbFollower,
+    "mlflow": MlflowFollower,
 }
 
 
 def detect_format(path: str) -> str:
     """The format of one file or run folder: by name first, then by its first bytes."""
+    if is_mlflow_source(path):
+        return "mlflow"
     name = fs.basename(path)
     if fs.is_dir(path):
         files = list(fs.walk_files(path, max_depth=2))
@@ -77,7 +81,7 @@ def make_follower(path: str, format: str | None = None, keymap: KeyMap | None = 
 
 
 def _exists(path: str) -> bool:
-    return fs.is_url(path) or os.path.lexists(path)
+    return fs.is_url(path) or is_mlflow_source(path) or os.path.lexists(path)
 
 
 def read_records(path: str, format: str | None = None, keymap: KeyMap | None = None,

@@ -1,0 +1,120 @@
+"""MLflow as a home for nummon (issue 41), against a real `mlflow server` (SQLite backend, local
+artifacts) on 127.0.0.1: the sink's metrics, tags and artifacts read back through MlflowClient;
+a run logged with plain mlflow (no nummon) replayed; a server gone mid-run leaves training unharmed."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("mlflow")
+
+import mlflow  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from mlflow_server import MlflowServer, Relay  # noqa: E402
+from models import runaway_run  # noqa: E402
+from nummon import Health, Monitor, MlflowSink  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield srv
+    srv.stop()
+
+
+def test_a_runaway_shows_in_the_run_metrics_tags_and_artifacts(server, tmp_path):
+    sink = MlflowSink(tracking_uri=server.uri, experiment="runaway", batch_steps=10)
+    mon, reports = runaway_run([sink], tmp_path)
+    assert reports[-1].health is Health.NONFINITE
+    client = MlflowClient(server.uri)
+    run = client.get_run(sink.run_id)
+    tags = run.data.tags
+    assert tags["nummon.state"] == "nonfinite" and tags["nummon.incident_state"] == "nonfinite"
+    assert tags["nummon.incident"].startswith("nummon: run lost")
+    assert tags["nummon.first_nonfinite"] and int(tags["nummon.first_nonfinite_step"]) == reports[-1].step
+    assert run.info.status == "FAILED"  # a run the sink started, lost to non-finite values
+    history = client.get_metric_history(sink.run_id, "nummon/loss")
+    assert [m.step for m in history] == [r.step for r in reports]  # every step, none twice
+    assert math.isnan(history[-1].value) and history[0].value == pytest.approx(reports[0].record.loss)
+    assert all(k.startswith("nummon/") for k in run.data.metrics)
+    # batched: one log_batch per `batch_steps` steps (plus the flushes of critical incidents and close)
+    assert sink.batches_sent <= len(reports) // 10 + 6 < len(reports)
+    names = [a.path for a in client.list_artifacts(sink.run_id, "nummon")]
+    incidents = [n for n in names if n.startswith("nummon/incident-")]
+    assert incidents, names
+    text = client.download_artifacts(sink.run_id, incidents[-1], str(tmp_path / "dl"))
+    assert "Incident 1" in open(text).read() and "nonfinite" in open(text).read()
+    assert [a.path for a in client.list_artifacts(sink.run_id, "nummon/flight-records")]
+
+
+def test_inside_an_active_run_the_sink_logs_into_it(server, tmp_path):
+    mlflow.set_tracking_uri(server.uri)
+    mlflow.set_experiment("active")
+    with mlflow.start_run() as active:
+        sink = MlflowSink()
+        mon = Monitor(sinks=[sink], run_dir=tmp_path)
+        for loss in (2.0, 1.9, 1.8):
+            mon.post_step(loss)
+        mon.close()
+        assert sink.run_id == active.info.run_id
+    run = MlflowClient(server.uri).get_run(active.info.run_id)
+    assert run.data.tags["nummon.state"] == "healthy" and run.data.metrics["nummon/loss"] == pytest.approx(1.8)
+    assert run.info.status == "FINISHED"  # the user's run, ended by the user's `with`
+
+
+def test_a_run_logged_with_plain_mlflow_is_replayed_with_its_warning_before_the_nan(server):
+    mlflow.set_tracking_uri(server.uri)
+    mlflow.set_experiment("plain")
+    losses = [2.0 * 0.98 ** i for i in range(30)] + [0.9 * 3.0 ** k for k in range(1, 30)] + [float("nan")]
+    with mlflow.start_run() as run:
+        for step, loss in enumerate(losses):
+            mlflow.log_metrics({"train_loss": loss, "learning_rate": 1e-3}, step=step)
+    nan_step = len(losses) - 1
+    p = subprocess.run([sys.executable, "-m", "nummon", "replay", "--format", "jsonl",
+                        f"mlflow:{server.uri}#{run.info.run_id}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    import json
+
+    alerts = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    loud = [a for a in alerts if a["severity"] in ("warning", "critical")]
+    assert loud and min(a["step"] for a in loud) <= nan_step - 3
+    assert any(a["kind"] == "nonfinite" and a["step"] == nan_step for a in alerts)
+
+
+def test_replay_of_a_missing_run_or_server_is_one_line_without_secrets(server):
+    p = subprocess.run([sys.executable, "-m", "nummon", "replay", f"mlflow:{server.uri}#no-such-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no run 'no-such-run'" in p.stderr and "Traceback" not in p.stderr
+    dead = server.uri.replace(str(server.port), "1")
+    p = subprocess.run([sys.executable, "-m", "nummon", "replay", f"mlflow:http://me:hunter2@127.0.0.1:1#r"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not reachable" in p.stderr and "hunter2" not in p.stderr + p.stdout, (dead, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_gone_mid_run_leaves_training_unharmed(server, tmp_path):
+    relay = Relay(server.port)
+    sink = MlflowSink(tracking_uri=relay.uri, experiment="gone", batch_steps=5)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, sinks=[sink], run_dir=tmp_path, policy={"sinks": {"close_timeout_s": 3.0}})
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    steps = 0
+    for step in range(40):
+        if step == 10:
+            relay.cut()  # the tracking server is unreachable from here on
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        mon.post_step(loss)
+        steps += 1
+    mon.close()
+    assert steps == 40
+    assert sink.batches_sent <= 2  # the two batches of the steps before the cut, at most
+    got = MlflowClient(server.uri).get_metric_history(sink.run_id, "nummon/loss")
+    assert [m.step for m in got] == list(range(len(got))) and len(got) <= 10
