@@ -164,7 +164,7 @@ class WatchSnapshot:
     runs: tuple[RunSeries, ...]
     watched: int | None = None
     poll_duration_s: float | None = None
-    failed: dict[str, int] = field(default_factory=dict)  # target kind -> notifications not delivered
+    failed: dict[str, int] = field(default_factory=dict)  # target kind -> notifications not delivered (failed or dropped)
 
 
 def target_kind(target: Any) -> str:
@@ -220,9 +220,10 @@ class FleetMetrics:
             failed = dict(self.failed_extra)
         for t in self.targets:
             n = getattr(t, "failed", None)
-            if isinstance(n, int):
+            if isinstance(n, int):  # a notification pushed out of a full queue was not delivered either
+                dropped = getattr(t, "dropped", 0)
                 k = target_kind(t)
-                failed[k] = failed.get(k, 0) + n
+                failed[k] = failed.get(k, 0) + n + (dropped if isinstance(dropped, int) else 0)
         return WatchSnapshot(runs, self.watched, self.poll_duration_s, failed)
 
 
