@@ -418,3 +418,47 @@ def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
         assert len(sink.batches) == n
     finally:
         watcher.close()
+
+
+def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
+    """Through the shipped alertmanager.yml: a run that opens an incident, escalates to critical,
+    goes non-finite and recovers gives one message per transition (4), each with one firing
+    alert at most (the escalation's ended alert rides in the same message), a title that is
+    never blank, and Slack mrkdwn."""
+    import webhook_receiver
+    from nummon._json import dumps
+
+    slack, hook = Receiver(), webhook_receiver.Receiver("/am")
+    server = start_alertmanager(tmp_path, shipped_alertmanager_config(slack.url, hook.url))
+    log = tmp_path / "runs" / "a" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    target = AlertmanagerTarget(server.url, repeat_s=1.0)
+    watcher = Watcher([str(tmp_path / "runs")], load_policy("default"), [target], errors=open(os.devnull, "w"))
+    states = []
+    try:
+        for s in range(130):
+            with open(log, "a") as fh:
+                fh.write(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n")
+            watcher.poll_once()
+            now = next(iter(target.active().values()), {"labels": {"state": "resolved"}})["labels"]["state"]
+            if now != (states[-1] if states else "resolved"):
+                states.append(now)
+                wait_for(lambda: len(hook.bodies) >= len(states), 20, f"the message of the {now} transition")
+                time.sleep(1.5)  # past the group interval: the next transition is a message of its own
+        time.sleep(3)  # nothing more comes (no duplicate, no re-post as a message)
+    finally:
+        watcher.stop.set()
+        watcher.close()
+        server.stop()
+        slack.close()
+        hook.close()
+    assert states == ["open", "critical", "nonfinite", "resolved"]
+    assert len(hook.bodies) == len(slack.bodies) == 4, [b["status"] for b in hook.bodies]
+    firing = [[a["labels"]["state"] for a in b["alerts"] if a["status"] == "firing"] for b in hook.bodies]
+    assert firing == [["open"], ["critical"], ["nonfinite"], []]
+    titles = [a.get("title", "") for b in slack.bodies for a in b.get("attachments", [])]
+    assert len(titles) == 4 and all(t.split("] ", 1)[1].strip() for t in titles), titles
+    assert titles[-1].startswith("[RESOLVED]") and all(t.startswith("[FIRING]") for t in titles[:3])
+    texts = [a.get("text", "") for b in slack.bodies for a in b.get("attachments", [])]
+    assert not any("**" in t for t in texts) and any("*critical*" in t or "*nonfinite*" in t for t in texts), texts
