@@ -11,10 +11,14 @@ when a server starts.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import socket
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 from nummon._errors import NummonError
 from nummon._sinks import BaseSink, RunContext
@@ -23,7 +27,14 @@ from nummon._watch.metrics import FleetMetrics, WatchSnapshot
 
 from ._lazy import require
 
-__all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "METRICS"]
+__all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "label_value", "METRICS"]
+
+log = logging.getLogger("nummon")
+
+#: connections /metrics serves at once (more are closed at once: a flood of clients never takes
+#: the file descriptors the watcher reads logs with), and seconds a connection may sit idle
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 10.0
 
 #: every series nummon exposes: name -> (type, help)
 METRICS = {
@@ -58,6 +69,16 @@ def parse_listen(spec: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), p
 
 
+def label_value(text: str) -> str:
+    """A label value Prometheus can carry (valid UTF-8): a run folder named with bytes that are
+    not UTF-8 (Python holds them as lone surrogates) keeps them as `\\xNN` escapes."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # lone surrogates that are not escaped bytes
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
 class _Collector:
     """Builds the metric families from a snapshot at each scrape."""
 
@@ -80,7 +101,7 @@ class _Collector:
 
         def put(name: str, s: Any, value: Any, *extra: str) -> None:
             if value is not None:
-                fam[name].add_metric([s.run, s.source, *extra], float(value))
+                fam[name].add_metric([label_value(v) for v in (s.run, s.source, *extra)], float(value))
 
         for s in snap.runs:
             put("nummon_health_state", s, s.health)
@@ -104,27 +125,125 @@ class _Collector:
             failed = core.CounterMetricFamily("nummon_notifications_failed", METRICS["nummon_notifications_failed"][1],
                                               labels=["target"])
             for kind, n in sorted(snap.failed.items()):
-                failed.add_metric([kind], float(n))
+                failed.add_metric([label_value(kind)], float(n))
             yield failed
 
 
-class MetricsServer:
-    """`/metrics` over HTTP on a thread of its own, for one `FleetMetrics`."""
+class _Handler(BaseHTTPRequestHandler):
+    """GET /metrics (or /): the exposition of the server's registry. HTTP/1.0: one request per
+    connection."""
 
-    def __init__(self, metrics: FleetMetrics, host: str, port: int) -> None:
+    server: "_Server"
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout_s  # a client silent this long is dropped
+        super().setup()
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        if urlsplit(self.path).path not in ("/metrics", "/"):
+            self.send_error(404, "only /metrics is served")
+            return
+        try:
+            body = self.server.exposition()
+        except Exception as e:  # never a dead endpoint: the reason, once in the log, and a 500
+            self.server.failed_once(e)
+            self.send_error(500, f"{type(e).__name__}")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", self.server.content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    """A threading HTTP server with a cap on connections served at once (those over it are
+    closed as soon as accepted, so they hold no file descriptor) and an idle timeout on each."""
+
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, addr: tuple[str, int], registry: Any, max_connections: int, idle_timeout_s: float) -> None:
+        self.registry = registry
+        self.idle_timeout_s = idle_timeout_s
+        self.refused = 0  # connections closed unserved (over the cap)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._failed = False
         pc = require("prometheus_client", "prometheus")
+        self._generate, self.content_type = pc.generate_latest, pc.CONTENT_TYPE_LATEST
+        super().__init__(addr, _Handler)
+
+    def exposition(self) -> bytes:
+        return self._generate(self.registry)
+
+    def failed_once(self, e: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("nummon: /metrics could not be built (%s: %s); answering 500", type(e).__name__, e)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            request.settimeout(self.idle_timeout_s)
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _server_class(host: str, port: int) -> type:
+    """_Server for the address family of `host` (IPv6 literals and names included)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (OSError, UnicodeError):
+        family = socket.AF_INET
+    return type("_Server6", (_Server,), {"address_family": family}) if family != socket.AF_INET else _Server
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on a thread of its own, for one `FleetMetrics`: at most
+    `max_connections` served at once, each dropped after `idle_timeout_s` seconds of silence."""
+
+    def __init__(self, metrics: FleetMetrics, host: str, port: int, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        pc = require("prometheus_client", "prometheus")
+        if max_connections < 1 or not idle_timeout_s > 0:
+            raise NummonError(f"metrics endpoint: max_connections must be >= 1 and idle_timeout_s > 0, "
+                              f"got {max_connections} and {idle_timeout_s}")
         self.registry = pc.CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(metrics))
         try:
-            self._server, self._thread = pc.start_http_server(port, addr=host, registry=self.registry)
+            self._server = _server_class(host, port)((host, port), self.registry, max_connections, idle_timeout_s)
         except OSError as e:
             raise NummonError(f"metrics endpoint {host}:{port}: {e.strerror or e}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="nummon-metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = self._server.server_port  # the OS's choice when port was 0
 
     @property
+    def refused(self) -> int:
+        """Connections closed unserved because `max_connections` were open."""
+        return self._server.refused
+
+    @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
@@ -133,10 +252,11 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def serve_metrics(metrics: FleetMetrics, listen: str) -> MetricsServer:
+def serve_metrics(metrics: FleetMetrics, listen: str, max_connections: int = MAX_CONNECTIONS,
+                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> MetricsServer:
     """Serve `metrics` at `listen` (HOST:PORT; port 0 lets the OS choose)."""
     host, port = parse_listen(listen)
-    return MetricsServer(metrics, host, port)
+    return MetricsServer(metrics, host, port, max_connections, idle_timeout_s)
 
 
 class PrometheusSink(BaseSink):
@@ -177,7 +297,11 @@ class PrometheusSink(BaseSink):
             self.metrics.apply(self.run, fn)
 
     def on_step(self, record: StepRecord, health: Health) -> None:
-        self._series(lambda s: s.observe_step(record, health))
+        def observe(s: Any) -> None:
+            s.observe_step(record, health)
+            s.count_down(record)  # the countdown follows the run between its alerts
+
+        self._series(observe)
 
     def on_alert(self, alert: Alert) -> None:
         self._series(lambda s: s.observe_alert(alert))

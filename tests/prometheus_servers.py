@@ -107,15 +107,18 @@ def start_prometheus(tmp_path: Path, targets: list[str], rules: list[Path] = (),
     return Server(argv, port, tmp_path / "prometheus.log")
 
 
-def shipped_alertmanager_config(receiver_url: str) -> dict:
+def shipped_alertmanager_config(receiver_url: str, webhook_url: str | None = None) -> dict:
     """configs/prometheus/alertmanager.yml, its Slack URL pointed at `receiver_url` and its
-    timings shortened to a test's (group_wait 0s, group_interval 1s)."""
+    timings shortened to a test's (group_wait 0s, group_interval 1s); with `webhook_url`, the
+    same receiver also posts Alertmanager's own webhook payload there (one per message sent)."""
     config = yaml.safe_load((CONFIGS / "alertmanager.yml").read_text())
     for route in config["route"].get("routes", []):
         route.update(group_wait="0s", group_interval="1s", repeat_interval="1h")
     for r in config["receivers"]:
         for sc in r.get("slack_configs", []):
             sc["api_url"] = receiver_url
+        if webhook_url and r.get("slack_configs"):
+            r["webhook_configs"] = [{"url": webhook_url, "send_resolved": True}]
     return config
 
 

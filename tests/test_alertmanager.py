@@ -4,6 +4,8 @@ against the real Alertmanager with the shipped route, forwarding to a webhook re
 import json
 import math
 import os
+import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -50,12 +52,14 @@ class AlertSink:
     def __init__(self):
         batches = self.batches = []
         auth = self.auth = []
+        times = self.times = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))
                 auth.append(self.headers.get("Authorization"))
                 batches.append((self.path, json.loads(self.rfile.read(n))))
+                times.append(time.time())
                 self.send_response(200)
                 self.end_headers()
 
@@ -275,3 +279,186 @@ def test_two_alertmanager_targets_are_two_in_the_outbox_and_failures_count_once(
     finally:
         a.close()
         b.close()
+
+
+# --- round 4: a hung member, a hung Alertmanager, redirects, a deleted run ---------------------
+
+class Hung:
+    """An address that accepts connections (the kernel's backlog) and never answers."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(200)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def hung():
+    h = Hung()
+    yield h
+    h.close()
+
+
+def test_ha_pair_with_a_hung_member_the_live_one_gets_every_alert_at_once(sink, hung):
+    t = AlertmanagerTarget([hung.url, sink.url], timeout_s=5.0, retries=2, backoff_s=0.5)
+    try:
+        t.notify(Event(1, "opened"))
+        t.notify(Event(3, "escalated", kind="nonfinite"))
+        # the hung member holds each post for 5 s (x3 tries): the live one must not wait for it
+        wait_for(lambda: [a for a in sink.alerts() if a["labels"]["state"] == "nonfinite"], 3, "the non-finite alert")
+        assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["open"]
+    finally:
+        t.close(timeout_s=0.1)
+
+
+def test_hung_alertmanager_every_dropped_batch_is_counted_and_said(hung, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="nummon.watch")
+    t = AlertmanagerTarget(hung.url, timeout_s=0.3, retries=0, queue_size=5, repeat_s=60)
+    fleet = FleetMetrics()
+    fleet.targets = [t]
+    try:
+        for i in range(60):  # 60 events, one batch each, against a queue of 5 that never drains in time
+            t.notify(Event(1 + i % 2, "escalated", run=f"runs/{i % 7}"))
+        assert t.dropped >= 50
+        assert fleet.snapshot().failed["alertmanager"] >= t.dropped  # every dropped batch is a failure Prometheus sees
+    finally:
+        t.close(timeout_s=0.2)
+    behind = [r.getMessage() for r in caplog.records if "is behind" in r.getMessage()]
+    assert len(behind) == 1  # once per burst
+    counted = [r.getMessage() for r in caplog.records if "dropped while it was behind" in r.getMessage()]
+    assert sum(int(re.search(r"(\d+) alert batch", m).group(1)) for m in counted) == t.dropped
+
+
+class Recorder:
+    """Any request, any method: (method, path, Authorization) recorded, 200 answered."""
+
+    def __init__(self, redirect_code=None, location=None):
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                n = int(self.headers.get("Content-Length", 0) or 0)
+                self.rfile.read(n)
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                if redirect_code:
+                    self.send_response(redirect_code)
+                    self.send_header("Location", location)
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = _any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("code", [301, 302, 307, 308])
+def test_a_redirect_is_never_followed_and_is_a_failure(code, caplog):
+    elsewhere = Recorder()
+    redirecting = Recorder(code, elsewhere.url + "/api/v2/alerts")
+    t = AlertmanagerTarget(redirecting.url.replace("//", "//am:s3cret@"), timeout_s=2, retries=1, backoff_s=0.01)
+    try:
+        t.notify(Event(3, "opened", kind="nonfinite"))
+        wait_for(lambda: t.failed >= 1, 10, "the redirect counted as a failure")
+        time.sleep(0.2)
+        assert elsewhere.seen == []  # neither a GET nor the credentials went to the other address
+        assert t.sent == 0 and len(redirecting.seen) == 1  # final: not retried either
+        assert f"HTTP {code}" in caplog.text and "not followed" in caplog.text and "s3cret" not in caplog.text
+    finally:
+        t.close(timeout_s=0.1)
+        elsewhere.close()
+        redirecting.close()
+
+
+def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
+    import shutil
+
+    from nummon._json import dumps
+    from nummon._watch.hooks import Observers
+
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text("".join(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}})
+                                                  + "\n" for s in range(71)))  # lost at step 70
+    target = AlertmanagerTarget(sink.url, repeat_s=0.2)
+    watcher = Watcher([str(tmp_path / "runs")], load_policy("default"), [target], observer=Observers([target]),
+                      errors=open(os.devnull, "w"))
+    try:
+        watcher.poll_once()
+        run = str(run_dir / "events.jsonl")
+        wait_for(lambda: [a for a in sink.alerts() if a["labels"]["run"] == run and a["labels"]["state"] == "nonfinite"],
+                 10, "the non-finite alert")
+        shutil.rmtree(run_dir)
+        deleted = time.time()
+        for _ in range(15):  # the watcher goes on (1.5 s: 7 re-post intervals)
+            watcher.poll_once()
+            time.sleep(0.1)
+        after = [(a, t) for (_, b), t in zip(sink.batches, sink.times) for a in b if t > deleted and a["labels"]["run"] == run]
+        assert len(after) <= 2 and after, after  # at most one re-post in flight, then its end
+        assert parse_time(after[-1][0]["endsAt"]) <= time.time()  # the last word is its end ...
+        assert target.active() == {}  # ... and it is never re-posted
+        n = len(sink.batches)
+        time.sleep(0.6)
+        assert len(sink.batches) == n
+    finally:
+        watcher.close()
+
+
+def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
+    """Through the shipped alertmanager.yml: a run that opens an incident, escalates to critical,
+    goes non-finite and recovers gives one message per transition (4), each with one firing
+    alert at most (the escalation's ended alert rides in the same message), a title that is
+    never blank, and Slack mrkdwn."""
+    import webhook_receiver
+    from nummon._json import dumps
+
+    slack, hook = Receiver(), webhook_receiver.Receiver("/am")
+    server = start_alertmanager(tmp_path, shipped_alertmanager_config(slack.url, hook.url))
+    log = tmp_path / "runs" / "a" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    target = AlertmanagerTarget(server.url, repeat_s=1.0)
+    watcher = Watcher([str(tmp_path / "runs")], load_policy("default"), [target], errors=open(os.devnull, "w"))
+    states = []
+    try:
+        for s in range(130):
+            with open(log, "a") as fh:
+                fh.write(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n")
+            watcher.poll_once()
+            now = next(iter(target.active().values()), {"labels": {"state": "resolved"}})["labels"]["state"]
+            if now != (states[-1] if states else "resolved"):
+                states.append(now)
+                wait_for(lambda: len(hook.bodies) >= len(states), 20, f"the message of the {now} transition")
+                time.sleep(1.5)  # past the group interval: the next transition is a message of its own
+        time.sleep(3)  # nothing more comes (no duplicate, no re-post as a message)
+    finally:
+        watcher.stop.set()
+        watcher.close()
+        server.stop()
+        slack.close()
+        hook.close()
+    assert states == ["open", "critical", "nonfinite", "resolved"]
+    assert len(hook.bodies) == len(slack.bodies) == 4, [b["status"] for b in hook.bodies]
+    firing = [[a["labels"]["state"] for a in b["alerts"] if a["status"] == "firing"] for b in hook.bodies]
+    assert firing == [["open"], ["critical"], ["nonfinite"], []]
+    titles = [a.get("title", "") for b in slack.bodies for a in b.get("attachments", [])]
+    assert len(titles) == 4 and all(t.split("] ", 1)[1].strip() for t in titles), titles
+    assert titles[-1].startswith("[RESOLVED]") and all(t.startswith("[FIRING]") for t in titles[:3])
+    texts = [a.get("text", "") for b in slack.bodies for a in b.get("attachments", [])]
+    assert not any("**" in t for t in texts) and any("*critical*" in t or "*nonfinite*" in t for t in texts), texts

@@ -38,7 +38,7 @@ def test_promtool_unit_tests_fail_on_a_wrong_threshold(tmp_path):
 
 def test_amtool_checks_the_alertmanager_route():
     out = run([binary("amtool"), "check-config", str(CONFIGS / "alertmanager.yml")])
-    assert "SUCCESS" in out and "2 inhibit rules" in out
+    assert "SUCCESS" in out and "3 inhibit rules" in out
 
 
 def test_every_rule_reads_series_nummon_serves():

@@ -5,11 +5,18 @@ One alert per open incident per run (``alertname="NummonIncident"``, labels run,
 state, kind, host). Like Prometheus, the target re-posts every active alert each `repeat_s`
 seconds with ``endsAt`` a few repeats ahead, so Alertmanager keeps it firing while the watcher
 lives, and posts it with ``endsAt`` = now when the incident resolves. An escalation changes the
-labels (state, severity): the old alert is resolved and the new one fires. Several URLs are the
-members of an HA cluster: every alert goes to each of them (they deduplicate among
-themselves). Posting runs on a thread of its own with timeouts and retries; a failure is
-counted (`failed`, per URL and batch), an outage logged once, and nothing blocks the watch
-loop. ``user:password@`` in a URL is sent as HTTP basic auth and never printed."""
+labels (state, severity): the old alert is resolved and the new one fires. A run whose files
+are deleted while watched has its alert ended once (``endsAt`` = now), never re-posted.
+
+Several URLs are the members of an HA cluster: every alert goes to each of them (they
+deduplicate among themselves), each from a queue and thread of its own, so a hung member never
+delays a live one. Posting has timeouts and retries; a failure is counted (`failed`, per URL
+and batch), an outage logged once; a member too slow for the events has its oldest batches
+dropped, each counted (`dropped`) and said in the log once per burst with the count. A redirect
+is never followed (a POST is not re-sent elsewhere, credentials never leave for another
+address): it is a failure, counted and logged. Nothing blocks the watch loop.
+``user:password@`` in a URL is sent as HTTP basic auth and never printed. Descriptions use
+Slack's mrkdwn (``*bold*``)."""
 from __future__ import annotations
 
 import base64
@@ -17,6 +24,7 @@ import hashlib
 import json
 import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -27,7 +35,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .._errors import NummonError
-from .text import safe_url
+from . import fs
+from .text import plural, safe_url
 from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]
@@ -52,6 +61,31 @@ def _basic_auth(url: str) -> tuple[str, str | None]:
     return urllib.parse.urlunsplit(p._replace(netloc=netloc)), f"Basic {token}"
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer is final: urllib would re-send the POST as a body-less GET, with the
+    Authorization header, to wherever `Location` points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect())
+_BOLD = re.compile(r"\*\*(.+?)\*\*", re.S)
+
+
+def slack_bold(md: str) -> str:
+    """Markdown `**bold**` as Slack mrkdwn `*bold*` (Slack shows the double asterisks)."""
+    return _BOLD.sub(r"*\1*", md)
+
+
+def _utf8(text: str) -> str:
+    """A label value that is valid UTF-8: bytes of a non-UTF-8 file name as `\\xNN`."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
     """The labels of an incident event (its `to_dict()`): the alert's identity in Alertmanager."""
     level = int(d.get("level") or 0)
@@ -59,7 +93,7 @@ def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
     kind = str(contributors[0].get("kind")) if contributors and contributors[0].get("kind") else "unknown"
     return {
         "alertname": ALERTNAME,
-        "run": str(d.get("run")),
+        "run": _utf8(str(d.get("run"))),
         "severity": "critical" if level >= 2 else "warning",
         "state": _STATES.get(level, str(d.get("state", "open"))),
         "kind": kind,
@@ -67,11 +101,108 @@ def alert_labels(d: dict[str, Any], host: str) -> dict[str, str]:
     }
 
 
+class _Member:
+    """One Alertmanager URL with its own bounded queue and thread: a hung member never delays
+    another. The oldest batch is dropped when the queue is full (the member is slower than the
+    events): each drop counted, the first of a burst logged, and the burst's count logged when
+    the member catches up."""
+
+    def __init__(self, owner: "AlertmanagerTarget", url: str, queue_size: int, index: int) -> None:
+        self.owner, self.url = owner, url
+        self.post_url, self.auth = _basic_auth(url)
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.down = False  # the last post failed: an outage is logged once, and its end
+        self.burst = 0  # batches dropped since the queue last ran dry
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name=f"nummon-alertmanager-{index}", daemon=True)
+        self.thread.start()
+
+    def put(self, batch: list[dict[str, Any]]) -> None:
+        while True:
+            try:
+                self.queue.put_nowait(batch)
+                return
+            except queue.Full:
+                try:
+                    self.queue.get_nowait()
+                except queue.Empty:
+                    continue
+                self.owner._count("dropped")
+                with self._lock:
+                    self.burst += 1
+                    first = self.burst == 1
+                if first:
+                    log.warning("nummon watch: alertmanager %s is behind (%d batches queued): dropping the oldest; each "
+                                "drop is counted in nummon_notifications_failed_total, the number logged when it catches up",
+                                safe_url(self.url), self.queue.maxsize)
+
+    def burst_over(self) -> None:
+        with self._lock:
+            n, self.burst = self.burst, 0
+        if n:
+            log.warning("nummon watch: alertmanager %s: %s dropped while it was behind (the alerts firing now are "
+                        "re-posted every %gs)", safe_url(self.url), plural(n, "alert batch", "alert batches"),
+                        self.owner.repeat_s)
+
+    def _loop(self) -> None:
+        stop = self.owner._stop
+        while not (stop.is_set() and self.queue.empty()):
+            try:
+                batch = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                self.burst_over()
+                continue
+            body = json.dumps(batch, allow_nan=False, default=str).encode("utf-8")
+            self.owner._count("sent" if self.post(body) else "failed")
+            if self.queue.empty():
+                self.burst_over()
+
+    def post(self, body: bytes) -> bool:
+        """One batch to this member, with retries; True when it took it."""
+        delay, tries, why = self.owner.backoff_s, 0, ""
+        for attempt in range(self.owner.retries + 1):
+            if attempt:
+                if self.owner._stop.wait(delay):  # closing: no more waiting for a dead endpoint
+                    break
+                delay *= 2
+            tries += 1
+            headers = {"Content-Type": "application/json", **({"Authorization": self.auth} if self.auth else {})}
+            req = urllib.request.Request(self.post_url + "/api/v2/alerts", data=body, method="POST", headers=headers)
+            try:
+                with _OPENER.open(req, timeout=self.owner.timeout_s) as resp:
+                    resp.read()
+                if self.down:
+                    self.down = False
+                    log.warning("nummon watch: alertmanager %s takes alerts again", safe_url(self.url))
+                return True
+            except urllib.error.HTTPError as e:
+                if 300 <= e.code < 400:  # never followed: the POST and its credentials stay here
+                    where = e.headers.get("Location") or "?"
+                    log.warning("nummon watch: alertmanager %s answered HTTP %d (a redirect to %s), not followed: %d "
+                                "alert(s) not delivered; fix the URL", safe_url(self.url), e.code,
+                                safe_url(where) if "://" in where else "another path", body.count(b'"labels"'))
+                    return False
+                if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
+                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", safe_url(self.url),
+                                body.count(b'"labels"'), e.code)
+                    return False
+                why = f"HTTP {e.code}"
+            except (urllib.error.URLError, OSError) as e:
+                why = type(getattr(e, "reason", e)).__name__
+        if not self.down:  # every failure is counted; an outage is logged once, and its end
+            self.down = True
+            log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%s; %s); further failures "
+                        "are counted, not logged, until it takes alerts again", safe_url(self.url),
+                        body.count(b'"labels"'), why or "stopped", plural(tries, "try"))
+        return False
+
+
 class AlertmanagerTarget:
     """Posts incident events to one Alertmanager, or to each member of an HA cluster.
-    `sent` counts batches delivered, `failed` batches a URL did not take after its retries,
-    `dropped` batches pushed out of a full queue. `timeout_s` per request, `backoff_s` before
-    the first retry (doubling), `repeat_s` between re-posts of the firing alerts (seconds)."""
+    `sent` counts batches a member took, `failed` batches a member did not take after its
+    retries (or answered with a redirect), `dropped` batches pushed out of a member's full
+    queue. `timeout_s` per request, `backoff_s` before the first retry (doubling), `repeat_s`
+    between re-posts of the firing alerts (seconds)."""
 
     kind = "alertmanager"
 
@@ -86,29 +217,32 @@ class AlertmanagerTarget:
             except NummonError as e:
                 raise NummonError(f"alertmanager: {e}".replace("webhook URL", "URL")) from None
         self.urls = [u.rstrip("/") for u in urls]
-        self._auth = {u: _basic_auth(u) for u in self.urls}  # user:password@ in a URL: HTTP basic auth
-        self._down: set[str] = set()  # members whose last post failed: logged once per outage
         # printed forms carry scheme and host only; the key names this target in the state file's outbox
         self.shown = "alertmanager " + ", ".join(safe_url(u) for u in self.urls)
         self.key = "alertmanager:" + hashlib.blake2b(",".join(self.urls).encode(), digest_size=6).hexdigest()
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        if repeat_s <= 0:
+        if not repeat_s > 0:
             raise NummonError(f"alertmanager: repeat interval must be > 0 seconds, got {repeat_s}")
         self.repeat_s = repeat_s
         self.host = host or socket.gethostname()
         self._active: dict[str, dict[str, Any]] = {}  # run -> the alert now firing for it
+        self._files: dict[str, list[str]] = {}  # run -> its files (a run whose files are all gone has ended)
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self.sent = self.failed = self.dropped = 0
-        self._thread = threading.Thread(target=self._loop, name="nummon-alertmanager", daemon=True)
+        self._members = [_Member(self, u, queue_size, i) for i, u in enumerate(self.urls)]
+        self._thread = threading.Thread(target=self._tick, name="nummon-alertmanager", daemon=True)
         self._thread.start()
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
 
     # --- events -> alerts ------------------------------------------------------------------
     def notify(self, event: Any) -> None:
         """Queue the alerts one incident event changes; never waits."""
         d = event.to_dict()
-        run = str(d.get("run"))
+        run = _utf8(str(d.get("run")))
         now = time.time()
         batch: list[dict[str, Any]] = []
         with self._lock:
@@ -122,7 +256,7 @@ class AlertmanagerTarget:
                 same = old is not None and old["labels"] == labels
                 if old is not None and not same:  # escalated: a new identity; the old one ends
                     batch.append({**old, "endsAt": _iso(now)})
-                alert = self._alert(labels, str(d.get("title") or event.title), str(d.get("summary") or ""),
+                alert = self._alert(labels, str(d.get("title") or event.title), slack_bold(str(d.get("summary") or "")),
                                     old["startsAt"] if same else _iso(now))
                 self._active[run] = alert
                 batch.append(self._firing(alert, now))
@@ -132,21 +266,43 @@ class AlertmanagerTarget:
     def run_started(self, run: Any, spec: Any) -> None:
         """Watcher hook: a run resumed from the state file with its incident open is firing
         again (same labels, so Alertmanager sees the alert it already holds, not a new one)."""
+        with self._lock:
+            self._files[_utf8(run.id)] = list(getattr(spec, "files", None) or [])
         event = run.engine.current_incident(run.last_step or 0)
         if event is None:
             return
         lines = [f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "
-                 f"**{event.state.value}** (re-posted after the watcher restarted)."]
-        lines += [c.line() for c in event.contributors[:5]]
+                 f"*{event.state.value}* (re-posted after the watcher restarted)."]
+        lines += [slack_bold(c.line()) for c in event.contributors[:5]]
         d = {"run": run.id, "level": event.state.rank, "contributors": [c.to_dict() for c in event.contributors]}
         now = time.time()
         with self._lock:
-            if run.id in self._active:
+            if _utf8(run.id) in self._active:
                 return
             alert = self._alert(alert_labels(d, self.host), event.title, "\n".join(lines), _iso(now))
-            self._active[run.id] = alert
+            self._active[_utf8(run.id)] = alert
             batch = [self._firing(alert, now)]
         self._put(batch)
+
+    def run_retired(self, run_id: str) -> None:
+        """Watcher hook: a run no longer followed. An idle run's open incident keeps firing; a
+        run whose files are gone has its alert ended now."""
+        self._end_deleted([_utf8(run_id)])
+
+    def _end_deleted(self, runs: list[str]) -> None:
+        """End, once, the alerts of those `runs` whose files are all gone."""
+        with self._lock:
+            files = {r: self._files.get(r) for r in runs if r in self._active}
+        gone = [r for r, fl in files.items() if fl and all(fs.stat(f) is None for f in fl)]
+        if not gone:
+            return
+        now = time.time()
+        with self._lock:
+            batch = [{**self._active.pop(r), "endsAt": _iso(now)} for r in gone if r in self._active]
+            for r in gone:
+                self._files.pop(r, None)
+        if batch:
+            self._put(batch)
 
     @staticmethod
     def _alert(labels: dict[str, str], summary: str, description: str, starts_at: str) -> dict[str, Any]:
@@ -162,80 +318,38 @@ class AlertmanagerTarget:
             return {k: dict(v) for k, v in self._active.items()}
 
     def _put(self, batch: list[dict[str, Any]]) -> None:
-        while True:
-            try:
-                self._queue.put_nowait(batch)
-                return
-            except queue.Full:
-                try:
-                    self._queue.get_nowait()
-                    self.dropped += 1
-                except queue.Empty:
-                    pass
+        for m in self._members:
+            m.put(batch)
 
-    # --- delivery ----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        next_repeat = time.monotonic() + self.repeat_s
-        while not (self._stop.is_set() and self._queue.empty()):
+    # --- re-posting ----------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Every `repeat_s`: end the alerts of deleted runs, re-post the firing ones to each
+        member that has nothing queued (a member that is behind gets the newest state when its
+        queue runs dry, rather than a pile of re-posts)."""
+        while not self._stop.wait(self.repeat_s):
+            with self._lock:
+                runs = list(self._active)
             try:
-                batch = self._queue.get(timeout=max(0.0, min(0.1, next_repeat - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= next_repeat and not self._stop.is_set():
-                    now = time.time()
-                    with self._lock:
-                        batch = [self._firing(a, now) for a in self._active.values()]
-                    next_repeat = time.monotonic() + self.repeat_s
-                    if batch:
-                        self._deliver(batch)
-                continue
-            self._deliver(batch)
-
-    def _deliver(self, batch: list[dict[str, Any]]) -> None:
-        body = json.dumps(batch, allow_nan=False, default=str).encode("utf-8")
-        delivered = False
-        for url in self.urls:
-            delivered |= self._post(url, body)
-        if delivered:
-            self.sent += 1
-
-    def _post(self, url: str, body: bytes) -> bool:
-        delay, tries = self.backoff_s, 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                if self._stop.wait(delay):  # closing: no more waiting for a dead endpoint
-                    break
-                delay *= 2
-            tries += 1
-            target, auth = self._auth[url]
-            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
-            req = urllib.request.Request(target + "/api/v2/alerts", data=body, method="POST", headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    resp.read()
-                if url in self._down:
-                    self._down.discard(url)
-                    log.warning("nummon watch: alertmanager %s takes alerts again", safe_url(url))
-                return True
-            except urllib.error.HTTPError as e:
-                if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
-                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", safe_url(url),
-                                body.count(b'"labels"'), e.code)
-                    break
-            except (urllib.error.URLError, OSError):
-                pass
-        self.failed += 1
-        if url not in self._down:  # every failure is counted; an outage is logged once, and its end
-            self._down.add(url)
-            log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%d tries); further failures "
-                        "are counted, not logged, until it takes alerts again", safe_url(url), body.count(b'"labels"'), tries)
-        return False
+                self._end_deleted(runs)
+            except Exception as e:  # a file system that fails must not stop the re-posts
+                log.warning("nummon watch: alertmanager: could not check the runs' files (%s: %s)", type(e).__name__, e)
+            now = time.time()
+            with self._lock:
+                batch = [self._firing(a, now) for a in self._active.values()]
+            if batch:
+                for m in self._members:
+                    if m.queue.empty():
+                        m.put(batch)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued, waiting at most `timeout_s`. Firing alerts are not resolved (the
         incidents are still open): a watcher restarted with its state file re-posts them
         (`run_started`); without re-posts they end at their endsAt."""
         deadline = time.monotonic() + timeout_s
-        while not self._queue.empty() and time.monotonic() < deadline:
+        while any(not m.queue.empty() for m in self._members) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+        self._thread.join(0.5)
+        for m in self._members:
+            m.thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+            m.burst_over()
