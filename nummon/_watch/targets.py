@@ -131,5 +131,26 @@ def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Tar
         return AlertmanagerTarget(arg)
     if kind == "wandb":
         return WandbTarget(arg or "nummon-watch", wandb_sink)
-    shown = f"webhook:{safe_url(arg)}" if kind == "webhook" else spec  # never print a secret
-    raise NummonError(f"--notify {shown!r}: expected one of {TARGET_SPECS}")
+    raise NummonError(f"--notify {_shown_spec(kind, arg)!r}: expected one of {TARGET_SPECS}{_did_you_mean(kind)}")
+
+
+_KINDS = ("console", "jsonl", "webhook", "wandb", "alertmanager")
+
+
+def _shown_spec(kind: str, arg: str) -> str:
+    """A target spec as it may be printed: every URL in it (a misspelled kind's too, a comma list
+    of them) as scheme and host only, and anything that may hold a user:password left out."""
+    if not arg:
+        return kind
+    if "://" in arg:
+        return f"{kind}:" + ",".join(safe_url(u) for u in arg.split(","))
+    if "@" in arg or kind.lower() not in ("jsonl", "wandb", "console"):
+        return f"{kind}:…"  # not a URL we can parse: it may still carry a token
+    return f"{kind}:{arg}"
+
+
+def _did_you_mean(kind: str) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(kind.lower(), _KINDS, n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}:?)" if near and near[0] != kind else ""
