@@ -38,3 +38,68 @@ def test_a_misspelled_target_kind_names_scheme_and_host_only(tmp_path, capsys, s
 def test_a_near_miss_kind_gets_a_hint(tmp_path, capsys):
     assert main([str(tmp_path), "--once", "--notify", "alertmanger:http://am:9093"]) == 2
     assert "did you mean alertmanager:?" in capsys.readouterr().err
+
+
+# --- 36.11 (round 3) and 36.12: run names that are not UTF-8 and hold a newline -----------
+
+def _strict_lines(path):
+    """Each line of a JSONL file as strict JSON from valid UTF-8 (no bare NaN, no lone surrogate)."""
+    def refuse(name):
+        raise ValueError(f"bare {name}")
+
+    out = []
+    for line in open(path, "rb").read().decode("utf-8").splitlines():
+        obj = json.loads(line, parse_constant=refuse)
+        json.dumps(obj).encode("utf-8")  # no lone surrogate either
+        assert all(c.isprintable() for c in obj["run"]), obj["run"]
+        out.append(obj)
+    return out
+
+
+def _runaway_rows():
+    rows = two_incident_rows()
+    return rows[100:]  # one incident: opened, escalated, non-finite
+
+
+def test_a_run_folder_named_with_a_newline_and_a_non_utf8_byte_gives_strict_json_events(tmp_path):
+    root = os.fsencode(tmp_path / "root")
+    odd = os.fsdecode(root + b"/run\n\xff-odd")
+    os.makedirs(odd)
+    write_lines(os.path.join(odd, "events.jsonl"), _runaway_rows())
+    plain = tmp_path / "plain.jsonl"
+    write_lines(plain, _runaway_rows())
+    notes = tmp_path / "notes.jsonl"
+    p = subprocess.run(WATCH + [os.fsdecode(root), "--once", "--notify", f"jsonl:{notes}", "--notify", "console",
+                                "--state", str(tmp_path / "s.json")], capture_output=True, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode(errors="replace")[-800:]
+    events = _strict_lines(notes)
+    assert len(events) == len(reference_ids(plain)) == 3
+    assert [e["transition"] for e in events] == ["opened", "escalated", "escalated"]
+    assert all(e["run"].endswith("/run\\n\\xff-odd/events.jsonl") for e in events)
+    assert len({e["event_id"] for e in events}) == 3
+
+
+def _shard_of_bytes(rel: bytes, n: int) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(rel).digest()[:8], "big") % n
+
+
+def test_a_non_utf8_run_name_has_a_shard_and_the_other_runs_nan_is_notified(tmp_path):
+    root = tmp_path / "root"
+    odd = os.fsdecode(os.fsencode(root) + b"/bad-\xff")
+    os.makedirs(odd)
+    write_lines(os.path.join(odd, "events.jsonl"), _runaway_rows())
+    odd_shard = _shard_of_bytes(b"bad-\xff/events.jsonl", 2)
+    # a plain run in the other shard, which loses itself to a NaN
+    i = next(i for i in range(100) if _shard_of_bytes(f"ok-{i}/events.jsonl".encode(), 2) != odd_shard)
+    (root / f"ok-{i}").mkdir()
+    write_lines(root / f"ok-{i}" / "events.jsonl", _runaway_rows())
+    got = {}
+    for k in range(2):
+        notes = tmp_path / f"notes-{k}.jsonl"
+        p = subprocess.run(WATCH + [str(root), "--once", "--shard", f"{k}/2", "--notify", f"jsonl:{notes}"],
+                           capture_output=True, timeout=300)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode(errors="replace")[-800:]
+        got[k] = {e["run"].rsplit("/", 2)[-2] for e in _strict_lines(notes) if e["level"] == 3}
+    assert got[odd_shard] == {"bad-\\xff"} and got[1 - odd_shard] == {f"ok-{i}"}

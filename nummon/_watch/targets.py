@@ -144,9 +144,9 @@ def _shown_spec(kind: str, arg: str) -> str:
         return kind
     if "://" in arg:
         return f"{kind}:" + ",".join(safe_url(u) for u in arg.split(","))
-    if "@" in arg or kind.lower() not in ("jsonl", "wandb", "console"):
-        return f"{kind}:…"  # not a URL we can parse: it may still carry a token
-    return f"{kind}:{arg}"
+    if len(arg) <= 32 and not any(c in arg for c in "@/:?=&#"):
+        return f"{kind}:{arg}"  # a short plain word (a project, a name): nothing secret in it
+    return f"{kind}:…"  # a path or token we cannot take apart: never printed
 
 
 def _did_you_mean(kind: str) -> str:
