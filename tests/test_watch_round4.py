@@ -103,3 +103,29 @@ def test_a_non_utf8_run_name_has_a_shard_and_the_other_runs_nan_is_notified(tmp_
         assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode(errors="replace")[-800:]
         got[k] = {e["run"].rsplit("/", 2)[-2] for e in _strict_lines(notes) if e["level"] == 3}
     assert got[odd_shard] == {"bad-\\xff"} and got[1 - odd_shard] == {f"ok-{i}"}
+
+
+# --- 36.10: a symlinked state.json.lock is refused, its target untouched --------------------
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, capsys):
+    log = tmp_path / "events.jsonl"
+    write_lines(log, two_incident_rows()[:20])
+    precious = tmp_path / "precious.txt"
+    precious.write_text("do not truncate me\n")
+    state = tmp_path / "state.json"
+    os.symlink(precious, f"{state}.lock")
+    assert main([str(log), "--once", "--state", str(state), "--notify", f"jsonl:{tmp_path / 'n.jsonl'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "symbolic link" in err and "Traceback" not in err
+    assert precious.read_text() == "do not truncate me\n"
+    assert os.path.islink(f"{state}.lock") and not state.exists()
+
+
+def test_a_dangling_lock_link_is_refused_and_nothing_is_created(tmp_path, capsys):
+    log = tmp_path / "events.jsonl"
+    write_lines(log, two_incident_rows()[:20])
+    state = tmp_path / "state.json"
+    os.symlink(tmp_path / "elsewhere.pid", f"{state}.lock")
+    assert main([str(log), "--once", "--state", str(state)]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere.pid").exists()
