@@ -129,3 +129,35 @@ def test_a_dangling_lock_link_is_refused_and_nothing_is_created(tmp_path, capsys
     assert main([str(log), "--once", "--state", str(state)]) == 2
     assert "symbolic link" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere.pid").exists()
+
+
+# --- 36.8: the JSONL event record on a full disk ----------------------------------------------
+
+FSIZE_LIMITED = r'''
+import resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail with EFBIG, as on a full disk
+from nummon._watch.command import main
+sys.exit(main(sys.argv[2:]))
+'''
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_event_record_on_a_full_disk_never_tears_a_line_and_reports_each_event_not_written(tmp_path):
+    log = tmp_path / "run.jsonl"
+    write_lines(log, _runaway_rows())
+    full = tmp_path / "full.jsonl"  # what the three events take without a limit
+    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{full}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    sizes = [len(line) for line in full.read_bytes().splitlines(keepends=True)]
+    assert len(sizes) == 3
+    limit = sizes[0] + sizes[1] // 2  # the first event fits, the second is cut halfway, the third has no room
+    notes = tmp_path / "notes.jsonl"
+    p = subprocess.run([sys.executable, "-c", FSIZE_LIMITED, str(limit), str(log), "--once", "--notify", f"jsonl:{notes}"],
+                       capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr
+    events = _strict_lines(notes)  # every line whole: no torn one
+    assert notes.read_bytes().endswith(b"\n") and [e["transition"] for e in events] == ["opened"]
+    assert p.returncode == 1  # --once: notifications were lost
+    lost = [line for line in p.stderr.splitlines() if "lost" in line or "could not deliver" in line]
+    assert lost and "2 notifications" in p.stderr, p.stderr  # the two events not written are counted, not delivered
