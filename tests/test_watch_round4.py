@@ -161,3 +161,91 @@ def test_event_record_on_a_full_disk_never_tears_a_line_and_reports_each_event_n
     assert p.returncode == 1  # --once: notifications were lost
     lost = [line for line in p.stderr.splitlines() if "lost" in line or "could not deliver" in line]
     assert lost and "2 notifications" in p.stderr, p.stderr  # the two events not written are counted, not delivered
+
+
+# --- thread safety: the webhook target's counters, read by the metrics scrape thread --------
+
+class _CountingEndpoint:
+    """127.0.0.1: holds every request until `release` is set, then answers 200, and 400 to every
+    fourth request (a final refusal: counted failed)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.release = threading.Event()
+        self.n = 0
+        lock = threading.Lock()
+        me = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                me.release.wait(60)
+                with lock:
+                    me.n += 1
+                    k = me.n
+                self.send_response(400 if k % 4 == 0 else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _counts(t):
+    """sent, failed, dropped, queued and in flight, as one scrape sees them."""
+    if hasattr(t, "stats"):
+        s = t.stats()
+        return s.sent, s.failed, s.dropped, s.queued, s.in_flight + s.unsent
+    return t.sent, t.failed, t.dropped, t._queue.qsize(), int(t._in_flight is not None)  # before: field by field
+
+
+def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switching():
+    from nummon._watch.incidents import Notice
+    from nummon._watch.metrics import FleetMetrics
+    from nummon._watch.webhook import WebhookTarget
+
+    ep = _CountingEndpoint()
+    t = WebhookTarget(ep.url, retries=0, queue_size=1000, on_outcome=lambda o: None)
+    fleet = FleetMetrics()
+    fleet.targets = [t]
+    n = 120
+    for i in range(n):
+        t.notify(Notice({"id": f"r#{i}:opened:1", "run": "r", "title": f"event {i}", "summary": "s"}))
+    wrong, scrapes = [], [0]
+    done = threading.Event()
+
+    def scrape():
+        while not done.is_set():
+            c = _counts(t)
+            fleet.snapshot()  # the metrics' own read of `failed`
+            scrapes[0] += 1
+            if sum(c) != n:
+                wrong.append(c)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        ep.release.set()
+        wait_for(lambda: _counts(t)[0] + _counts(t)[1] == n, timeout=120, what="every event answered")
+        done.set()
+        scraper.join(30)
+    finally:
+        sys.setswitchinterval(old)
+        t.close(timeout_s=1)
+        ep.close()
+    assert scrapes[0] > 100
+    assert not wrong, f"{len(wrong)} of {scrapes[0]} scrapes saw counts that do not add up to {n}, e.g. {wrong[:3]}"
+    assert _counts(t) == (n - n // 4, n // 4, 0, 0, 0)
