@@ -249,3 +249,39 @@ def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switchin
     assert scrapes[0] > 100
     assert not wrong, f"{len(wrong)} of {scrapes[0]} scrapes saw counts that do not add up to {n}, e.g. {wrong[:3]}"
     assert _counts(t) == (n - n // 4, n // 4, 0, 0, 0)
+
+
+# --- 35.10: watch names each run it picks up and says when it stops ---------------------------
+
+def test_watch_names_each_run_it_picks_up_and_its_stop_with_true_numbers(tmp_path):
+    root = tmp_path / "root"
+    (root / "first").mkdir(parents=True)
+    rows = two_incident_rows()
+    write_lines(root / "first" / "events.jsonl", rows)
+    notes = tmp_path / "notes.jsonl"
+    proc = start_watch(root, "--interval", "0.2", "--notify", f"jsonl:{notes}")
+    try:
+        wait_for(lambda: len(read_events(notes)) == 6, what="the first run's events")
+        (root / "later").mkdir()
+        write_lines(root / "later" / "events.jsonl", rows[:50])
+        wait_for(lambda: len(read_events(notes)) == 8, what="the later run's events")
+    finally:
+        rc, out, err = stop(proc)
+    lines = [line[len("nummon watch: "):] for line in err.splitlines()]
+    assert rc == 0 and lines[0].startswith("watching 1 run under ")
+    assert lines[1] == "  run first/events.jsonl (jsonl)"
+    assert lines.count("new run later/events.jsonl (jsonl): watched from now on") == 1
+    n_events = len(reference_ids(root / "first" / "events.jsonl")) + len(reference_ids(root / "later" / "events.jsonl"))
+    assert lines[-1] == (f"stopped (SIGTERM): 2 runs watched, {len(rows) + 50} records read, "
+                         f"{n_events} incident events notified ({n_events} delivered)")
+
+
+def test_watch_once_ends_with_its_summary_and_counts_what_was_lost(tmp_path):
+    log = tmp_path / "run.jsonl"
+    write_lines(log, _runaway_rows())
+    p = subprocess.run(WATCH + [str(log), "--once", "--notify", "webhook:http://127.0.0.1:9/hook"],
+                       capture_output=True, text=True, timeout=300)  # port 9: nothing listens, every post refused
+    last = p.stderr.splitlines()[-1]
+    assert p.returncode == 1
+    assert last == (f"nummon watch: stopped (the --once pass is done): 1 run watched, {len(_runaway_rows())} records read, "
+                    "3 incident events notified (0 delivered, 3 notifications lost)")

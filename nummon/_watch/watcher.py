@@ -24,12 +24,13 @@ from .keymap import KeyMap
 from .readers import make_follower
 from .runs import WatchedRun
 from .state import StateFile
-from .text import plural
+from .text import plural, printable
 
 __all__ = ["Watcher"]
 
 _SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
+_LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
 
 
 class Watcher:
@@ -93,11 +94,16 @@ class Watcher:
         self._dirty = self._outbox_changed = False
         self._state_failed: str | None = None
         self._announced = False
+        self._once = False
         self._said: dict[str, str] = {}
         self._empty_roots: set[str] = set()
         self.notified = 0  # events handed to the targets
-        self.delivered = 0  # events every target has
+        self.delivered = 0  # events every target has taken
+        self._lost_ids: set[str] = set()  # events some target never got, until they leave the outbox
         self.lost = 0  # events some target never got (each named on stderr)
+        self.records_read = 0  # step records read in this session, all runs
+        self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
+        self._seen: set[str] = set()  # runs picked up in this session
 
     def say(self, line: str) -> None:
         try:
@@ -109,6 +115,7 @@ class Watcher:
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
         specs, problems = discover(self.roots, self.format, self.exclude)
+        started: list[tuple[RunSpec, bool]] = []
         if self.shard is not None:
             specs = self.shard.select(specs, self.roots)
         for p in problems:
@@ -125,9 +132,31 @@ class Watcher:
                 del self.bad[run_id]
             if run_id in self.retired_sig and self.retired_sig[run_id] == _signature(spec):
                 continue  # retired and untouched since
+            revived = run_id in self.retired_sig
             self._start(spec)
-        if not self._announced:
+            if run_id in self.runs:
+                started.append((spec, revived))
+        first = not self._announced
+        if first:
             self._announce()
+        self._name_started(started, first)
+
+    def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
+        """One line per run picked up: those found at the start (the first _LISTED of them), a
+        run that appears later, a retired run that writes again."""
+        for i, (spec, revived) in enumerate(started):
+            name = printable(_name(spec.id, self.roots))
+            self._seen.add(spec.id)
+            if first and i == _LISTED and len(started) > _LISTED + 1:
+                self.say(f"  … and {plural(len(started) - _LISTED, 'more run')}")
+                self._seen.update(s.id for s, _ in started)
+                return
+            if first:
+                self.say(f"  run {name} ({spec.format})")
+            elif revived:
+                self.say(f"run {name}: written again; watched again")
+            else:
+                self.say(f"new run {name} ({spec.format}): watched from now on")
 
     def _announce(self) -> None:
         self._announced = True
@@ -209,6 +238,7 @@ class Watcher:
                                        "marked unhealthy, the other runs are watched")
                 continue
             self._notes(run)
+            self.records_read += max(0, run.records - before)
             for ev in events:
                 self._enqueue(ev)
             found += len(events)
@@ -255,6 +285,7 @@ class Watcher:
                     if tries >= _SYNC_TRIES:
                         item["pending"].remove(key)
                         self.lost += 1
+                        self._lost_ids.add(eid)
                         self.say(f"{getattr(t, 'shown', key)}: could not deliver \"{notice.title}\" of run {notice.run} "
                                  f"({type(e).__name__}: {e}; {plural(tries, 'try')})")
                     else:
@@ -286,6 +317,7 @@ class Watcher:
                     changed = True
                 if not o.ok:
                     self.lost += 1
+                    self._lost_ids.add(o.event_id)
                     if self.observer is not None:
                         self.observer.target_failed(t)
                     self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
@@ -293,7 +325,10 @@ class Watcher:
         for eid, item in list(self.outbox.items()):
             if not item["pending"]:
                 del self.outbox[eid]
-                self.delivered += 1
+                if eid in self._lost_ids:
+                    self._lost_ids.discard(eid)
+                else:
+                    self.delivered += 1
                 changed = True
         if changed:
             self._dirty = self._outbox_changed = True
@@ -335,6 +370,7 @@ class Watcher:
     def run(self, interval_s: float = 5.0, once: bool = False) -> None:
         """Poll every `interval_s` until `stop` is set (or once); on stop, exit within one
         interval: what a slow endpoint has not taken by then stays in the outbox."""
+        self._once = once
         try:
             if once:
                 self.poll_once(final=True)
@@ -353,6 +389,15 @@ class Watcher:
             stop.wait(0.05)
             self._settle()
             self._deliver()
+
+    def _summary(self, kept: int) -> str:
+        """The last line: why the watcher stops and what it did in this session."""
+        why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
+        sent = f"{plural(self.notified, 'incident event')} notified"
+        fates = [f"{self.delivered} delivered"] + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else []) + \
+                ([f"{kept} kept for the next start"] if kept else [])
+        return (f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
+                f"{sent} ({', '.join(fates)})")
 
     def close(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -376,6 +421,7 @@ class Watcher:
                     self.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
+            self.say(self._summary(pending if self.state.path else 0))
         finally:
             for run in self.runs.values():
                 run.close()
