@@ -285,3 +285,47 @@ def test_watch_once_ends_with_its_summary_and_counts_what_was_lost(tmp_path):
     assert p.returncode == 1
     assert last == (f"nummon watch: stopped (the --once pass is done): 1 run watched, {len(_runaway_rows())} records read, "
                     "3 incident events notified (0 delivered, 3 notifications lost)")
+
+
+# --- 36.20: one unreadable JSONL in the root is that run's problem only ----------------------
+
+def _without_file_capabilities():
+    """preexec_fn: as root, drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set,
+    so the exec'ed watcher has no power over file modes (a `chmod 000` file is unreadable to
+    it, as to any other user); as anyone else, nothing to do."""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            os._exit(97)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file capabilities as on Linux")
+def test_an_unreadable_jsonl_is_that_runs_problem_and_the_other_runs_nan_is_notified(tmp_path):
+    root = tmp_path / "root"
+    (root / "secret").mkdir(parents=True)
+    (root / "readable").mkdir()
+    write_lines(root / "secret" / "events.jsonl", _runaway_rows())
+    write_lines(root / "readable" / "events.jsonl", _runaway_rows())
+    os.chmod(root / "secret" / "events.jsonl", 0)
+    notes = tmp_path / "notes.jsonl"
+    proc = subprocess.Popen(WATCH + [str(root), "--interval", "0.2", "--notify", f"jsonl:{notes}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_without_file_capabilities)
+    try:
+        wait_for(lambda: proc.poll() is not None or any(e["level"] == 3 for e in read_events(notes)),
+                 what="the readable run's NaN")
+        if proc.poll() == 97:
+            pytest.skip("cannot drop root's file capabilities here")
+        wait_for(lambda: proc.poll() is not None or len(read_events(notes)) >= 3, timeout=5, what="a few polls more")
+        import time
+        time.sleep(1.0)  # five more polls: the problem is not said again
+    finally:
+        rc, out, err = stop(proc)
+    assert rc == 0 and "Traceback" not in err, err[-800:]
+    events = read_events(notes)
+    assert {e["run_name"] for e in events} == {"readable/events.jsonl"} and len(events) == 3
+    said = [line for line in err.splitlines() if "secret/events.jsonl" in line]
+    assert len(said) == 1 and "Permission denied" in said[0], err
