@@ -329,3 +329,69 @@ def test_an_unreadable_jsonl_is_that_runs_problem_and_the_other_runs_nan_is_noti
     assert {e["run_name"] for e in events} == {"readable/events.jsonl"} and len(events) == 3
     said = [line for line in err.splitlines() if "secret/events.jsonl" in line]
     assert len(said) == 1 and "Permission denied" in said[0], err
+
+
+# --- 36.21: a run whose log grows by a lot is read in bounded chunks, fairly ---------------
+
+def _healthy(n, start=0):
+    import math
+
+    return [{"type": "step", "step": s, "loss": 2.0 * 0.999**s * (1 + 0.03 * math.sin(1.3 * s)),
+             "grad_norm": 1 + 0.1 * math.sin(s), "pad": "x" * 200} for s in range(start, start + n)]
+
+
+def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
+    import inspect
+
+    notes = tmp_path / "notes.jsonl"
+    kw = {}
+    if "poll_bytes" in inspect.signature(Watcher).parameters:
+        kw["poll_bytes"] = poll_bytes
+    else:  # before: one module-wide bound, and a run's whole backlog read in one pass
+        import nummon._watch.read_jsonl as rj
+
+        monkeypatch.setattr(rj, "POLL_BYTES", poll_bytes)
+    w = Watcher([str(root)], load_policy("default"), [JsonlTarget(str(notes))], errors=open(tmp_path / "err", "a"),
+                exclude={str(notes)}, **kw)
+    return w, notes
+
+
+def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_first(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    for name in ("big", "small", "third"):
+        (root / name).mkdir(parents=True)
+        write_lines(root / name / "events.jsonl", _healthy(40))
+    bound = 64 * 1024
+    w, notes = _bounded_watcher(root, tmp_path, bound, monkeypatch)
+    try:
+        w.poll_once()
+        big = w.runs[str(root / "big" / "events.jsonl")]
+        write_lines(root / "big" / "events.jsonl", _healthy(12000, start=40), mode="a")  # about 3 MB at once
+        rows = _runaway_rows()
+        for r in rows:
+            r["step"] += 40
+        write_lines(root / "small" / "events.jsonl", rows, mode="a")
+        size = (root / "big" / "events.jsonl").stat().st_size
+        assert size > 40 * bound
+        passes, nonfinite_at, third_at = 0, {}, None
+        while True:
+            before = big.follower.offset
+            w.poll_once()
+            passes += 1
+            assert big.follower.offset - before <= bound, f"pass {passes} read {big.follower.offset - before} bytes of one run"
+            for e in read_events(notes):
+                if e["level"] == 3:
+                    nonfinite_at.setdefault(e["run_name"], passes)
+            if passes == 2:  # the third run loses itself while the big one is still being read
+                bad = _runaway_rows()
+                for r in bad:
+                    r["step"] += 40
+                write_lines(root / "third" / "events.jsonl", bad, mode="a")
+            if big.follower.offset == size:
+                break
+            assert passes < 200
+        assert nonfinite_at == {"small/events.jsonl": 1, "third/events.jsonl": 3}
+        assert passes >= (size - 40 * 250) // bound  # the backlog took its many passes
+        assert big.records == 12040
+    finally:
+        w.close()

@@ -48,10 +48,16 @@ class Watcher:
         exclude: set[str] = frozenset(),
         observer: Any = None,
         shard: Any = None,
+        poll_bytes: int | None = None,
     ) -> None:
         self.roots = roots
         self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
+        # the most one run's log is read in one pass (base.POLL_BYTES, 4 MiB, by default): a run
+        # with a long backlog gets one chunk per pass, and every other run its turn in between
+        self.poll_bytes = poll_bytes
+        self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
+        self.passes = 0
         self.policy = policy
         # the JSONL record of events is written before any other target is tried
         self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
@@ -173,7 +179,7 @@ class Watcher:
 
     def _start(self, spec: RunSpec) -> None:
         try:
-            follower = make_follower(spec.id, spec.format, self.keymap)
+            follower = self._bounded(make_follower(spec.id, spec.format, self.keymap))
             run = WatchedRun(spec.id, follower, self.policy)
         except (NummonError, ImportError, OSError) as e:  # not a log, a missing extra, a FIFO
             self._unhealthy(spec.id, str(e), spec)
@@ -184,7 +190,7 @@ class Watcher:
             except (NummonError, ValueError, TypeError, KeyError) as e:
                 self.say(f"run {spec.id}: its saved state is not usable ({e}); reading it from the start")
                 run.close()
-                run = WatchedRun(spec.id, follower.__class__(spec.id, self.keymap), self.policy)
+                run = WatchedRun(spec.id, self._bounded(follower.__class__(spec.id, self.keymap)), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
         if self.observer is not None:
@@ -193,6 +199,11 @@ class Watcher:
             except Exception as e:  # an observer's bug must not stop the watching
                 self._say_once(f"observer:{type(e).__name__}", f"run {spec.id}: an observer failed on its start "
                                f"({type(e).__name__}: {e})")
+
+    def _bounded(self, follower: Any) -> Any:
+        if self.poll_bytes:
+            follower.poll_bytes = int(self.poll_bytes)
+        return follower
 
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
         """Name the run's problem once; leave it alone until its files change (then try it
@@ -206,26 +217,31 @@ class Watcher:
             self.say(line)
 
     # --- polling -------------------------------------------------------------------------
-    def poll_once(self, final: bool = False) -> int:
-        """One pass over every run; returns the number of incident events it found."""
+    def poll_once(self, final: bool = False, discover: bool = True) -> int:
+        """One pass over every run (at most one bounded chunk of each log: `backlog` says when
+        some run has more); returns the number of incident events it found."""
         started = time.monotonic()
         try:
-            return self._poll_once(final)
+            return self._poll_once(final, discover)
         finally:
             if self.observer is not None:
                 self.observer.polled(time.monotonic() - started, len(self.runs))
 
-    def _poll_once(self, final: bool = False) -> int:
+    def _poll_once(self, final: bool = False, discover: bool = True) -> int:
         self._settle()
-        self.discover()
+        if discover:
+            self.discover()
+        self.passes += 1
         found = 0
+        backlog = False
         now = time.monotonic()
         for run_id, run in list(self.runs.items()):
             if self.stop.is_set():
                 break
             before = run.records
             try:
-                events = run.poll(final=final, stop=self.stop)
+                events = run.poll(final=final, stop=self.stop, chunks=1)  # one bounded chunk per run and pass
+                backlog = backlog or run.backlog
             except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
                 self._notes(run)
                 self._retire(run_id, keep=False)
@@ -246,6 +262,7 @@ class Watcher:
                 self._dirty = True
             elif now - run.last_activity > self.idle_timeout_s:
                 self._retire(run_id)
+        self.backlog = backlog
         if found:
             self.save(force=True)  # write-ahead: a restart knows these were (about to be) sent
         self._deliver()
@@ -374,11 +391,19 @@ class Watcher:
         try:
             if once:
                 self.poll_once(final=True)
+                while self.backlog and not self.stop.is_set():  # read every backlog, fairly
+                    self.poll_once(final=True, discover=False)
                 self._drain(self.stop, _ONCE_DRAIN_S)
                 return
+            found_at = 0.0
             while not self.stop.is_set():
-                self.poll_once()
-                self.stop.wait(interval_s)
+                # a pass that only goes on with backlogs finds no new runs (a big root is walked once an interval)
+                look = not self.backlog or time.monotonic() - found_at >= interval_s
+                if look:
+                    found_at = time.monotonic()
+                self.poll_once(discover=look)
+                if not self.backlog:
+                    self.stop.wait(interval_s)
         finally:
             self.close(timeout_s=interval_s)
 
