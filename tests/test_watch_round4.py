@@ -395,3 +395,72 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
         assert big.records == 12040
     finally:
         w.close()
+
+
+# --- 36.11 (round 3): SIGKILL every second while the run writes: every event exactly once ----
+
+def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_event_exactly_once(tmp_path):
+    import signal
+    import time
+
+    import webhook_receiver
+
+    rows = two_incident_rows()
+    full = tmp_path / "full.jsonl"
+    write_lines(full, rows)
+    log = tmp_path / "run" / "events.jsonl"
+    log.parent.mkdir()
+    log.touch()
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "src, dst = sys.argv[1:3]\n"
+        "with open(dst, 'a') as out:\n"
+        "    for line in open(src):\n"
+        "        out.write(line); out.flush(); time.sleep(0.06)\n"), str(full), str(log)])
+    receiver = webhook_receiver.Receiver()
+    state, notes = tmp_path / "state.json", tmp_path / "notes.jsonl"
+    args = (tmp_path / "run", "--interval", "0.1", "--state", state, "--notify", f"jsonl:{notes}",
+            "--notify", f"webhook:{receiver.url}")
+    kills, progress = 0, []
+    delays = iter([0.4, 1.0, 0.2, 0.7, 0.5, 0.9, 0.3, 0.6] * 10)  # within a second of its start, at varied points
+    try:
+        while writer.poll() is None:
+            watcher = start_watch(*args)
+            watcher.stderr.readline()  # "watching 1 run ...": imports done, the first pass under way
+            time.sleep(next(delays))
+            watcher.send_signal(signal.SIGKILL)  # no cleanup at all, wherever it is
+            watcher.communicate(timeout=30)
+            kills += 1
+            if state.exists():
+                progress.append(json.loads(state.read_text())["runs"].get(str(log.resolve()), {}).get("records", 0))
+        watcher = start_watch(*args)
+        watcher.stderr.readline()  # its signal handlers are in place
+        expect = reference_ids(log)
+        wait_for(lambda: len(read_events(notes)) >= len(expect) and len(receiver.bodies) >= len(expect),
+                 what="every event after the last restart")
+        rc, out, err = stop(watcher)
+    finally:
+        writer.kill()
+        receiver.close()
+    assert kills >= 3 and rc == 0, err
+    assert len(set(progress)) >= 2 and 0 < min(progress) < len(rows)  # killed watchers had read part of the run
+    once = tmp_path / "once.jsonl"
+    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{once}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    reference = [e["id"] for e in read_events(once)]
+    assert [e["id"] for e in read_events(notes)] == reference == expect  # none lost, none twice
+    got = [b["nummon"]["id"] for b in receiver.bodies]
+    assert sorted(set(got)) == sorted(reference)  # every event at the webhook; a resend keeps its event_id
+    assert len({b["event_id"] for b in receiver.bodies}) == len(reference)
+
+
+def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_of_its_own(tmp_path):
+    log = tmp_path / "run.jsonl"
+    write_lines(log, _runaway_rows())
+    notes = tmp_path / "notes.jsonl"
+    notes.write_bytes(b'{"type": "incident", "id": "torn by a crash')  # no newline: a writer killed mid-line
+    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{notes}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = notes.read_bytes().splitlines()
+    assert lines[0].startswith(b'{"type": "incident", "id": "torn') and len(lines) == 4
+    assert [json.loads(line)["transition"] for line in lines[1:]] == ["opened", "escalated", "escalated"]

@@ -55,7 +55,7 @@ class JsonlTarget:
             raise NummonError(f"--notify jsonl:{path}: not a regular file")
         self._ids = self._existing_ids(path)
         parent = os.path.dirname(os.path.abspath(path))
-        self._torn = False  # a failed write left a fragment it could not take back
+        self._torn = _ends_torn(path)  # a fragment left by a crash mid-line: the next line starts a line of its own
         try:
             os.makedirs(parent, exist_ok=True)
             self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -103,6 +103,19 @@ class JsonlTarget:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _ends_torn(path: str) -> bool:
+    """True when a non-empty file does not end with a newline (a writer died mid-line)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def _write_all(fd: int, data: bytes) -> None:
