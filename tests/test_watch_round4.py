@@ -464,3 +464,65 @@ def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_
     lines = notes.read_bytes().splitlines()
     assert lines[0].startswith(b'{"type": "incident", "id": "torn') and len(lines) == 4
     assert [json.loads(line)["transition"] for line in lines[1:]] == ["opened", "escalated", "escalated"]
+
+
+# --- 36.9: runs deleted from the root are forgotten after a grace period ---------------------
+
+def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_restarts(tmp_path):
+    import inspect
+    import shutil
+    import time
+
+    root = tmp_path / "root"
+    for i in range(100):
+        (root / f"run-{i}").mkdir(parents=True)
+        write_lines(root / f"run-{i}" / "events.jsonl", _healthy(20))
+    (root / "alive").mkdir()
+    write_lines(root / "alive" / "events.jsonl", _healthy(20))
+    state = tmp_path / "state.json"
+    err = open(tmp_path / "err", "a")
+    grace = 3600.0
+    kw = {"forget_after_s": grace} if "forget_after_s" in inspect.signature(Watcher).parameters else {}
+
+    def session(clock):
+        w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=err, **kw)
+        w.wall_clock = lambda: clock
+        try:
+            w.poll_once()
+            w.poll_once()
+        finally:
+            w.close()
+        return json.loads(state.read_text())["runs"]
+
+    t0 = time.time()
+    assert len(session(t0)) == 101
+    for i in range(100):
+        shutil.rmtree(root / f"run-{i}")
+    size_before = state.stat().st_size
+    assert len(session(t0 + 60)) == 101  # gone for a minute: kept (a log being replaced, a share remounted)
+    assert len(session(t0 + grace - 1)) == 101  # a restart keeps when they went
+    runs = session(t0 + 60 + grace)  # gone for the whole grace period: forgotten
+    assert list(runs) == [str(root / "alive" / "events.jsonl")]
+    assert state.stat().st_size < size_before / 20
+    said = [line for line in (tmp_path / "err").read_text().splitlines() if "forgot" in line]
+    assert said == ["nummon watch: forgot 100 runs whose files are gone for 1 h or more (e.g. run-0/events.jsonl); "
+                    "read from the start if they come back"]
+
+
+def test_runs_under_a_root_that_is_away_are_never_forgotten(tmp_path):
+    root = tmp_path / "share"
+    (root / "run").mkdir(parents=True)
+    write_lines(root / "run" / "events.jsonl", _healthy(20))
+    state = tmp_path / "state.json"
+    w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"),
+                forget_after_s=0.0)
+    w.poll_once()
+    w.close()
+    (root / "run" / "events.jsonl").rename(tmp_path / "away.jsonl")
+    os.rmdir(root / "run")
+    os.rmdir(root)  # the whole share unmounted
+    w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"),
+                forget_after_s=0.0)
+    w.poll_once()
+    w.close()
+    assert list(json.loads(state.read_text())["runs"]) == [str(root / "run" / "events.jsonl")]

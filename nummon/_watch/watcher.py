@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
+from . import fs
 from .discovery import RunSpec, discover
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
@@ -30,6 +31,7 @@ __all__ = ["Watcher"]
 
 _SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
+FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
 _LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
 
 
@@ -49,6 +51,7 @@ class Watcher:
         observer: Any = None,
         shard: Any = None,
         poll_bytes: int | None = None,
+        forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
         self.roots = roots
         self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
@@ -81,6 +84,11 @@ class Watcher:
             self.state.release()
             raise
         self.saved_runs: dict[str, dict[str, Any]] = saved["runs"]  # retired or not yet seen again
+        # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
+        self.forget_after_s = forget_after_s
+        self.wall_clock = time.time
+        self.gone_since: dict[str, float] = {rid: float(d["gone_since"]) for rid, d in self.saved_runs.items()
+                                             if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)}
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
         self._lock = threading.Lock()
@@ -146,6 +154,38 @@ class Watcher:
         if first:
             self._announce()
         self._name_started(started, first)
+        self._forget_gone(specs)
+
+    def _forget_gone(self, specs: dict[str, RunSpec]) -> None:
+        """Runs whose files are no longer found under a root that is still there: marked gone
+        (the time kept in the state file); after `forget_after_s` their state is dropped (a run
+        that comes back later is read from its start; its events keep their ids)."""
+        now = self.wall_clock()
+        here = [r for r in self.roots if fs.is_dir(r) or fs.stat(r) is not None]
+        forgotten = []
+        for rid in list(self.saved_runs) + list(self.runs):
+            if rid in specs or not any(_under(rid, r) for r in here):
+                if self.gone_since.pop(rid, None) is not None:
+                    self.saved_runs.get(rid, {}).pop("gone_since", None)
+                    self._dirty = True
+                continue  # found, or its root is away (an unmounted share): nothing is forgotten
+            if self.shard is not None and not self.shard.owns(rid, self.roots):
+                continue  # another shard's
+            since = self.gone_since.setdefault(rid, now)
+            if since == now:
+                self._dirty = True
+            if now - since >= self.forget_after_s:
+                if rid in self.runs:
+                    self._retire(rid, keep=False)
+                self.saved_runs.pop(rid, None)
+                self.retired_sig.pop(rid, None)
+                self.gone_since.pop(rid, None)
+                forgotten.append(rid)
+        if forgotten:
+            self._dirty = self._outbox_changed = True  # saved at the end of this pass
+            hours = self.forget_after_s / 3600
+            self.say(f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
+                     f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back")
 
     def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
         """One line per run picked up: those found at the start (the first _LISTED of them), a
@@ -366,6 +406,9 @@ class Watcher:
             return
         runs = dict(self.saved_runs)
         runs.update({rid: r.to_state() for rid, r in self.runs.items()})
+        for rid, since in self.gone_since.items():
+            if rid in runs:
+                runs[rid] = {**runs[rid], "gone_since": since}
         outbox = [{"event": i["event"], "pending": list(i["pending"])} for i in self.outbox.values()]
         try:
             self.state.save({"runs": runs, "outbox": outbox})
