@@ -105,6 +105,7 @@ class Follower:
         self.keymap = keymap or KeyMap()
         self.notes: list[str] = []
         self.more = False
+        self.poll_bytes = POLL_BYTES  # the most one poll reads (the watcher may set a smaller bound)
         self._noted: set[str] = set()
         self._own_fields: set[str] = set()  # fields this run logs under nummon's own tags
 

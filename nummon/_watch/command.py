@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {}
 
     def _stop(signum, frame):  # stop within one interval: the loop waits on this event
+        watcher.stop_reason = signal.Signals(signum).name  # named in the watcher's last line
         watcher.stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

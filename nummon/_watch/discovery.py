@@ -10,6 +10,7 @@ from .read_hf import STATE_NAME, lineage_root
 from .read_tb import is_event_file
 from .read_wandb import is_wandb_file
 from .readers import detect_format
+from .text import printable
 
 __all__ = ["RunSpec", "discover"]
 
@@ -82,7 +83,11 @@ def discover(roots: list[str], format: str | None = None, exclude: set[str] = fr
         for f in fs.walk_files(root):
             if _norm(f) in exclude:
                 continue
-            kind = _kind(f)
+            try:
+                kind = _kind(f)
+            except OSError as e:  # unreadable (a chmod 000 file): that file's problem, said once
+                problems.append(f"{printable(f)}: cannot be read ({e.strerror or e}); skipped, tried again at each poll")
+                continue
             if kind is None or (format and kind[0] != format):
                 continue
             fmt, run_id = kind

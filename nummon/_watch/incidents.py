@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from .._types import TITLE_MAX, IncidentEvent, IncidentState
-from .text import cut_at_word
+from .text import cut_at_word, printable, raw_bytes
 
 __all__ = ["RunIncident", "Notice", "event_id"]
 
@@ -16,7 +16,7 @@ __all__ = ["RunIncident", "Notice", "event_id"]
 def event_id(readable_id: str) -> str:
     """The idempotency key of an event (32 hex digits): the same for every retry, restart and
     target, so a receiver that keeps the ids it has seen drops duplicates."""
-    return hashlib.blake2b(readable_id.encode("utf-8"), digest_size=16).hexdigest()
+    return hashlib.blake2b(raw_bytes(readable_id), digest_size=16).hexdigest()  # a run named in bytes too
 
 
 class RunIncident:
@@ -57,10 +57,13 @@ class RunIncident:
         return cut_at_word(head, TITLE_MAX)
 
     def summary(self) -> str:
-        return f"run `{self.run}`: {self.event.summary()}"
+        return f"run `{printable(self.run)}`: {self.event.summary()}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "incident", "id": self.id, "event_id": event_id(self.id), "run": self.run, "run_name": self.name,
+        """The event as strict JSON data: run paths that are not UTF-8 or hold control
+        characters are printed escaped (`printable`); `event_id` is the hash of the exact bytes."""
+        return {"type": "incident", "id": printable(self.id), "event_id": event_id(self.id), "run": printable(self.run),
+                "run_name": printable(self.name),
                 "level": self.level, "transition": self.transition, "summary": self.summary(),
                 **self.event.to_dict(), "title": self.title}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, Follower, NotALogError, StepAssembler, as_step
+from .base import Follower, NotALogError, StepAssembler, as_step
 
 __all__ = ["CsvFollower"]
 
@@ -43,12 +43,12 @@ class CsvFollower(Follower):
                 return out
         new_rows = False
         if st.size > self.offset:
-            data = fs.read_bytes(self.path, self.offset, POLL_BYTES)
+            data = fs.read_bytes(self.path, self.offset, self.poll_bytes)
             end = data.rfind(b"\n") + 1
-            if final and end < len(data) and data[end:].strip() and len(data) < POLL_BYTES:
+            if final and end < len(data) and data[end:].strip() and len(data) < self.poll_bytes:
                 end = len(data)
-            if end == 0 and len(data) == POLL_BYTES:  # one absurdly long row: not a metrics row
-                self.note(f"{self.path}: byte {self.offset}: a row longer than {POLL_BYTES >> 20} MiB skipped")
+            if end == 0 and len(data) == self.poll_bytes:  # one absurdly long row: not a metrics row
+                self.note(f"{self.path}: byte {self.offset}: a row longer than {self.poll_bytes / 2**20:g} MiB skipped")
                 end = len(data)
                 data = b""
             pos = self.offset
@@ -57,7 +57,7 @@ class CsvFollower(Follower):
                 pos += len(raw)
             self.offset += end
             new_rows = end > 0
-            self.more = len(data) == POLL_BYTES
+            self.more = len(data) == self.poll_bytes
         if (not new_rows or (final and not self.more)) and self.asm.flush(out):  # quiet poll: the held step is complete
             self.done_offset = self.offset
         return out

@@ -9,7 +9,7 @@ from typing import Any
 from .._trace import TraceError, record_from_dict
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, NotALogError, OneFileFollower
+from .base import NotALogError, OneFileFollower
 
 __all__ = ["JsonlFollower", "MAX_LINE"]
 
@@ -39,9 +39,9 @@ class JsonlFollower(OneFileFollower):
         st = self._stat()
         if st is None or st.size <= self.offset:
             return []
-        data = fs.read_bytes(self.path, self.offset, POLL_BYTES)
+        data = fs.read_bytes(self.path, self.offset, self.poll_bytes)
         end = data.rfind(b"\n") + 1
-        if end == 0 and len(data) == POLL_BYTES:  # one long line: look further, within a bound
+        if end == 0 and len(data) == self.poll_bytes:  # one long line: look further, within a bound
             data = fs.read_bytes(self.path, self.offset, MAX_LINE)
             end = data.rfind(b"\n") + 1
             if end == 0 and len(data) == MAX_LINE:
@@ -52,7 +52,7 @@ class JsonlFollower(OneFileFollower):
                 self.more = True
                 return []
         out: list[StepRecord] = []
-        torn = final and end < len(data) and bool(data[end:].strip()) and len(data) < POLL_BYTES
+        torn = final and end < len(data) and bool(data[end:].strip()) and len(data) < self.poll_bytes
         pos = self.offset
         for raw in data[:end].splitlines(keepends=True):
             if self._skipping:  # the rest of an over-long line
@@ -71,7 +71,7 @@ class JsonlFollower(OneFileFollower):
             if rec is not None:
                 out.append(rec)
             self.offset += len(tail)
-        self.more = len(data) == POLL_BYTES and end > 0
+        self.more = len(data) == self.poll_bytes and end > 0
         if end:
             self.mark.take(self.path, self.offset)
         return out

@@ -12,7 +12,7 @@ from typing import Any
 from .._errors import NummonError
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, FileMark, Follower, NotALogError, StepAssembler
+from .base import FileMark, Follower, NotALogError, StepAssembler
 
 __all__ = ["TensorBoardFollower", "is_event_file", "EVENT_PREFIX", "check_event_header"]
 
@@ -104,7 +104,7 @@ class TensorBoardFollower(Follower):
         self.more = False
         out: list[StepRecord] = []
         got = False
-        budget = POLL_BYTES
+        budget = self.poll_bytes
         files = self._files()
         for i, f in enumerate(files):
             st = fs.stat(f)
@@ -121,7 +121,7 @@ class TensorBoardFollower(Follower):
                 self.note(f"{f}: {why}; reading it again from the start")
                 self.files[f] = state = _File()
             while budget > 0 and state.offset < st.size:
-                n, more = self._read(f, state, st, files[: i + 1], out, final, min(budget, POLL_BYTES))
+                n, more = self._read(f, state, st, files[: i + 1], out, final, min(budget, self.poll_bytes))
                 got = got or n > 0
                 budget -= max(n, 1)
                 if not more:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import POLL_BYTES, NotALogError, OneFileFollower, as_step
+from .base import NotALogError, OneFileFollower, as_step
 from .read_tb import _require
 
 __all__ = ["WandbFollower", "is_wandb_file", "WANDB_MAGIC"]
@@ -55,7 +55,7 @@ class WandbFollower(OneFileFollower):
         st = self._stat()
         if st is None or st.size <= self.offset:
             return []
-        size = POLL_BYTES
+        size = self.poll_bytes
         while True:
             out, span = self._scan(st, final, size)
             if span and size < _MAX_SPAN:  # one record longer than the read: read further

@@ -31,16 +31,24 @@ class WatchedRun:
         self.last_activity = time.monotonic()
         self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
 
-    def poll(self, final: bool = False, stop: Any = None) -> list[RunIncident]:
+    def poll(self, final: bool = False, stop: Any = None, chunks: int | None = None) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused.
         The follower reads in bounded chunks; a backlog is streamed chunk after chunk (records
-        are never all held), until it is read or `stop` (an Event) is set."""
+        are never all held), until it is read, `chunks` chunks are read (then `backlog` is True:
+        the watcher goes on with the other runs and comes back), or `stop` (an Event) is set."""
         events: list[RunIncident] = []
+        n = 0
         while True:
             for rec in self.follower.poll(final=final):
                 events.extend(self.process(rec))
-            if not self.follower.more or (stop is not None and stop.is_set()):
+            n += 1
+            if not self.follower.more or (stop is not None and stop.is_set()) or (chunks is not None and n >= chunks):
                 return events
+
+    @property
+    def backlog(self) -> bool:
+        """True while the log holds more than the last poll read."""
+        return bool(self.follower.more)
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
         if self.last_step is not None and rec.step <= self.last_step:

@@ -1,7 +1,7 @@
 """`nummon watch ROOT --shard I/N`: N watchers split one shared root without overlap or gaps.
 
 A run belongs to shard ``sha256(key) mod N``, where the key is the run's path relative to the
-root it was found under: stable across processes, restarts and hosts (the same share mounted
+root it was found under (its bytes, so a name that is not UTF-8 has a shard too): stable across processes, restarts and hosts (the same share mounted
 at different paths gives the same shards). Changing N moves runs between shards."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 from typing import Mapping, TypeVar
 
 from .._errors import NummonError
+from .text import raw_bytes
 
 __all__ = ["Shard", "parse_shard", "shard_of", "run_key"]
 
@@ -33,7 +34,7 @@ def run_key(run_id: str, roots: list[str]) -> str:
 
 def shard_of(key: str, count: int) -> int:
     """The shard (0-based) of a key among `count`."""
-    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    digest = hashlib.sha256(raw_bytes(key)).digest()  # a name that is not UTF-8: its bytes
     return int.from_bytes(digest[:8], "big") % count
 
 

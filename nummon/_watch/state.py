@@ -1,12 +1,16 @@
 """The watcher's state file: each run's read position, incident state and recent records (to
 re-warm its detectors), plus events not yet delivered to every target (the outbox). Written
 atomically (temp file in the same folder + fsync + os.replace), so a crash leaves the previous or
-the new state. One watcher per state file: a lock file beside it holds the owner's PID. A state
+the new state. One watcher per state file: a lock file beside it holds the owner's PID; it is
+opened with O_NOFOLLOW and must be a regular file (a symbolic link there is refused, never
+followed: its target would be truncated). A state
 file whose fields have the wrong types is refused at start (one line naming the field)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from typing import Any
 
@@ -16,6 +20,7 @@ from .._json import dumps
 __all__ = ["StateFile", "STATE_VERSION"]
 
 STATE_VERSION = 1
+_LINKED = "--state {path}: {lock} is a symbolic link; refused (the lock file is written: remove the link)"
 _INT_FIELDS = ("offset", "lineno", "count", "rows", "records", "number", "opened_step", "quiet_since")
 
 
@@ -64,11 +69,20 @@ class StateFile:
             os.makedirs(folder, exist_ok=True)
             if os.path.lexists(self.path) and not os.path.isfile(self.path):
                 raise NummonError(f"--state {self.path}: not a regular file")
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
+            if os.path.islink(self.lock_path):
+                raise NummonError(_LINKED.format(path=self.path, lock=self.lock_path))
+            # never through a link (the lock file is truncated and written: a link's target would be)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(self.lock_path, flags, 0o644)
         except NummonError:
             raise
         except OSError as e:
+            if e.errno == errno.ELOOP:  # a link put there between the check and the open
+                raise NummonError(_LINKED.format(path=self.path, lock=self.lock_path)) from None
             raise NummonError(f"--state {self.path}: cannot use this path ({e.strerror or e})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NummonError(f"--state {self.path}: {self.lock_path} is not a regular file; refused (remove it)")
         try:
             import fcntl
 

@@ -44,7 +44,8 @@ class ConsoleTarget:
 
 class JsonlTarget:
     """One strict-JSON line per event, flushed and fsync'ed (it is the record of what was sent);
-    events whose id is already in the file (a restart after a crash) are not written twice."""
+    events whose id is already in the file (a restart after a crash) are not written twice. A
+    write that fails (a full disk) leaves no torn line and raises: the event stays pending."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -54,9 +55,10 @@ class JsonlTarget:
             raise NummonError(f"--notify jsonl:{path}: not a regular file")
         self._ids = self._existing_ids(path)
         parent = os.path.dirname(os.path.abspath(path))
+        self._torn = _ends_torn(path)  # a fragment left by a crash mid-line: the next line starts a line of its own
         try:
             os.makedirs(parent, exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise NummonError(f"--notify jsonl:{path}: cannot write there ({e.strerror or e})") from None
 
@@ -75,17 +77,55 @@ class JsonlTarget:
         return ids
 
     def notify(self, event: Any) -> None:
+        """Append the event's line and fsync it; OSError (a full disk, a file-size limit) when
+        it is not all on disk: then nothing of it stays (the file is cut back to where it was),
+        and its id is not taken as written, so the watcher tries it again or reports it lost."""
         d = event.to_dict()
         if d.get("id") in self._ids:
             return
-        self._ids.add(d.get("id"))
-        self._fh.write(dumps(d) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        if self._fd is None:
+            raise OSError(f"{self.path}: closed")
+        line = ("\n" if self._torn else "") + dumps(d) + "\n"
+        start = os.fstat(self._fd).st_size  # O_APPEND: the line goes at the end
+        try:
+            _write_all(self._fd, line.encode("utf-8"))
+            os.fsync(self._fd)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)  # no torn line: the next event starts a line of its own
+            except OSError:
+                self._torn = True
+            raise
+        self._torn = False
+        self._ids.add(d.get("id"))  # only now: an event is never marked written unless it is on disk
 
     def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _ends_torn(path: str) -> bool:
+    """True when a non-empty file does not end with a newline (a writer died mid-line)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a short write is followed by the error that caused it)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(f"wrote nothing of {len(view)} bytes")
+        view = view[n:]
 
 
 class WandbTarget:
@@ -131,5 +171,26 @@ def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Tar
         return AlertmanagerTarget(arg)
     if kind == "wandb":
         return WandbTarget(arg or "nummon-watch", wandb_sink)
-    shown = f"webhook:{safe_url(arg)}" if kind == "webhook" else spec  # never print a secret
-    raise NummonError(f"--notify {shown!r}: expected one of {TARGET_SPECS}")
+    raise NummonError(f"--notify {_shown_spec(kind, arg)!r}: expected one of {TARGET_SPECS}{_did_you_mean(kind)}")
+
+
+_KINDS = ("console", "jsonl", "webhook", "wandb", "alertmanager")
+
+
+def _shown_spec(kind: str, arg: str) -> str:
+    """A target spec as it may be printed: every URL in it (a misspelled kind's too, a comma list
+    of them) as scheme and host only, and anything that may hold a user:password left out."""
+    if not arg:
+        return kind
+    if "://" in arg:
+        return f"{kind}:" + ",".join(safe_url(u) for u in arg.split(","))
+    if len(arg) <= 32 and not any(c in arg for c in "@/:?=&#"):
+        return f"{kind}:{arg}"  # a short plain word (a project, a name): nothing secret in it
+    return f"{kind}:…"  # a path or token we cannot take apart: never printed
+
+
+def _did_you_mean(kind: str) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(kind.lower(), _KINDS, n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}:?)" if near and near[0] != kind else ""

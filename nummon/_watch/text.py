@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-__all__ = ["mrkdwn", "plain", "cut_at_word", "plural", "safe_url"]
+__all__ = ["mrkdwn", "plain", "cut_at_word", "plural", "safe_url", "raw_bytes", "printable"]
 
 _BOLD = re.compile(r"\*\*(.+?)\*\*", re.S)
 _CODE = re.compile(r"`([^`\n]*)`")
@@ -56,3 +56,22 @@ def safe_url(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{parts.scheme}://{host}{f':{port}' if port else ''}/…" if parts.scheme else "(a URL)"
+
+
+def raw_bytes(name: str) -> bytes:
+    """The bytes of a path or name as the file system holds them: a name that is not UTF-8
+    (decoded by Python with surrogate escapes) gets its original bytes back, never an error."""
+    try:
+        return name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return name.encode("utf-8", "backslashreplace")
+
+
+def printable(name: str) -> str:
+    """A path or name on one printable line, valid UTF-8 (strict JSON, a console, a Slack
+    message): bytes that are not UTF-8 as ``\\xff``, control characters (a newline in a folder's
+    name) as ``\\n``, ``\\x1b``; every other character as it is."""
+    text = raw_bytes(name).decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -18,18 +18,21 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
+from . import fs
 from .discovery import RunSpec, discover
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
 from .readers import make_follower
 from .runs import WatchedRun
 from .state import StateFile
-from .text import plural
+from .text import plural, printable
 
 __all__ = ["Watcher"]
 
 _SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
+FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
+_LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
 
 
 class Watcher:
@@ -47,10 +50,17 @@ class Watcher:
         exclude: set[str] = frozenset(),
         observer: Any = None,
         shard: Any = None,
+        poll_bytes: int | None = None,
+        forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
         self.roots = roots
         self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
+        # the most one run's log is read in one pass (base.POLL_BYTES, 4 MiB, by default): a run
+        # with a long backlog gets one chunk per pass, and every other run its turn in between
+        self.poll_bytes = poll_bytes
+        self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
+        self.passes = 0
         self.policy = policy
         # the JSONL record of events is written before any other target is tried
         self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
@@ -74,6 +84,11 @@ class Watcher:
             self.state.release()
             raise
         self.saved_runs: dict[str, dict[str, Any]] = saved["runs"]  # retired or not yet seen again
+        # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
+        self.forget_after_s = forget_after_s
+        self.wall_clock = time.time
+        self.gone_since: dict[str, float] = {rid: float(d["gone_since"]) for rid, d in self.saved_runs.items()
+                                             if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)}
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
         self._lock = threading.Lock()
@@ -93,11 +108,16 @@ class Watcher:
         self._dirty = self._outbox_changed = False
         self._state_failed: str | None = None
         self._announced = False
+        self._once = False
         self._said: dict[str, str] = {}
         self._empty_roots: set[str] = set()
         self.notified = 0  # events handed to the targets
-        self.delivered = 0  # events every target has
+        self.delivered = 0  # events every target has taken
+        self._lost_ids: set[str] = set()  # events some target never got, until they leave the outbox
         self.lost = 0  # events some target never got (each named on stderr)
+        self.records_read = 0  # step records read in this session, all runs
+        self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
+        self._seen: set[str] = set()  # runs picked up in this session
 
     def say(self, line: str) -> None:
         try:
@@ -109,6 +129,7 @@ class Watcher:
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
         specs, problems = discover(self.roots, self.format, self.exclude)
+        started: list[tuple[RunSpec, bool]] = []
         if self.shard is not None:
             specs = self.shard.select(specs, self.roots)
         for p in problems:
@@ -125,9 +146,63 @@ class Watcher:
                 del self.bad[run_id]
             if run_id in self.retired_sig and self.retired_sig[run_id] == _signature(spec):
                 continue  # retired and untouched since
+            revived = run_id in self.retired_sig
             self._start(spec)
-        if not self._announced:
+            if run_id in self.runs:
+                started.append((spec, revived))
+        first = not self._announced
+        if first:
             self._announce()
+        self._name_started(started, first)
+        self._forget_gone(specs)
+
+    def _forget_gone(self, specs: dict[str, RunSpec]) -> None:
+        """Runs whose files are no longer found under a root that is still there: marked gone
+        (the time kept in the state file); after `forget_after_s` their state is dropped (a run
+        that comes back later is read from its start; its events keep their ids)."""
+        now = self.wall_clock()
+        here = [r for r in self.roots if fs.is_dir(r) or fs.stat(r) is not None]
+        forgotten = []
+        for rid in list(self.saved_runs) + list(self.runs):
+            if rid in specs or not any(_under(rid, r) for r in here):
+                if self.gone_since.pop(rid, None) is not None:
+                    self.saved_runs.get(rid, {}).pop("gone_since", None)
+                    self._dirty = True
+                continue  # found, or its root is away (an unmounted share): nothing is forgotten
+            if self.shard is not None and not self.shard.owns(rid, self.roots):
+                continue  # another shard's
+            since = self.gone_since.setdefault(rid, now)
+            if since == now:
+                self._dirty = True
+            if now - since >= self.forget_after_s:
+                if rid in self.runs:
+                    self._retire(rid, keep=False)
+                self.saved_runs.pop(rid, None)
+                self.retired_sig.pop(rid, None)
+                self.gone_since.pop(rid, None)
+                forgotten.append(rid)
+        if forgotten:
+            self._dirty = self._outbox_changed = True  # saved at the end of this pass
+            hours = self.forget_after_s / 3600
+            self.say(f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
+                     f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back")
+
+    def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
+        """One line per run picked up: those found at the start (the first _LISTED of them), a
+        run that appears later, a retired run that writes again."""
+        for i, (spec, revived) in enumerate(started):
+            name = printable(_name(spec.id, self.roots))
+            self._seen.add(spec.id)
+            if first and i == _LISTED and len(started) > _LISTED + 1:
+                self.say(f"  … and {plural(len(started) - _LISTED, 'more run')}")
+                self._seen.update(s.id for s, _ in started)
+                return
+            if first:
+                self.say(f"  run {name} ({spec.format})")
+            elif revived:
+                self.say(f"run {name}: written again; watched again")
+            else:
+                self.say(f"new run {name} ({spec.format}): watched from now on")
 
     def _announce(self) -> None:
         self._announced = True
@@ -144,7 +219,7 @@ class Watcher:
 
     def _start(self, spec: RunSpec) -> None:
         try:
-            follower = make_follower(spec.id, spec.format, self.keymap)
+            follower = self._bounded(make_follower(spec.id, spec.format, self.keymap))
             run = WatchedRun(spec.id, follower, self.policy)
         except (NummonError, ImportError, OSError) as e:  # not a log, a missing extra, a FIFO
             self._unhealthy(spec.id, str(e), spec)
@@ -155,7 +230,7 @@ class Watcher:
             except (NummonError, ValueError, TypeError, KeyError) as e:
                 self.say(f"run {spec.id}: its saved state is not usable ({e}); reading it from the start")
                 run.close()
-                run = WatchedRun(spec.id, follower.__class__(spec.id, self.keymap), self.policy)
+                run = WatchedRun(spec.id, self._bounded(follower.__class__(spec.id, self.keymap)), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
         if self.observer is not None:
@@ -164,6 +239,11 @@ class Watcher:
             except Exception as e:  # an observer's bug must not stop the watching
                 self._say_once(f"observer:{type(e).__name__}", f"run {spec.id}: an observer failed on its start "
                                f"({type(e).__name__}: {e})")
+
+    def _bounded(self, follower: Any) -> Any:
+        if self.poll_bytes:
+            follower.poll_bytes = int(self.poll_bytes)
+        return follower
 
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
         """Name the run's problem once; leave it alone until its files change (then try it
@@ -177,26 +257,31 @@ class Watcher:
             self.say(line)
 
     # --- polling -------------------------------------------------------------------------
-    def poll_once(self, final: bool = False) -> int:
-        """One pass over every run; returns the number of incident events it found."""
+    def poll_once(self, final: bool = False, discover: bool = True) -> int:
+        """One pass over every run (at most one bounded chunk of each log: `backlog` says when
+        some run has more); returns the number of incident events it found."""
         started = time.monotonic()
         try:
-            return self._poll_once(final)
+            return self._poll_once(final, discover)
         finally:
             if self.observer is not None:
                 self.observer.polled(time.monotonic() - started, len(self.runs))
 
-    def _poll_once(self, final: bool = False) -> int:
+    def _poll_once(self, final: bool = False, discover: bool = True) -> int:
         self._settle()
-        self.discover()
+        if discover:
+            self.discover()
+        self.passes += 1
         found = 0
+        backlog = False
         now = time.monotonic()
         for run_id, run in list(self.runs.items()):
             if self.stop.is_set():
                 break
             before = run.records
             try:
-                events = run.poll(final=final, stop=self.stop)
+                events = run.poll(final=final, stop=self.stop, chunks=1)  # one bounded chunk per run and pass
+                backlog = backlog or run.backlog
             except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
                 self._notes(run)
                 self._retire(run_id, keep=False)
@@ -209,6 +294,7 @@ class Watcher:
                                        "marked unhealthy, the other runs are watched")
                 continue
             self._notes(run)
+            self.records_read += max(0, run.records - before)
             for ev in events:
                 self._enqueue(ev)
             found += len(events)
@@ -216,6 +302,7 @@ class Watcher:
                 self._dirty = True
             elif now - run.last_activity > self.idle_timeout_s:
                 self._retire(run_id)
+        self.backlog = backlog
         if found:
             self.save(force=True)  # write-ahead: a restart knows these were (about to be) sent
         self._deliver()
@@ -255,6 +342,7 @@ class Watcher:
                     if tries >= _SYNC_TRIES:
                         item["pending"].remove(key)
                         self.lost += 1
+                        self._lost_ids.add(eid)
                         self.say(f"{getattr(t, 'shown', key)}: could not deliver \"{notice.title}\" of run {notice.run} "
                                  f"({type(e).__name__}: {e}; {plural(tries, 'try')})")
                     else:
@@ -286,6 +374,7 @@ class Watcher:
                     changed = True
                 if not o.ok:
                     self.lost += 1
+                    self._lost_ids.add(o.event_id)
                     if self.observer is not None:
                         self.observer.target_failed(t)
                     self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
@@ -293,7 +382,10 @@ class Watcher:
         for eid, item in list(self.outbox.items()):
             if not item["pending"]:
                 del self.outbox[eid]
-                self.delivered += 1
+                if eid in self._lost_ids:
+                    self._lost_ids.discard(eid)
+                else:
+                    self.delivered += 1
                 changed = True
         if changed:
             self._dirty = self._outbox_changed = True
@@ -314,6 +406,9 @@ class Watcher:
             return
         runs = dict(self.saved_runs)
         runs.update({rid: r.to_state() for rid, r in self.runs.items()})
+        for rid, since in self.gone_since.items():
+            if rid in runs:
+                runs[rid] = {**runs[rid], "gone_since": since}
         outbox = [{"event": i["event"], "pending": list(i["pending"])} for i in self.outbox.values()]
         try:
             self.state.save({"runs": runs, "outbox": outbox})
@@ -335,14 +430,23 @@ class Watcher:
     def run(self, interval_s: float = 5.0, once: bool = False) -> None:
         """Poll every `interval_s` until `stop` is set (or once); on stop, exit within one
         interval: what a slow endpoint has not taken by then stays in the outbox."""
+        self._once = once
         try:
             if once:
                 self.poll_once(final=True)
+                while self.backlog and not self.stop.is_set():  # read every backlog, fairly
+                    self.poll_once(final=True, discover=False)
                 self._drain(self.stop, _ONCE_DRAIN_S)
                 return
+            found_at = 0.0
             while not self.stop.is_set():
-                self.poll_once()
-                self.stop.wait(interval_s)
+                # a pass that only goes on with backlogs finds no new runs (a big root is walked once an interval)
+                look = not self.backlog or time.monotonic() - found_at >= interval_s
+                if look:
+                    found_at = time.monotonic()
+                self.poll_once(discover=look)
+                if not self.backlog:
+                    self.stop.wait(interval_s)
         finally:
             self.close(timeout_s=interval_s)
 
@@ -353,6 +457,15 @@ class Watcher:
             stop.wait(0.05)
             self._settle()
             self._deliver()
+
+    def _summary(self, kept: int) -> str:
+        """The last line: why the watcher stops and what it did in this session."""
+        why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
+        sent = f"{plural(self.notified, 'incident event')} notified"
+        fates = [f"{self.delivered} delivered"] + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else []) + \
+                ([f"{kept} kept for the next start"] if kept else [])
+        return (f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
+                f"{sent} ({', '.join(fates)})")
 
     def close(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -376,6 +489,7 @@ class Watcher:
                     self.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
+            self.say(self._summary(pending if self.state.path else 0))
         finally:
             for run in self.runs.values():
                 run.close()

@@ -12,18 +12,18 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import queue
 import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from .._errors import NummonError
 from .text import mrkdwn, plain, plural, safe_url
 
-__all__ = ["WebhookTarget", "slack_payload", "check_url", "Outcome"]
+__all__ = ["WebhookTarget", "WebhookStats", "slack_payload", "check_url", "Outcome"]
 
 _TEXT_MAX = 2900  # Slack's section text holds 3000 characters
 
@@ -70,6 +70,18 @@ class Outcome:
         self.event_id, self.ok, self.reason, self.tries, self.title, self.run = event_id, ok, reason, tries, title, run
 
 
+class WebhookStats(NamedTuple):
+    """What became of the events one webhook target accepted, at one moment (counts)."""
+
+    accepted: int
+    sent: int
+    failed: int
+    dropped: int
+    queued: int
+    in_flight: int
+    unsent: int  # stopped mid-retry by close(): kept pending for the next start
+
+
 class _Refused(Exception):
     """A final answer: no retry."""
 
@@ -100,33 +112,54 @@ class WebhookTarget:
         self.backoff_s = backoff_s
         self.on_outcome = on_outcome
         self.outcomes: list[Outcome] = []
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._queue_size = max(1, queue_size)
+        # One condition guards the queue, the event in flight and the counters, which the watch
+        # loop, this target's thread and the metrics scrape thread all read: every change of
+        # them is made under it, so `stats()` is always a consistent picture.
+        self._cond = threading.Condition()
+        self._items: deque[tuple] = deque()
         self._in_flight: str | None = None
-        self.sent = self.failed = self.dropped = 0
+        self._unsent: list[str] = []  # stopped mid-retry: pending for the next start
+        self._sent = self._failed = self._dropped = self._accepted = 0
+        self._stop = threading.Event()
         self._host = socket.gethostname()
         self._thread = threading.Thread(target=self._run, name="nummon-webhook", daemon=True)
         self._thread.start()
+
+    # counters, each read under the lock (a scrape thread reads them while the others write)
+    @property
+    def sent(self) -> int:
+        return self.stats().sent
+
+    @property
+    def failed(self) -> int:
+        return self.stats().failed
+
+    @property
+    def dropped(self) -> int:
+        return self.stats().dropped
+
+    def stats(self) -> "WebhookStats":
+        """One consistent snapshot: accepted = sent + failed + dropped + queued + in flight + unsent."""
+        with self._cond:
+            return WebhookStats(self._accepted, self._sent, self._failed, self._dropped, len(self._items),
+                                0 if self._in_flight is None else 1, len(self._unsent))
 
     def notify(self, event: Any) -> None:
         """Queue one event; never waits (when the queue is full the oldest event is dropped,
         counted and reported as lost)."""
         body = json.dumps(slack_payload(event, self._host), allow_nan=False, default=str).encode("utf-8")
         item = (getattr(event, "event_id", ""), getattr(event, "title", ""), getattr(event, "run", ""), body)
-        self._idle.clear()
-        while True:
-            try:
-                self._queue.put_nowait(item)
-                return
-            except queue.Full:
-                try:
-                    old = self._queue.get_nowait()
-                    self.dropped += 1
-                    self._report(Outcome(old[0], False, "the queue was full (an endpoint slower than the runs)", 0, old[1], old[2]))
-                except queue.Empty:
-                    pass
+        old = None
+        with self._cond:
+            if len(self._items) >= self._queue_size:
+                old = self._items.popleft()
+                self._dropped += 1
+            self._items.append(item)
+            self._accepted += 1
+            self._cond.notify_all()
+        if old is not None:  # reported outside the lock: the watcher's callback takes its own
+            self._report(Outcome(old[0], False, "the queue was full (an endpoint slower than the runs)", 0, old[1], old[2]))
 
     def _report(self, outcome: Outcome) -> None:
         if self.on_outcome is not None:
@@ -135,21 +168,29 @@ class WebhookTarget:
             self.outcomes.append(outcome)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                self._idle.set()
-                continue
-            self._in_flight = item[0]
+        while True:
+            with self._cond:
+                while not self._items and not self._stop.is_set():
+                    self._cond.wait(0.1)
+                if self._stop.is_set():
+                    return
+                item = self._items.popleft()
+                self._in_flight = item[0]  # taken and in flight in one step: never counted nowhere
             try:
                 outcome = self._post(item)
-                if outcome is not None:  # None: stopped mid-retry; the event stays pending
-                    self._report(outcome)
             except Exception as e:  # never let the thread die: the event is reported, the next one sent
-                self._report(Outcome(item[0], False, f"{type(e).__name__}: {e}", 1, item[1], item[2]))
-            finally:
+                outcome = Outcome(item[0], False, f"{type(e).__name__}: {e}", 1, item[1], item[2])
+            with self._cond:
+                if outcome is None:  # stopped mid-retry: the event stays pending for the next start
+                    self._unsent.append(item[0])
+                elif outcome.ok:
+                    self._sent += 1
+                else:
+                    self._failed += 1
                 self._in_flight = None
+                self._cond.notify_all()
+            if outcome is not None:
+                self._report(outcome)
 
     def _post(self, item: tuple) -> Outcome | None:
         eid, title, run, body = item
@@ -165,16 +206,13 @@ class WebhookTarget:
             try:
                 status = self._send(body)
             except _Refused as e:
-                self.failed += 1
                 return Outcome(eid, False, str(e), tries, title, run)
             except (OSError, http.client.HTTPException) as e:
                 reason = _why(e)
                 continue
             if 200 <= status < 300:
-                self.sent += 1
                 return Outcome(eid, True, "", tries, title, run)
             reason = f"HTTP {status}"
-        self.failed += 1
         return Outcome(eid, False, reason, tries, title, run)
 
     def _send(self, body: bytes) -> int:
@@ -215,22 +253,24 @@ class WebhookTarget:
             conn.close()
 
     def pending(self) -> bool:
-        return not self._idle.is_set() or not self._queue.empty()
+        with self._cond:
+            return bool(self._items) or self._in_flight is not None
 
     def close(self, timeout_s: float = 5.0) -> list[str]:
         """Send what is queued, waiting at most `timeout_s`; the ids of events still not
-        delivered then (queued or in flight) are returned: the caller keeps them pending."""
+        delivered then (queued, in flight or stopped mid-retry) are returned: the caller keeps
+        them pending."""
         deadline = time.monotonic() + max(0.0, timeout_s)
-        while self.pending() and time.monotonic() < deadline:
-            self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-        self._stop.set()
-        left = [self._in_flight] if self._in_flight else []
-        while True:
-            try:
-                left.append(self._queue.get_nowait()[0])
-            except queue.Empty:
-                break
-        self._thread.join(0.2)
+        with self._cond:
+            while (self._items or self._in_flight is not None) and time.monotonic() < deadline:
+                self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            self._stop.set()
+            self._cond.notify_all()
+        self._thread.join(0.2)  # a post in progress ends at its timeout; its event is kept below
+        with self._cond:
+            left = list(self._unsent) + ([self._in_flight] if self._in_flight else []) + [i[0] for i in self._items]
+            self._unsent.clear()
+            self._items.clear()
         return [e for e in left if e]
 
     def describe(self, outcome: Outcome) -> str:
