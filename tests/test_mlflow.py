@@ -118,3 +118,45 @@ def test_a_server_gone_mid_run_leaves_training_unharmed(server, tmp_path):
     assert sink.batches_sent <= 2  # the two batches of the steps before the cut, at most
     got = MlflowClient(server.uri).get_metric_history(sink.run_id, "nummon/loss")
     assert [m.step for m in got] == list(range(len(got))) and len(got) <= 10
+
+
+def test_watch_follows_a_live_plain_mlflow_run_notifies_before_its_nan_and_outlives_the_server(server, tmp_path):
+    """`nummon watch mlflow:<uri>?experiment=...` as a real subprocess posting to a real webhook: the
+    runaway is notified while the run is still finite; then the server goes away (the relay is cut)
+    and the watcher says so once and keeps running until it is stopped."""
+    import json
+    import signal
+    import time
+
+    from webhook_receiver import Receiver
+
+    relay, receiver = Relay(server.port), Receiver()
+    mlflow.set_tracking_uri(server.uri)
+    mlflow.set_experiment("watched")
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "nummon", "watch", f"mlflow:{relay.uri}?experiment=watched", "--interval", "0.5",
+         "--notify", f"webhook:{receiver.url}", "--state", str(tmp_path / "state.json")],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        with mlflow.start_run() as run:
+            losses = [2.0 * 0.98 ** i for i in range(30)] + [0.9 * 3.0 ** k for k in range(1, 30)]
+            for step, loss in enumerate(losses):
+                mlflow.log_metric("train_loss", loss, step=step)
+            deadline = time.monotonic() + 180
+            while not receiver.bodies and time.monotonic() < deadline and watcher.poll() is None:
+                time.sleep(0.2)
+            assert receiver.bodies, "no notification before the NaN"
+            mlflow.log_metric("train_loss", float("nan"), step=len(losses))
+        first = receiver.bodies[0]["text"]
+        assert run.info.run_id in first and "Incident 1 opened" in first
+        relay.cut()
+        time.sleep(3)
+        assert watcher.poll() is None  # alive without its server
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        err = watcher.communicate(timeout=60)[1]
+        receiver.close()
+    assert watcher.returncode == 0, err
+    assert "not reachable" in err and err.count("not reachable") == 1, err
+    assert "Traceback" not in err
+    assert json.dumps(receiver.bodies)  # strict JSON bodies

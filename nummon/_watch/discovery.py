@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 from . import fs
 from .read_hf import STATE_NAME, lineage_root
+from .read_mlflow import MLFLOW_PREFIX, MlflowError, MlflowServer, is_mlflow_source, parse_source, safe_uri
 from .read_tb import is_event_file
 from .read_wandb import is_wandb_file
 from .readers import detect_format
 from .text import printable
 
-__all__ = ["RunSpec", "discover"]
+__all__ = ["RunSpec", "discover", "root_is_here"]
 
 
 @dataclass
@@ -60,14 +61,50 @@ def _norm(path: str) -> str:
     return path if fs.is_url(path) else os.path.abspath(path)
 
 
+_answered: dict[str, bool] = {}  # MLflow roots: whether the server answered the last search
+
+
+def root_is_here(root: str) -> bool:
+    """The root exists (a folder, a file, or an MLflow server that answered its last search): a
+    run missing under it is gone, not away."""
+    if is_mlflow_source(root):
+        return _answered.get(root, False)
+    return fs.is_dir(root) or fs.stat(root) is not None
+
+
+def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> None:
+    """An MLflow root: one run (``mlflow:<uri>#<run-id>``), or the server's RUNNING runs
+    (``mlflow:<uri>``, ``?experiment=NAME`` for one experiment). A server that cannot be asked is
+    a problem line (said once by the watcher) and the root counts as away."""
+    try:
+        uri, run_id, query = parse_source(root)
+        if run_id is not None:
+            spec_id = f"{MLFLOW_PREFIX}{safe_uri(uri)}#{run_id}"
+            runs.setdefault(spec_id, RunSpec(spec_id, "mlflow", [spec_id]))
+            _answered[root] = True
+            return
+        for info in MlflowServer(uri).search_runs(query.get("experiment")):
+            rid = str(info.get("run_id") or info.get("run_uuid") or "")
+            if rid:
+                spec_id = f"{MLFLOW_PREFIX}{safe_uri(uri)}#{rid}"  # credentials come from MLflow's variables
+                runs.setdefault(spec_id, RunSpec(spec_id, "mlflow", [spec_id]))
+        _answered[root] = True
+    except MlflowError as e:
+        _answered[root] = False
+        problems.append(f"{e}; asked again at each poll")
+
+
 def discover(roots: list[str], format: str | None = None, exclude: set[str] = frozenset()) -> tuple[dict[str, RunSpec], list[str]]:
     """Runs under `roots` by id, and one line per root that does not exist or holds no log.
 
     A root that is a file is one run (its format detected from its content when its name says
-    nothing); a folder is searched (8 levels deep)."""
+    nothing); a folder is searched (8 levels deep); an MLflow root is asked for its runs."""
     runs: dict[str, RunSpec] = {}
     problems: list[str] = []
     for root in roots:
+        if is_mlflow_source(root):
+            _mlflow_runs(root, runs, problems)
+            continue
         root = _norm(root)
         if fs.stat(root) is None and not fs.is_dir(root):
             problems.append(f"{root}: not found")

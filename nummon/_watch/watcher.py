@@ -19,7 +19,8 @@ from typing import IO, Any
 from .._errors import NummonError
 from .._policy import Policy
 from . import fs
-from .discovery import RunSpec, discover
+from .discovery import RunSpec, discover, root_is_here
+from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
 from .readers import make_follower
@@ -161,7 +162,7 @@ class Watcher:
         (the time kept in the state file); after `forget_after_s` their state is dropped (a run
         that comes back later is read from its start; its events keep their ids)."""
         now = self.wall_clock()
-        here = [r for r in self.roots if fs.is_dir(r) or fs.stat(r) is not None]
+        here = [r for r in self.roots if root_is_here(r)]
         forgotten = []
         for rid in list(self.saved_runs) + list(self.runs):
             if rid in specs or not any(_under(rid, r) for r in here):
@@ -282,6 +283,13 @@ class Watcher:
             try:
                 events = run.poll(final=final, stop=self.stop, chunks=1)  # one bounded chunk per run and pass
                 backlog = backlog or run.backlog
+            except MlflowError as e:  # the tracking server is away: like an unreadable file, asked again next pass
+                self._notes(run)
+                line = f"{e}; asked again at each poll"  # the words discovery uses: said once for both
+                if line not in self.bad:
+                    self.bad[line] = None
+                    self.say(line)
+                continue
             except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
                 self._notes(run)
                 self._retire(run_id, keep=False)
@@ -511,12 +519,20 @@ def _key(t: Any) -> str:
 
 
 def _under(run_id: str, root: str) -> bool:
+    if is_mlflow_source(root):  # mlflow:<uri>[?experiment=...] holds mlflow:<uri>#<run-id>
+        try:
+            uri, one, _ = parse_source(root)
+        except NummonError:
+            return False
+        return run_id == f"{MLFLOW_PREFIX}{safe_uri(uri)}#{one}" if one else run_id.startswith(f"{MLFLOW_PREFIX}{safe_uri(uri)}#")
     root = os.path.abspath(root) if "://" not in root else root
     return run_id == root or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep) or run_id.startswith(root.rstrip("/") + "/")
 
 
 def _name(run_id: str, roots: list[str]) -> str:
     """A run's short name: its path below the watch root that holds it (or its last parts)."""
+    if run_id.startswith("mlflow:") and "#" in run_id:
+        return "mlflow run " + run_id.rsplit("#", 1)[1]
     for root in roots:
         r = os.path.abspath(root) if "://" not in root else root
         if _under(run_id, r) and run_id != r:
@@ -531,4 +547,6 @@ def _signature(spec: RunSpec | None) -> tuple:
 
     if spec is None:
         return ()
+    if spec.format == "mlflow":
+        return ()  # a server's run has no files: never "untouched since" (asked again at each discovery)
     return tuple((f, fs.stat(f)) for f in sorted(spec.files))
