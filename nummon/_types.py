@@ -444,6 +444,7 @@ class IncidentEvent:
     hint: str | None = None
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
     explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
+    reopened: int | None = None  # re-opened: the step at which every condition had cleared before this alert
 
     @property
     def title(self) -> str:
@@ -463,6 +464,9 @@ class IncidentEvent:
         elif self.state is IncidentState.RESOLVED:
             head = (f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
                     "no open condition and no new alert since.")
+        elif self.reopened is not None:
+            head = (f"Incident {self.number} re-opened at step {self.step}: **{self.state.value}** again "
+                    f"(its conditions had cleared at step {self.reopened}).")
         else:
             verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
             head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
@@ -501,6 +505,7 @@ class IncidentEvent:
             "hint": self.hint,
             **({"action": self.action} if self.action else {}),
             **({"explanation": self.explanation} if self.explanation else {}),
+            **({"reopened": self.reopened} if self.reopened is not None else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":

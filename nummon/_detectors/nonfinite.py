@@ -18,7 +18,12 @@ _NORM_HISTORY = 20
 
 
 class NonfiniteDetector:
-    """Critical on the first NaN/Inf anywhere; keeps the first location while the condition holds."""
+    """Critical on the first NaN/Inf anywhere; keeps the first location while the condition holds.
+
+    One condition (an episode) lasts from the first non-finite record until `clear_records`
+    finite records in a row: NaNs that come back every few records are one condition, its
+    first location kept and each return counted (the engine holds it open just as long).
+    """
 
     section = "nonfinite"
     kinds = (AlertKind.NONFINITE,)
@@ -29,6 +34,9 @@ class NonfiniteDetector:
         self._first: tuple[str, str] | None = None  # (metric, location) of the first non-finite step
         self._skips = 0  # log records in a row with non-finite gradients beside a finite loss
         self._norms: deque[float] = deque(maxlen=_NORM_HISTORY)  # the last finite gradient norms
+        self._finite_run = 0  # finite records in a row since the last non-finite one
+        self._since: int | None = None  # step of the episode's first non-finite record
+        self._records = 0  # non-finite records in the episode
 
     def update(self, rec: StepRecord) -> list[Finding]:
         out: list[Finding] = []
@@ -67,13 +75,20 @@ class NonfiniteDetector:
             parts = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
             parts += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
         if not parts:
-            self._first = None
             self._skips = 0
+            # (a record non-finite elsewhere, e.g. only in its input batch, ends no episode)
+            self._finite_run = self._finite_run + 1 if rec.is_finite() else 0
+            if self._finite_run >= self._p.clear_records:  # the episode is over
+                self._first, self._since, self._records = None, None, 0
             return out
+        gap = self._finite_run if self._since is not None else 0  # finite records since the last non-finite one
+        self._finite_run = 0
+        self._records += 1
         skip = self._skipped_in_log(rec, parts, from_log)
         if self._first is None:
             metric = parts[0]
             self._first = (metric, rec.nonfinite_location or metric)
+            self._since = rec.step
         if skip is not None:  # (the first non-finite is kept: the loss may follow at the next record)
             out.append(skip)
             return out
@@ -83,6 +98,10 @@ class NonfiniteDetector:
         if rec.rank is not None:
             where = f"first non-finite: rank {rec.rank}, {location}"
         named = list(dict.fromkeys(parts))
+        again = ""
+        if gap:
+            again = (f"; non-finite again after {gap} finite record{'' if gap == 1 else 's'} "
+                     f"({self._records} non-finite records since step {self._since})")
         out.append(
             Finding(
                 kind,
@@ -90,9 +109,9 @@ class NonfiniteDetector:
                 "nonfinite",
                 float(rec.nonfinite_count or len(parts)),
                 0.0,
-                f"non-finite values in {', '.join(named)}{count}; {where}",
+                f"non-finite values in {', '.join(named)}{count}; {where}{again}",
                 location=location,
-                details={"parts": named},
+                details={"parts": named, "since": self._since, "last": rec.step, "records": self._records},
             )
         )
         return out
