@@ -6,7 +6,7 @@ from collections import deque
 
 from .._functional import fmt_num, median, robust_center
 from .._policy import NonfinitePolicy
-from .._types import AlertKind, Finding, Severity, StepRecord
+from .._types import AlertKind, Finding, Severity, StepRecord, sci
 
 __all__ = ["NonfiniteDetector"]
 
@@ -121,7 +121,8 @@ class NonfiniteDetector:
             out.append(skip)
             return out
         metric, location = self._first
-        count = f" ({rec.nonfinite_count} values)" if rec.nonfinite_count else ""
+        n = rec.nonfinite_count
+        count = f" ({sci(n)} non-finite element{'' if n == 1 else 's'})" if n else ""
         where = f"first non-finite tensor: {location}"
         if rec.rank is not None:
             where = f"first non-finite: rank {rec.rank}, {location}"
@@ -142,7 +143,8 @@ class NonfiniteDetector:
                 0.0,
                 f"non-finite values in {', '.join(named)}{count}; {where}{again}",
                 location=location,
-                details={"parts": named, "since": self._since, "last": rec.step, "records": self._records},
+                details={"parts": named, "since": self._since, "last": rec.step, "records": self._records,
+                         **({"elements": int(n)} if n else {})},
             )
         )
         return out
