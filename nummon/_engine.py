@@ -25,7 +25,7 @@ Key = tuple[str, str, str]
 class Transition:
     """A change of one condition (kind, metric, location) that people should hear about."""
 
-    change: Literal["opened", "escalated", "cleared"]
+    change: Literal["opened", "escalated", "recurred", "cleared"]
     finding: Finding  # the latest finding of the condition
     previous: Severity | None = None  # escalated: the severity before; cleared: the severity that held
 
@@ -35,6 +35,7 @@ class _Open:
     severity: Severity  # the worst severity seen while open
     silent: bool  # opened within the cooldown of its last alert: not announced
     finding: Finding
+    gap: bool = False  # held open while absent: its next finding is a recurrence
 
 
 class AlertLifecycle:
@@ -45,10 +46,18 @@ class AlertLifecycle:
     silent). The cooldown counts from the last time the condition was announced: within
     `cooldown_steps` of it, the same key at the same or lower severity opens silently, and a
     condition that stays (or keeps coming back) is announced again once the cooldown is over.
+
+    Kinds in `settled_kinds` clear only after a stretch of clean records (the engine holds them
+    until then: non-finite values, `nonfinite.clear_records`). One that comes back within that
+    stretch is a recurrence, announced ("recurred") once the cooldown since its last announcement
+    is over; and since the stretch already keeps it from flapping, a return after its announced
+    clear is a new alert, whatever the cooldown.
     """
 
-    def __init__(self, p: Union[AlertPolicy, Policy]) -> None:
+    def __init__(self, p: Union[AlertPolicy, Policy],
+                 settled_kinds: frozenset[AlertKind] = frozenset({AlertKind.NONFINITE})) -> None:
         self._p = p.alerts if isinstance(p, Policy) else p
+        self._settled_kinds = settled_kinds
         self._open: dict[Key, _Open] = {}
         self._sent: dict[Key, tuple[int, Severity]] = {}  # key -> (step, severity) of its last announcement
 
@@ -83,15 +92,28 @@ class AlertLifecycle:
                 cur.finding = f
                 if cur.silent and not self._quiet(key, step, cur.severity):
                     cur.silent = False  # recurring past the cooldown: announce it again
+                    cur.gap = False
                     t = Transition("opened", f)
+                elif cur.gap and not self._quiet(key, step, cur.severity):
+                    cur.gap = False  # back after a gap, past the cooldown: say it came back
+                    t = Transition("recurred", f)
             if t is not None:
                 out.append(t)
                 self._sent[key] = (step, f.severity)
         keep = hold if callable(hold) else (lambda f: hold)
-        for key in [k for k, c in self._open.items() if k not in active and not keep(c.finding)]:
-            cur = self._open.pop(key)
+        for key, cur in list(self._open.items()):
+            if key in active:
+                continue
+            if keep(cur.finding):
+                # held over a record without it: for a settled kind (a finite record amid
+                # non-finite ones) its return is news; a sampled metric between samples is not
+                cur.gap = cur.gap or cur.finding.kind in self._settled_kinds
+                continue
+            del self._open[key]
             if not cur.silent:
                 out.append(Transition("cleared", cur.finding, cur.severity))
+                if cur.finding.kind in self._settled_kinds:
+                    self._sent.pop(key, None)  # its clear was debounced: a return is news
         return out
 
     def open_findings(self) -> list[Finding]:
@@ -133,6 +155,7 @@ class HealthEngine:
         # stood before the condition opened (median of its last finite values then)
         self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
         self._before: dict[Key, float] = {}
+        self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
 
     def wants_sample(self) -> bool:
         """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
@@ -157,6 +180,7 @@ class HealthEngine:
         self._first.clear()
         self._recent.clear()
         self._before.clear()
+        self._finite_run = 0
         for levels in self._levels.values():
             levels.clear()
 
@@ -197,7 +221,7 @@ class HealthEngine:
                 step=step,
                 kind=f.kind,
                 severity=Severity.INFO,
-                message=f"cleared: {f.kind.value} on {f.metric} is back within limits",
+                message=self._cleared_text(f),
                 metric=f.metric,
                 location=f.location,
                 cleared=True,
@@ -205,11 +229,13 @@ class HealthEngine:
         details = dict(f.details)
         if t.change == "escalated" and t.previous is not None:
             details["escalated_from"] = t.previous.value
+        if t.change == "recurred":
+            details["recurring"] = True
         return Alert(
             step=step,
             kind=f.kind,
             severity=f.severity,
-            message=f.message,
+            message=("recurring: " if t.change == "recurred" else "") + f.message,
             metric=f.metric,
             value=f.value,
             threshold=f.threshold,
@@ -218,6 +244,22 @@ class HealthEngine:
             details=details,
         )
 
+    def _cleared_text(self, f: Finding) -> str:
+        """What cleared, by the name of its metric (a non-finite condition: the values that were
+        non-finite, and the stretch of finite records that cleared it)."""
+        if f.kind is not AlertKind.NONFINITE:
+            return f"cleared: {f.kind.value} on {f.metric} is back within limits"
+        d = f.details or {}
+        names = ", ".join(d.get("parts") or [f.location or f.metric])
+        k = self.policy.nonfinite.clear_records
+        text = f"cleared: {names} finite again, {k} finite record{'' if k == 1 else 's'} in a row"
+        since, last, n = d.get("since"), d.get("last"), d.get("records")
+        if isinstance(since, int) and isinstance(last, int):
+            span = f"at step {since}" if since == last else f"from step {since} to step {last}"
+            many = f", in {n} records" if isinstance(n, int) and n > 1 else ""
+            text += f" (non-finite {span}{many})"
+        return text
+
     def step(self, rec: StepRecord) -> EngineStep:
         """Alerts, health and incident events of one record (frozen from here on: sinks hold it)."""
         rec.freeze()
@@ -225,9 +267,13 @@ class HealthEngine:
         for d in self.detectors:
             findings.extend(d.update(rec))
         finite = rec.is_finite()
+        self._finite_run = self._finite_run + 1 if finite else 0
+        settled = self._finite_run >= self.policy.nonfinite.clear_records
         # a non-finite record says nothing about whether growth stopped, and a record that does
-        # not measure a metric (an eval-only row) says nothing about that metric's condition
-        hold = (lambda f: True) if not finite else (lambda f: not rec.measures(f.metric) or self._still_high(f, rec))
+        # not measure a metric (an eval-only row) says nothing about that metric's condition; a
+        # non-finite condition holds until `clear_records` finite records in a row
+        hold = (lambda f: True) if not finite else (
+            lambda f: (f.kind is AlertKind.NONFINITE and not settled) or not rec.measures(f.metric) or self._still_high(f, rec))
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
         self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)

@@ -6,7 +6,7 @@ import re
 from typing import Any, Iterable
 
 from ._functional import cut_at_word, fmt_num
-from ._types import Alert, StepRecord
+from ._types import Alert, StepRecord, threshold_text, value_text
 
 __all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "cut_at_word", "fmt_num", "plain_text", "plural", "records_table"]
 
@@ -60,8 +60,11 @@ def alert_text(alert: Alert, markdown: bool = False) -> str:
     the last steps of the flight recorder as a table."""
     lines = [
         f"{alert.severity.value.upper()} {alert.kind.value} at step {alert.step}: {alert.message}",
-        f"metric: {alert.metric}  value: {fmt_num(alert.value)}  threshold: {fmt_num(alert.threshold)}",
     ]
+    said = value_text(alert.kind, alert.metric, alert.value, alert.details, alert.location)
+    limit = threshold_text(alert.kind, alert.metric, alert.threshold, alert.details)
+    if said or limit:
+        lines.append("  ".join(x for x in (said and f"value: {said}", limit and f"limit: {limit}") if x))
     if alert.location:
         lines.append(f"location: {alert.location}")
     if alert.rank is not None:

@@ -28,6 +28,8 @@ class IncidentTracker:
 
     A condition counts as open from its warning/critical alert until its "cleared" alert; the
     engine may also say directly whether any condition is still open (``conditions_open``).
+    A loud alert after every condition had cleared, before the incident resolved, re-opens it:
+    an event at the same state (``reopened``), so people hear that the trouble came back.
     """
 
     def __init__(self, quiet_steps: int) -> None:
@@ -40,6 +42,7 @@ class IncidentTracker:
         self._contributors: dict[tuple[str, str, str], Contributor] = {}
         self._hint: tuple[int, str] | None = None  # (state rank, hint) of the worst alert with one
         self._flight_record: str | None = None
+        self._settled_at: int | None = None  # step at which every condition of the active incident had cleared
 
     def update(
         self,
@@ -55,7 +58,9 @@ class IncidentTracker:
                 self._open.discard(a.key)
         loud = [a for a in alerts if not a.cleared and a.severity.rank >= Severity.WARNING.rank]
         previous = self.state
+        reopened_after = self._settled_at if loud and self.state.active else None
         if loud:
+            self._settled_at = None
             if not self.state.active:  # a new incident
                 self.number += 1
                 self._opened_step = step
@@ -71,10 +76,15 @@ class IncidentTracker:
         still_open = bool(self._open) if conditions_open is None else conditions_open
         if alerts or still_open:
             self._quiet_since = step
+        if self.state.active and not still_open and not loud and self._settled_at is None:
+            self._settled_at = step
         if self.state.active and step - self._quiet_since >= self.quiet_steps:
             self.state = IncidentState.RESOLVED
             self._open.clear()
+            self._settled_at = None
         if self.state is previous:
+            if reopened_after is not None:
+                return [replace(self._event(step, previous), reopened=reopened_after)]
             return []
         return [self._event(step, previous)]
 

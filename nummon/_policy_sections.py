@@ -48,6 +48,7 @@ class NonfinitePolicy(_Section):
     enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
     log_skip_warning: int = Field(3, ge=1, le=MAX_WINDOW, description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP; the scaler calibrates so at the start of a run): info, a warning once it has lasted this many records in a row (records)")
     log_skip_records: int = Field(10, ge=1, le=MAX_WINDOW, description="and critical once it has lasted this many: the scaler is skipping every step, the run no longer trains (records)")
+    clear_records: int = Field(10, ge=1, le=MAX_WINDOW, description="a non-finite condition clears only after this many finite records in a row: NaNs that come back every few records stay one open condition (announced again as recurring once the cooldown is over), while a one-off NaN or a loss scaler's calibration (its next overflow is thousands of steps away) clears (records)")
 
 
 class SpikePolicy(_Section):

@@ -5,7 +5,7 @@ import math
 
 from .. import _functional as F
 from .._policy import HeadroomPolicy
-from .._types import AlertKind, Finding, Severity, StepRecord
+from .._types import AlertKind, Finding, Severity, StepRecord, sci
 from .base import MAGNITUDE_FIELDS
 
 __all__ = ["HeadroomDetector"]
@@ -23,6 +23,7 @@ class HeadroomDetector:
 
     def update(self, rec: StepRecord) -> list[Finding]:
         dtype = rec.headroom_dtype or self._p.default_dtype
+        magnitude = None
         if rec.headroom is not None:
             decades, metric = rec.headroom, "headroom"
         else:
@@ -30,7 +31,8 @@ class HeadroomDetector:
             if not mags:
                 return []
             metric = max(mags, key=mags.get)
-            decades = F.headroom_decades(mags[metric], dtype)
+            magnitude = mags[metric]
+            decades = F.headroom_decades(magnitude, dtype)
         if not math.isfinite(decades):
             return []  # overflowed already: the nonfinite detector reports it
         crit = self._p.critical_decades.get(dtype)
@@ -48,7 +50,8 @@ class HeadroomDetector:
                 metric,
                 decades,
                 thr,
-                f"only {decades:.1f} decades of {dtype} headroom left (limit {thr:g})",
-                details={"dtype": dtype},
+                (f"{metric} {sci(magnitude)}: " if magnitude is not None else "")
+                + f"only {decades:.1f} decades of {dtype} headroom left (limit {thr:g} decades)",
+                details={"dtype": dtype, **({"magnitude": magnitude} if magnitude is not None else {})},
             )
         ]
