@@ -3,9 +3,9 @@
 nummon JSONL traces, TensorBoard event files or folders, Hugging Face trainer_state.json,
 Lightning metrics.csv and W&B offline run files are read (detected, or `--input-format`).
 
-Alerts found before a broken line are printed before the error; a torn last line, a corrupt
-record skipped (with its byte offset) and a step that goes backwards (a new segment) are
-one-line warnings. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
+Unreadable lines (a torn line, a corrupt record) are skipped as the watcher skips them, with
+one warning per file naming the first one's file:line and the count; a step that goes
+backwards (a new segment) is a one-line warning. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
 """
 from __future__ import annotations
 
