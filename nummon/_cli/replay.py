@@ -22,11 +22,13 @@ def add_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
     r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders; a folder of *.jsonl means each of them")
     r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb"), default=None,
-                   help="force the log format (default: detected from the name and first bytes)")
+                   help="force the log format, one of %(choices)s (default: detected from the name and first bytes)")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
-    r.add_argument("--format", choices=("text", "jsonl"), default="text")
+    r.add_argument("--format", choices=("text", "jsonl"), default="text",
+                   help="how alerts are printed: text (one line per alert, then a count; the default) or jsonl "
+                        "(one JSON object per alert: source, step, kind, severity, message)")
     r.add_argument("--min-severity", choices=("info", "warning", "critical"), default="info",
-                   help="print only alerts at or above this severity (default: info)")
+                   help="print only alerts at or above this severity, one of %(choices)s (default: info)")
     r.set_defaults(run=run)
 
 

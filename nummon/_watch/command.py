@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="read what is there, notify, and exit")
     parser.add_argument("--state", default=None, metavar="FILE",
                         help="state file: read positions and incident state survive a restart")
-    parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="force one log format")
+    parser.add_argument("--format", choices=sorted(FORMATS), default=None,
+                        help="force one log format, one of %(choices)s (default: detected for each run)")
     parser.add_argument("--idle-timeout", type=float, default=1800.0, metavar="S",
                         help="retire a run after this many seconds without new records (default: 1800)")
     parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
