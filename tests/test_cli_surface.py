@@ -100,3 +100,19 @@ def test_the_readme_chart_table_names_every_health_code():
     row = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("| `health` |"))
     for h in Health:
         assert f"{h.code:g} = {h.value.replace('nonfinite', 'non-finite')}" in row, (h, row)
+
+
+@pytest.mark.parametrize("command", [["watch", "--once"], ["replay"], ["demo", "--out"]])
+def test_every_command_with_a_policy_gives_the_did_you_mean_hint(tmp_path, command):
+    """The same one-line error as `policy validate`, hint included; exit 2; nothing created."""
+    policy = tmp_path / "typo.yaml"
+    policy.write_text("spike:\n  grad_factr: 3\n")
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"step": 0, "loss": 1.0}\n')
+    target = [str(tmp_path / "demo-out")] if command[0] == "demo" else [str(log)]
+    p = subprocess.run(nummon_cmd() + command + target + ["--policy", str(policy)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.splitlines() == [
+        f"nummon: error: invalid policy {policy}: spike.grad_factr: unknown key (did you mean grad_factor?)"]
+    assert not (tmp_path / "demo-out").exists()

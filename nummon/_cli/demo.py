@@ -65,6 +65,9 @@ class Progress:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .. import _demo
     from .._demo_config import DemoConfig
+    from .policy import load_policy_with_hints
+
+    load_policy_with_hints(args.policy)  # an invalid file's error carries the "did you mean" hints
 
     config = DemoConfig(
         out=args.out, steps=args.steps, lr=args.lr, seed=args.seed, device=args.device, healthy=args.healthy,

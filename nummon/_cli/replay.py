@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from ._common import warn
+from .policy import load_policy_with_hints
 
 __all__ = ["add_parser", "run"]
 
@@ -34,12 +35,11 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .._format import clean_text
-    from .._policy import load_policy
     from .._replay import iter_replay, iter_replay_records
     from .._types import Severity
     from .._watch.readers import read_records
 
-    policy = load_policy(args.policy)
+    policy = load_policy_with_hints(args.policy)
     paths = _expand(args.paths, args.input_format)
     floor = Severity(args.min_severity).rank
     n_alerts = 0

@@ -56,7 +56,7 @@ def _keymap(pairs: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     """Watch until SIGINT/SIGTERM (or one pass with --once)."""
-    from .._policy import load_policy
+    from .._cli.policy import load_policy_with_hints
     from .watcher import Watcher
 
     if args.interval <= 0:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             raise NummonError(f"{p}: not found")
         if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
             raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
-    policy = load_policy(args.policy)
+    policy = load_policy_with_hints(args.policy)
     keymap = _keymap(args.key)
     shard = None
     if getattr(args, "shard", None):
