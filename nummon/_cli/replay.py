@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from ._common import warn
+from ._common import non_empty, warn
 from .policy import load_policy_with_hints
 
 __all__ = ["add_parser", "run"]
@@ -21,7 +21,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
-    r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders; a folder of *.jsonl means each of them")
+    r.add_argument("paths", nargs="+", metavar="PATH", type=non_empty("a log file or run folder"), help="log files or run folders; a folder of *.jsonl means each of them")
     r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb"), default=None,
                    help="force the log format, one of %(choices)s (default: detected from the name and first bytes)")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
