@@ -91,3 +91,20 @@ def test_seed_accepts_exactly_0_to_2_63_minus_1(value):
     else:
         with pytest.raises(argparse.ArgumentTypeError):
             seed(str(value))
+
+
+@pytest.mark.parametrize("fmt,needle", [
+    ("tensorboard", "not a TensorBoard event file"), ("hf", "not a hf log"), ("csv", "not a metrics CSV"), ("wandb", "")])
+def test_replay_refuses_a_jsonl_log_forced_into_another_format(log, fmt, needle):
+    """The log holds a NaN: read as what it is not, it must be refused, never "no alerts"."""
+    p = cli("replay", "--input-format", fmt, log)
+    assert_one_line_error(p, str(log), needle)
+
+
+@pytest.mark.parametrize("fmt", ["tensorboard", "hf", "csv", "wandb"])
+def test_watch_refuses_a_jsonl_log_forced_into_another_format(log, fmt):
+    p = cli("watch", "--once", "--format", fmt, log)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "run lost" not in p.stdout and "nonfinite" not in p.stdout
+    refused = [line for line in p.stderr.splitlines() if f"{log}: not a" in line]
+    assert len(refused) == 1, p.stderr
