@@ -23,8 +23,8 @@ _log = logging.getLogger("nummon")
 def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> Iterator[Alert]:
     """Alerts as the detectors raise them over one JSONL trace, in step order, streaming.
 
-    Warnings (a torn last line, a new segment) go to `warn` (default: the "nummon" logger); a
-    broken line in the middle raises TraceError after the alerts before it were yielded."""
+    Warnings (unreadable lines skipped, a new segment) go to `warn` (default: the "nummon"
+    logger); TraceError when the file is not a trace or holds no readable step record."""
     pol: Policy = load_policy(policy)
     warn = warn or _log.warning
     engine = HealthEngine(pol)

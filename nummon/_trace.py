@@ -1,11 +1,14 @@
 """Recorded traces: JSONL, one object per step (plain json, no torch).
 
-Reading is streaming and forgiving at the tail: records come out as their lines are read; a
-last line that is not valid JSON (what a full disk or a killed writer leaves) is reported as a
-warning and skipped, while a broken line anywhere else is a TraceError naming file:line.
-Objects with a ``type`` other than ``"step"`` (nummon's own alert lines) are skipped. Non-finite
-numbers are read in both spellings: strict-JSON strings ("NaN", "Infinity", "-Infinity") and the
-bare literals Python and Hugging Face write (NaN, Infinity).
+One rule for every JSONL line, shared by `nummon replay` and the watcher (`parse_step_line`): a
+step object becomes a record; an empty line or an object whose ``type`` is not ``"step"``
+(nummon's own alert lines) is passed over; anything else (not UTF-8, not JSON, not an object, a
+step with an unusable value) is an UnreadableLine. A file whose first line is not a JSON object
+is not a trace; after that, unreadable lines (a torn line, a killed writer's half record) are
+skipped, and replay names them in one warning at the end: the first one's file:line, and how
+many in all. A file with no readable step record and some unreadable line is an error.
+Non-finite numbers are read in both spellings: strict-JSON strings ("NaN", "Infinity",
+"-Infinity") and the bare literals Python and Hugging Face write (NaN, Infinity).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from ._errors import NummonError
 from ._format import clean_text
 from ._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 
-__all__ = ["TraceError", "WarnFn", "expand_paths", "iter_steps", "read_trace", "record_from_dict"]
+__all__ = ["TraceError", "UnreadableLine", "WarnFn", "expand_paths", "iter_steps", "parse_step_line", "read_trace",
+           "record_from_dict"]
 
 _SPECIAL = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf, "inf": math.inf, "-inf": -math.inf}
 
@@ -33,8 +37,13 @@ class TraceError(NummonError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
-class _BrokenLine(Exception):
-    """A line that is not a JSON object: fatal in the middle of a file, a warning at its end."""
+class UnreadableLine(TraceError):
+    """One JSONL line that is not a usable step record. `reason` says why, in words; `structural`
+    is true when the line is not a JSON object at all (on a file's first line: not a trace)."""
+
+    def __init__(self, where: str, reason: str, structural: bool) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.structural = where, reason, structural
 
 
 def _number(v, where: str, key: str) -> float | None:
@@ -89,20 +98,40 @@ def record_from_dict(obj: dict, where: str, default_step: int) -> StepRecord:
     return rec
 
 
-def _parse_line(raw: bytes) -> object:
-    """One line's JSON value; _BrokenLine with the reason when it is not JSON."""
+def _json_value(raw: bytes, where: str) -> object:
+    """One line's JSON value; UnreadableLine with the reason when it is not JSON."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise _BrokenLine("not UTF-8 text (a binary file, or another encoding?)") from None
+        raise UnreadableLine(where, "not UTF-8 text (a binary file, or another encoding?)", True) from None
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
-        raise _BrokenLine(f"not valid JSON ({e.msg})") from None
+        raise UnreadableLine(where, f"not valid JSON ({e.msg} at column {e.colno})", True) from None
     except RecursionError:
-        raise _BrokenLine("not a usable JSON line (nested too deeply)") from None
+        raise UnreadableLine(where, "not a usable JSON line (nested too deeply)", True) from None
     except ValueError as e:  # e.g. an integer with more digits than Python converts
-        raise _BrokenLine(f"not a usable JSON line ({_text(str(e), 80)})") from None
+        raise UnreadableLine(where, f"not a usable JSON line ({_text(str(e), 80)})", True) from None
+
+
+def parse_step_line(raw: bytes, where: str, default_step: int) -> StepRecord | None:
+    """The record one JSONL line holds (`where` is its file:line, for messages); None for an
+    empty line or a non-step event line; UnreadableLine when the line is not a usable record."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    obj = _json_value(raw, where)
+    if not isinstance(obj, dict):
+        raise UnreadableLine(where, f"expected a JSON object, got {type(obj).__name__}", True)
+    kind = obj.get("type")
+    if kind is not None and kind != "step":
+        return None  # alert and other event lines of nummon's own log
+    try:
+        return record_from_dict(obj, where, default_step)
+    except UnreadableLine:
+        raise
+    except TraceError as e:
+        raise UnreadableLine(where, str(e)[len(where) + 2:], False) from None
 
 
 def _open(path: Path):
@@ -119,39 +148,51 @@ def _open(path: Path):
 def iter_steps(path: str | Path, warn: WarnFn | None = None) -> Iterator[tuple[int, StepRecord]]:
     """(line number, record) for each step object of one JSONL trace, in file order.
 
-    A broken last line goes to `warn` (default: the "nummon" logger) and ends the trace; a
-    broken line followed by more lines raises TraceError naming file:line, after the records
-    before it were yielded."""
+    Unreadable lines after the first are skipped and named in one warning to `warn` (default:
+    the "nummon" logger) once the file is read; TraceError when the first line is not a JSON
+    object, or when no line was a readable step record but some line was unreadable."""
     path = Path(path)
     warn = warn or _log.warning
-    held: tuple[int, str] | None = None  # a broken line, fatal only if another line follows
     n = 0  # step records so far (the default step of a record without one)
-    parsed = 0  # lines that were JSON
+    first_line = True
+    skipped: list[tuple[int, UnreadableLine]] = []  # (line number, why)
+    last_lineno = 0  # the last non-empty line: a skipped line there is a torn tail
     with _open(path) as fh:
         for lineno, raw in enumerate(fh, 1):
-            raw = raw.strip()
-            if not raw:
+            if not raw.strip():
                 continue
-            if held is not None:
-                raise TraceError(f"{path}:{held[0]}: {held[1]}")
+            last_lineno = lineno
             try:
-                obj = _parse_line(raw)
-            except _BrokenLine as e:
-                if parsed == 0:  # nothing parsed yet: this is not a trace at all
-                    raise TraceError(f"{path}:{lineno}: {e}") from None
-                held = (lineno, str(e))
+                rec = parse_step_line(raw, f"{path}:{lineno}", n)
+            except UnreadableLine as e:
+                if first_line and e.structural:  # not a trace at all
+                    raise TraceError(str(e)) from None
+                skipped.append((lineno, e))
                 continue
-            parsed += 1
-            where = f"{path}:{lineno}"
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            kind = obj.get("type")
-            if kind is not None and kind != "step":
-                continue  # alert and other event lines of nummon's own log
-            yield lineno, record_from_dict(obj, where, n)
-            n += 1
-    if held is not None:
-        warn(f"{path}:{held[0]}: last line ignored, {held[1]} (torn by a full disk or a killed writer?)")
+            finally:
+                first_line = False
+            if rec is not None:
+                yield lineno, rec
+                n += 1
+    if not skipped:
+        return
+    if n == 0:
+        raise TraceError(f"{skipped[0][1]} (no readable step record in the file)")
+    warn(_skipped_message(skipped, last_lineno))
+
+
+def _skipped_message(skipped: list[tuple[int, UnreadableLine]], last_lineno: int) -> str:
+    """One warning for every unreadable line of a file: the first one's file:line and reason,
+    and the count (a lone torn last line says so)."""
+    lineno, first = skipped[0]
+    if len(skipped) == 1 and lineno == last_lineno and first.structural:
+        return f"{first.where}: last line ignored, {first.reason} (torn by a full disk or a killed writer?)"
+    more = "" if len(skipped) == 1 else f", the last at line {skipped[-1][0]}"
+    return f"{first.where}: line skipped, {first.reason}; {_lines(len(skipped))} skipped in all{more}"
+
+
+def _lines(n: int) -> str:
+    return f"{n} unreadable line" + ("" if n == 1 else "s")
 
 
 def read_trace(path: str | Path, warn: WarnFn | None = None) -> Iterator[StepRecord]:

@@ -59,7 +59,7 @@ def test_nan_tokens_in_both_spellings(tmp_path):
 
 
 @pytest.mark.parametrize("content,needle", [
-    ('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": \n{"step": 2, "loss": 1.0}\n', ":2: not valid JSON"),
+    ('{"step": 0, "loss": 1.0, "x": \n{"step": 2, "loss": 1.0}\n', ":1: not valid JSON"),
     ('[1, 2]\n', ":1: expected a JSON object"),
     ('{"step": 0, "loss": "abc"}\n', ":1: loss must be a number"),
 ])

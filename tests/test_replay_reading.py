@@ -46,16 +46,36 @@ def test_torn_last_line_warns_and_keeps_every_alert(tmp_path):
     assert len(lines) == 1 and f"{torn}:337: last line ignored" in lines[0] and "Traceback" not in p.stderr
 
 
-def test_broken_middle_line_prints_the_alerts_before_it_then_fails(tmp_path):
+def test_broken_middle_lines_are_skipped_with_one_warning_and_every_alert_kept(tmp_path):
+    """As the watcher does: unreadable lines in the middle (a torn write, a half record) are
+    skipped; one warning names the first one's file:line and the count; the alerts are those
+    of the trace without those lines."""
     rows = TRACE.read_text().splitlines()
+    broken = {100: '{"step": 100, "loss": ]', 101: '{"step": 101, "loss": "abc"}', 110: "\x00\x00garbage"}
     bad = tmp_path / "mid.jsonl"
-    bad.write_text("\n".join(rows[:300] + ['{"step": 300, "loss": ]'] + rows[301:]) + "\n")
-    before = [a for a in replay(TRACE) if a.step < 300]
-    assert before
+    bad.write_text("\n".join(broken.get(i, r) for i, r in enumerate(rows)) + "\n")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("\n".join(r for i, r in enumerate(rows) if i not in broken) + "\n")
     p = cli("replay", "--format", "jsonl", str(bad))
-    assert p.returncode == 2
-    assert [(a["step"], a["kind"]) for a in alert_lines(p.stdout)] == [(a.step, a.kind.value) for a in before]
-    assert p.stderr.strip().splitlines() == [f"nummon: error: {bad}:301: not valid JSON (Expecting value)"]
+    assert p.returncode == 0, p.stderr
+    expected = [(a.step, a.kind.value, a.severity.value) for a in replay(clean)]
+    assert any(step > 110 for step, _, _ in expected)  # alerts after the broken lines are printed too
+    assert [(a["step"], a["kind"], a["severity"]) for a in alert_lines(p.stdout)] == expected
+    assert p.stderr.strip().splitlines() == [
+        f"nummon: warning: {bad}:101: line skipped, not valid JSON (Expecting value at column 23); "
+        "3 unreadable lines skipped in all, the last at line 111"]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"step": 0, "loss": "abc"}\n{"step": 1, "loss": \n', ":1: loss must be a number, got 'abc' (no readable step record in the file)"),
+    ('[1, 2]\n{"step": 1}\n', ":1: expected a JSON object, got list"),
+])
+def test_a_file_with_no_readable_record_is_an_error(tmp_path, content, needle):
+    path = tmp_path / "none.jsonl"
+    path.write_text(content)
+    p = cli("replay", str(path))
+    assert p.returncode == 2 and not p.stdout
+    assert p.stderr.strip().splitlines() == [f"nummon: error: {path}{needle}"]
 
 
 def test_replay_of_nummons_own_event_log_skips_alert_lines(tmp_path):
@@ -178,9 +198,10 @@ def test_hostile_trace_through_the_real_console_entry(tmp_path):
     path = tmp_path / "hostile.jsonl"
     path.write_bytes(b'{"step": 0, "loss": 1e999, "nonfinite_location": "\\u001b[2J\\ud800"}\n\xff\xfe{"step": 1}\n{"step": 2}\n')
     p = cli("replay", str(path))
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines() == [f"nummon: error: {path}:2: not UTF-8 text (a binary file, or another encoding?)"]
-    assert "\x1b" not in p.stdout
+    assert p.returncode == 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"nummon: warning: {path}:2: line skipped, not UTF-8 text (a binary file, or another encoding?); 1 unreadable line skipped in all"]
+    assert "\x1b" not in p.stdout and "nonfinite" in p.stdout
 
 
 def test_null_layer_values_are_not_measured(tmp_path):

@@ -6,6 +6,7 @@ run, so `nummon replay` works without torch.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Sequence
 
@@ -13,7 +14,7 @@ from .._errors import NummonError
 from . import audit, demo, diagnose, policy, replay, watch
 from ._common import EXIT_ERROR, Parser, error
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "commands_text", "main"]
 
 _COMMANDS = (replay, watch, demo, audit, policy, diagnose)
 
@@ -23,7 +24,7 @@ def build_parser() -> Parser:
 
     p = Parser(prog="nummon", description="Numerical-health monitor for PyTorch training.")
     p.add_argument("--version", action="version", version=f"nummon {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=Parser)
     for command in _COMMANDS:
         command.add_parser(sub)
     # every command's --help opens with a description line: its own, else its one-line help
@@ -34,10 +35,24 @@ def build_parser() -> Parser:
     return p
 
 
+def commands_text(parser: Parser) -> str:
+    """What bare `nummon` prints: the usage, then every command with its one-line help (one line
+    each, unwrapped), then where to look further."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    width = max(len(a.dest) for a in sub._choices_actions)
+    lines = [parser.format_usage().rstrip(), "", str(parser.description), "", "commands:"]
+    lines += [f"  {a.dest.ljust(width)}  {a.help}" for a in sub._choices_actions]
+    lines += ["", "Run `nummon COMMAND --help` for a command's options, `nummon --help` for the global ones."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status: 0 fine, 1 a finding (audit: NaN/Inf), 2 bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        print(commands_text(parser), file=sys.stderr, end="")
+        return EXIT_ERROR  # no command is a usage error, as argparse's own: a script with an empty command fails
     try:
         return args.run(args, parser)
     except NummonError as e:

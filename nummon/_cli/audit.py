@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from .._format import clean_text, fmt_num
+from ._common import non_empty
 
 __all__ = ["add_parser", "run"]
 
@@ -17,8 +18,8 @@ def add_parser(sub: Any) -> None:
                        description="NaN/Inf census of a checkpoint's weights, buffers and optimizer state (exit 1 when "
                                    "any holds NaN/Inf; non-finite trainer metadata is listed and does not fail it), "
                                    "or of two checkpoints and what changed between them.")
-    a.add_argument("ckpt", metavar="CKPT", help="a checkpoint (.pt/.pth/.ckpt/.bin, .safetensors, or a folder of shards)")
-    a.add_argument("ckpt2", metavar="CKPT2", nargs="?", help="a second checkpoint to compare with the first")
+    a.add_argument("ckpt", metavar="CKPT", type=non_empty("a checkpoint path"), help="a checkpoint (.pt/.pth/.ckpt/.bin, .safetensors, or a folder of shards)")
+    a.add_argument("ckpt2", metavar="CKPT2", nargs="?", type=non_empty("a checkpoint path"), help="a second checkpoint to compare with the first")
     a.add_argument("--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON report")
     a.add_argument("--trust", action="store_true", help="allow pickled code (only for checkpoints you trust)")
     a.set_defaults(run=run)

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from .._demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
 from .._format import clean_text, records_table
-from ._common import note
+from ._common import non_empty, note, seed
 
 __all__ = ["Progress", "add_parser", "run"]
 
@@ -18,12 +18,13 @@ PROGRESS_EVERY = 20  # steps between progress lines when stderr is not a termina
 
 def add_parser(sub: Any) -> None:
     d = sub.add_parser("demo", help="reproduce a runaway on synthetic data, with every sink")
-    d.add_argument("--out", default=None, help="output folder (default: ./nummon-runs/<timestamp>)")
+    d.add_argument("--out", default=None, type=non_empty("a folder path"), help="output folder (default: ./nummon-runs/<timestamp>)")
     d.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
     d.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default: runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g})")
-    d.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the batches (default: 0)")
-    d.add_argument("--device", default="cpu", help="torch device to train on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    d.add_argument("--seed", type=seed, default=0,
+                   help="seed of the model, the data and the batches, from 0 to 2**63 - 1 (default: 0)")
+    d.add_argument("--device", default="cpu", type=non_empty("a torch device"), help="torch device to train on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     d.add_argument("--healthy", action="store_true", help="a safe learning rate: must end with no warning")
     d.add_argument("--stop-at-critical", action="store_true", help="stop at the first critical alert")
     d.add_argument("--no-wandb", action="store_true", help="skip the W&B sink")
@@ -65,6 +66,9 @@ class Progress:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .. import _demo
     from .._demo_config import DemoConfig
+    from .policy import load_policy_with_hints
+
+    load_policy_with_hints(args.policy)  # an invalid file's error carries the "did you mean" hints
 
     config = DemoConfig(
         out=args.out, steps=args.steps, lr=args.lr, seed=args.seed, device=args.device, healthy=args.healthy,

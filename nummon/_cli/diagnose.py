@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ._common import seed
+
 __all__ = ["LOADER_BATCHES", "OVERFIT_STEPS", "add_parser", "run"]
 
 LOADER_BATCHES = 4
@@ -13,7 +15,8 @@ OVERFIT_STEPS = 60
 
 def add_parser(sub: Any) -> None:
     dg = sub.add_parser("diagnose", help="run the debugging checklist on the demo model and data")
-    dg.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data (default: 0)")
+    dg.add_argument("--seed", type=seed, default=0,
+                    help="seed of the model's initialisation and the data, from 0 to 2**63 - 1 (default: 0)")
     dg.set_defaults(run=run)
 
 

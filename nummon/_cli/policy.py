@@ -10,7 +10,7 @@ from typing import Any
 from .._format import clean_text
 from ._common import EXIT_ERROR
 
-__all__ = ["add_parser", "run", "with_suggestion"]
+__all__ = ["add_parser", "load_policy_with_hints", "run", "with_suggestion"]
 
 
 def add_parser(sub: Any) -> None:
@@ -38,6 +38,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_ERROR
     print(f"{args.source}: valid")
     return 0
+
+
+def load_policy_with_hints(source: str) -> Any:
+    """`load_policy` for a command's --policy: an invalid file's one-line error carries the same
+    "did you mean" hints as `nummon policy validate`."""
+    from .._policy import PolicyError, load_policy, validate_policy_file
+
+    try:
+        return load_policy(source)
+    except PolicyError as e:
+        try:
+            problems = validate_policy_file(source)
+        except PolicyError:  # unreadable or unparsable: the message is already the whole story
+            raise e from None
+        listed = "; ".join(problems)
+        if not problems or not str(e).endswith(listed):
+            raise
+        head = str(e)[: len(str(e)) - len(listed)]  # "invalid policy FILE: "
+        raise PolicyError(head + "; ".join(with_suggestion(m) for m in problems)) from None
 
 
 _UNKNOWN = re.compile(r"^(?P<path>[\w.]+): unknown key$")

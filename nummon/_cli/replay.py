@@ -3,9 +3,9 @@
 nummon JSONL traces, TensorBoard event files or folders, Hugging Face trainer_state.json,
 Lightning metrics.csv and W&B offline run files are read (detected, or `--input-format`).
 
-Alerts found before a broken line are printed before the error; a torn last line, a corrupt
-record skipped (with its byte offset) and a step that goes backwards (a new segment) are
-one-line warnings. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
+Unreadable lines (a torn line, a corrupt record) are skipped as the watcher skips them, with
+one warning per file naming the first one's file:line and the count; a step that goes
+backwards (a new segment) is a one-line warning. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
 """
 from __future__ import annotations
 
@@ -13,31 +13,35 @@ import argparse
 import json
 from typing import Any
 
-from ._common import warn
+from ._common import non_empty, warn
+from .policy import load_policy_with_hints
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
-    r.add_argument("paths", nargs="+", metavar="PATH", help="log files or run folders (a folder of *.jsonl means each of them), or an MLflow run: mlflow:<tracking-uri>#<run-id>")
+    r.add_argument("paths", nargs="+", metavar="PATH", type=non_empty("a log file or run folder"),
+                   help="log files or run folders (a folder of *.jsonl means each of them), or an MLflow run: "
+                        "mlflow:<tracking-uri>#<run-id>")
     r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"), default=None,
-                   help="force the log format (default: detected from the name and first bytes)")
+                   help="force the log format, one of %(choices)s (default: detected from the name and first bytes)")
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
-    r.add_argument("--format", choices=("text", "jsonl"), default="text")
+    r.add_argument("--format", choices=("text", "jsonl"), default="text",
+                   help="how alerts are printed: text (one line per alert, then a count; the default) or jsonl "
+                        "(one JSON object per alert: source, step, kind, severity, message)")
     r.add_argument("--min-severity", choices=("info", "warning", "critical"), default="info",
-                   help="print only alerts at or above this severity (default: info)")
+                   help="print only alerts at or above this severity, one of %(choices)s (default: info)")
     r.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .._format import clean_text
-    from .._policy import load_policy
     from .._replay import iter_replay, iter_replay_records
     from .._types import Severity
     from .._watch.readers import read_records
 
-    policy = load_policy(args.policy)
+    policy = load_policy_with_hints(args.policy)
     paths = _expand(args.paths, args.input_format)
     floor = Severity(args.min_severity).rank
     n_alerts = 0

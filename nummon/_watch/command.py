@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any, Sequence
 
+from .._cli._common import non_empty, seconds
 from .._errors import NummonError
 from . import fs
 from .readers import FORMATS
@@ -16,25 +17,34 @@ from .targets import TARGET_SPECS, parse_target
 
 __all__ = ["add_arguments", "run", "main"]
 
+#: Polls more often than every 10 ms spin a core for nothing; a day is the longest wait that means
+#: anything (and Event.wait overflows far beyond it).
+INTERVAL_RANGE_S = (0.01, 86400.0)
+#: A run is retired after at least a second of quiet and at most ~30 years (never, in practice).
+IDLE_TIMEOUT_RANGE_S = (1.0, 1e9)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH",
+    parser.add_argument("paths", nargs="+", metavar="PATH", type=non_empty("a path or URL"),
                         help="log files, run folders or roots with many runs (fsspec URLs when fsspec is installed)")
     parser.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
     parser.add_argument("--notify", action="append", metavar="TARGET", default=None,
                         help=f"where incident events go, repeatable: {TARGET_SPECS} (default: console)")
-    parser.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="seconds between polls (default: 5)")
+    parser.add_argument("--interval", type=seconds(*INTERVAL_RANGE_S), default=5.0, metavar="SECONDS",
+                        help="seconds between polls, from %g to %g (default: 5)" % INTERVAL_RANGE_S)
     parser.add_argument("--once", action="store_true", help="read what is there, notify, and exit")
-    parser.add_argument("--state", default=None, metavar="FILE",
+    parser.add_argument("--state", default=None, metavar="FILE", type=non_empty("a state file path"),
                         help="state file: read positions and incident state survive a restart")
-    parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="force one log format")
-    parser.add_argument("--idle-timeout", type=float, default=1800.0, metavar="S",
-                        help="retire a run after this many seconds without new records (default: 1800)")
+    parser.add_argument("--format", choices=sorted(FORMATS), default=None,
+                        help="force one log format, one of %(choices)s (default: detected for each run)")
+    parser.add_argument("--idle-timeout", type=seconds(*IDLE_TIMEOUT_RANGE_S), default=1800.0, metavar="S",
+                        help="retire a run after this many seconds without new records, from %g to %g "
+                             "(default: 1800)" % IDLE_TIMEOUT_RANGE_S)
     parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
                         help="extra key map entry, e.g. my/loss=loss (repeatable)")
-    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT", type=non_empty("HOST:PORT"),
                         help="serve Prometheus metrics of every watched run at http://HOST:PORT/metrics (needs nummon[prometheus])")
-    parser.add_argument("--shard", default=None, metavar="I/N",
+    parser.add_argument("--shard", default=None, metavar="I/N", type=non_empty("I/N"),
                         help="follow only the runs of shard I of N (0-based, by a stable hash of each run's path under its root)")
 
 
@@ -55,22 +65,26 @@ def _keymap(pairs: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     """Watch until SIGINT/SIGTERM (or one pass with --once)."""
-    from .._policy import load_policy
+    from .._cli.policy import load_policy_with_hints
     from .watcher import Watcher
 
-    if args.interval <= 0:
-        raise NummonError(f"--interval must be > 0 seconds, got {args.interval}")
-    if args.idle_timeout <= 0:
-        raise NummonError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout}")
+    for option, value, (low, high) in (("--interval", args.interval, INTERVAL_RANGE_S),
+                                       ("--idle-timeout", args.idle_timeout, IDLE_TIMEOUT_RANGE_S)):
+        if not (low <= value <= high):  # the parser checks too; this is for callers with a Namespace of their own
+            raise NummonError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {value}")
+    for option, value in (("--state", args.state), ("--metrics", getattr(args, "metrics", None)),
+                          ("--shard", getattr(args, "shard", None))):
+        if value is not None and not str(value).strip():
+            raise NummonError(f"{option}: an empty value")
     for p in args.paths:
         if not fs.is_url(p) and not os.path.lexists(p):
             raise NummonError(f"{p}: not found")
         if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
             raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
-    policy = load_policy(args.policy)
+    policy = load_policy_with_hints(args.policy)
     keymap = _keymap(args.key)
     shard = None
-    if getattr(args, "shard", None):
+    if getattr(args, "shard", None) is not None:
         from .shard import parse_shard
 
         shard = parse_shard(args.shard)
@@ -84,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
     observer = server = None
-    if getattr(args, "metrics", None):
+    if getattr(args, "metrics", None) is not None:
         from .metrics import FleetMetrics, MetricsObserver
 
         try:
@@ -152,7 +166,10 @@ def _wandb_sink(**kwargs: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="nummon watch", description="Follow training logs written by other tools and notify incidents.")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a usage error (2) or --help (0): the status, as every other outcome
+        return e.code if isinstance(e.code, int) else 2
     try:
         return run(args)
     except NummonError as e:

@@ -3,10 +3,9 @@ in bounded reads. A line that is not JSON is skipped with a warning naming its b
 next line resynchronises); a last line without its newline is read again next poll."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from .._trace import TraceError, record_from_dict
+from .._trace import UnreadableLine, parse_step_line
 from .._types import StepRecord
 from . import fs
 from .base import NotALogError, OneFileFollower
@@ -77,33 +76,19 @@ class JsonlFollower(OneFileFollower):
         return out
 
     def _parse(self, raw: bytes, at: int, last: bool = False) -> StepRecord | None:
-        line = raw.strip()
-        if not line:
-            return None
         where = f"{self.path}:{self.lineno}"
-        try:
-            obj = json.loads(line)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            if self.count == 0 and self.lineno <= 1 and not last:
-                raise NotALogError(f"{self.path}: not a JSONL log (line 1: {getattr(e, 'msg', e)})") from None
-            if last:
-                self.note(f"{where}: last line ignored at byte {at}, not valid JSON (torn by a full disk or a killed writer?)")
+        try:  # the rule replay follows too (nummon._trace.parse_step_line)
+            rec = parse_step_line(raw, where, self.count)
+        except UnreadableLine as e:
+            if e.structural and self.count == 0 and self.lineno <= 1 and not last:
+                raise NotALogError(f"{self.path}: not a JSONL log (line 1: {e.reason})") from None
+            if last and e.structural:
+                self.note(f"{where}: last line ignored at byte {at}, {e.reason} (torn by a full disk or a killed writer?)")
             else:
-                self.note(f"{where}: skipped a line at byte {at} that is not valid JSON")
+                self.note(f"{where}: skipped a line at byte {at}: {e.reason}")
             return None
-        if not isinstance(obj, dict):
-            if self.count == 0 and self.lineno <= 1:
-                raise NotALogError(f"{self.path}: not a JSONL log (line 1 is not a JSON object)")
-            return None
-        kind = obj.get("type", "step")
-        if kind != "step":
-            return None
-        try:
-            rec = record_from_dict(obj, where, self.count)
-        except TraceError as e:
-            self.note(f"{e}; line skipped")
-            return None
-        self.count += 1
+        if rec is not None:
+            self.count += 1
         return rec
 
     def position(self) -> dict[str, Any]:

@@ -86,7 +86,9 @@ class TensorBoardFollower(Follower):
     def __init__(self, path: str, keymap=None) -> None:
         super().__init__(path, keymap)
         self._pb, self._tensor_util, self._crc = _tb()
-        self.single = is_event_file(path) and not fs.is_dir(path)
+        # a file forced as TensorBoard is read (and its header checked) whatever its name: only a
+        # folder is searched for event files, so a JSONL log forced here is refused, never empty
+        self.single = not fs.is_dir(path)
         self.files: dict[str, _File] = {}
         self.asm = StepAssembler(self)
 
