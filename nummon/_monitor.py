@@ -36,6 +36,8 @@ def _check_loss(loss: Any) -> Any:
             raise NummonError(f"loss must be a scalar (0-d or one-element) tensor, got shape {tuple(loss.shape)}")
         if loss.dtype == torch.bool or loss.is_complex():
             raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
+        if loss.is_meta:  # a shape without a value: nothing to read
+            raise NummonError("loss is on the meta device (it has no value): pass the loss of a materialised model")
         return loss
     if isinstance(loss, numbers.Complex) and not isinstance(loss, numbers.Real):  # numpy complex has __float__
         raise NummonError(f"loss must be a real number, got {type(loss).__name__} {loss!r:.40}")

@@ -84,6 +84,7 @@ def test_loss_only_monitor_catches_a_runaway():
     (None, "got NoneType"),
     (True, "got bool"),
     (__import__("numpy").array([1.0, 2.0]), "single number"),
+    (torch.tensor(1.0, device="meta"), "meta device"),
 ])
 def test_bad_loss_is_rejected_and_the_monitor_keeps_working(bad, needle):
     mon = Monitor()
