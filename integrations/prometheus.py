@@ -177,7 +177,11 @@ class PrometheusSink(BaseSink):
             self.metrics.apply(self.run, fn)
 
     def on_step(self, record: StepRecord, health: Health) -> None:
-        self._series(lambda s: s.observe_step(record, health))
+        def observe(s: Any) -> None:
+            s.observe_step(record, health)
+            s.count_down(record)  # the countdown follows the run between its alerts
+
+        self._series(observe)
 
     def on_alert(self, alert: Alert) -> None:
         self._series(lambda s: s.observe_alert(alert))
