@@ -379,3 +379,27 @@ def test_post_step_without_gradients_says_so_once_and_records_them_as_missing(ca
     assert with_grads.record.grad_norm > 0 and set(with_grads.record.layer_grad_norms) == {
         "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     mon.close()
+
+
+@pytest.mark.parametrize("last", [lambda: nn.Linear(8, 1), lambda: nn.LazyLinear(1)])
+def test_lazy_parameters_are_watched_once_the_first_forward_made_them(last):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), last())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt)  # before the first forward: the lazy parameters have no shape yet
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        rec = mon.post_step(loss).record
+        assert set(rec.layer_grad_norms) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        assert rec.grad_norm == pytest.approx(float(expected), rel=1e-5)
+    model[0].weight.data[0, 0] = float("nan")  # a NaN in the once-lazy layer is seen and named
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    r = mon.post_step(loss)
+    assert r.health is Health.NONFINITE
+    mon.close()

@@ -112,6 +112,10 @@ class StatsEngine:
                 f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
                 "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
             )
+        if self.watched.lazy and dist is not None:  # every rank sizes its buffers from the model now
+            self.watched.close()
+            raise NummonError(f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
+                              "torch.distributed run one forward before Monitor(...)")
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
