@@ -177,11 +177,7 @@ class PrometheusSink(BaseSink):
             self.metrics.apply(self.run, fn)
 
     def on_step(self, record: StepRecord, health: Health) -> None:
-        def observe(s: Any) -> None:
-            s.observe_step(record, health)
-            s.count_down(record)  # the countdown follows the run between its alerts
-
-        self._series(observe)
+        self._series(lambda s: s.observe_step(record, health))
 
     def on_alert(self, alert: Alert) -> None:
         self._series(lambda s: s.observe_alert(alert))

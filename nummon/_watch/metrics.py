@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
-from .._types import Alert, AlertKind, Finding, Health, StepRecord
+from .._types import Alert, Health, StepRecord
 
-__all__ = ["HEALTH_CODES", "SOURCES", "RunSeries", "FleetMetrics", "MetricsObserver", "WatchSnapshot", "target_kind",
-           "FreshFindings", "countdown_now"]
+__all__ = ["HEALTH_CODES", "SOURCES", "RunSeries", "FleetMetrics", "MetricsObserver", "WatchSnapshot", "target_kind"]
 
 #: `nummon_health_state`: worse is higher (0 healthy, 1 incident, 2 extreme, 3 non-finite)
 HEALTH_CODES = {Health.HEALTHY: 0, Health.INCIDENT: 1, Health.EXTREME: 2, Health.NONFINITE: 3}
@@ -25,43 +24,11 @@ def _finite(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def countdown_now(record: StepRecord, findings: Iterable[Finding]) -> dict[str, float]:
-    """Steps to overflow per runaway metric as the detectors measured it at `record` (the
-    findings they gave for it): empty when nothing runs away now, and at a non-finite record
-    (the metric has overflowed or gone NaN: there is nothing left to count down)."""
-    if not record.is_finite():
-        return {}
-    out: dict[str, float] = {}
-    for f in findings:
-        ov = _finite((f.details or {}).get("steps_to_overflow")) if f.kind is AlertKind.RUNAWAY else None
-        if ov is not None:
-            out[f.metric] = min(ov, out.get(f.metric, math.inf))
-    return out
-
-
-class FreshFindings:
-    """The findings the detectors gave at the latest record, told apart from conditions the
-    engine's lifecycle holds open from earlier records (a runaway that stopped growing but has
-    not cleared, anything during a non-finite record): the lifecycle keeps the latest finding of
-    each open condition, so a condition the detectors did not see again still holds the same
-    object as at the record before."""
-
-    def __init__(self) -> None:
-        self._seen: dict[Any, Finding] = {}
-
-    def __call__(self, engine: Any) -> list[Finding]:
-        now = {f.key: f for f in engine.lifecycle.open_findings()}
-        fresh = [f for k, f in now.items() if self._seen.get(k) is not f]
-        self._seen = now
-        return fresh
-
-
 @dataclass
 class RunSeries:
     """The latest numbers of one run. `loss` and `grad_norm` keep the last measured value (NaN
     and Inf included: Prometheus carries them); `steps_to_overflow` is the nearest overflow of
-    the runaways measured at the latest record, None when nothing is running away now (growth
-    stopped, the incident ended, or the latest record is non-finite)."""
+    the open runaway conditions, None when nothing is running away."""
 
     run: str
     source: str
@@ -76,30 +43,19 @@ class RunSeries:
     alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, severity) -> count
     incidents_total: int = 0
     overflow: dict[str, float] = field(default_factory=dict)  # metric -> steps to overflow
-    # PrometheusSink only (it sees alerts, not the detectors' per-record findings): metric ->
-    # (step of its runaway alert, steps to overflow then, the metric's latest value)
-    anchors: dict[str, tuple[int, float, float]] = field(default_factory=dict)
 
     @property
     def steps_to_overflow(self) -> float | None:
         return min(self.overflow.values()) if self.overflow else None
 
     def observe(self, record: StepRecord, health: Health | None, alerts: Iterable[Alert] = (),
-                events: Iterable[Any] = (), now: float | None = None, overflow: dict[str, float] | None = None,
-                incident: int | None = None) -> None:
-        """One record, with what the engine concluded from it; `overflow` (the countdown per
-        runaway metric at this record) and `incident` (the rank of the engine's incident now),
-        when given, replace what the alerts and events would say."""
+                events: Iterable[Any] = (), now: float | None = None) -> None:
+        """One record, with what the engine concluded from it."""
         self.observe_step(record, health, now)
         for a in alerts:
             self.observe_alert(a)
         for ev in events:
             self.observe_incident(ev)
-        if overflow is not None:
-            self.overflow = dict(overflow)
-            self.anchors.clear()
-        if incident is not None:
-            self.incident = incident
 
     def observe_step(self, record: StepRecord, health: Health | None, now: float | None = None) -> None:
         if health is not None:
@@ -118,33 +74,10 @@ class RunSeries:
         self.alerts[key] = self.alerts.get(key, 0) + 1
         if alert.cleared:
             self.overflow.pop(alert.metric, None)
-            self.anchors.pop(alert.metric, None)
             return
-        ov = _finite((alert.details or {}).get("steps_to_overflow")) if alert.kind is AlertKind.RUNAWAY else None
+        ov = _finite((alert.details or {}).get("steps_to_overflow"))
         if ov is not None:
             self.overflow[alert.metric] = ov
-            v = _finite(alert.value)
-            self.anchors[alert.metric] = (alert.step, ov, v if v is not None else -math.inf)
-
-    def count_down(self, record: StepRecord) -> None:
-        """PrometheusSink: each runaway's countdown from its latest alert, less the steps since
-        (the rate then held); gone at a non-finite record, once the metric stops growing, and
-        at zero."""
-        if not record.is_finite():
-            self.overflow.clear()
-            self.anchors.clear()
-            return
-        for metric, (step, steps, last) in list(self.anchors.items()):
-            v = getattr(record, metric, None)
-            if not isinstance(v, (int, float)) or record.step <= step:
-                continue  # not measured at this record (or the alert's own): no news on its growth
-            left = steps - (record.step - step)
-            if v <= last or left <= 0:
-                del self.anchors[metric]
-                self.overflow.pop(metric, None)
-            else:
-                self.anchors[metric] = (step, steps, float(v))
-                self.overflow[metric] = left
 
     def observe_incident(self, event: Any) -> None:
         """An `IncidentEvent` (or anything with `.state.rank`, `.state.active`, `.previous.active`)."""
@@ -154,7 +87,6 @@ class RunSeries:
             self.incidents_total += 1
         if not state.active:
             self.overflow.clear()
-            self.anchors.clear()
 
 
 @dataclass(frozen=True)
@@ -192,11 +124,10 @@ class FleetMetrics:
             return s
 
     def update(self, run: str, source: str, record: StepRecord, health: Health | None,
-               alerts: Iterable[Alert] = (), events: Iterable[Any] = (), now: float | None = None,
-               overflow: dict[str, float] | None = None, incident: int | None = None) -> None:
+               alerts: Iterable[Alert] = (), events: Iterable[Any] = (), now: float | None = None) -> None:
         s = self.run(run, source)
         with self._lock:
-            s.observe(record, health, alerts, events, now, overflow, incident)
+            s.observe(record, health, alerts, events, now)
 
     def apply(self, run: str, fn) -> None:
         """Run `fn(series)` under the lock (sinks that get steps, alerts and incidents apart)."""
@@ -215,8 +146,7 @@ class FleetMetrics:
 
     def snapshot(self) -> WatchSnapshot:
         with self._lock:
-            runs = tuple(replace(s, alerts=dict(s.alerts), overflow=dict(s.overflow), anchors=dict(s.anchors))
-                         for s in self._runs.values())
+            runs = tuple(replace(s, alerts=dict(s.alerts), overflow=dict(s.overflow)) for s in self._runs.values())
             failed = dict(self.failed_extra)
         for t in self.targets:
             n = getattr(t, "failed", None)
@@ -249,15 +179,7 @@ class MetricsObserver:
             self.metrics.apply(run.id, lambda s: setattr(s, "last_step", run.last_step))
         state = run.engine.incident_state
         self.metrics.apply(run.id, lambda s: setattr(s, "incident", state.rank))
-        fresh = FreshFindings()
-
-        def on_record(run_id: str, rec: StepRecord, got: Any) -> None:
-            # every gauge from the engine as it stands after this record (the countdown of the
-            # runaways measured now, the incident now), never a value frozen at an alert
-            self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents,
-                                overflow=countdown_now(rec, fresh(run.engine)), incident=run.engine.incident_state.rank)
-
-        run.on_record = on_record
+        run.on_record = lambda run_id, rec, got: self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents)
 
     def run_retired(self, run_id: str) -> None:
         self.metrics.remove(run_id)
