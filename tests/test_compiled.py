@@ -387,3 +387,42 @@ def test_a_model_with_a_forward_hook_of_its_own_is_not_replayed_said_once():
     losses, calls, said = _train_moe(True, hook=True)
     assert calls == bare_calls == 6 and losses == bare  # the user's hook fired once per training forward
     assert len(said) == 1 and "forward hook of its own (on head)" in str(said[0].message)
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first encoder: tokens (time, batch), nn.TransformerEncoder(batch_first=False)."""
+
+    def __init__(self, vocab=20, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, dim_feedforward=64, dropout=0.0, batch_first=False)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.enc(self.emb(idx)))
+
+
+def _seq_first_entropy(compiled):
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = SeqFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)  # the replay (after the step) sees nearly the same weights
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    mon = nummon.Monitor(run, opt, policy=QUIET)
+    idx = torch.randint(0, 20, (12, 8), generator=torch.Generator().manual_seed(1))  # (time, batch)
+    recs = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss).record)
+    mon.close()
+    return recs[-1].attention_entropy
+
+
+def test_a_sequence_first_model_is_replayed_on_its_sequences_not_one_token():
+    eager, compiled = _seq_first_entropy(False), _seq_first_entropy(True)
+    assert eager > 0.5  # 12 keys attended, far from one
+    assert compiled == pytest.approx(eager, abs=0.02)  # not 0: the replay saw the whole sequence

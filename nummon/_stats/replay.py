@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -112,6 +113,20 @@ def _put_back(v: Any, c: Any) -> None:
         v.extend(c)
 
 
+#: a replay's "samples" that keeps the whole batch (first_sample cuts nothing)
+WHOLE_BATCH = sys.maxsize
+
+
+def samples_to_replay(model: nn.Module) -> int:
+    """How many samples a replay cuts from the batch's first dimension: one, two with batch norm
+    (train mode needs two), the whole batch for a sequence-first model (a module with
+    `batch_first=False`: nn.MultiheadAttention, nn.Transformer*, RNNs), whose first dimension is
+    the sequence's; cutting it would replay one token (measured: attention entropy 0)."""
+    if any(getattr(m, "batch_first", True) is False for m in model.modules()):
+        return WHOLE_BATCH
+    return 2 if has_batch_norm(model) else 1
+
+
 def _replayable(model: nn.Module) -> nn.Module:
     """What a replay runs: a DDP wrapper's module (the same replicated weights, and no
     collective that every rank would have to join), else the model."""
@@ -145,7 +160,7 @@ class ForwardReplay:
         return kept
 
     def run(self, kept: tuple, loss: Any, on_discovery: Callable[[], None]) -> None:
-        """The kept forward again on its first sample (two with batch norm), eagerly under the
+        """The kept forward again on its first sample (`samples_to_replay`), eagerly under the
         capture (after the optimizer step where `post_step` comes after it); `on_discovery` runs
         when the capture rediscovers the model. A loss computed outside the model is not
         replayed: when it was the cross-entropy of the model's output, that output of the replay
@@ -159,8 +174,8 @@ class ForwardReplay:
         self.running = True
         changed: list[str] = []
         try:
-            if self._samples is None:  # batch norm in train mode needs two samples
-                self._samples = 2 if has_batch_norm(target) else 1
+            if self._samples is None:
+                self._samples = samples_to_replay(target)
             args, kwargs = first_sample(kept[0], kept[1], self._samples)
             state = PythonState(target)
             with replayed(self.model, kept[2]), self.others_paused():
