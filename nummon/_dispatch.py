@@ -33,6 +33,7 @@ class _Worker:
         self.block_timeout_s = block_timeout_s  # None: drop at once when full
         self.steps: collections.deque = collections.deque()
         self.alerts: collections.deque = collections.deque()
+        # guards every field below: the training thread and this sink's worker both write them
         self.cv = threading.Condition()
         self.closing = False
         self.errors = 0
@@ -75,15 +76,27 @@ class _Worker:
         return done
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._reported:
+        with self.cv:  # either thread may be first: the check and the mark are one step
+            first = key not in self._reported
             self._reported.add(key)
+        if first:  # logged outside the lock: a slow log handler holds up neither thread
             log.warning(msg, *args)
+
+    def mark_stuck(self, stuck: bool) -> None:
+        with self.cv:
+            self.stuck = stuck
+
+    def counts(self) -> tuple[int, int]:
+        """(errors, dropped step records), read together."""
+        with self.cv:
+            return self.errors, self.dropped
 
     def call(self, method: str, *args: Any) -> None:
         try:
             getattr(self.sink, method)(*args)
         except BaseException as e:  # isolate: not even SystemExit from a sink may stop training
-            self.errors += 1
+            with self.cv:
+                self.errors += 1
             self._warn_once("error", "nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
                             self.name, method, type(e).__name__, e)
 
@@ -107,7 +120,7 @@ class _Worker:
                 self.call("on_histograms", item[1], item[2])
             elif item[0] == "flush":
                 self.call("flush")
-                self.stuck = False
+                self.mark_stuck(False)
                 item[1].set()
         self.call("flush")
         self.call("close")
@@ -189,7 +202,7 @@ class SinkDispatcher:
                 self._call_sync(s, n, "flush")
         waits = []
         for w in self.workers:
-            if w.stuck:
+            if w.stuck:  # one read of a flag the worker may clear: skipping once more is harmless
                 continue
             done = w.marker()  # the others flush what they hold soon, without anyone waiting for them
             if w.sink.durable or not durable_only:
@@ -199,7 +212,7 @@ class SinkDispatcher:
         for w, done in waits:
             if not done.wait(max(0.0, deadline - time.monotonic())):
                 ok = False
-                w.stuck = True
+                w.mark_stuck(True)
                 w._warn_once("flush", "nummon: sink %s did not write within %.1f s; training goes on without waiting for it",
                              w.name, timeout)
         return ok
@@ -224,7 +237,7 @@ class SinkDispatcher:
     def stats(self) -> dict[str, dict[str, int]]:
         """Errors and dropped step records per sink (keys: class name, `#2`, `#3`... for repeats)."""
         out = {n: {"errors": e, "dropped": 0} for n, e in self._sync_errors.items()}
-        out.update({w.name: {"errors": w.errors, "dropped": w.dropped} for w in self.workers})
+        out.update({w.name: dict(zip(("errors", "dropped"), w.counts())) for w in self.workers})
         return out
 
 

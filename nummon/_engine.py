@@ -199,8 +199,13 @@ class HealthEngine:
         alerts are not repeated), then the incident state is restored. StateError (no state
         changed) when `state` is not such a dict."""
         try:
-            first = [record_from_dict(o, origin, i) for i, o in enumerate(state.get("first") or [])]
-            recent = [record_from_dict(o, origin, len(first) + i) for i, o in enumerate(state.get("history") or [])]
+            # only what this engine keeps: a state saved with (or edited to) more records than
+            # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
+            saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
+            skipped = max(0, len(saved_recent) - self._recent.maxlen)
+            first = [record_from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
+            recent = [record_from_dict(o, origin, len(saved_first) + skipped + i)
+                      for i, o in enumerate(saved_recent[skipped:])]
             incident = state.get("incident") or {}
             IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already

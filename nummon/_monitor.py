@@ -36,6 +36,8 @@ def _check_loss(loss: Any) -> Any:
             raise NummonError(f"loss must be a scalar (0-d or one-element) tensor, got shape {tuple(loss.shape)}")
         if loss.dtype == torch.bool or loss.is_complex():
             raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
+        if loss.is_meta:  # a shape without a value: nothing to read
+            raise NummonError("loss is on the meta device (it has no value): pass the loss of a materialised model")
         return loss
     if isinstance(loss, numbers.Complex) and not isinstance(loss, numbers.Real):  # numpy complex has __float__
         raise NummonError(f"loss must be a real number, got {type(loss).__name__} {loss!r:.40}")
@@ -221,7 +223,7 @@ class Monitor:
         per_sample_loss = _check_per_sample(per_sample_loss)
         if recompute is not None and not callable(recompute):
             raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
-        with self._lock:
+        with _shutdown.safe_point(), self._lock:  # a SIGTERM within it is acted on after it
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
             self._recompute = recompute
@@ -274,7 +276,7 @@ class Monitor:
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
-        with self._lock:
+        with _shutdown.safe_point(), self._lock:
             report = None
             if self._pending is not None:
                 pending, self._pending = self._pending, None
@@ -285,7 +287,7 @@ class Monitor:
     def close(self) -> None:
         """Evaluate what is in flight, then flush and close every sink (within
         `sinks.close_timeout_s`) and remove the hooks. Called at exit and on SIGTERM too."""
-        with self._lock:
+        with _shutdown.safe_point(), self._lock:
             if self._closed:
                 return
             if self._pending is not None:

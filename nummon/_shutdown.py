@@ -1,21 +1,31 @@
 """Closing live Monitors at interpreter exit and on SIGTERM, so the event log holds the last
-steps of a script that never called `close()` or was stopped by its scheduler."""
+steps of a script that never called `close()` or was stopped by its scheduler.
+
+The SIGTERM handler runs on the main thread between two bytecodes, possibly in the middle of a
+Monitor call there (half a step done, a sink's lock held). So it only sets a flag when the main
+thread is inside a Monitor call; that call acts on the flag as it leaves (the safe point). Outside
+any Monitor call (a forward, a data loader wait) there is nothing half-done, and it acts at once.
+"""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["register", "unregister"]
+__all__ = ["register", "unregister", "safe_point"]
 
 log = logging.getLogger("nummon")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _installed = False
+_main = threading.main_thread()
+_depth = 0  # Monitor calls in progress on the main thread (the thread signal handlers run on)
+_requested = False  # a SIGTERM arrived while one was in progress
 
 
 def _close_all() -> None:
@@ -26,11 +36,37 @@ def _close_all() -> None:
             log.warning("nummon: closing the monitor at exit failed (%s: %s)", type(e).__name__, e)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _terminate() -> None:
+    """Close every live Monitor, then die of SIGTERM as the process would have without us."""
     _close_all()
-    # then die of SIGTERM as the process would have without us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _requested
+    if _depth:  # inside a Monitor call: only the flag; the call acts on it as it leaves
+        _requested = True
+        return
+    _terminate()
+
+
+@contextlib.contextmanager
+def safe_point() -> Iterator[None]:
+    """Wraps every Monitor call that changes its state: a SIGTERM that arrives within it is acted
+    on when it ends (on the main thread; other threads are not interrupted by signals)."""
+    global _depth, _requested
+    if threading.current_thread() is not _main:
+        yield
+        return
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _requested and not _depth:
+            _requested = False
+            _terminate()
 
 
 def register(monitor: Any, handle_sigterm: bool) -> None:

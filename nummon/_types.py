@@ -152,6 +152,34 @@ MECHANISM_LAYER_FIELDS = (
 )
 
 
+#: Every per-layer field of a record ({layer or parameter name: value}).
+_LAYER_FIELDS = ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_FIELDS
+
+
+class ReadOnlyDict(dict):
+    """A dict that refuses every change: a frozen StepRecord's per-layer values, which sinks read
+    on their own threads. Still a dict (JSON, isinstance, copies, pickling)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise TypeError("a frozen StepRecord's per-layer values are read-only (copy them with dict(...))")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> Any:  # pickle / deepcopy rebuild from a plain dict, not item by item
+        return (ReadOnlyDict, (dict(self),))
+
+    def __copy__(self) -> "ReadOnlyDict":
+        return self
+
+    def __deepcopy__(self, memo: Any) -> "ReadOnlyDict":
+        return self  # immutable, and its values are floats
+
+
+_EMPTY = ReadOnlyDict()
+
+
 @dataclass
 class StepRecord:
     """Host-side statistics of one optimizer step, as plain floats.
@@ -209,8 +237,18 @@ class StepRecord:
         object.__setattr__(self, name, value)
 
     def freeze(self) -> "StepRecord":
-        """Make this record read-only (the engine does, before sinks hold it); returns it."""
-        self.__dict__["_frozen"] = True
+        """Make this record read-only, its per-layer dicts included (the engine does, before
+        sinks on other threads hold it); returns it."""
+        d = self.__dict__
+        if d.get("_frozen"):
+            return self
+        for name in _LAYER_FIELDS:  # a C-level copy of each non-empty one: nobody else holds them then
+            v = d[name]
+            if v and type(v) is not ReadOnlyDict:
+                d[name] = ReadOnlyDict(v)
+            elif not v and type(v) is not ReadOnlyDict:
+                d[name] = _EMPTY
+        d["_frozen"] = True
         return self
 
     @property

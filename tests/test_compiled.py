@@ -327,3 +327,102 @@ def test_a_model_that_cannot_be_replayed_loses_only_its_forward_probes_said_once
     assert errors == [3]  # not replayed after the third
     assert all(r.layer_output_rms == {} and r.grad_norm > 0 and r.layer_activation_max for r in recs)
     assert recs[-1].adam_ratio_rms is not None
+
+
+class MoE(Net):
+    """A router whose forward appends its load-balancing loss to a list the training loop adds
+    to the loss and clears (as Switch/Mixtral-style code does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.aux_losses = []
+
+    def forward(self, x):
+        h = self.blocks(self.emb(x))
+        self.aux_losses.append(self.router(h).softmax(-1).mean(0).square().sum())
+        return self.head(h)
+
+
+def _train_moe(monitor, hook, steps=6):
+    """(losses, forward hook calls, nummon's warnings) of a compiled MoE run."""
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = MoE()
+    calls = []
+    if hook:
+        model.head.register_forward_hook(lambda m, i, o: calls.append(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = nummon.Monitor(run, opt, policy=QUIET) if monitor else None  # forward probes every step
+        for _ in range(steps):
+            x, y = torch.randn(1, 8, generator=g), torch.randint(0, 4, (1,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(run(x), y) + 0.1 * sum(model.aux_losses)
+            model.aux_losses.clear()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if mon is not None:
+                mon.post_step(loss)
+        if mon is not None:
+            mon.close()
+    return losses, len(calls), _nummon_warnings(caught)
+
+
+def test_a_forward_that_changes_its_modules_python_state_is_undone_and_not_replayed_again_said_once():
+    bare, _, _ = _train_moe(False, hook=False)
+    losses, _, said = _train_moe(True, hook=False)
+    assert losses == bare  # no auxiliary loss of a replay reached training
+    assert len(said) == 1 and "changes Python state of its modules (aux_losses)" in str(said[0].message)
+    assert said[0].filename == __file__
+
+
+def test_a_model_with_a_forward_hook_of_its_own_is_not_replayed_said_once():
+    bare, bare_calls, _ = _train_moe(False, hook=True)
+    losses, calls, said = _train_moe(True, hook=True)
+    assert calls == bare_calls == 6 and losses == bare  # the user's hook fired once per training forward
+    assert len(said) == 1 and "forward hook of its own (on head)" in str(said[0].message)
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first encoder: tokens (time, batch), nn.TransformerEncoder(batch_first=False)."""
+
+    def __init__(self, vocab=20, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, dim_feedforward=64, dropout=0.0, batch_first=False)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.enc(self.emb(idx)))
+
+
+def _seq_first_entropy(compiled):
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = SeqFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)  # the replay (after the step) sees nearly the same weights
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    mon = nummon.Monitor(run, opt, policy=QUIET)
+    idx = torch.randint(0, 20, (12, 8), generator=torch.Generator().manual_seed(1))  # (time, batch)
+    recs = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss).record)
+    mon.close()
+    return recs[-1].attention_entropy
+
+
+def test_a_sequence_first_model_is_replayed_on_its_sequences_not_one_token():
+    eager, compiled = _seq_first_entropy(False), _seq_first_entropy(True)
+    assert eager > 0.5  # 12 keys attended, far from one
+    assert compiled == pytest.approx(eager, abs=0.02)  # not 0: the replay saw the whole sequence

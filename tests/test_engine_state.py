@@ -71,3 +71,27 @@ def test_a_record_is_frozen_once_the_engine_has_seen_it():
         rec.clip_ratio = 0.5
     assert dataclasses.replace(rec, clip_ratio=0.5).clip_ratio == 0.5 and rec.clip_ratio is None
     assert not hasattr(HealthEngine, "process")  # one entry point
+
+
+class CountingEngine(HealthEngine):
+    """A real engine that counts the records its detectors run over."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.updates = 0
+
+    def step(self, rec):
+        self.updates += 1
+        return super().step(rec)
+
+
+def test_a_huge_saved_history_rewarms_from_its_tail_only():
+    # 60,000 saved records (a state written by hand or by a bigger engine): only the records this
+    # engine keeps run through the detectors, the last ones
+    history = [{"step": i, "loss": 2.0, "grad_norm": 1.0} for i in range(60_000)]
+    first = [{"step": i, "loss": 2.0, "grad_norm": 1.0} for i in range(100)]
+    engine = CountingEngine(POLICY)
+    engine.load_state_dict({"incident": {}, "first": first, "history": history})
+    assert engine.updates == 32 + 256
+    kept = engine.state_dict()["history"]
+    assert [r["step"] for r in kept] == list(range(60_000 - 256, 60_000))

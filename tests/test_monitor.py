@@ -84,6 +84,7 @@ def test_loss_only_monitor_catches_a_runaway():
     (None, "got NoneType"),
     (True, "got bool"),
     (__import__("numpy").array([1.0, 2.0]), "single number"),
+    (torch.tensor(1.0, device="meta"), "meta device"),
 ])
 def test_bad_loss_is_rejected_and_the_monitor_keeps_working(bad, needle):
     mon = Monitor()
@@ -355,3 +356,50 @@ def test_histograms_match_a_reference():
         ref_log, _ = np.histogram(np.log10(np.maximum(np.abs(v), 1e-30)), bins=h["log10_edges"])
         assert np.abs(h["log10_counts"] - ref_log).sum() <= 2
     assert torch.isnan(model.fc2.weight[0, 0])  # the model itself untouched by the in-place passes
+
+
+def test_post_step_without_gradients_says_so_once_and_records_them_as_missing(caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt)
+    x = torch.randn(8, 16)
+    with caplog.at_level(logging.WARNING, logger="nummon"):
+        reports = [mon.post_step(model(x).pow(2).mean()) for _ in range(3)]  # no backward yet
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        with_grads = mon.post_step(loss)
+    said = [r for r in caplog.records if "no gradients" in r.getMessage()]
+    assert len(said) == 1 and "fc1.weight" in said[0].getMessage() and "step 0" in said[0].getMessage()
+    for r in reports:  # missing, not zero
+        assert r.record.grad_norm is None and r.record.grad_max is None and r.record.layer_grad_norms == {}
+    assert with_grads.record.grad_norm > 0 and set(with_grads.record.layer_grad_norms) == {
+        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    mon.close()
+
+
+@pytest.mark.parametrize("last", [lambda: nn.Linear(8, 1), lambda: nn.LazyLinear(1)])
+def test_lazy_parameters_are_watched_once_the_first_forward_made_them(last):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), last())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt)  # before the first forward: the lazy parameters have no shape yet
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        rec = mon.post_step(loss).record
+        assert set(rec.layer_grad_norms) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        assert rec.grad_norm == pytest.approx(float(expected), rel=1e-5)
+    model[0].weight.data[0, 0] = float("nan")  # a NaN in the once-lazy layer is seen and named
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    r = mon.post_step(loss)
+    assert r.health is Health.NONFINITE
+    mon.close()

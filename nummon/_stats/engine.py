@@ -8,6 +8,7 @@ lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histogr
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import operator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from .transport import PinnedPool, Segment, pack, rules_of, signature
 from .watch import WatchedParams
 
 __all__ = ["LaunchStep", "StatsEngine", "check_grad_scaler"]
+
+log = logging.getLogger("nummon")
 
 #: after a non-finite step, every module's output is hooked for this many steps
 DETAIL_AFTER_NONFINITE = 50
@@ -112,6 +115,10 @@ class StatsEngine:
                 f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
                 "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
             )
+        if self.watched.lazy and dist is not None:  # every rank sizes its buffers from the model now
+            self.watched.close()
+            raise NummonError(f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
+                              "torch.distributed run one forward before Monitor(...)")
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
@@ -135,6 +142,7 @@ class StatsEngine:
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
         self._anchor_cache: tuple[int, list[int], Any] = (-1, [], None)
+        self._said_no_grads = False  # the warning that no parameter has a gradient, given once
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
@@ -256,7 +264,18 @@ class StatsEngine:
             s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
         for dt in raw_dtypes:
             s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
+        if not s.grads and self.watched.params and not self._said_no_grads:
+            self._say_no_grads(s.step)
         return segs
+
+    def _say_no_grads(self, step: int) -> None:
+        """Once per run: no watched parameter has a gradient (post_step before any backward, or
+        after zero_grad); the record then shows the gradient statistics as missing (None)."""
+        self._said_no_grads = True
+        log.warning("nummon: no gradients at step %d on any of the %d watched parameters (first: %s): post_step ran "
+                    "before backward or after optimizer.zero_grad(); call it after optimizer.step() and before "
+                    "zero_grad(). Gradient statistics are missing from the record (grad_norm None) while this lasts",
+                    step, len(self.watched.params), self.watched.names[0])
 
     def _param_segments(self, s: LaunchStep) -> list[Segment]:
         watched = self.watched

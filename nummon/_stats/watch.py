@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._distributed import local_tensor, norm_rules
 from .optim import OptimizerView
@@ -74,6 +75,11 @@ class WatchedParams:
                 for pi, p in enumerate(g["params"])
                 if id(p) not in seen and p.requires_grad
             ]
+        # a lazy module's parameters (LazyLinear before its first forward) have no shape yet:
+        # watched once the first forward has materialised them (in place: same objects)
+        self.lazy = [p for _, p in named if is_lazy(p)]
+        if self.lazy:
+            named = [(n, p) for n, p in named if not is_lazy(p)]
         self.named = named
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
@@ -86,7 +92,8 @@ class WatchedParams:
 
     def refresh(self) -> bool:
         """Re-scan if something may have been added; True when the watched set changed."""
-        if (self._flag is None or not self._flag.dirty) and self.optim.param_count() == self._optim_count:
+        if ((self._flag is None or not self._flag.dirty) and self.optim.param_count() == self._optim_count
+                and not (self.lazy and not all(map(is_lazy, self.lazy)))):
             return False
         before = len(self.params)
         self.scan()
