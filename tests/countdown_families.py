@@ -37,7 +37,7 @@ class Family:
 
     def log10_series(self) -> tuple[list[float], int]:
         """(log10 |x| per step up to and including the overflow step, runaway start step); the last
-        value exceeds the dtype's max unless the growth levels off (then 20,000 steps)."""
+        value exceeds the dtype's max unless the growth levels off first."""
         rng = random.Random(self.seed)
         top = DTYPE_LOG10_MAX[self.dtype]
         start = self.prefix * self.every
@@ -54,6 +54,9 @@ class Family:
                 break
             if t >= start and base > top + 5:  # noise cannot hold it back any longer
                 break
+            k = t - start
+            if self.shape == "decelerating" and k > 0 and f(k + 1, self.p1, self.p2) - f(k, self.p1, self.p2) < 0.01:
+                break  # levelled off (< 2% growth per step): it never overflows
         return out, start
 
     def records(self) -> tuple[list[tuple[int, float]], float]:
