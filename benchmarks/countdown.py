@@ -64,10 +64,16 @@ def measure(name: str, path: Path) -> tuple | None:
 
 def _traces(runs: bool, tmp: Path) -> Iterable[tuple[str, Path]]:
     yield "README table (batch39_46.jsonl)", ROOT / "tests/data/batch39_46.jsonl"
-    for folder, label in ((ROOT / "tests/data/real", "real"), (DEV, "dev")):
-        if folder.is_dir():
-            for p in sorted(folder.glob("*.jsonl")):
-                yield f"{label}: {p.stem}", p
+    # the real-log set's tuning part only: its blind part is scored once, by the coordinator
+    from real_split import split
+
+    tune = {name for name, part in split().items() if part == "tune"}
+    for p in sorted((ROOT / "tests/data/real").glob("*.jsonl")):
+        if p.stem in tune:
+            yield f"real: {p.stem}", p
+    if DEV.is_dir():
+        for p in sorted(DEV.glob("*.jsonl")):
+            yield f"dev: {p.stem}", p
     if runs:
         from countdown_runs import RUNS
 

@@ -7,9 +7,12 @@ from collections import deque
 from .. import _functional as F
 from .._policy import RunawayPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
-from .countdown import countdown
+from .countdown import countdown, noise_of
 
 __all__ = ["RunawayDetector"]
+
+#: Points of a streak kept for the countdown's fit: enough to measure whether the rate rises
+_POINTS = 32
 
 
 class RunawayDetector:
@@ -52,7 +55,7 @@ class RunawayDetector:
         if prev is None or step <= prev[0]:
             self._state[metric] = (step, v, 0, step, v)
             self._records[metric] = 0
-            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=8)
+            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=_POINTS)
             hist.append(F.log10_safe(v))
             return None
         step0, v0, streak, start_step, start = prev
@@ -65,7 +68,7 @@ class RunawayDetector:
         else:
             streak, start_step, start = 0, step, v
             self._records[metric] = 0
-            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=8)
+            self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=_POINTS)
         self._state[metric] = (step, v, streak, start_step, start)
         hist.append(F.log10_safe(v))
         if streak == 0:
@@ -90,7 +93,10 @@ class RunawayDetector:
             return None
         mean_rate = total ** (1.0 / max(step - start_step, 1))
         top = F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"])
-        left = countdown(list(self._points[metric]), math.log10(top))
+        points = list(self._points[metric])
+        # the metric's own noise before the streak: a rise of the rate must stand out of it
+        before = list(hist)[: max(len(hist) - self._records[metric] - 1, 0)]
+        left = countdown(points, math.log10(top), noise_of(before))
         records = self._records[metric]
         over = (f"over {streak} consecutive steps" if records == streak else
                 f"over {_count(records, 'record')} ({_count(streak, 'step')})")
