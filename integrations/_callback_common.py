@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nummon._format import plain_text
 from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import ConsoleSink, JsonlSink
@@ -179,7 +180,7 @@ def summary_line(monitor: Any, first_step: int, events_path: Path) -> str:
         where = next((a.location for a in monitor.alerts
                       if a.step == worst.step and a.kind.value == "nonfinite" and a.location), None)
         text += (f": {count} incident{'s' if count != 1 else ''}, worst state {worst.state.value}; "
-                 f"the worst moment: step {worst.step}, {what}" + (f" in {where}" if where else ""))
+                 f"the worst moment: step {worst.step}, {what}" + (f" in {plain_text(where)}" if where else ""))
     text += f"; events in {events_path}"
     if monitor.flight_record is not None:
         text += f", flight record {monitor.flight_record}"
