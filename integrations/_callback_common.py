@@ -5,18 +5,22 @@ Imports neither framework (and not torch at module level), so both callbacks can
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+from nummon._format import plain_text
 from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import ConsoleSink, JsonlSink
 from nummon._types import Severity, StepReport
 
-__all__ = ["EVENTS_FILE", "StepAsMetric", "StepLoss", "clip_ratio", "console_sinks", "events_sink", "loss_of", "resolve_policy",
-           "stop_line", "with_class_count"]
+__all__ = ["EVENTS_FILE", "ConsoleLogger", "StepAsMetric", "StepLoss", "bars_cleared", "clip_ratio", "console_log",
+           "console_sinks", "events_sink", "loss_of", "resolve_policy", "restore_engine", "saved_state", "start_line",
+           "stop_line", "summary_line", "with_class_count"]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -36,6 +40,41 @@ def events_sink(run_dir: str | os.PathLike[str], policy: Policy, distributed: bo
     if distributed and not policy.sinks.rank0_only:
         name = "nummon-events-rank{rank}.jsonl"
     return JsonlSink(Path(run_dir) / name)
+
+
+def saved_state(state: Any, origin: str) -> dict[str, Any] | None:
+    """A callback's saved `{"engine": {...}, "step": int}`, or None with one warning when it is
+    something else (an edited or truncated checkpoint, another tool's entry): the run starts cold."""
+    if not state:
+        return None
+    engine = state.get("engine") if isinstance(state, dict) else None
+    step = state.get("step", 0) if isinstance(state, dict) else None
+    if isinstance(engine, dict) and isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return {"engine": engine, "step": step}
+    warn_cold_start(origin, f"not a saved state (a {type(state).__name__}" + (
+        f" with engine {type(engine).__name__} and step {step!r})" if isinstance(state, dict) else ")"))
+    return None
+
+
+def warn_cold_start(origin: str, why: str) -> None:
+    """The one warning of a resume whose nummon state cannot be used."""
+    console_log.warning("nummon: %s is %s; the health engine starts cold", origin, why)
+
+
+def restore_engine(monitor: Any, restored: dict[str, Any] | None, origin: str, cold_step: int) -> bool:
+    """Load a checked `saved_state` into a fresh Monitor's engine; on a StateError (nothing was
+    changed) warn once and start cold at `cold_step`. True when the state was loaded."""
+    from nummon._errors import StateError
+
+    if not restored:
+        return False
+    try:
+        monitor.engine.load_state_dict(restored["engine"], origin=origin)
+    except StateError as e:
+        warn_cold_start(origin, f"unusable ({str(e).removeprefix(origin + ': ')})")
+        monitor.step = cold_step
+        return False
+    return True
 
 
 def with_class_count(policy: Policy, classes: int | None) -> Policy:
@@ -67,11 +106,85 @@ def take_per_sample(module: Any) -> Any:
 
 def console_sinks(console: bool, policy: Policy) -> list[ConsoleSink]:
     """The callback's console: one line per incident event on the "nummon" logger, written on
-    the training thread (so it comes before the trainer's next log line), as `ConsoleSink` does
-    in a loop; none when `console` is off or the policy adds one already (`sinks.console`)."""
+    the training thread (so it comes before the trainer's next log line) and on a line of its
+    own when a progress bar is open (`console_log`), as `ConsoleSink` does in a loop; none when `console` is off or the policy adds one already (`sinks.console`)."""
     if not console or policy.sinks.console:
         return []
-    return [ConsoleSink(min_severity=Severity.WARNING)]
+    return [ConsoleSink(logger=console_log, min_severity=Severity.WARNING)]  # type: ignore[arg-type]
+
+
+def bars_cleared() -> Any:
+    """A context in which any open tqdm progress bar is cleared and redrawn after (what
+    `tqdm.write` does): a console line written inside it starts on its own line instead of being
+    glued to the bar (`...[00:02<02:06, 2.57s/it]nummon: run lost`)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return contextlib.nullcontext()
+    if not getattr(tqdm, "_instances", None):
+        return contextlib.nullcontext()
+    return tqdm.external_write_mode()
+
+
+class ConsoleLogger:
+    """The "nummon" logger as the callbacks write to it: each line with open progress bars
+    cleared first (`bars_cleared`); handlers, levels and filters are the logger's own."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self.logger = logger or logging.getLogger("nummon")
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
+        with bars_cleared():
+            self.logger.log(level, msg, *args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+
+console_log = ConsoleLogger()
+
+
+def _count(n: float) -> str:
+    """1234 -> "1.2k", 3_400_000 -> "3.4M" (parameters)."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(int(n))
+
+
+def start_line(model: Any, policy: Policy, events_path: Path, run_dir: str | os.PathLike[str]) -> str:
+    """What the callback watches and where its files go: one line at the start of training."""
+    params = [p for p in model.parameters()] if model is not None else []
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    s = policy.sampling
+    return (f"nummon: watching {type(model).__name__} ({_count(trainable)} trainable parameters in {len(params)} tensors), "
+            f"policy {policy.name} (stop on critical: {'yes' if policy.alerts.stop_on_critical else 'no'}); "
+            f"gradients every step, parameters every {s.params_every} and optimizer state every {s.optimizer_every} "
+            f"steps, activations {'on' if s.activations else 'off'}; events in {events_path}, flight records in {run_dir}")
+
+
+def summary_line(monitor: Any, first_step: int, events_path: Path) -> str:
+    """The end of a run as nummon saw it: steps, incidents (count, worst state), the worst moment
+    (the first step at the worst state, and what), and where the files are."""
+    steps = monitor.step - first_step
+    opened = [e for e in monitor.incidents if e.state.rank >= 1]
+    text = f"nummon: finished watching {steps} step{'s' if steps != 1 else ''}"
+    if not opened:
+        text += ": no incident"
+    else:
+        count = len({e.number for e in opened})
+        worst = max(opened, key=lambda e: (e.state.rank, -e.step))
+        what = worst.title.removeprefix("nummon: ")
+        where = next((a.location for a in monitor.alerts
+                      if a.step == worst.step and a.kind.value == "nonfinite" and a.location), None)
+        text += (f": {count} incident{'s' if count != 1 else ''}, worst state {worst.state.value}; "
+                 f"the worst moment: step {worst.step}, {what}" + (f" in {plain_text(where)}" if where else ""))
+    text += f"; events in {events_path}"
+    if monitor.flight_record is not None:
+        text += f", flight record {monitor.flight_record}"
+    return text
 
 
 def stop_line(report: StepReport) -> str:

@@ -15,7 +15,8 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
-                               stop_line, take_per_sample)
+                               console_log, restore_engine, saved_state, start_line, stop_line, summary_line,
+                               take_per_sample)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -23,6 +24,7 @@ pl = require("lightning.pytorch", "lightning")
 __all__ = ["NummonCallback"]
 
 log = logging.getLogger("nummon")
+RESTORED_FROM = "the checkpoint's nummon state"
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -38,7 +40,9 @@ class NummonCallback(pl.Callback):
     `follow_loggers=False`. The event log (`nummon-events.jsonl`) and flight records go to
     `run_dir`, else `trainer.log_dir`. `trainer.should_stop` is set after a critical alert when
     the policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
-    `console`: one line per incident event on the "nummon" logger (False: none).
+    `console`: a start line (what is watched, where the files go), one line per incident event
+    and an end-of-run summary (incidents, the worst moment, the files) on the "nummon" logger,
+    each on a line of its own beside the progress bar (False: none of them).
     Under DDP every rank reaches the same decision (the Monitor gathers the statistics).
     A `training_step` that sets `self.nummon_per_sample_loss = per_sample_losses` gets the worst
     samples of the step named in its record, alerts and flight record.
@@ -68,7 +72,10 @@ class NummonCallback(pl.Callback):
         self._loss = StepLoss()
         self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
         self._warned_no_loss = False
-        self._restored: dict[str, Any] | None = None  # the engine's state and next step from a checkpoint
+        self._restored: Any = None  # the engine's state and next step from a checkpoint (checked at fit start)
+        self._summary_due = False  # a start line was printed: the end-of-run summary is owed
+        self._first_step = 0
+        self._events_path: Any = None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -76,12 +83,16 @@ class NummonCallback(pl.Callback):
         checkpoint so a resumed run does not start its detectors cold. Plain data only."""
         if self.monitor is not None:
             return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
-        return dict(self._restored) if self._restored else {}
+        return dict(self._restored) if isinstance(self._restored, dict) else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Called by Lightning before `on_fit_start` when a fit resumes from a checkpoint (the
-        trainer's own step is restored only after `on_fit_start`, so the step comes from here)."""
-        self._restored = dict(state_dict) if state_dict.get("engine") else None
+        trainer's own step is restored only after `on_fit_start`, so the step comes from here). A state
+        that is not one is warned about at `on_fit_start`, and the engine starts cold."""
+        if isinstance(state_dict, dict):
+            self._restored = dict(state_dict) if state_dict.get("engine") else None
+        else:
+            self._restored = state_dict or None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -95,15 +106,20 @@ class NummonCallback(pl.Callback):
         distributed = trainer.world_size > 1
         sinks = self.extra_sinks + (self._logger_sinks(trainer) if self.follow_loggers else [])
         sinks += console_sinks(self.console, self.policy)
-        sinks.append(events_sink(run_dir, self.policy, distributed))
+        events = events_sink(run_dir, self.policy, distributed)
+        sinks.append(events)
+        restored = saved_state(self._restored, RESTORED_FROM)
+        self._restored = None
         self.monitor = Monitor(
             pl_module, self._optimizer, self.policy, sinks,
             run_dir=run_dir, grad_scaler=self._scaler(trainer),
-            start_step=int(self._restored.get("step", trainer.global_step)) if self._restored else trainer.global_step,
+            start_step=restored["step"] if restored else trainer.global_step,
         )
-        if self._restored:
-            self.monitor.engine.load_state_dict(self._restored["engine"], origin="the checkpoint's nummon state")
-            self._restored = None
+        restore_engine(self.monitor, restored, RESTORED_FROM, cold_step=trainer.global_step)
+        self._first_step, self._events_path = self.monitor.step, events.path
+        self._summary_due = self.console and trainer.global_rank == 0
+        if self._summary_due:
+            console_log.warning("%s", start_line(pl_module, self.policy, events.path, run_dir))
         self._loss.reset()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -118,6 +134,9 @@ class NummonCallback(pl.Callback):
     def _close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+            if self._summary_due:  # once per fit (on_train_end, on_exception and teardown all close)
+                self._summary_due = False
+                console_log.warning("%s", summary_line(self.monitor, self._first_step, self._events_path))
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -146,7 +165,7 @@ class NummonCallback(pl.Callback):
             return
         if self._loss.empty:  # e.g. training_step returned None and backward was skipped
             if not self._warned_no_loss:
-                log.warning("nummon: no loss reached backward before optimizer step %d; that step is not monitored",
+                console_log.warning("nummon: no loss reached backward before optimizer step %d; that step is not monitored",
                             trainer.global_step)
                 self._warned_no_loss = True
             return
@@ -159,7 +178,7 @@ class NummonCallback(pl.Callback):
         if report.should_stop and not trainer.should_stop:
             trainer.should_stop = True  # the same decision on every rank: the records are gathered
             self.stopped_at = report.step
-            log.warning("%s", stop_line(report))
+            console_log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

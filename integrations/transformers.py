@@ -19,7 +19,8 @@ from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
 from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
-                               stop_line, take_per_sample, with_class_count)
+                               console_log, restore_engine, saved_state, start_line, stop_line, summary_line,
+                               take_per_sample, with_class_count)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -27,6 +28,7 @@ transformers = require("transformers", "transformers")
 __all__ = ["NummonCallback"]
 
 log = logging.getLogger("nummon")
+RESTORED_FROM = "the checkpoint's nummon state"
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -106,7 +108,9 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
     run) unless `follow_report_to=False`. The event log (`nummon-events.jsonl`) and flight records
     go to `args.output_dir`. `control.should_training_stop` is set after a critical alert when the
     policy's `alerts.stop_on_critical` says so (default: yes); `stop_on_critical` overrides it.
-    `console`: one line per incident event on the "nummon" logger (False: none).
+    `console`: a start line (what is watched, where the files go), one line per incident event
+    and an end-of-run summary (incidents, the worst moment, the files) on the "nummon" logger,
+    each on a line of its own beside the Trainer's progress bar (False: none of them).
     The health engine's state rides in every checkpoint the Trainer saves, and a run resumed from
     one (`train(resume_from_checkpoint=...)`) starts its detectors warm. Leave the Trainer's
     `restore_callback_states_from_checkpoint` off: it replaces callbacks with fresh copies that
@@ -136,18 +140,25 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         self._rerunning = False
         self._share_scale = 1.0
         self._warned_no_loss = False
-        self._restored: dict[str, Any] | None = None  # the engine's state and next step, from load_state_dict
+        self._restored: Any = None  # the engine's state and next step, from load_state_dict (checked at train begin)
+        self._summary_due = False  # a start line was printed: the end-of-run summary is owed
+        self._first_step = 0
+        self._events_path: Any = None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The health engine's state (incident, re-warming records) and the next step. Plain data."""
         if self.monitor is not None:
             return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
-        return dict(self._restored) if self._restored else {}
+        return dict(self._restored) if isinstance(self._restored, dict) else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict()` at the next `on_train_begin` (as Lightning's stateful callbacks do)."""
-        self._restored = dict(state_dict) if state_dict.get("engine") else None
+        """Restore `state_dict()` at the next `on_train_begin` (as Lightning's stateful callbacks do);
+        a state that is not one is warned about there, and the engine starts cold."""
+        if isinstance(state_dict, dict):
+            self._restored = dict(state_dict) if state_dict.get("engine") else None
+        else:
+            self._restored = state_dict or None
 
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into a checkpoint's trainer_state.json (`ExportableState`): the
@@ -155,18 +166,31 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         arguments: sinks cannot be written to JSON)."""
         return {"args": {}, "attributes": {}, "nummon": self.state_dict()}
 
-    def _checkpoint_state(self, state: Any) -> dict[str, Any] | None:
-        """The engine state saved with the checkpoint this run resumes from, else None. A fresh run
-        (global step 0) and a state saved at another step (the callback's own, from an earlier
-        `train()`) are not resumed from."""
+    def _checkpoint_state(self, state: Any) -> Any:
+        """The nummon entry saved with the checkpoint this run resumes from (unchecked: `saved_state`
+        checks it), else None. A fresh run (global step 0) and a state saved at another step (the
+        callback's own, from an earlier `train()`) are not resumed from."""
+        if not state.global_step:
+            return None
         saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
         if isinstance(saved, list):  # several nummon callbacks on one Trainer: whose is whose is not recorded
             log.warning("nummon: several NummonCallbacks on one Trainer; none resumes its state from the checkpoint")
             return None
-        engine_state = saved.get("nummon") if isinstance(saved, dict) else None
-        if not engine_state or not engine_state.get("engine") or not state.global_step:
-            return None
-        return engine_state if engine_state.get("step") == state.global_step else None
+        if not isinstance(saved, dict):
+            return saved  # None (a checkpoint from before nummon), or not an entry of ours
+        engine_state = saved.get("nummon")
+        if isinstance(engine_state, dict):
+            step = engine_state.get("step")
+            if not engine_state.get("engine") or isinstance(step, int) and step != state.global_step:
+                return None
+        return engine_state
+
+    def _add_checkpoint_entry(self, state: Any) -> None:
+        """Give this callback its entry in `state.stateful_callbacks`: the Trainer's save looks it up
+        by class name (KeyError on a run resumed from a checkpoint written without nummon)."""
+        entries = getattr(state, "stateful_callbacks", None)
+        if isinstance(entries, dict):
+            entries.setdefault(type(self).__name__, self.state())
 
     # ------------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -178,16 +202,22 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         sinks = self.extra_sinks + (self._report_to_sinks(args, state) if self.follow_report_to else [])
         sinks += console_sinks(self.console, self.policy)
-        sinks.append(events_sink(args.output_dir, self.policy, distributed))
-        restored = self._restored or self._checkpoint_state(state)
+        events = events_sink(args.output_dir, self.policy, distributed)
+        sinks.append(events)
+        raw = self._restored if self._restored is not None else self._checkpoint_state(state)
         self._restored = None
-        start = int(restored.get("step", state.global_step)) if restored else state.global_step
+        restored = saved_state(raw, RESTORED_FROM)
+        start = restored["step"] if restored else state.global_step
         # a classifier's task names its chance level (stall.chance_loss), unless the policy does
         policy = with_class_count(self.policy, classification_classes(model))
         self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, policy,
                                sinks, run_dir=args.output_dir, start_step=start)
-        if restored:
-            self.monitor.engine.load_state_dict(restored["engine"], origin="the checkpoint's nummon state")
+        restore_engine(self.monitor, restored, RESTORED_FROM, cold_step=state.global_step)
+        self._add_checkpoint_entry(state)
+        self._first_step, self._events_path = self.monitor.step, events.path
+        self._summary_due = self.console and state.is_world_process_zero
+        if self._summary_due:
+            console_log.warning("%s", start_line(model, policy, events.path, args.output_dir))
         # with `average_tokens_across_devices` the Trainer multiplies each rank's share by the world size
         self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
         self._loss.reset()
@@ -203,6 +233,9 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
             self._loss_hook = None
         if self.monitor is not None:
             self.monitor.close()
+            if self._summary_due:  # once per train(), after the last records are in
+                self._summary_due = False
+                console_log.warning("%s", summary_line(self.monitor, self._first_step, self._events_path))
 
     # ------------------------------------------------------------------ per step
     def _capture_loss(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
@@ -241,7 +274,7 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
             return
         if self._loss.empty:  # the loss is computed outside the model (custom compute_loss)
             if not self._warned_no_loss:
-                log.warning("nummon: the model returned no `loss` during training (pass `labels` so the model "
+                console_log.warning("nummon: the model returned no `loss` during training (pass `labels` so the model "
                             "computes it); steps are not monitored")
                 self._warned_no_loss = True
             return
@@ -253,7 +286,7 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         if report.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             self.stopped_at = report.step
-            log.warning("%s", stop_line(report))
+            console_log.warning("%s", stop_line(report))
 
     # ------------------------------------------------------------------ helpers
     def _report_to_sinks(self, args: Any, state: Any) -> list[Any]:

@@ -6,6 +6,7 @@ import math
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,28 @@ def demo_env(wandb_env):
     return dict(os.environ)
 
 
-def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(tmp_path, demo_env):
-    out = tmp_path / "run"
-    p = cli("demo", "--out", str(out), env=demo_env)
+WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true",
+             "WANDB_DISABLE_CODE": "true", "WANDB_X_DISABLE_STATS": "true"}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One `nummon demo` with every sink (hermetic offline W&B), shared by the tests that read
+    what it printed: (process, output folder)."""
+    root = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update(WANDB_ENV)
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        (root / var.lower()).mkdir()
+        env[var] = str(root / var.lower())
+    out = root / "run"
+    p = cli("demo", "--out", str(out), env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+    return p, out
+
+
+def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
+    p, out = demo_run
     m = re.search(r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning", p.stdout)
     assert m, p.stdout[-3000:]
     warn, crit, nf, lead = map(int, m.groups())
@@ -63,20 +82,20 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(tmp_path, demo
     assert console == [a.title for a in sent], console
     # the progress lines count from 0, like the table and the alerts (one line per 20 steps)
     shown = [int(n) for n in re.findall(r"\] step\s+(\d+)", p.stderr)]
-    assert shown[:4] == [0, 20, 40, 60] and all(n <= nf for n in shown)
+    assert shown[:3] == [0, 20, 40] and all(n <= nf for n in shown)
 
 
 def test_demo_healthy_ends_with_no_warning(tmp_path, demo_env):
     p = cli("demo", "--healthy", "--out", str(tmp_path / "h"), env=demo_env)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "no warning in 120 steps: the run stayed healthy." in p.stdout
+    assert f"no warning in {DEFAULT_STEPS} steps: the run stayed healthy." in p.stdout
     from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
 
     assert wandb_alerts(read_records(find_run_file(tmp_path / "h"))) == []  # no notification at all
     assert not [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
     events = [json.loads(l) for l in (tmp_path / "h" / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["type"] == "alert" and e["severity"] != "info"]
-    assert len([e for e in events if e["type"] == "step"]) == 120
+    assert len([e for e in events if e["type"] == "step"]) == DEFAULT_STEPS
 
 
 def run_main(*args):
@@ -144,9 +163,9 @@ def test_demo_run_returns_its_result(tmp_path):
 
 def test_demo_stop_at_critical_and_wandb_online_without_a_key_falls_back_to_offline(tmp_path, demo_env):
     """--stop-at-critical stops on the first critical step, before any non-finite value; and
-    WANDB_MODE=online without a key logs offline. At --lr 1 the demo warns at step 1, goes
-    critical at step 3 and would be non-finite at step 5 (at the default lr the critical step
-    comes after some 75 steps of training, which this flag's test does not need)."""
+    WANDB_MODE=online without a key logs offline. At --lr 1 the demo warns at step 4 and goes
+    critical at step 5 (at the default lr the critical step comes after some 48 steps of
+    training, which this flag's test does not need)."""
     env = dict(demo_env, WANDB_MODE="online")
     env.pop("WANDB_API_KEY", None)
     env["NETRC"] = str(tmp_path / "no-netrc")
@@ -180,3 +199,104 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
     logged = [e for e in events if e["type"] == "alert" and (e.get("details") or {}).get("recovery") == "rollback"]
     assert [e["step"] for e in logged] == [r["step"] for r in rollbacks]
     assert any(e["type"] == "incident" and e.get("action", "").startswith("recovered: rolled back") for e in events)
+
+
+# ---------------------------------------------------------------- the README's demo section
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_RUN = "nummon-runs/20261201-101804"  # the output folder as the README shows it
+README_WANDB_RUN = "offline-run-20261201_101804-xxxxxxxx"
+WANDB_RUN = re.compile(r"offline-run-\d{8}_\d{6}-\w+")
+DEMO_MODEL_PATH = re.compile(r"\S*nummon/_demo_model\.py")
+SUMMARY_LINE = re.compile(r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning\.")
+BULLET = re.compile(r"^    - (info|warning|critical) (\w+) (\S+) .*\(step (\d+)\)$")
+
+
+def readme_demo_section(text=None):
+    """The README's "What the demo shows" section: (prose, the excerpt's lines)."""
+    text = README.read_text() if text is None else text
+    section = text.split("### What the demo shows", 1)[1].split("\n### ", 1)[0]
+    prose, block, _ = section.split("```", 2)
+    return prose, block.strip("\n").splitlines()
+
+
+def normalised(line, out):
+    """A printed line with what differs between runs as the README shows it: the output folder,
+    the W&B run id, the demo model's path."""
+    line = WANDB_RUN.sub(README_WANDB_RUN, line.replace(str(out), README_RUN))
+    return DEMO_MODEL_PATH.sub("nummon/_demo_model.py", line).rstrip()
+
+
+def demo_excerpt(stdout, stderr, out):
+    """What the README's excerpt shows of a demo's output: each incident block's first three
+    lines, then "...", then its last line; the closing table and the closing lines (not the
+    timing and event-log line)."""
+    lines, blocks = [], []
+    for line in stderr.splitlines():
+        if line.startswith("nummon: run "):
+            blocks.append([line])
+        elif line.startswith("    ") and blocks:
+            blocks[-1].append(line)
+    for block in blocks:
+        lines += block[:4] + (["    ..."] + block[-1:] if len(block) > 5 else block[4:])
+    tail = stdout.split("\n", 1)[1].strip("\n").splitlines()  # after the header line
+    return [normalised(l, out) for l in lines + [""] + [l for l in tail if not l.startswith("(")]]
+
+
+def test_readme_demo_section_states_what_the_demo_prints(demo_run):
+    """Issue 35 point 10: the README's demo section (the excerpt, the step numbers, the lead, the
+    layer and operator, the optimizer-state column, the model and the claimed time) against one
+    real run. Alert bullets are compared by severity, kind, metric and step only (their wording
+    changes); every other excerpt line must be printed as shown. To refresh the excerpt after a
+    change: `python tests/test_demo.py` prints it."""
+    from nummon._demo_config import DEMO_BATCH, DEMO_SECONDS, IMAGE_SIDE, RUNAWAY_LR, SWITCH_STEP, WIDTH
+
+    p, out = demo_run
+    prose, readme = readme_demo_section()
+    printed = demo_excerpt(p.stdout, p.stderr, out)
+    # the structure: which step warned, went critical, non-finite, and the lead
+    (claimed,) = [SUMMARY_LINE.search(l).groups() for l in readme if SUMMARY_LINE.search(l)]
+    assert claimed == SUMMARY_LINE.search(p.stdout).groups()
+    # the incident transitions and their steps, the bullets by what they name
+    transitions = re.compile(r"^    Incident \d+ (?:opened|escalated from \w+) at step \d+: \w+\.$")
+    assert [l for l in readme if transitions.match(l)] == [l for l in printed if transitions.match(l)]
+    assert [l for l in readme if l.startswith("nummon: run ")] == [l for l in printed if l.startswith("nummon: run ")]
+    bullets = {BULLET.match(l).groups() for l in printed if BULLET.match(l)}
+    for line in readme:
+        if BULLET.match(line):
+            assert BULLET.match(line).groups() in bullets, line
+    # every other line as printed: the table (optimizer-state "—" included), the NaN's layer and
+    # operator, why and what to try, the commands; the first warning up to its message
+    others = [l for l in readme if l.strip() and not l.strip().startswith("-") and l.strip() != "..."
+              and not transitions.match(l)]
+    for line in others:
+        if line.startswith("First warning: "):
+            line = line.split(" — ")[0]
+            assert any(l.startswith(line + " — ") for l in printed), line
+        else:
+            assert line in printed, (line, printed)
+    table = [l for l in printed if re.match(r"^\s+\d+\s", l)]
+    assert table and all(l in readme for l in table)  # the whole closing table
+    # the prose: the model, the optimizer, the switch, the claimed time
+    assert f"lr {RUNAWAY_LR:g}" in prose and f"from step {SWITCH_STEP}" in " ".join(prose.split())
+    assert f"{WIDTH} and {2 * WIDTH} channels" in prose and f"{IMAGE_SIDE}x{IMAGE_SIDE}" in prose and f"batches of {DEMO_BATCH}" in prose
+    (seconds,) = re.findall(r"about (\d+) s on 2 CPU cores", " ".join(prose.split()))
+    assert int(seconds) == DEMO_SECONDS < 10  # measured by hand (see _demo_config); tests time nothing
+
+
+def test_readme_names_the_layer_and_operator_the_demo_names(demo_run):
+    """The forensics section quotes the demo's "Why:" line: the same operator, layer and line."""
+    p, _ = demo_run
+    why = re.search(r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_demo_model\.py:\d+)", p.stdout, re.M)
+    assert why, p.stdout[-2000:]
+    quoted = re.search(r"`nummon demo` ends with it \(\"Why: (.+?) \.\.\.\"\)", " ".join(README.read_text().split()))
+    assert quoted and quoted.group(1) == why.group(1) + why.group(2), (quoted and quoted.group(1), why.groups())
+
+
+if __name__ == "__main__":  # print the README excerpt of a fresh demo run (to refresh the README)
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.run(nummon_cmd() + ["demo", "--out", d, *sys.argv[1:]], capture_output=True, text=True,
+                              env={**os.environ, **WANDB_ENV})
+        print("\n".join(demo_excerpt(proc.stdout, proc.stderr, d)))

@@ -165,6 +165,56 @@ def test_the_readme_example_driven_to_blow_up_prints_incident_lines_before_the_f
 def test_console_false_keeps_the_callback_quiet(fw, tmp_path):
     lines = fw.readme_blow_up(tmp_path, fw.callback([MemorySink()], stop_on_critical=False, console=False))
     assert not incident_lines(lines)
+    assert not [text for _, text in lines if "watching" in str(text)]  # no start line, no summary
+
+
+def _claimed_count(number, unit):
+    return float(number) * {"": 1, "k": 1e3, "M": 1e6, "B": 1e9}[unit]
+
+
+START = re.compile(r"nummon: watching (\w+) \(([\d.]+)([kMB]?) trainable parameters in (\d+) tensors\), policy (\w+) "
+                   r"\(stop on critical: (yes|no)\); gradients every step, parameters every (\d+) and optimizer state "
+                   r"every (\d+) steps, activations (on|off); events in (.+), flight records in (.+)$")
+SUMMARY = re.compile(r"nummon: finished watching (\d+) steps?: (?:no incident|(\d+) incidents?, worst state (\w+); the worst "
+                     r"moment: step (\d+), (.+?)); events in (.+?)(?:, flight record (.+))?$")
+
+
+def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path):
+    """Issue 35 point 10: one line at the start (what is watched, the policy, the sampling, where
+    the files go) and one at the end (steps, incidents, the worst state and moment, the files),
+    every number in them checked against the run."""
+    memory = MemorySink()
+    cb = fw.callback([memory], stop_on_critical=False, console=True)
+    texts = [str(text) for _, text in fw.readme_blow_up(tmp_path, cb)]
+    start, end = START.match(texts[0]), SUMMARY.match(texts[-1])
+    assert start and end, (texts[0], texts[-1])
+    model, policy = cb.monitor.stats.model, cb.policy
+    params = list(model.parameters())
+    name, number, unit, tensors, preset, stop, params_every, optim_every, acts, events, flight_dir = start.groups()
+    assert name == type(model).__name__ and int(tensors) == len(params)
+    assert _claimed_count(number, unit) == pytest.approx(sum(p.numel() for p in params), rel=5e-3)
+    assert (preset, stop, int(params_every), int(optim_every), acts) == (
+        policy.name, "no", policy.sampling.params_every, policy.sampling.optimizer_every, "on")
+    assert Path(events).is_file() and Path(flight_dir).is_dir()
+
+    steps, count, worst_state, worst_step, what, events_again, flight = end.groups()
+    opened = [e for e in cb.monitor.incidents if e.state.rank >= 1]
+    worst = max(e.state.rank for e in opened)
+    assert int(steps) == len(memory.records)
+    assert int(count) == len({e.number for e in opened}) >= 1
+    assert worst_state == next(e.state.value for e in opened if e.state.rank == worst)
+    assert int(worst_step) == min(e.step for e in opened if e.state.rank == worst)
+    assert what.startswith("run ") and not any("`" in t or "**" in t for t in (texts[0], texts[-1]))  # plain text
+    assert events_again == events and Path(flight).is_file() and Path(flight).parent == Path(flight_dir)
+
+
+def test_a_healthy_run_sums_up_with_no_incident(fw, tmp_path, caplog):
+    cb = fw.callback([MemorySink()])
+    with caplog.at_level(logging.WARNING, logger="nummon"):
+        run = fw.healthy(tmp_path, cb)
+    texts = [r.getMessage() for r in caplog.records if r.name == "nummon"]
+    assert len(texts) == 2 and START.match(texts[0]), texts
+    assert texts[1].startswith(f"nummon: finished watching {run.trainer_steps} steps: no incident; events in "), texts
 
 
 @pytest.mark.parametrize("name", FRAMEWORKS)

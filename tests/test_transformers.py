@@ -19,11 +19,74 @@ from nummon.integrations.transformers import NummonCallback  # noqa: E402
 from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
 
-def resumable_trainer(out_dir, cb, steps):
+def resumable_trainer(out_dir, cb, steps, save_steps=6):
     model = tiny_gpt2()
-    args = training_args(out_dir, steps=steps, save_strategy="steps", save_steps=6)
+    args = training_args(out_dir, steps=steps, save_strategy="steps", save_steps=save_steps)
     return Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False),
-                   callbacks=[cb])
+                   callbacks=[cb] if cb is not None else [])
+
+
+def saved_nummon_state(ckpt):
+    return json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"].get("NummonCallback")
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tmp_path):
+    """Issue 36 item 16: a checkpoint written before nummon was added has no NummonCallback entry;
+    the resumed run's first save used to die with KeyError('NummonCallback')."""
+    resumable_trainer(tmp_path, None, steps=6).train()
+    ckpt = tmp_path / "checkpoint-6"
+    assert saved_nummon_state(ckpt) is None
+
+    cb = NummonCallback(follow_report_to=False, console=False)
+    resumable_trainer(tmp_path, cb, steps=8, save_steps=2).train(resume_from_checkpoint=str(ckpt))
+    saved = saved_nummon_state(tmp_path / "checkpoint-8")
+    assert saved["nummon"]["step"] == 8
+    assert [r["step"] for r in saved["nummon"]["engine"]["first"]] == [6, 7]  # a cold start at 6
+
+
+@pytest.fixture(scope="module")
+def nummon_checkpoint(tmp_path_factory):
+    """A 6-step run's checkpoint-6 with nummon's state in it."""
+    root = tmp_path_factory.mktemp("ckpt")
+    resumable_trainer(root, NummonCallback(follow_report_to=False, console=False), steps=6).train()
+    return root / "checkpoint-6"
+
+
+CORRUPTIONS = {
+    "a string": lambda engine: "garbage",
+    "nummon a string": lambda engine: {"args": {}, "attributes": {}, "nummon": "garbage"},
+    "engine a string": lambda engine: {"args": {}, "attributes": {}, "nummon": {"engine": "garbage", "step": 6}},
+    "records broken": lambda engine: {"args": {}, "attributes": {},
+                                      "nummon": {"engine": {**engine, "first": [{"step": "x"}]}, "step": 6}},
+    "incident broken": lambda engine: {"args": {}, "attributes": {},
+                                       "nummon": {"engine": {**engine, "incident": {"state": "on fire"}}, "step": 6}},
+    "step a string": lambda engine: {"args": {}, "attributes": {}, "nummon": {"engine": engine, "step": "six"}},
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(tmp_path, nummon_checkpoint, corruption,
+                                                                              caplog):
+    """Issue 36 item 17: a checkpoint whose nummon entry is not a saved state (edited, truncated, or
+    from another tool) used to kill the resume with AttributeError / StateError."""
+    import logging
+
+    import shutil
+
+    ckpt = tmp_path / "checkpoint-6"
+    shutil.copytree(nummon_checkpoint, ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    engine = state["stateful_callbacks"]["NummonCallback"]["nummon"]["engine"]
+    state["stateful_callbacks"]["NummonCallback"] = CORRUPTIONS[corruption](engine)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+
+    cb = NummonCallback(follow_report_to=False, console=False)
+    with caplog.at_level(logging.WARNING, logger="nummon"):
+        resumable_trainer(tmp_path, cb, steps=8, save_steps=2).train(resume_from_checkpoint=str(ckpt))
+    warned = [r.getMessage() for r in caplog.records if r.name == "nummon" and "starts cold" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert [r["step"] for r in cb.monitor.engine.state_dict()["first"]] == [6, 7] and cb.monitor.step == 8
+    assert saved_nummon_state(tmp_path / "checkpoint-8")["nummon"]["step"] == 8  # and saves a good one
 
 
 def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
@@ -78,3 +141,34 @@ def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():
     policy = with_class_count(load_policy("default"), 6)
     assert policy.stall.chance_loss == pytest.approx(math.log(6))
     assert with_class_count(load_policy("default"), None).stall.chance_loss is None
+
+
+def screen_lines(raw):
+    """The lines a terminal shows for `raw`: each line with its carriage-return rewrites applied."""
+    shown_lines = []
+    for line in raw.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        shown_lines.append(shown.rstrip())
+    return shown_lines
+
+
+def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(tmp_path):
+    """Issue 35 point 10: with the Trainer's tqdm bar open, nummon's line used to be glued to the
+    bar (`...[00:02<02:06, 2.57s/it]nummon: run lost...`)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(here / "transformers_runs.py"), "progress-bar", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "it/s]" in proc.stderr or "s/it]" in proc.stderr, proc.stderr[-2000:]  # the bar was drawn
+    screen = screen_lines(proc.stderr)
+    ours = [line for line in screen if "nummon:" in line]
+    assert any(line.startswith("nummon: run ") for line in ours), screen[-40:]
+    assert [line for line in ours if not line.startswith("nummon:")] == []

@@ -56,11 +56,11 @@ def tiny_gpt2():
 
 
 def training_args(out_dir, *, steps, report_to=(), batch=8, accumulation=1, max_grad_norm=1.0, save_strategy="no",
-                  **kwargs):
+                  disable_tqdm=True, **kwargs):
     return TrainingArguments(
         output_dir=str(out_dir), report_to=list(report_to), use_cpu=True, save_strategy=save_strategy, max_steps=steps,
         per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm,
-        logging_steps=1, logging_nan_inf_filter=False, disable_tqdm=True, seed=0, data_seed=0,
+        logging_steps=1, logging_nan_inf_filter=False, disable_tqdm=disable_tqdm, seed=0, data_seed=0,
         dataloader_num_workers=0, **kwargs,
     )
 
@@ -188,3 +188,18 @@ def readme_blow_up(root, cb):
 
 def callback(sinks=(), **kwargs):
     return NummonCallback(sinks=list(sinks), **kwargs)
+
+
+def runaway_with_progress_bar(root):
+    """The runaway as a user runs it: the Trainer's own tqdm bar on stderr, nummon's console on."""
+    model = tiny_gpt2()
+    args = training_args(root, steps=RUNAWAY_STEPS, disable_tqdm=False)
+    Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, True),
+            callbacks=[NummonCallback(follow_report_to=False)]).train()
+
+
+if __name__ == "__main__":  # python transformers_runs.py progress-bar DIR (a real process: its stderr is read)
+    import sys
+
+    assert sys.argv[1] == "progress-bar", sys.argv
+    runaway_with_progress_bar(sys.argv[2])
