@@ -29,6 +29,7 @@ __all__ = [
     "api_page",
     "cli_page",
     "metrics_page",
+    "modules_page",
     "policy_keys",
     "policy_page",
     "rules_page",
@@ -397,6 +398,36 @@ def rules_page() -> str:
     return "\n".join(out) + "\n"
 
 
+# --- the source tree -----------------------------------------------------------------------------
+
+def _summary(path: Path) -> str:
+    """The first paragraph of a module's docstring, on one line."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def modules_page() -> str:
+    """Every module of the package (nummon/, integrations/, configs/) with its docstring's summary."""
+    out = [
+        "# Modules",
+        "",
+        "Every module of the source tree with the first paragraph of its docstring, generated at build "
+        "time (see [How it is built](../architecture.md) for how they fit together). `integrations/` and "
+        "`configs/` import as `nummon.integrations` and `nummon.configs`.",
+    ]
+    for top in ("nummon", "integrations", "configs"):
+        folders: dict[Path, list[Path]] = {}
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                folders.setdefault(path.parent, []).append(path)
+        for folder, paths in folders.items():
+            out += ["", f"## `{folder.relative_to(ROOT).as_posix()}/`", "", "| module | what it is |", "|---|---|"]
+            out += [f"| `{p.name}` | {_cell(_summary(p)) or '—'} |" for p in paths]
+    return "\n".join(out) + "\n"
+
+
 #: site path -> the function that writes it
 PAGES: dict[str, Callable[[], str]] = {
     "reference/policy.md": policy_page,
@@ -405,6 +436,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/api.md": api_page,
     "reference/metrics.md": metrics_page,
     "reference/rules.md": rules_page,
+    "reference/modules.md": modules_page,
 }
 
 
