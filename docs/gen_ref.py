@@ -8,6 +8,7 @@ Sources: the pydantic policy (every field's default, unit and description), the 
 enum with each kind's detector and hint, the argparse parsers of the CLI, ``nummon.__all__``
 (rendered by mkdocstrings), the Prometheus metric table and the shipped rule files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,20 @@ __all__ = [
 ]
 
 #: Units a policy description may end with, in parentheses: "(steps)", "(loss units; default: unknown)".
-_UNITS = ("steps", "records", "ratio", "fraction", "seconds", "samples", "count", "multiple", "skips",
-          "nats", "log10 units", "loss units")
+_UNITS = (
+    "steps",
+    "records",
+    "ratio",
+    "fraction",
+    "seconds",
+    "samples",
+    "count",
+    "multiple",
+    "skips",
+    "nats",
+    "log10 units",
+    "loss units",
+)
 _TRAILING_PAREN = re.compile(r"\s*\(([^()]*)\)\s*$")
 
 
@@ -55,6 +68,7 @@ def _code(text: str) -> str:
 
 
 # --- the policy ---------------------------------------------------------------------------------
+
 
 def _split_unit(description: str) -> tuple[str, str]:
     """(meaning, unit) of a field description whose last parenthesis names a unit; else (description, "")."""
@@ -100,7 +114,7 @@ def _sections() -> Iterator[tuple[str, Any, Any]]:
     from nummon._policy import Policy
 
     default = Policy()
-    for name, info in Policy.model_fields.items():
+    for name in Policy.model_fields:
         value = getattr(default, name)
         if isinstance(value, BaseModel):
             yield name, type(value), value
@@ -125,7 +139,7 @@ def policy_page() -> str:
     out = [
         "# Policy reference",
         "",
-        "Every threshold and window nummon uses is a field of `nummon.Policy` (pydantic, `extra=\"forbid\"`: "
+        'Every threshold and window nummon uses is a field of `nummon.Policy` (pydantic, `extra="forbid"`: '
         "a misspelt key is an error, with the closest known key suggested). This page is generated from the "
         "policy's own field descriptions; `nummon policy show default` prints the same as commented YAML.",
         "",
@@ -165,8 +179,10 @@ def policy_page() -> str:
             if not unit and info.annotation is bool:
                 unit = "on/off"
             allowed = _bounds(info) or _type_name(info.annotation)
-            out.append(f"| `{section}.{key}` | {_code(_yaml_value(getattr(value, key)))} | {_cell(unit)} | "
-                       f"{_cell(allowed)} | {_cell(meaning)} |")
+            out.append(
+                f"| `{section}.{key}` | {_code(_yaml_value(getattr(value, key)))} | {_cell(unit)} | "
+                f"{_cell(allowed)} | {_cell(meaning)} |"
+            )
     for name in preset_names():
         if name == "default":
             continue
@@ -187,14 +203,18 @@ def _differences(base: Any, other: Any) -> list[str]:
     for name in type(base).model_fields:
         a, b = getattr(base, name), getattr(other, name)
         if isinstance(a, BaseModel):
-            lines += [f"{name}.{k}: {_yaml_value(getattr(b, k))}" for k in type(a).model_fields
-                      if getattr(a, k) != getattr(b, k)]
+            lines += [
+                f"{name}.{k}: {_yaml_value(getattr(b, k))}"
+                for k in type(a).model_fields
+                if getattr(a, k) != getattr(b, k)
+            ]
         elif a != b and name != "name":
             lines.append(f"{name}: {_yaml_value(b)}")
     return lines
 
 
 # --- alert kinds ----------------------------------------------------------------------------------
+
 
 def alert_kinds_page() -> str:
     """Every `AlertKind`: the detector that raises it, its policy section, what it watches, its hint."""
@@ -229,9 +249,13 @@ def alert_kinds_page() -> str:
         det = owner.get(kind)
         out += ["", f"## `{kind.value}`", ""]
         if det is not None:
-            out += [_user_doc(det.__doc__), "",
-                    f"Raised by `{det.__name__}`, configured by the policy section "
-                    f"[`{det.section}`](policy.md#{det.section}).", ""]
+            out += [
+                _user_doc(det.__doc__),
+                "",
+                f"Raised by `{det.__name__}`, configured by the policy section "
+                f"[`{det.section}`](policy.md#{det.section}).",
+                "",
+            ]
         hint = _BASE.get(kind)
         if hint:
             out += [f"**Hint**: {hint}", ""]
@@ -245,6 +269,7 @@ def _user_doc(doc: str | None) -> str:
 
 
 # --- the command line -----------------------------------------------------------------------------
+
 
 def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
     formatter = parser._get_formatter()
@@ -261,7 +286,11 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
         if action.choices and not isinstance(action.choices, dict) and "{" not in name:
             help_text += f" (one of: {', '.join(map(str, action.choices))})"
         default = action.default
-        shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 else _code(repr(default) if not isinstance(default, str) else default)
+        shown = (
+            ""
+            if default in (None, False, argparse.SUPPRESS) or action.nargs == 0
+            else _code(repr(default) if not isinstance(default, str) else default)
+        )
         rows.append(f"| {_code(name)} | {shown} | {_cell(help_text)} |")
     return rows
 
@@ -307,6 +336,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 
 # --- the public API -------------------------------------------------------------------------------
 
+
 def _api_path(name: str) -> str:
     """The dotted path mkdocstrings reads `nummon.<name>` from: where it is defined in the source
     (public classes report `__module__ == "nummon"`; integrations/ is a top-level package in the checkout)."""
@@ -336,12 +366,20 @@ def api_page() -> str:
         "",
     ]
     for name in sorted(nummon.__all__, key=lambda n: (n != "Monitor", n.lower())):
-        out += [f"## `nummon.{name}`", "", f"::: {_api_path(name)}", "    options:",
-                "      show_root_heading: false", "      heading_level: 3", ""]
+        out += [
+            f"## `nummon.{name}`",
+            "",
+            f"::: {_api_path(name)}",
+            "    options:",
+            "      show_root_heading: false",
+            "      heading_level: 3",
+            "",
+        ]
     return "\n".join(out)
 
 
 # --- Prometheus -----------------------------------------------------------------------------------
+
 
 def metrics_page() -> str:
     """Every series `nummon watch --metrics` and `PrometheusSink` serve, from the metric table."""
@@ -351,7 +389,7 @@ def metrics_page() -> str:
         "# Prometheus metrics",
         "",
         "The series served at `/metrics` by `nummon watch --metrics HOST:PORT` (every watched run) and by "
-        "`nummon.PrometheusSink(\"HOST:PORT\")` (one run, from inside its training process). Generated from "
+        '`nummon.PrometheusSink("HOST:PORT")` (one run, from inside its training process). Generated from '
         "`METRICS` in `nummon/integrations/prometheus.py`. Counters carry Prometheus' `_total` suffix. "
         "Per-run series have the labels `run` (the run's path) and `source` (its log format); never one "
         "series per layer.",
@@ -391,14 +429,20 @@ def rules_page() -> str:
     for group in rules["groups"]:
         for rule in group["rules"]:
             labels, notes = rule.get("labels", {}), rule.get("annotations", {})
-            out.append(f"| `{rule['alert']}` | {labels.get('severity', '')} | {rule.get('for', '')} | "
-                       f"{_code(rule['expr'])} | {_cell(notes.get('description', ''))} |")
-    for title, fname in (("The rules file", "nummon-rules.yml"), ("Alertmanager route (`alertmanager.yml`)", "alertmanager.yml")):
+            out.append(
+                f"| `{rule['alert']}` | {labels.get('severity', '')} | {rule.get('for', '')} | "
+                f"{_code(rule['expr'])} | {_cell(notes.get('description', ''))} |"
+            )
+    for title, fname in (
+        ("The rules file", "nummon-rules.yml"),
+        ("Alertmanager route (`alertmanager.yml`)", "alertmanager.yml"),
+    ):
         out += ["", f"## {title}", "", "```yaml", (folder / fname).read_text().rstrip(), "```"]
     return "\n".join(out) + "\n"
 
 
 # --- the source tree -----------------------------------------------------------------------------
+
 
 def _summary(path: Path) -> str:
     """The first paragraph of a module's docstring, on one line."""

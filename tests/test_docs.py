@@ -3,6 +3,7 @@
 The pages come from `docs/gen_ref.py` (the mkdocs hook) run here into a temporary folder; the
 full `mkdocs build --strict` (links, anchors, mkdocstrings) runs in `.ci/run`.
 """
+
 import argparse
 import importlib.util
 import re
@@ -31,7 +32,7 @@ def diary_phrases(text: str) -> list[str]:
     found = []
     for pattern in DIARY:
         for m in re.finditer(pattern, text, flags=re.IGNORECASE):
-            found.append(text[max(0, m.start() - 30): m.end() + 30].replace("\n", " "))
+            found.append(text[max(0, m.start() - 30) : m.end() + 30].replace("\n", " "))
     return found
 
 
@@ -63,7 +64,7 @@ def test_every_policy_key_has_a_row_with_its_default(pages, gen):
     missing = [k for k in gen.policy_keys() if f"| `{k}` |" not in page]
     assert not missing, f"policy keys missing from the reference: {missing}"
     # the default shown is the model's: spot-check every scalar of one section
-    for key, value in type(default.spike).model_fields.items():
+    for key in type(default.spike).model_fields:
         shown = getattr(default.spike, key)
         assert f"| `spike.{key}` | `{str(shown).lower() if isinstance(shown, bool) else shown}` |" in page
 
@@ -85,7 +86,10 @@ def test_policy_keys_cover_every_section_of_the_model(gen):
 def test_a_unit_is_split_from_the_meaning_only_when_it_is_a_unit(gen):
     assert gen._split_unit("steps of history (steps)") == ("steps of history", "steps")
     assert gen._split_unit("the class count's log (loss units; default: unknown)")[1] == "loss units; default: unknown"
-    assert gen._split_unit("robust deviations (sigma = 1.4826 * MAD)") == ("robust deviations (sigma = 1.4826 * MAD)", "")
+    assert gen._split_unit("robust deviations (sigma = 1.4826 * MAD)") == (
+        "robust deviations (sigma = 1.4826 * MAD)",
+        "",
+    )
 
 
 def test_every_alert_kind_has_a_section_with_its_detector_and_hint(pages):
@@ -151,13 +155,19 @@ def test_nav_lists_every_page_and_only_pages_that_exist(gen):
 
     listed = set(entries(config["nav"]))
     written = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
-    assert listed == written | set(gen.PAGES), (listed ^ (written | set(gen.PAGES)))
+    assert listed == written | set(gen.PAGES), listed ^ (written | set(gen.PAGES))
 
 
 def test_the_diary_patterns_catch_diary_wording():
     # the README's wording the site was cleaned of: a pattern that matches none of it is no check
-    for phrase in ("measured before this session's changes", "Session 7: where the rest goes", "(issue 26, CPU)",
-                   "after session 6", "round 4", "in work period 3"):
+    for phrase in (
+        "measured before this session's changes",
+        "Session 7: where the rest goes",
+        "(issue 26, CPU)",
+        "after session 6",
+        "round 4",
+        "in work period 3",
+    ):
         assert diary_phrases(phrase), phrase
     assert not diary_phrases("20 rounds x 5 steps; `--rounds 12`; a sessions-free sentence")
 
