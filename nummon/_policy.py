@@ -133,7 +133,7 @@ class SinkPolicy(_Section):
 
 
 class RecoveryPolicy(_Section):
-    """Opt-in self-repair (issue 17): skip a poisoned update, roll a runaway back to a healthy snapshot.
+    """Opt-in self-repair: skip a poisoned update, roll a runaway back to a healthy snapshot.
 
     Costs when enabled: one host read per optimizer step (the guard's total gradient norm, read
     at `optimizer.step()` time; under torch.distributed one more small all_reduce), and a copy of

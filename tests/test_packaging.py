@@ -1,15 +1,19 @@
 """A normal (non-editable) install ships every subpackage: CI installs that way."""
-import tomllib
+
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_subpackage_is_listed_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # the standard library from Python 3.11
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {"nummon"} | {
         "nummon." + ".".join(p.parent.relative_to(ROOT / "nummon").parts)
-        for p in (ROOT / "nummon").rglob("__init__.py") if p.parent != ROOT / "nummon"
+        for p in (ROOT / "nummon").rglob("__init__.py")
+        if p.parent != ROOT / "nummon"
     }
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
@@ -20,9 +24,48 @@ def test_the_cli_runs_from_the_checkouts_root():
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "nummon", "policy", "show", "strict"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "policy", "show", "strict"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0 and "name: strict" in p.stdout, p.stderr[-500:]
-    p = subprocess.run([sys.executable, "-c", "import nummon.integrations.tensorboard, nummon.configs"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", "import nummon.integrations.tensorboard, nummon.configs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr[-500:]
+
+
+def test_the_wheel_ships_py_typed_and_the_configs(tmp_path):
+    """A wheel built from the sources holds nummon/py.typed (PEP 561: users' type checkers read
+    nummon's annotations) and the presets and Prometheus rules. Built without isolation from a
+    copy of what the wheel is made of, so nothing is written into the checkout."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("build")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("nummon", "integrations", "configs"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    p = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("nummon-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "nummon/py.typed" in names
+    assert {"nummon/configs/default.yaml", "nummon/configs/prometheus/nummon-rules.yml"} <= names
