@@ -38,12 +38,19 @@ SAMPLE_RUN = 256
 _grad_of = operator.attrgetter("grad")
 
 
+def _one_minus_pow(beta: float, t: Any) -> Any:
+    """1 - beta^t, accurate where beta^t is near 1 (a host float or a device tensor, as `t`)."""
+    if isinstance(t, torch.Tensor):
+        return -torch.expm1(t * math.log(beta)) if beta > 0 else torch.ones_like(t)
+    return -math.expm1(t * math.log(beta)) if beta > 0 else 1.0
+
+
 def ratio_bound(beta2: float, t: float) -> float:
     """The largest g_t / sqrt(v_hat_t) any element can reach at Adam step t (t >= 1):
     sqrt((1 - beta2^t) / (1 - beta2)), from v_t >= (1 - beta2) g_t^2 (no unit)."""
     if beta2 >= 1:
         return math.inf
-    return math.sqrt((1.0 - beta2 ** max(t, 1.0)) / (1.0 - beta2))
+    return math.sqrt(_one_minus_pow(beta2, max(float(t), 1.0)) / (1.0 - beta2))
 
 
 class _Sample:
@@ -228,10 +235,11 @@ class AdamStatistics:
             g2 = G * G
             # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
             # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
-            # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
-            # that had no gradient yet) can make it explode, and before/after give the same value
+            # ratio g²/v_hat_t is at most (1 - beta2^t)/(1 - beta2): no tensor whose v is still ~0 (a
+            # layer that had no gradient yet) can make it explode, and before/after give the same value
             vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
-            ratio = g2 / (vt / (1.0 - b2 ** tt)).clamp_min(eps * eps)
+            # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
+            ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
             # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
             step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
             mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
