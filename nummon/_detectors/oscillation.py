@@ -25,7 +25,7 @@ MAX_POINTS = 512
 MIN_CROSSINGS = 4
 #: ... each crossing clearing a band of this many standard deviations of the smoothed noise
 #: (the noise estimated from step-to-step differences, which a slow wave barely moves)
-BAND_SIGMAS = 2.0
+BAND_SIGMAS = 3.0
 SMOOTH = 5  # moving-average width of the residual (records)
 
 
