@@ -219,7 +219,7 @@ class StepRecord:
     output_logit_max: float | None = None  # max output logit
     adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
     adam_small_grad_fraction: float | None = None  # fraction of gradient elements with |g| < Adam's eps
-    adam_ratio_bound: float | None = None  # 1/sqrt(1 - beta2), the bound of adam_ratio_rms (the largest over param groups)
+    adam_ratio_bound: float | None = None  # sqrt((1 - beta2^t) / (1 - beta2)), the bound of adam_ratio_rms at Adam step t (the largest over param groups)
     update_ratio_max: float | None = None  # largest ||Adam update|| / ||param|| over tensors
     sample_loss_ratio: float | None = None  # max / mean of the per-sample losses (post_step(per_sample_loss=...))
     sample_loss_top: tuple[int, ...] = ()  # indices in the batch of the largest per-sample losses, worst first

@@ -3,6 +3,8 @@ loss spikes follow 1-8 steps after v underestimates g²; arXiv 2506.04805: and w
 most |g| below eps, the update is eps-dominated)."""
 from __future__ import annotations
 
+import math
+
 from .. import _functional as F
 from .._policy import AdamMomentPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
@@ -11,10 +13,16 @@ __all__ = ["AdamMomentDetector"]
 
 
 class AdamMomentDetector:
-    """Warning when a tensor's RMS(g / sqrt(v_hat)) exceeds `warning_rms` (critical at
-    `critical_rms`), when most gradient elements are below Adam's eps, or when one step moves a
-    tensor by more than `warning_update_ratio` of its norm. All three are ratios: no unit, no
-    dependence on width or dtype."""
+    """Warning when a tensor's RMS(g_t / sqrt(v_hat_t)) exceeds the warning level (critical only
+    where the policy sets `critical_rms`), when most gradient elements are below Adam's eps, or
+    when one step moves a tensor by more than `warning_update_ratio` of its norm. All three are
+    ratios: no unit, no dependence on width or dtype.
+
+    The ratio: g_t against the bias-corrected second moment that includes g_t itself, v_hat_t =
+    (beta2 v_{t-1} + (1 - beta2) g_t^2) / (1 - beta2^t); every element, so the RMS, is at most
+    sqrt((1 - beta2^t) / (1 - beta2)) (the record's `adam_ratio_bound`). It reaches that bound when
+    a gradient dwarfs everything v remembers, which happens in high-LR runs that recover on their
+    own as in runs that are lost: a warning, never a stop by default."""
 
     section = "adam_moment"
     kinds = (AlertKind.ADAM_SECOND_MOMENT,)
@@ -36,13 +44,14 @@ class AdamMomentDetector:
         return n
 
     def _levels(self, bound: float | None) -> tuple[float, float]:
-        """(warning, critical) levels of RMS(g / sqrt(v_hat)) for an optimizer whose ratio is
-        bounded by `bound` = 1/sqrt(1 - beta2) (None: unknown, the policy's levels)."""
+        """(warning, critical) levels of RMS(g_t / sqrt(v_hat_t)) at a step where the ratio is at
+        most `bound` (None: unknown, the policy's levels). Critical: inf unless the policy sets one."""
         p = self._p
+        crit = math.inf if p.critical_rms is None else p.critical_rms
         if bound is None or not F.is_finite(bound):
-            return p.warning_rms, p.critical_rms
+            return p.warning_rms, max(crit, p.warning_rms)
         warn = max(p.warning_rms, p.bound_fraction * bound)
-        return warn, max(p.critical_rms, (warn + bound) / 2)
+        return warn, max(crit, warn)
 
     def update(self, rec: StepRecord) -> list[Finding]:
         p = self._p
@@ -51,16 +60,20 @@ class AdamMomentDetector:
         out: list[Finding] = []
         layers = rec.layer_adam_ratio_rms
         rms = rec.adam_ratio_rms
-        warn, crit = self._levels(rec.adam_ratio_bound)
+        bound = rec.adam_ratio_bound
+        warn, crit = self._levels(bound)
         if F.is_finite(rms) and self._hold("rms", rms >= warn) >= p.patience:
             name = max(layers, key=layers.__getitem__) if layers else None
             sev = Severity.CRITICAL if rms >= crit else Severity.WARNING
             where = f" in `{name}`" if name else ""
+            of_bound = (f", {rms / bound:.0%} of the most it can be at this step ({bound:.3g}, when g_t dwarfs "
+                        f"everything v remembers)" if bound and F.is_finite(bound) else "")
             out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, sev, "adam_ratio_rms", rms,
                                crit if sev is Severity.CRITICAL else warn,
-                               f"Adam's second moment underestimates the gradient{where}: RMS(g/sqrt(v)) is {rms:.3g} "
-                               f"(about 1 when v tracks g²): the gradient jumped far above what v has seen",
-                               details={"tensor": name}))
+                               f"Adam's second moment underestimates the gradient{where}: RMS(g_t/sqrt(v_hat_t)) is "
+                               f"{rms:.3g}{of_bound}; about 1 when v tracks g² (v_t includes g_t, bias-corrected): "
+                               f"the gradient jumped far above what v has seen",
+                               details={"tensor": name, "bound": bound}))
         small = rec.adam_small_grad_fraction
         if F.is_finite(small):
             base_q = self._small_base

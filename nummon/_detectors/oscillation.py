@@ -11,7 +11,7 @@ from .._policy import OscillationPolicy
 from .._types import AlertKind, Finding, Severity, StepRecord
 from .trend import LossTrend, improvement_needed
 
-__all__ = ["OscillationDetector", "swing_structure"]
+__all__ = ["OscillationDetector", "noise_sigma", "swing_structure", "wave_crossings"]
 
 #: Mean autocorrelation over lags 1-4 of the detrended log-loss at or above which the swings are
 #: cyclic (each step follows the last: a wave), and lag-1 autocorrelation at or below which they
@@ -19,6 +19,14 @@ __all__ = ["OscillationDetector", "swing_structure"]
 CYCLIC_AUTOCORR = 0.3
 ALTERNATING_AUTOCORR = -0.5
 MAX_POINTS = 512
+#: Waves must repeat: the smoothed residual crosses from one side of the trend to the other at
+#: least this many times (two full up-and-down swings). A fall that flattens onto its noise floor
+#: leaves a residual with one bend (+, -, +: two crossings) that autocorrelates like a wave.
+MIN_CROSSINGS = 4
+#: ... each crossing clearing a band of this many standard deviations of the smoothed noise
+#: (the noise estimated from step-to-step differences, which a slow wave barely moves)
+BAND_SIGMAS = 3.0
+SMOOTH = 5  # moving-average width of the residual (records)
 
 
 def _autocorr(xs: Sequence[float], lag: int) -> float:
@@ -32,9 +40,36 @@ def _autocorr(xs: Sequence[float], lag: int) -> float:
     return sum((xs[i] - m) * (xs[i + lag] - m) for i in range(n - lag)) / var
 
 
+def noise_sigma(resid: Sequence[float]) -> float:
+    """The standard deviation of a series' batch-to-batch noise, from the median absolute
+    step-to-step difference (robust to slow waves and to a few spikes; log units here)."""
+    d = sorted(abs(b - a) for a, b in zip(resid, resid[1:]))
+    if not d:
+        return 0.0
+    return d[len(d) // 2] / (0.6745 * math.sqrt(2.0))
+
+
+def wave_crossings(resid: Sequence[float]) -> int:
+    """How many times the residual, smoothed over SMOOTH records, goes from below to above the
+    band of +-BAND_SIGMAS smoothed-noise deviations or back (a swing above the noise floor)."""
+    n, half = len(resid), SMOOTH // 2
+    band = BAND_SIGMAS * noise_sigma(resid) / math.sqrt(SMOOTH)
+    side, count = 0, 0
+    for i in range(n):
+        part = resid[max(0, i - half): i + half + 1]
+        v = sum(part) / len(part)
+        now = 1 if v > band else -1 if v < -band else 0
+        if now and now != side:
+            count += side != 0
+            side = now
+    return count
+
+
 def swing_structure(values: Sequence[float]) -> tuple[str | None, float]:
     """("cyclic" | "alternating" | None, the autocorrelation that decided) of a loss window:
-    log values, a straight-line trend removed, so a steady fall or rise is not a swing."""
+    log values, a straight-line trend removed, so a steady fall or rise is not a swing; waves
+    count only where they repeat above the noise floor (MIN_CROSSINGS), so a fall that flattens
+    onto its noise floor is not one."""
     logs = [math.log(v) for v in values if v > 0]
     n = len(logs)
     if n < 8:
@@ -47,7 +82,7 @@ def swing_structure(values: Sequence[float]) -> tuple[str | None, float]:
     if lags[0] <= ALTERNATING_AUTOCORR:
         return "alternating", lags[0]
     mean = sum(lags) / len(lags)
-    if mean >= CYCLIC_AUTOCORR:
+    if mean >= CYCLIC_AUTOCORR and wave_crossings(resid) >= MIN_CROSSINGS:
         return "cyclic", mean
     return None, mean
 

@@ -1,6 +1,15 @@
 """Adam/AdamW second-moment health, per tensor, from the optimizer state on the device: RMS(g /
 sqrt(v_hat)), the fraction of |g| below eps, and ||update|| / ||param||.
 
+The ratio, exactly: g_t / sqrt(v_hat_t) per element, where g_t is the gradient of step t as
+measured, v_t = beta2 v_{t-1} + (1 - beta2) g_t^2 is the second moment *including* g_t (the state
+after the update, or that formula applied to the state before it) and v_hat_t = v_t / (1 - beta2^t)
+its bias correction. Since v_t >= (1 - beta2) g_t^2, every element (and so the RMS) is at most
+sqrt((1 - beta2^t) / (1 - beta2)): 3.3 at t = 11 and 31.6 for large t with beta2 0.999. Against
+v_{t-1} (without g_t) there would be no bound at all, so whether optimizer.step() already consumed
+this gradient is read from the autograd engine (one parameter's post-accumulate-grad hook), not
+guessed from the model's forward (Lightning's `training_step` need not call `forward`).
+
 Cost is bounded per sampled step, whatever the model's size: a tensor of more than `ADAM_SAMPLE`
 elements is read at fixed random runs of `SAMPLE_RUN` consecutive elements, smaller ones whole;
 the four quantities (parameter, gradient, both moments) of a parameter group are read by one
@@ -17,7 +26,7 @@ import torch
 from .._distributed import Reduce
 from .transport import Segment
 
-__all__ = ["ADAM_SAMPLE", "SAMPLE_RUN", "AdamStatistics"]
+__all__ = ["ADAM_SAMPLE", "SAMPLE_RUN", "AdamStatistics", "ratio_bound"]
 
 #: The Adam statistics of a tensor are estimated from this many of its elements when it has
 #: more (a fixed random subset; all of them when it has fewer): ratios and fractions,
@@ -27,6 +36,21 @@ ADAM_SAMPLE = 1024
 SAMPLE_RUN = 256
 
 _grad_of = operator.attrgetter("grad")
+
+
+def _one_minus_pow(beta: float, t: Any) -> Any:
+    """1 - beta^t, accurate where beta^t is near 1 (a host float or a device tensor, as `t`)."""
+    if isinstance(t, torch.Tensor):
+        return -torch.expm1(t * math.log(beta)) if beta > 0 else torch.ones_like(t)
+    return -math.expm1(t * math.log(beta)) if beta > 0 else 1.0
+
+
+def ratio_bound(beta2: float, t: float) -> float:
+    """The largest g_t / sqrt(v_hat_t) any element can reach at Adam step t (t >= 1):
+    sqrt((1 - beta2^t) / (1 - beta2)), from v_t >= (1 - beta2) g_t^2 (no unit)."""
+    if beta2 >= 1:
+        return math.inf
+    return math.sqrt(_one_minus_pow(beta2, max(float(t), 1.0)) / (1.0 - beta2))
 
 
 class _Sample:
@@ -104,6 +128,38 @@ class AdamStatistics:
         self.optimizer = optimizer
         self._names_of = names_of  # id(param) -> name
         self._groups: dict[int, _Group] = {}
+        self._steps = 0  # optimizer steps since attaching (our own step post-hook: a host count)
+        self._grad_at: int | None = None  # `_steps` when a gradient last reached the watched parameter
+        self._hooks: list = []
+        self._watch()
+
+    def _watch(self) -> None:
+        """Hooks that tell, on the host and without a device read, whether optimizer.step() ran
+        since the last backward: the first trainable parameter's post-accumulate-grad hook (one
+        Python call per backward) and the optimizer's step post-hook."""
+        opt = self.optimizer
+        p = next((p for g in getattr(opt, "param_groups", ()) for p in g["params"]
+                  if isinstance(p, torch.Tensor) and p.requires_grad), None)
+        if p is None or not hasattr(p, "register_post_accumulate_grad_hook") or not hasattr(opt, "register_step_post_hook"):
+            return
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_arrived), opt.register_step_post_hook(self._step_done)]
+
+    def _grad_arrived(self, _p: Any) -> None:
+        self._grad_at = self._steps
+
+    def _step_done(self, *_: Any) -> None:
+        self._steps += 1
+
+    def stepped(self, fallback: bool) -> bool:
+        """Whether the optimizer already stepped on the gradient now in `.grad` (`fallback`, the
+        caller's guess, when no gradient reached the watched parameter since the last call)."""
+        at, self._grad_at = self._grad_at, None
+        return fallback if at is None else self._steps > at
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def refresh(self) -> None:
         """Forget the cached groups (a parameter replaced out of place, `p.data = ...`, is seen again)."""
@@ -135,9 +191,11 @@ class AdamStatistics:
 
     def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float, float]:
         """(tensor names, segments, gradient elements the |g| < eps counts are out of, the
-        largest bound 1/sqrt(1 - beta2) of the ratio over the groups measured);
-        `stepped`: optimizer.step() already ran for this gradient; `steps_seen`: a host count of
-        the optimizer's steps (for a fused / capturable one, whose step count is on the device)."""
+        largest bound sqrt((1 - beta2^t) / (1 - beta2)) of the ratio over the groups measured);
+        `stepped`: the caller's guess whether optimizer.step() already ran for this gradient (the
+        hooks' answer wins where they have one); `steps_seen`: a host count of the optimizer's
+        steps (for a fused / capturable one, whose step count is on the device)."""
+        stepped = self.stepped(stepped)
         names: list[str] = []
         rms, small, upd = [], [], []
         elements, bound = 0.0, 0.0
@@ -165,7 +223,9 @@ class AdamStatistics:
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
             s = g.sample
-            bound = max(bound, 1.0 / (1.0 - b2) ** 0.5) if b2 < 1 else math.inf
+            # the step count of this gradient's update, on the host (the state's before the step + 1)
+            t_host = (steps_seen if on_device else float(t)) + (0.0 if stepped else 1.0)
+            bound = max(bound, ratio_bound(b2, t_host))
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
@@ -175,10 +235,11 @@ class AdamStatistics:
             g2 = G * G
             # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
             # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
-            # ratio g²/v_hat_t is bounded by 1/(1 - beta2): no tensor whose v is still ~0 (a layer
-            # that had no gradient yet) can make it explode, and before/after give the same value
+            # ratio g²/v_hat_t is at most (1 - beta2^t)/(1 - beta2): no tensor whose v is still ~0 (a
+            # layer that had no gradient yet) can make it explode, and before/after give the same value
             vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
-            ratio = g2 / (vt / (1.0 - b2 ** tt)).clamp_min(eps * eps)
+            # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
+            ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
             # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
             step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
             mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))

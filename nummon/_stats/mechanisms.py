@@ -50,7 +50,7 @@ class MechanismStep:
     output: bool = False
     samples: int = 0  # per-sample losses: top indices packed
     adam_elements: float = 0.0  # gradient elements the |g| < eps counts are out of
-    adam_bound: float = 0.0  # 1/sqrt(1 - beta2): the ratio's bound
+    adam_bound: float = 0.0  # sqrt((1 - beta2^t) / (1 - beta2)): the ratio's bound at this step
 
 
 class MechanismProbes:
@@ -276,6 +276,8 @@ class MechanismProbes:
         for h in self._hooks_opt:
             h.remove()
         self._hooks_opt = []
+        if self.adam is not None:
+            self.adam.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
