@@ -444,6 +444,7 @@ class IncidentEvent:
     hint: str | None = None
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
     explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
+    report: str | None = None  # path of the HTML incident report written for it (nummon report)
 
     @property
     def title(self) -> str:
@@ -471,6 +472,8 @@ class IncidentEvent:
             tail.append(f"- why: {self.explanation}")
         if self.flight_record:
             tail.append(f"- flight record: `{self.flight_record}`")
+        if self.report:
+            tail.append(f"- report: `{self.report}`")
         if self.hint and self.state is not IncidentState.RESOLVED:
             tail.append(f"- try: {self.hint}")
         lines = [head]
@@ -501,6 +504,7 @@ class IncidentEvent:
             "hint": self.hint,
             **({"action": self.action} if self.action else {}),
             **({"explanation": self.explanation} if self.explanation else {}),
+            **({"report": self.report} if self.report else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":

@@ -198,3 +198,55 @@ def test_headless_chromium_draws_the_page(monitor_run, tmp_path):
     assert len(colors) > 200  # text, curves and marks, not a blank or one-colour page
     # the verdict banner of a lost run is drawn (violet), and so are the curves' colours
     assert any(abs(r - 0x6d) < 12 and abs(g - 0x28) < 12 and abs(b - 0xd9) < 12 for _, (r, g, b) in colors)
+
+
+def test_the_monitor_writes_the_report_on_critical_and_at_close_and_names_it(tmp_path, caplog):
+    """The incident events from critical on name the report (so the console line, webhook and
+    TensorBoard text do); the file is there at close, rebuilt from the whole event log."""
+    import logging
+
+    from nummon import ConsoleSink, JsonlSink
+
+    with caplog.at_level(logging.INFO, logger="nummon"):
+        mon, _ = runaway_run([JsonlSink(tmp_path / "events.jsonl"), ConsoleSink()], tmp_path, steps=120)
+    report = tmp_path / "nummon-report.html"
+    assert mon.report_path == report and report.is_file()
+    states = {e.state.value: e for e in mon.incidents}
+    assert states["open"].report is None  # a warning writes nothing: no cost before critical
+    assert states["critical"].report == str(report) and states["nonfinite"].report == str(report)
+    assert f"- report: `{report}`" in states["critical"].summary()
+    assert f"report: {report}" in caplog.text  # the console line
+    html = report.read_text()
+    assert f"first NaN/Inf</span><b>step {states['nonfinite'].step}</b>" in html
+    assert f"records, steps 0–{states['nonfinite'].step}" in html  # the whole event log, not the recorder's last steps
+
+
+def test_report_enabled_false_writes_none(tmp_path):
+    from nummon import JsonlSink, Policy
+
+    policy = Policy.load("default").model_copy(update={"report": Policy.load("default").report.model_copy(update={"enabled": False})})
+    mon, _ = runaway_run([JsonlSink(tmp_path / "events.jsonl")], tmp_path, steps=120, policy=policy)
+    assert mon.report_path is None and not (tmp_path / "nummon-report.html").exists()
+    assert all(e.report is None for e in mon.incidents)
+
+
+def test_a_healthy_monitor_run_with_no_folder_makes_none(tmp_path, monkeypatch):
+    """No run folder named and no incident: closing makes no folder just for a report."""
+    import torch
+    from torch import nn
+
+    from nummon import Monitor
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = Monitor(model, opt)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        mon.post_step(loss)
+    mon.close()
+    assert mon.report_path is None and list(tmp_path.iterdir()) == []

@@ -56,9 +56,10 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str] | Non
 
 
 def _version() -> str:
-    try:
-        from .. import __version__
+    """"nummon X.Y.Z" as installed (the package root is not imported: it sits above this layer)."""
+    from importlib import metadata
 
-        return f"nummon {__version__}"
-    except ImportError:  # pragma: no cover
+    try:
+        return f"nummon {metadata.version('nummon')}"
+    except metadata.PackageNotFoundError:  # a source checkout that was never installed
         return ""

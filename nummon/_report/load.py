@@ -42,6 +42,7 @@ class RunData:
     incidents: list[dict[str, Any]] = field(default_factory=list)
     flight_records: list[dict[str, Any]] = field(default_factory=list)  # {"path", "alert", "records"}
     format: str = "jsonl"
+    typed: bool = False  # a Monitor's event log (typed lines): its alerts and incident events are the run's own
     segments: int = 1  # > 1: the steps went backwards (a resumed run appended to the log)
 
 
@@ -59,7 +60,7 @@ def load_run(path: str | os.PathLike[str], format: Optional[str] = None, policy:
     if events is not None:
         run = _from_event_log(events, text, warn)
         run.flight_records = read_flight_records(events.parent, warn)
-        if not run.incidents:  # a plain trace, or a log without incident lines: the detectors decide
+        if not run.typed:  # a plain trace: the detectors decide, as in replay
             run.alerts, run.incidents, run.segments = _detect(run.records, policy, warn, text)
         return run
     if p.is_dir() and format is None and any(p.glob(FLIGHT_GLOB)) and not _any_log(p):
@@ -75,7 +76,7 @@ def from_monitor(source: str, records: Iterable[dict[str, Any]], alerts: Iterabl
                  incidents: Iterable[dict[str, Any]], flight_records: list[dict[str, Any]]) -> RunData:
     """A run from a Monitor's memory (its flight recorder's records, alerts, incident events),
     for a run folder with no event log."""
-    recs = [record_from_dict(r, source, i) for i, r in enumerate(records)]
+    recs = [_record(r, source, i) for i, r in enumerate(records)]
     return RunData(source=source, records=_in_step_order(recs), alerts=list(alerts), incidents=list(incidents),
                    flight_records=flight_records)
 
@@ -148,15 +149,12 @@ def _from_event_log(path: Path, source: str, warn: Optional[Warn]) -> RunData:
             if not isinstance(obj, dict):
                 continue
             kind = obj.get("type", "step")
+            run.typed = run.typed or "type" in obj
             if kind == "step":
                 try:
-                    rec = record_from_dict(obj, f"{path}:{lineno}", len(records))
+                    records.append(_record(obj, f"{path}:{lineno}", len(records)))
                 except TraceError:
                     broken += 1
-                    continue
-                if isinstance(obj.get("headroom_dtype"), str) and rec.headroom_dtype is None:
-                    rec.headroom_dtype = obj["headroom_dtype"][:40]  # the Monitor's key for it
-                records.append(rec)
             elif kind == "alert":
                 run.alerts.append(obj)
             elif kind == "incident":
@@ -165,6 +163,13 @@ def _from_event_log(path: Path, source: str, warn: Optional[Warn]) -> RunData:
         warn(f"{path}: {broken} unreadable line(s) skipped")
     run.records = _in_step_order(records)
     return run
+
+
+def _record(obj: dict[str, Any], where: str, default_step: int) -> StepRecord:
+    rec = record_from_dict(obj, where, default_step)
+    if isinstance(obj.get("headroom_dtype"), str) and rec.headroom_dtype is None:
+        rec.headroom_dtype = obj["headroom_dtype"][:40]  # the Monitor's key for it
+    return rec
 
 
 def _replayed(path: str, format: Optional[str], policy: PolicyLike, warn: Optional[Warn]) -> RunData:
