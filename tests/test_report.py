@@ -250,3 +250,27 @@ def test_a_healthy_monitor_run_with_no_folder_makes_none(tmp_path, monkeypatch):
         mon.post_step(loss)
     mon.close()
     assert mon.report_path is None and list(tmp_path.iterdir()) == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.dictionaries(st.sampled_from(["loss", "grad_norm", "activation_max", "headroom", "adam_ratio_rms", "lr"]),
+                       st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6),
+                                 st.sampled_from(["nan", "inf", "-inf", "NaN", "Infinity"])), max_size=6),
+       st.integers(0, 10**6))
+def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
+    """The report's lenient reader gives the values `replay`'s reader gives, for every line the
+    latter accepts."""
+    from nummon._report.load import _lean_record
+    from nummon._trace import TraceError, record_from_dict
+
+    obj = {"step": step, **values, "layer_grad_norms": {"a": 1.5, "b": "nan"}}
+    try:
+        want = record_from_dict(obj, "x", 0)
+    except TraceError:
+        return
+    got = _lean_record(obj, 0)
+    same = lambda a, b: (a is None and b is None) or (a is not None and b is not None and (a == b or (a != a and b != b)))  # noqa: E731
+    for k in list(values) + ["loss", "grad_norm"]:
+        assert same(getattr(got, k), getattr(want, k)), k
+    assert got.step == want.step and got.is_finite() == want.is_finite()
+    assert list(got.layer_grad_norms) == list(want.layer_grad_norms)

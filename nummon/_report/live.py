@@ -50,7 +50,7 @@ class LiveReport:
         folder = self._folder()
         if not (folder / EVENT_LOG).is_file():
             return fallback()
-        return self._write(lambda: render(load_run(folder), self._version))
+        return self._write(lambda: render(load_run(folder, detect=False), self._version))
 
     def _write(self, make: Callable[[], str]) -> Optional[Path]:
         from . import write_html
