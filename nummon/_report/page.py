@@ -66,10 +66,10 @@ def render(run: RunData, version: str = "") -> str:
              f"<h1>nummon incident report</h1><div class=\"src\">{escape(run.source)} · {_span_text(run)}"
              f"{' · ' + escape(run.format) if run.format else ''}</div>",
              f"<div class=\"verdict v-{title[0]}\">{escape(title[1])}</div>"]
-    for v in incidents[:_FULL_INCIDENTS]:
+    for v in _worst_first(incidents)[:_FULL_INCIDENTS]:
         parts.append(_incident_section(v, run))
     if len(incidents) > _FULL_INCIDENTS:
-        parts.append(_more_incidents(incidents[_FULL_INCIDENTS:]))
+        parts.append(_more_incidents(_worst_first(incidents)[_FULL_INCIDENTS:]))
     parts.append(_overview(run, incidents))
     parts.append(f"<footer>Made by <code>nummon report</code>{' ' + escape(version) if version else ''}: "
                  "one page, no script, nothing fetched; it opens offline and can be attached to a ticket. "
@@ -77,6 +77,12 @@ def render(run: RunData, version: str = "") -> str:
                  "stretch of steps keeps its lowest and highest value, near it every step is drawn.</footer>")
     parts.append("</main></body></html>\n")
     return "\n".join(parts)
+
+
+def _worst_first(incidents: list[IncidentView]) -> list[IncidentView]:
+    """Lost incidents first, then critical ones, then warnings; in step order within each."""
+    rank = {"nonfinite": 0, "critical": 1}
+    return sorted(incidents, key=lambda v: (rank.get(v.worst, 2), v.opened))
 
 
 def _span_text(run: RunData) -> str:

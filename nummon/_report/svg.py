@@ -202,7 +202,7 @@ def stacked_chart(panels: Sequence[Panel], x0: float, x1: float, marks: Sequence
     """Panels stacked on one step axis [x0, x1]; `marks` drawn across all of them and labelled
     on top; `lead` = (from, to, text) drawn as a bracket above; `bands` shade step ranges."""
     left, right, gap = 66, 14, 16
-    head = 40 if marks or lead else 10
+    head = (54 if lead else 40) if marks or lead else 10
     w = width - left - right
     height = head + len(panels) * (panel_h + gap) + 24
     x1 = x1 if x1 > x0 else x0 + 1
@@ -250,7 +250,7 @@ def _mark_labels(marks: Sequence[Mark], sx, xmin: float, xmax: float,
     if lead is not None:
         a, b, text = sx(lead[0]), sx(lead[1]), lead[2]
         if b > a:
-            y = 34
+            y = 48  # below the two rows of mark labels
             out.append(f'<path d="M{a:.1f},{y - 4}v4H{b:.1f}v-4" fill="none" stroke="#111827" stroke-width="1.2"/>')
             out.append(f'<text x="{(a + b) / 2:.1f}" y="{y - 3}" text-anchor="middle" class="m" fill="#111827" '
                        f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(text)}</text>')
