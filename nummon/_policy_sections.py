@@ -269,4 +269,4 @@ class AdamMomentPolicy(_Section):
 class ReportPolicy(_Section):
     """The incident report (`nummon report`) the Monitor writes into its run folder."""
 
-    enabled: bool = Field(True, description="write nummon-report.html into the run folder when an incident reaches critical (once per incident) and at close; never on a healthy step")
+    enabled: bool = Field(True, description="write nummon-report.html into the run folder when an incident reaches critical, when it goes non-finite, and at close; never on a healthy step")
