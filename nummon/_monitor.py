@@ -142,8 +142,8 @@ class Monitor:
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         self.recovery = self._recovery()
-        # the HTML incident report (policy `report`): written on a critical escalation and at close only
-        self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled else None
+        # the HTML incident report (policy `report`, rank 0): written on a critical escalation and at close only
+        self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled and self.rank == 0 else None
         self._arm_mechanisms()
         _shutdown.register(self, self.policy.sinks.handle_sigterm)
 
