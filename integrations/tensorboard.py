@@ -10,8 +10,9 @@ import os
 from typing import Any
 
 from nummon._format import alert_text
-from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, VIEWS_LEGEND, TopOffenders,
-                            alert_tag, custom_scalars_layout, histogram_tags, incident_tag, step_scalars)
+from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, LAYER_METRICS, TOP_K, VIEWS_LEGEND, TopOffenders,
+                            alert_tag, custom_scalars_layout, histogram_tags, incident_tag, linear_histogram_readable,
+                            state_range_scalars, step_scalars)
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
 
@@ -52,6 +53,7 @@ class TensorBoardSink(BaseSink):
         self.top = TopOffenders(top_k)
         self.incident_state = IncidentState.NONE
         self._layout_written = False
+        self._layers_in_layout = False  # the layout names the layer groups once a step has layers
         self._texts = 0  # sequence number of alert and incident text entries
 
     @property
@@ -69,10 +71,21 @@ class TensorBoardSink(BaseSink):
         legend = "  \n".join((HEALTH_LEGEND, INCIDENT_LEGEND, VIEWS_LEGEND))
         self.writer.add_text("nummon/legend", legend, global_step=0)
 
+    def _write_layer_layout(self, record: StepRecord) -> None:
+        """The layout again, now with one chart per layer group (the custom-scalars plugin shows
+        a run's latest layout): written once, at the first step that carries per-layer values."""
+        layers = {m: list(getattr(record, f)) for m, f in LAYER_METRICS.items() if getattr(record, f)}
+        if layers and not self._layers_in_layout:
+            self._layers_in_layout = True
+            self.writer.add_custom_scalars(custom_scalars_layout(self.top.k, layers))
+
     def on_step(self, record: StepRecord, health: Health | None) -> None:
         self._write_layout()  # a sink used without a Monitor is never bound
+        self._write_layer_layout(record)
         w, step = self.writer, record.step
         for tag, value in step_scalars(record, health, self.incident_state).items():
+            w.add_scalar(tag, value, global_step=step)
+        for tag, value in state_range_scalars().items():  # the state charts' whole range, outliers ignored or not
             w.add_scalar(tag, value, global_step=step)
         for tag, value in self.top.update(record).items():
             w.add_scalar(tag, value, global_step=step)
@@ -85,11 +98,12 @@ class TensorBoardSink(BaseSink):
             if h["num"] <= 0:
                 continue
             linear_tag, log_tag = histogram_tags(name)
-            w.add_histogram_raw(
-                linear_tag, min=h["min"], max=h["max"], num=int(h["num"]), sum=h["sum"],
-                sum_squares=h["sum_squares"], bucket_limits=h["edges"][1:].tolist(),
-                bucket_counts=h["counts"].tolist(), global_step=step,
-            )
+            if linear_histogram_readable(h):  # values up to 2e33: only the log10|x| view is readable
+                w.add_histogram_raw(
+                    linear_tag, min=h["min"], max=h["max"], num=int(h["num"]), sum=h["sum"],
+                    sum_squares=h["sum_squares"], bucket_limits=h["edges"][1:].tolist(),
+                    bucket_counts=h["counts"].tolist(), global_step=step,
+                )
             # log10|x| shows how many decades remain before the dtype overflows
             lc = h["log10_counts"]
             le = h["log10_edges"]

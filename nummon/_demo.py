@@ -157,8 +157,10 @@ def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | Non
         try:
             from .integrations.tensorboard import TensorBoardSink
 
-            sinks.append(TensorBoardSink(out / "tensorboard"))
             tb_dir = out / "tensorboard"
+            # a run folder of its own under the suggested --logdir: TensorBoard names the run by it, not "."
+            run_name = f"{'healthy' if cfg.healthy else 'runaway'}-lr{plan.lr:g}-seed{cfg.seed}"
+            sinks.append(TensorBoardSink(tb_dir / run_name))
         except ImportError as e:
             notes.append(f"TensorBoard sink skipped: {e}")
     wandb_sink = None

@@ -15,6 +15,9 @@ Plain data in, tag -> value dicts out (no torch). The groups (the part of a tag 
   `nummon_layers_attention_logit_max/<module>` and `nummon_layers_attention_entropy/<module>`.
 - `nummon_hist_<kind>/<name>` and `nummon_hist_<kind>_log10abs/<name>`: histograms (kind:
   params, grads, activations).
+- `nummon_state_range/min`, `/max` (TensorBoard only): constants 0 and 3 drawn with the health and
+  incident-state charts of the custom-scalars layout, so "ignore outliers" (on by default) never
+  clips the rare states 2 and 3 away.
 - `nummon_1_incidents/<seq>_<state>` (listed first: they tell the story), `nummon_2_alerts/<seq>_<kind>`:
   one text entry each (no entry for a cleared alert: the incident's "resolved" event says it).
 """
@@ -30,7 +33,8 @@ __all__ = [
     "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
     "LAYER_METRICS", "MECHANISM_GROUP", "MECHANISM_LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
     "ALERTS_GROUP", "INCIDENTS_GROUP", "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
-    "custom_scalars_layout", "metric_sections",
+    "custom_scalars_layout", "metric_sections", "STATE_RANGE_GROUP", "state_range_scalars", "layer_groups",
+    "HIST_LINEAR_MAX_ABS", "linear_histogram_readable",
 ]
 
 MAIN_GROUP = "nummon"
@@ -43,6 +47,12 @@ LOG10_GROUP = "nummon_log10"
 #: Growth metrics that get a log10|x| companion (a runaway is a straight line on it).
 LOG10_FIELDS = ("loss", "grad_norm", "activation_max")
 HEALTH_GROUP = "nummon_health"
+STATE_RANGE_GROUP = "nummon_state_range"
+#: A linear histogram is written only while its values stay within this magnitude: beyond it the
+#: axis labels run together into a string of digits and every value sits in one bar; the
+#: log10|x| histogram (always written) shows such values in decades.
+HIST_LINEAR_MAX_ABS = 1e6
+_MAX_LAYER_GROUPS = 16  # charts per per-layer metric in the "layers by group" category
 MORE_GROUP = "nummon_more"
 MECHANISM_GROUP = "nummon_mechanisms"
 # a constant of the optimizer (kept in the record so that replay judges the ratio alike), not a chart
@@ -69,8 +79,12 @@ VIEWS_LEGEND = (
     "Groups: `nummon` run-level charts (at most 12); `nummon_log10` log10|x| of loss, grad norm and "
     "max |activation| (a runaway is a straight line); `nummon_health` one 0/1 series per health state; "
     "`nummon_layers_*` per-layer series (multiline charts in the Custom Scalars tab); `nummon_top_*` the "
-    f"{TOP_K} layers with the largest value so far; histograms under `nummon_hist_*` (linear) and "
-    "`nummon_hist_*_log10abs` (decades of |x|: the distance to the dtype's overflow)."
+    f"{TOP_K} layers with the largest value so far; histograms under `nummon_hist_*` (linear, only at steps "
+    f"whose values stay within {HIST_LINEAR_MAX_ABS:g} in magnitude) and "
+    "`nummon_hist_*_log10abs` (decades of |x|: the distance to the dtype's overflow). "
+    "The Custom Scalars tab draws the health and incident-state charts with their whole range 0-3 "
+    "(`nummon_state_range`) so \"ignore outliers\" keeps the rare states, and one chart per layer group "
+    "with each layer named."
 )
 
 
@@ -166,11 +180,53 @@ def incident_tag(seq: int, state: IncidentState) -> str:
     return f"{INCIDENTS_GROUP}/{seq:04d}_{state.value}"
 
 
-def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
+def state_range_scalars() -> dict[str, float]:
+    """Constant companions of the state charts: the lowest and highest value a state takes."""
+    return {f"{STATE_RANGE_GROUP}/min": 0.0, f"{STATE_RANGE_GROUP}/max": 3.0}
+
+
+def linear_histogram_readable(h: dict[str, Any]) -> bool:
+    """Whether a histogram's linear view is worth drawing (its values within HIST_LINEAR_MAX_ABS)."""
+    lo, hi = float(h["min"]), float(h["max"])
+    return math.isfinite(lo) and math.isfinite(hi) and max(abs(lo), abs(hi)) <= HIST_LINEAR_MAX_ABS
+
+
+def _group_of(name: str, depth: int) -> str:
+    """The first `depth` parts of a dotted layer name, a numeric index counted with its parent
+    ("blocks.3.attn.q" -> "blocks.3" at depth 1)."""
+    parts = name.split(".")
+    out: list[str] = []
+    for p in parts[:-1] if len(parts) > 1 else parts:
+        if len(out) >= depth and not p.isdigit():
+            break
+        out.append(p)
+    return ".".join(out) or name
+
+
+def layer_groups(names: list[str], limit: int = _MAX_LAYER_GROUPS) -> list[str]:
+    """The layer groups (module prefixes) of `names`, at most `limit`, coarsest that fits."""
+    fitting: list[str] = []
+    for depth in (1, 2, 3):  # coarsest first; finer while a model sits in one container ("model.")
+        groups = sorted({_group_of(n, depth) for n in names})
+        if len(groups) > limit:
+            break
+        fitting = groups
+        if len(groups) >= 4:
+            break
+    return fitting or sorted({n.split(".", 1)[0] for n in names})[:limit]  # 40 blocks: one "blocks" chart
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in text)
+
+
+def custom_scalars_layout(k: int = TOP_K, layers: dict[str, list[str]] | None = None) -> dict[str, dict[str, list[Any]]]:
     """TensorBoard custom-scalars layout (`SummaryWriter.add_custom_scalars`): one multiline chart
-    per per-layer metric, the top offenders, the log10 companions and the health states. Tags are
-    regular expressions, so the layout needs no layer names and is written once."""
-    return {
+    per per-layer metric, the top offenders, the log10 companions and the health states (with
+    their whole range, `state_range_scalars`). With `layers` ({metric: layer names}), one chart
+    per layer group as well, titled by the group, each line a named layer. Tags are regular
+    expressions."""
+    out = {
         "nummon: per layer": {
             "grad norm per parameter": ["Multiline", [r"^nummon_layers_grad_norm/"]],
             "max |activation| per module": ["Multiline", [r"^nummon_layers_activation_max/"]],
@@ -191,9 +247,21 @@ def custom_scalars_layout(k: int = TOP_K) -> dict[str, dict[str, list[Any]]]:
         },
         "nummon: health": {
             "health (1 = in this state)": ["Multiline", [rf"^{HEALTH_GROUP}/"]],
-            "incident state": ["Multiline", [rf"^{MAIN_GROUP}/incident_state$"]],
+            "incident state (0 none, 1 open, 2 critical, 3 non-finite)": [
+                "Multiline", [rf"^{MAIN_GROUP}/incident_state$", rf"^{STATE_RANGE_GROUP}/"]],
+            "health code (0 healthy, 0.5 incident, 1 extreme, 2 non-finite)": [
+                "Multiline", [rf"^{MAIN_GROUP}/health$", rf"^{STATE_RANGE_GROUP}/"]],
         },
     }
+    words = {"grad_norm": "grad norm", "activation_max": "max |activation|"}
+    charts: dict[str, list[Any]] = {}
+    for metric, names in (layers or {}).items():
+        for g in layer_groups(sorted(names)):
+            tag = rf"^nummon_layers_{metric}/{_escape(g)}(\.|$)"
+            charts[f"{words.get(metric, metric)}: {g}"] = ["Multiline", [tag]]
+    if charts:
+        out["nummon: layers by group"] = charts
+    return out
 
 
 def metric_sections() -> list[str]:

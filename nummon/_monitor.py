@@ -18,6 +18,7 @@ from ._engine import HealthEngine
 from ._errors import NummonError
 from ._functional import clip_ratio
 from ._incidents import IncidentEvent
+from ._report.live import LiveReport, escalated_to_critical
 from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
 from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
@@ -143,6 +144,8 @@ class Monitor:
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         self.recovery = self._recovery()
+        # the HTML incident report (policy `report`, rank 0): written on a critical escalation and at close only
+        self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled and self.rank == 0 else None
         self._arm_mechanisms()
         _shutdown.register(self, self.policy.sinks.handle_sigterm)
 
@@ -298,7 +301,24 @@ class Monitor:
             if self.recovery is not None:  # recovery: give optimizer.step back
                 self.recovery.close()
             self._sinks.close(timeout=self.policy.sinks.close_timeout_s)
+            self._write_report_at_close()
             _shutdown.unregister(self)
+
+    def _write_report_at_close(self) -> None:
+        """The whole run's report (from the event log when the run folder has one), when the run
+        has a folder of its own or had an incident (no folder is made for a healthy run)."""
+        if self._report is None or not self.recorder.records:
+            return
+        if self.run_folder.known is None and not self.incidents:
+            return
+        path = self._report.from_folder(lambda: self._report.from_memory(self.recorder.records, self.alerts, self.incidents))
+        if path is not None:
+            log.info("nummon: incident report: %s", path)
+
+    @property
+    def report_path(self) -> Path | None:
+        """The HTML incident report written into the run folder (None until one is)."""
+        return self._report.path if self._report is not None else None
 
     def __enter__(self) -> "Monitor":
         return self
@@ -393,6 +413,10 @@ class Monitor:
         if self.flight_record is not None:
             events = [ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
                       for ev in events]
+        if self._report is not None and escalated_to_critical(events):
+            path = self._report.from_memory(self.recorder.records, self.alerts, [*self.incidents, *events])
+            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
+                events = [dataclasses.replace(ev, report=str(path)) if ev.state.active else ev for ev in events]
         for ev in events:
             self.incidents.append(ev)
             self._sinks.incident(ev)

@@ -32,6 +32,7 @@ from ._policy_sections import (  # noqa: F401  (re-exported: the detector sectio
     AttentionPolicy,
     OutputLogitsPolicy,
     AdamMomentPolicy,
+    ReportPolicy,
     _Section,
 )
 
@@ -190,6 +191,7 @@ class Policy(_Section):
     sinks: SinkPolicy = SinkPolicy()
     recovery: RecoveryPolicy = RecoveryPolicy()
     forensics: ForensicsPolicy = ForensicsPolicy()
+    report: ReportPolicy = ReportPolicy()
 
     @model_validator(mode="after")
     def _windows(self) -> "Policy":

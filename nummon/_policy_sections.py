@@ -26,6 +26,7 @@ __all__ = [
     "AttentionPolicy",
     "OutputLogitsPolicy",
     "AdamMomentPolicy",
+    "ReportPolicy",
 ]
 
 #: Floating-point formats whose limits the headroom detector knows.
@@ -264,3 +265,9 @@ class AdamMomentPolicy(_Section):
         if self.critical_rms is not None and self.critical_rms <= self.warning_rms:
             raise ValueError("critical_rms must be > warning_rms")
         return self
+
+
+class ReportPolicy(_Section):
+    """The incident report (`nummon report`) the Monitor writes into its run folder."""
+
+    enabled: bool = Field(True, description="write nummon-report.html into the run folder when an incident reaches critical, when it goes non-finite, and at close; never on a healthy step")

@@ -554,6 +554,7 @@ class IncidentEvent:
     action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
     explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
     reopened: int | None = None  # re-opened: the step at which every condition had cleared before this alert
+    report: str | None = None  # path of the HTML incident report written for it (nummon report)
 
     @property
     def title(self) -> str:
@@ -584,6 +585,8 @@ class IncidentEvent:
             tail.append(f"- why: {self.explanation}")
         if self.flight_record:
             tail.append(f"- flight record: `{self.flight_record}`")
+        if self.report:
+            tail.append(f"- report: `{self.report}`")
         if self.hint and self.state is not IncidentState.RESOLVED:
             tail.append(f"- try: {self.hint}")
         lines = [head]
@@ -615,6 +618,7 @@ class IncidentEvent:
             **({"action": self.action} if self.action else {}),
             **({"explanation": self.explanation} if self.explanation else {}),
             **({"reopened": self.reopened} if self.reopened is not None else {}),
+            **({"report": self.report} if self.report else {}),
         }
 
     def with_flight_record(self, path: str | None) -> "IncidentEvent":

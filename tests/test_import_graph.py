@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("detectors / statistics / sinks", ("_detectors", "_stats", "_distributed", "_incidents", "_sinks", "_dispatch",
                                         "_recorder", "_shutdown", "_forensics", "_audit_compare", "_diagnose_common",
                                         "_demo_model")),
-    ("stages and tools", ("_engine", "_recovery", "_replay", "_watch", "_audit", "_overfit")),
+    ("stages and tools", ("_engine", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report")),
     ("monitor", ("_monitor", "diagnose")),
     ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command", "_watch.__main__")),
 ]

@@ -1,4 +1,4 @@
-"""The `nummon` command line: replay, watch, demo, audit, policy, diagnose (one module per command).
+"""The `nummon` command line: replay, watch, demo, audit, policy, diagnose, report (one module per command).
 
 Commands parse arguments, call the library (which returns data) and print. Bad input exits 2
 with one line on stderr and no traceback. Commands that need torch import it only when they
@@ -11,12 +11,12 @@ import sys
 from typing import Sequence
 
 from .._errors import NummonError
-from . import audit, demo, diagnose, policy, replay, watch
+from . import audit, demo, diagnose, policy, replay, report, watch
 from ._common import EXIT_ERROR, Parser, error
 
 __all__ = ["build_parser", "commands_text", "main"]
 
-_COMMANDS = (replay, watch, demo, audit, policy, diagnose)
+_COMMANDS = (replay, watch, demo, audit, policy, diagnose, report)
 
 
 def build_parser() -> Parser:

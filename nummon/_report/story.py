@@ -1,0 +1,290 @@
+"""The facts of each incident, from the run's incident events, alerts and records (pure data):
+its warning / critical / first non-finite steps, what happened in sentences, the first
+non-finite tensor and its cause, the countdown said vs what was left, what to do, and the
+layers that left the pack."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .._functional import fmt_num, median
+from .._types import StepRecord
+from .load import RunData
+
+__all__ = ["IncidentView", "Countdown", "LayerTrack", "incidents_of", "LAYER_FAMILIES"]
+
+_RANK = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
+
+#: per-layer record fields, with the words the report uses for them
+LAYER_FAMILIES = {
+    "layer_grad_norms": "grad norm",
+    "layer_activation_max": "max activation",
+    "layer_output_rms": "output RMS",
+    "layer_attention_logit_max": "attention logit",
+    "layer_adam_ratio_rms": "Adam ratio",
+    "layer_update_ratio": "update ratio",
+}
+PACK_FACTOR = 4.0  # a layer left the pack when it grew this many times more than the median layer
+_PRE_STEPS = 32  # records before the warning that set each layer's level
+
+
+@dataclass(frozen=True)
+class Countdown:
+    """One runaway alert's forecast against what happened: `said` steps to overflow at `step`;
+    `left` steps until the first non-finite value (None when the log never got there)."""
+
+    step: int
+    metric: str
+    said: float
+    left: Optional[int]
+    bound: bool = False  # `said` is an upper bound (the growth rate was rising)
+
+
+@dataclass(frozen=True)
+class LayerTrack:
+    """One layer's series of one per-layer metric, and how far it grew against the pack."""
+
+    family: str  # a LAYER_FAMILIES key
+    layer: str
+    points: list[tuple[int, float]]
+    growth: float  # peak / level before the incident
+    pack_growth: float  # the median layer's growth
+    left_pack: bool
+    pack: list[tuple[int, float]] = field(default_factory=list)  # the median over the family's layers, per step
+
+
+@dataclass
+class IncidentView:
+    """One incident: its steps, its events and alerts, and the facts the page tells."""
+
+    number: int
+    opened: int  # first warning step
+    end: int  # last step that belongs to it (resolution, the next incident, or the log's end)
+    critical: Optional[int] = None
+    nonfinite: Optional[int] = None  # the first non-finite step
+    resolved: Optional[int] = None
+    worst: str = "open"
+    events: list[dict[str, Any]] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # raised (not cleared) alerts, in order
+    nonfinite_alert: Optional[dict[str, Any]] = None
+    nonfinite_location: Optional[str] = None
+    countdowns: list[Countdown] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    layers: list[LayerTrack] = field(default_factory=list)
+    sentences: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def lead(self) -> Optional[int]:
+        """Steps from the first warning to the first non-finite value."""
+        return None if self.nonfinite is None else self.nonfinite - self.opened
+
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        """(step, kind) of each marked moment: warning, critical, nonfinite, resolved."""
+        out = [(self.opened, "warning")]
+        if self.critical is not None:
+            out.append((self.critical, "critical"))
+        if self.nonfinite is not None:
+            out.append((self.nonfinite, "nonfinite"))
+        if self.resolved is not None:
+            out.append((self.resolved, "resolved"))
+        return out
+
+    def cause(self) -> dict[str, Any]:
+        """The forensic cause of the first non-finite value (operator, stage, line, ...), when known."""
+        d = (self.nonfinite_alert or {}).get("details") or {}
+        return d.get("cause") if isinstance(d.get("cause"), dict) else {}
+
+    def why(self) -> Optional[str]:
+        d = (self.nonfinite_alert or {}).get("details") or {}
+        why = d.get("why") if isinstance(d.get("why"), str) else None
+        return why or next((e.get("explanation") for e in self.events if e.get("explanation")), None)
+
+
+def incidents_of(run: RunData) -> list[IncidentView]:
+    """Every incident of the run, oldest first, with its facts filled in."""
+    last_step = run.records[-1].step if run.records else 0
+    views = _group(run.incidents, last_step)
+    nonfinite_steps = [r.step for r in run.records if not r.is_finite()]
+    for v in views:
+        v.alerts = [a for a in run.alerts if v.opened <= _step(a) <= v.end and not a.get("cleared")
+                    and a.get("severity") in ("warning", "critical")]
+        _fill_nonfinite(v, run, nonfinite_steps)
+        v.countdowns = _countdowns(v)
+        v.hints = _hints(v)
+        v.layers = _layers(v, run)
+        v.actions = [e["action"] for e in v.events if e.get("action")]
+        v.sentences = _sentences(v, last_step)
+    return views
+
+
+def _step(d: dict[str, Any]) -> int:
+    s = d.get("step")
+    return int(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else -1
+
+
+def _group(events: list[dict[str, Any]], last_step: int) -> list[IncidentView]:
+    """Incident events grouped by incident (a number reused after a restart starts a new one)."""
+    views: list[IncidentView] = []
+    for e in events:
+        state = str(e.get("state", "open"))
+        cur = views[-1] if views else None
+        number = e.get("number") if isinstance(e.get("number"), int) else len(views) + 1
+        if cur is None or cur.number != number or cur.resolved is not None:
+            opened = e.get("opened_step") if isinstance(e.get("opened_step"), int) else _step(e)
+            cur = IncidentView(number=number, opened=opened, end=last_step)
+            views.append(cur)
+        cur.events.append(e)
+        s = _step(e)
+        if state == "resolved":
+            cur.resolved = s
+            cur.end = s
+        elif _RANK.get(state, 0) > _RANK.get(cur.worst, 0):
+            cur.worst = state
+        if state in ("critical", "nonfinite") and cur.critical is None:
+            cur.critical = s
+        if state == "nonfinite" and cur.nonfinite is None:
+            cur.nonfinite = s
+    for a, b in zip(views, views[1:]):  # an incident open until the next one: it ends there
+        if a.resolved is None:
+            a.end = max(a.opened, b.opened - 1)
+    return views
+
+
+def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int]) -> None:
+    """The first non-finite step (from the records when no event says it) and its alert."""
+    in_window = [s for s in nonfinite_steps if v.opened <= s <= v.end]
+    if in_window and (v.nonfinite is None or in_window[0] < v.nonfinite):
+        v.nonfinite = in_window[0]
+        v.worst = "nonfinite"
+    v.nonfinite_alert = next((a for a in v.alerts if a.get("kind") == "nonfinite" and a.get("severity") == "critical"), None)
+    if v.nonfinite_alert is None:  # a live run's flight record may hold it
+        v.nonfinite_alert = next((fr["alert"] for fr in run.flight_records if isinstance(fr.get("alert"), dict)
+                                  and fr["alert"].get("kind") == "nonfinite" and v.opened <= _step(fr["alert"]) <= v.end), None)
+    loc = (v.nonfinite_alert or {}).get("location")
+    if not loc and v.nonfinite is not None:
+        rec = next((r for r in run.records if r.step == v.nonfinite), None)
+        loc = rec.nonfinite_location if rec is not None else None
+    v.nonfinite_location = loc
+
+
+def _countdowns(v: IncidentView) -> list[Countdown]:
+    out, seen = [], set()
+    for a in v.alerts:
+        d = a.get("details") or {}
+        said = d.get("steps_to_overflow")
+        if not isinstance(said, (int, float)) or not math.isfinite(said) or (a.get("metric"), _step(a)) in seen:
+            continue
+        seen.add((a.get("metric"), _step(a)))
+        left = None if v.nonfinite is None else v.nonfinite - _step(a)
+        out.append(Countdown(_step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound"))))
+    return out
+
+
+def _hints(v: IncidentView) -> list[str]:
+    """What to do, most important first: the cause's remedy, the incident's hint, then the
+    other alerts' hints, worst alert first; each hint once."""
+    out: list[str] = []
+    remedy = v.cause().get("remedy")
+    candidates = [remedy] + [e.get("hint") for e in reversed(v.events)]
+    ranked = sorted(v.alerts, key=lambda a: (-(a.get("severity") == "critical"), _step(a)))
+    candidates += [a.get("hint") for a in ranked]
+    for h in candidates:
+        if isinstance(h, str) and h and h not in out:
+            out.append(h)
+    return out[:5]
+
+
+def _layers(v: IncidentView, run: RunData) -> list[LayerTrack]:
+    """Per-layer tracks around the incident; the layers that left the pack first (at most 8);
+    when none did, the four that grew most (the page says so)."""
+    lo = v.opened
+    hi = v.nonfinite if v.nonfinite is not None else v.end
+    recs = _layer_records(run, lo - _PRE_STEPS * 4, hi)
+    tracks: list[LayerTrack] = []
+    for family in LAYER_FAMILIES:
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in recs:
+            for name, val in (getattr(r, family, None) or {}).items():
+                series.setdefault(name, []).append((r.step, val))
+        growths = {}
+        for name, pts in series.items():
+            before = [abs(y) for s, y in pts if s < lo and math.isfinite(y)][-_PRE_STEPS:]
+            during = [abs(y) for s, y in pts if lo <= s <= hi and math.isfinite(y)]
+            if not before or not during:
+                continue
+            base = median(before)
+            growths[name] = max(during) / base if base > 0 else math.inf
+        if len(growths) < 2:
+            continue
+        pack = median([g for g in growths.values() if math.isfinite(g)] or [1.0])
+        pack_line = _pack_line(recs, family)
+        for name, g in growths.items():
+            left = g >= PACK_FACTOR * max(pack, 1.0)
+            tracks.append(LayerTrack(family, name, series[name], g, pack, left, pack_line))
+    left = sorted((t for t in tracks if t.left_pack), key=lambda t: -t.growth / max(t.pack_growth, 1e-30))
+    if left:
+        return left[:8]
+    return sorted(tracks, key=lambda t: -t.growth)[:4]
+
+
+def _pack_line(recs: list[StepRecord], family: str) -> list[tuple[int, float]]:
+    out = []
+    for r in recs:
+        vals = [abs(v) for v in (getattr(r, family, None) or {}).values() if math.isfinite(v)]
+        if vals:
+            out.append((r.step, median(vals)))
+    return out
+
+
+def _layer_records(run: RunData, lo: int, hi: int) -> list[StepRecord]:
+    """Records in [lo, hi] with per-layer values: the event log's, else the flight records'."""
+    recs = [r for r in run.records if lo <= r.step <= hi and _has_layers(r)]
+    if recs or not run.flight_records:
+        return recs
+    from .load import _flight_steps
+
+    return [r for r in _flight_steps(run.flight_records) if lo <= r.step <= hi and _has_layers(r)]
+
+
+def _has_layers(r: StepRecord) -> bool:
+    return any(getattr(r, f, None) for f in LAYER_FAMILIES)
+
+
+def _sentences(v: IncidentView, last_step: int) -> list[str]:
+    """What happened, in a few sentences from the incident's events and alerts."""
+    out = []
+    first = v.alerts[0] if v.alerts else None
+    opened = f"Incident {v.number} opened at step {v.opened}"
+    if first is not None:
+        same = [a for a in v.alerts if _step(a) == _step(first)]
+        kinds = _names(sorted({str(a.get("kind")) for a in same}))
+        out.append(f"{opened} with {kinds}: {first.get('message')}.")
+    else:
+        out.append(f"{opened}.")
+    if v.critical is not None and v.critical != v.nonfinite:
+        crit = next((a for a in v.alerts if a.get("severity") == "critical" and _step(a) == v.critical), None)
+        what = f": {crit.get('message')}" if crit else ""
+        out.append(f"It became critical at step {v.critical}, {v.critical - v.opened} steps later{what}.")
+    if v.nonfinite is not None:
+        where = f" in {v.nonfinite_location}" if v.nonfinite_location else ""
+        lead = v.lead or 0
+        out.append(f"The first non-finite value appeared at step {v.nonfinite}{where}: "
+                   f"{lead} step{'s' if lead != 1 else ''} after the first warning.")
+    for act in v.actions:
+        out.append(f"nummon acted: {act}.")
+    if v.resolved is not None:
+        out.append(f"It was resolved at step {v.resolved}: no open condition and no new alert for a while.")
+    elif v.nonfinite is None:
+        out.append(f"It was still open when the log ends at step {last_step}.")
+    if v.countdowns:
+        c = min(v.countdowns, key=lambda c: c.step)
+        said = f"~{fmt_num(c.said)} steps to overflow on {c.metric} at step {c.step}"
+        out.append(f"The first countdown said {said}" + (f"; {c.left} were left." if c.left is not None else "."))
+    return out
+
+
+def _names(kinds: list[str]) -> str:
+    return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
