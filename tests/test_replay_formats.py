@@ -42,3 +42,18 @@ def test_a_file_that_is_not_a_log_is_one_line_exit_2(tmp_path, capsys):
     assert main(["replay", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "notes.txt" in err[0]
+
+
+def test_a_tensorboard_logdir_of_run_folders_replays_each_run(tmp_path, capsys):
+    """`tensorboard --logdir DIR` style (the demo writes DIR/<run-name>/events...): each run is replayed."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES)))
+    want = _alerts(capsys, str(trace))
+    for run in ("run-a", "run-b"):
+        w = SummaryWriter(str(tmp_path / "tb" / run))
+        for i, v in enumerate(LOSSES):
+            w.add_scalar("train/loss", v, i)
+        w.close()
+    assert _alerts(capsys, str(tmp_path / "tb")) == want + want

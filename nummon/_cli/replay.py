@@ -73,10 +73,12 @@ def _format_of(path: Any) -> str:
 
 
 def _expand(paths: list[str], forced: str | None) -> list[Any]:
-    """Files and run folders as given; a folder holding *.jsonl traces means each of them."""
+    """Files and run folders as given; a folder holding *.jsonl traces means each of them, and a
+    TensorBoard logdir whose runs are its subfolders (`tensorboard --logdir` style) each run."""
     from pathlib import Path
 
     from .._trace import TraceError, expand_paths
+    from .._watch.read_tb import is_event_file
 
     out: list[Any] = []
     for p in paths:
@@ -86,6 +88,9 @@ def _expand(paths: list[str], forced: str | None) -> list[Any]:
         path = Path(p)
         if path.is_dir() and forced in (None, "jsonl") and any(path.glob("*.jsonl")):
             out.extend(expand_paths([p]))
+        elif path.is_dir() and forced in (None, "tensorboard") and not any(is_event_file(str(f)) for f in path.iterdir()) \
+                and (runs := sorted(d for d in path.iterdir() if d.is_dir() and any(is_event_file(str(f)) for f in d.iterdir()))):
+            out.extend(runs)
         elif path.exists():
             out.append(path)
         else:
