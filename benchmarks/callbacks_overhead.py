@@ -9,6 +9,7 @@ is divided by the bare one's.
     python benchmarks/callbacks_overhead.py [--framework lightning|transformers|both]
         [--rounds N] [--steps K] [--warmup W] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- Lightning
 
+
 def lightning_step_times(steps: int, warmup: int, monitored: bool, root: str) -> list[float]:
     import lightning.pytorch as pl
 
@@ -73,14 +75,22 @@ def lightning_step_times(steps: int, warmup: int, monitored: bool, root: str) ->
     callbacks = [timer] + ([NummonCallback(follow_loggers=False)] if monitored else [])
     x, y = _images(BATCH * (steps + warmup))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps + warmup, logger=False, callbacks=callbacks,
-                         default_root_dir=root, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps + warmup,
+        logger=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), data)
     return _intervals(timer.stamps, warmup)
 
 
 # ---------------------------------------------------------------- Hugging Face
+
 
 def transformers_step_times(steps: int, warmup: int, monitored: bool, root: str) -> list[float]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -119,16 +129,30 @@ def transformers_step_times(steps: int, warmup: int, monitored: bool, root: str)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     timer = Timer()
     callbacks = [timer] + ([NummonCallback(follow_report_to=False)] if monitored else [])
-    args = TrainingArguments(output_dir=root, report_to=[], use_cpu=True, save_strategy="no",
-                             max_steps=steps + warmup, per_device_train_batch_size=BATCH, logging_steps=10**9,
-                             disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    Trainer(model=model, args=args, train_dataset=Images(BATCH * (steps + warmup)), optimizers=(opt, sched),
-            callbacks=callbacks).train()
+    args = TrainingArguments(
+        output_dir=root,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=steps + warmup,
+        per_device_train_batch_size=BATCH,
+        logging_steps=10**9,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=Images(BATCH * (steps + warmup)),
+        optimizers=(opt, sched),
+        callbacks=callbacks,
+    ).train()
     return _intervals(timer.stamps, warmup)
 
 
 def _intervals(stamps: list[float], warmup: int) -> list[float]:
-    return [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
+    return [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
 
 
 RUNNERS = {"lightning": lightning_step_times, "transformers": transformers_step_times}
@@ -143,8 +167,13 @@ def measure(framework: str, rounds: int, steps: int, warmup: int) -> dict:
             for monitored in order:
                 times[monitored] += RUNNERS[framework](steps, warmup, monitored, os.path.join(tmp, f"r{r}{monitored}"))
     bare, mon = statistics.median(times[False]), statistics.median(times[True])
-    return {"framework": framework, "bare_step_ms": bare * 1e3, "nummon_step_ms": mon * 1e3,
-            "ratio": mon / bare, "steps_timed_each": len(times[False])}
+    return {
+        "framework": framework,
+        "bare_step_ms": bare * 1e3,
+        "nummon_step_ms": mon * 1e3,
+        "ratio": mon / bare,
+        "steps_timed_each": len(times[False]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,9 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['framework']:<14}{r['bare_step_ms']:>14.2f}{r['nummon_step_ms']:>16.2f}{r['ratio']:>8.3f}")
     if a.json:
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-                "workload": f"DemoCNN 28x28, batch {BATCH}, SGD momentum 0.9, CPU",
-                "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup}
+        meta = {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "workload": f"DemoCNN 28x28, batch {BATCH}, SGD momentum 0.9, CPU",
+            "rounds": a.rounds,
+            "steps": a.steps,
+            "warmup": a.warmup,
+        }
         with open(a.json, "w") as fh:
             json.dump({"meta": meta, "results": results}, fh, indent=2)
     return 0

@@ -9,6 +9,7 @@ non-finite loss after a critical runaway alert, and (unless --no-runs) the demo 
 callback examples driven to blow up (benchmarks/countdown_runs.py), trained here. The bound it
 checks: 1 <= estimate <= 1.5 x real + 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ import io
 import math
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -57,8 +58,14 @@ def measure(name: str, path: Path) -> tuple | None:
                     break
         if alert is not None and not rec.is_finite():
             d = alert.details
-            return (name, alert.step, alert.metric, d["steps_to_overflow"], rec.step - alert.step,
-                    bool(d.get("overflow_bound")))
+            return (
+                name,
+                alert.step,
+                alert.metric,
+                d["steps_to_overflow"],
+                rec.step - alert.step,
+                bool(d.get("overflow_bound")),
+            )
     return None
 
 
@@ -100,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         good = within_bound(est, real)
         ok &= good
         shown = f"at most ~{est:.0f}" if rising else f"~{est:.0f}"
-        print(f"| {name} | step {step} | `{metric}` | {shown} | {real} | {1.5 * real + 2:g} | {'yes' if good else 'NO'} |")
+        print(
+            f"| {name} | step {step} | `{metric}` | {shown} | {real} | {1.5 * real + 2:g} | {'yes' if good else 'NO'} |"
+        )
     return 0 if ok else 1
 
 

@@ -8,6 +8,7 @@ the path of nummon's event log (step records and alerts), which `countdown.py` r
 
 Both callback runs use `stop_on_critical=False`, so they run on to the first non-finite step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,10 +52,17 @@ def lightning_run(out: Path, seed: int = 0, console: bool = False) -> Path:
     torch.manual_seed(seed)
     x = torch.randn(1024, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=60, accumulate_grad_batches=2, logger=False,
-                         default_root_dir=str(out), enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False,
-                         callbacks=[NummonCallback(stop_on_critical=False, run_dir=str(out), console=console)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=60,
+        accumulate_grad_batches=2,
+        logger=False,
+        default_root_dir=str(out),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[NummonCallback(stop_on_critical=False, run_dir=str(out), console=console)],
+    )
     trainer.fit(Regressor(), data)
     return out / "nummon-events.jsonl"
 
@@ -82,13 +90,30 @@ def hf_run(out: Path, seed: int = 0, console: bool = False) -> Path:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     opt = torch.optim.SGD(model.parameters(), lr=20.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    args = TrainingArguments(output_dir=str(out), report_to=[], max_steps=20, use_cpu=True,
-                             per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.0,
-                             save_strategy="no", disable_tqdm=True, logging_steps=1)
-    Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=(opt, sched),
-            callbacks=[NummonCallback(stop_on_critical=False, console=console)]).train()
+    args = TrainingArguments(
+        output_dir=str(out),
+        report_to=[],
+        max_steps=20,
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(),
+        optimizers=(opt, sched),
+        callbacks=[NummonCallback(stop_on_critical=False, console=console)],
+    ).train()
     return out / "nummon-events.jsonl"
 
 
-RUNS = {"nummon demo": demo_run, "Lightning example, SGD lr 0.2 momentum 0.9": lightning_run,
-        "HF example, SGD lr 20": hf_run}
+RUNS = {
+    "nummon demo": demo_run,
+    "Lightning example, SGD lr 0.2 momentum 0.9": lightning_run,
+    "HF example, SGD lr 20": hf_run,
+}

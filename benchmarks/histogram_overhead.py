@@ -10,6 +10,7 @@ Then the smallest cadence N with monitored + pass/N <= 1.05 x bare, and the rati
 
     python benchmarks/histogram_overhead.py [--rounds 20] [--steps 3] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,11 @@ try:  # the installed package
 except ImportError:  # a bare checkout: run from the source tree
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import nummon
+from overhead import steady_allocator  # noqa: E402
+
 from nummon._demo_model import DemoCNN  # noqa: E402
 from nummon._layout import DEFAULT_HISTOGRAM_EVERY  # noqa: E402
 from nummon.integrations.tensorboard import TensorBoardSink  # noqa: E402
-from overhead import steady_allocator  # noqa: E402
 
 BUDGET = 1.05  # the CPU budget: monitored step with histograms / bare step
 
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         "default_cadence": DEFAULT_HISTOGRAM_EVERY,
         "ratio_at_default_cadence": round((m + h / DEFAULT_HISTOGRAM_EVERY) / b, 4),
         "histogram_share_at_default": round(h / DEFAULT_HISTOGRAM_EVERY / b, 5),
-        "rounds": args.rounds, "steps": args.steps, "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
     }
     print(json.dumps(out, indent=1))
     if args.json:

@@ -11,6 +11,7 @@ contention. "vs probes off" is the difference in percent of a bare step.
 
     flock /work/bench.lock .venv/bin/python -m benchmarks.mechanisms_overhead [--rounds N] [--workload W] [--no-single]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,13 @@ OFF = {"attention": False, "output": False, "adam": False, "linear_rms": False}
 def variants(every: int) -> dict:
     base = {"alerts": {"stop_on_critical": False}, "recorder": {"write": False}}
     mon = overhead_scale.attach_monitor
-    out = {"bare": overhead_scale.bare, "bare (A/A)": overhead_scale.bare,
-           "nummon, probes off": mon({**base, "mechanisms": {"enabled": False}}),
-           f"nummon, probes every {every} (default)": mon({**base, "mechanisms": {"every": every}}),
-           "nummon, all probes every step": mon({**base, "mechanisms": {"every": 1}})}
+    out = {
+        "bare": overhead_scale.bare,
+        "bare (A/A)": overhead_scale.bare,
+        "nummon, probes off": mon({**base, "mechanisms": {"enabled": False}}),
+        f"nummon, probes every {every} (default)": mon({**base, "mechanisms": {"every": every}}),
+        "nummon, all probes every step": mon({**base, "mechanisms": {"every": 1}}),
+    }
     for probe in OFF:
         out[f"nummon + {probe} only, every step"] = mon({**base, "mechanisms": {**OFF, probe: True, "every": 1}})
     return out
@@ -45,7 +49,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=10, help="steps per round (a multiple of the cadence)")
     ap.add_argument("--workload", default="proxy")
-    ap.add_argument("--no-single", action="store_true", help="leave out the one-probe-only variants (more rounds in the same time)")
+    ap.add_argument(
+        "--no-single", action="store_true", help="leave out the one-probe-only variants (more rounds in the same time)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     overhead_scale.CLOCK = time.thread_time
@@ -54,8 +60,10 @@ def main() -> None:
     if args.no_single:
         vs = {k: v for k, v in vs.items() if " only, " not in k}
     r = overhead_scale.measure(args.workload, torch.device("cpu"), args.rounds, args.steps, 5, vs)
-    print(f"{args.workload}: bare step {r['bare_ms']:.2f} ms CPU (paired medians of {args.rounds} rounds of "
-          f"{args.steps} steps, variants in turn step by step, 1 thread)")
+    print(
+        f"{args.workload}: bare step {r['bare_ms']:.2f} ms CPU (paired medians of {args.rounds} rounds of "
+        f"{args.steps} steps, variants in turn step by step, 1 thread)"
+    )
     print("| variant | step / bare step | vs probes off (% of a bare step) |")
     print("|---|---|---|")
     off = r["variants"]["nummon, probes off"]["paired_ratio"]

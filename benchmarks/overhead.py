@@ -8,6 +8,7 @@ in bf16 autocast with fused AdamW).
 
     python benchmarks/overhead.py [--device cpu|cuda] [--rounds N] [--steps K] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,8 +33,8 @@ except ImportError:  # a bare checkout: run from the source tree
     import nummon
 from nummon._demo_model import DemoCNN  # noqa: E402
 
-
 # ---------------------------------------------------------------- workloads
+
 
 def cnn_workload(device):
     torch.manual_seed(0)
@@ -99,6 +100,7 @@ def gpt_workload(device, batch=16, ctx=1024):
 
 # ---------------------------------------------------------------- variants
 
+
 def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]]:
     """Two phases of variants, each starting with the bare step. A variant attaches to the
     shared (model, optimizer) and returns (after_step(loss), detach())."""
@@ -117,6 +119,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
                 mon.close()
 
             return mon.post_step, detach
+
         return attach
 
     def per_param_item(model, opt):
@@ -125,6 +128,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.norm().item()
+
         return after, (lambda: None)
 
     main = {
@@ -147,6 +151,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
                 loss.item()
                 for v in grad_norm(model, norm_type=2).values():
                     float(v)
+
             return after, (lambda: None)
 
         main["lightning grad_norm"] = lightning
@@ -184,8 +189,9 @@ class _NullHistSink(nummon.BaseSink):
     wants_histograms = True
 
 
-def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None,
-            probe_hooks: bool = False) -> dict:
+def measure(
+    device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None, probe_hooks: bool = False
+) -> dict:
     """Every variant trains the same model with the same optimizer, in turn.
 
     Separate model copies per variant looked fair and were not: on the 2-core VM three
@@ -204,7 +210,9 @@ def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | 
     if only is not None:
         unknown = only - set(main_phase) - set(background_phase)
         if unknown:
-            raise SystemExit(f"unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join([*main_phase, *background_phase])}")
+            raise SystemExit(
+                f"unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join([*main_phase, *background_phase])}"
+            )
         main_phase = {k: v for k, v in main_phase.items() if k in only}
         background_phase = {k: v for k, v in background_phase.items() if k in only}
 
@@ -262,7 +270,9 @@ def measure(device: str, rounds: int, steps: int, warmup: int, only: set[str] | 
         "stats_bandwidth": res_bw,
         "hook_reductions": probe,
         "device": str(dev),
-        "workload": "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW" if dev.type == "cuda" else "DemoCNN 28x28, batch 64, SGD momentum 0.9",
+        "workload": "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW"
+        if dev.type == "cuda"
+        else "DemoCNN 28x28, batch 64, SGD momentum 0.9",
         "torch": torch.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
         "rounds": rounds,
@@ -278,8 +288,11 @@ def hook_reductions(model, loss_fn, autocast, dev, reps: int = 5) -> dict:
     outputs, and whether each propagates NaN. Answers which reduction the hooks should use on
     this device (aminmax into a buffer of the output's dtype is what they use now)."""
     outs = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: outs.append(o.detach()) if isinstance(o, torch.Tensor) else None)
-             for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, o: outs.append(o.detach()) if isinstance(o, torch.Tensor) else None)
+        for name, m in model.named_modules()
+        if name and any(True for _ in m.parameters(recurse=False))
+    ]
     with torch.no_grad(), autocast():
         loss_fn(model)
     for h in hooks:
@@ -302,9 +315,14 @@ def hook_reductions(model, loss_fn, autocast, dev, reps: int = 5) -> dict:
         "aminmax into own dtype": (lambda o, r: torch.aminmax(o, out=(r[0], r[1])), lambda o: o.dtype),
         # what the hooks did before: a float32 buffer, two converting copies
         "aminmax + 2 copies": (lambda o, r: copy_pair(r, torch.aminmax(o)), lambda o: torch.float32),
-        "inf-norm to float32": (lambda o, r: torch.linalg.vector_norm(o, float("inf"), dtype=torch.float32, out=r[1]),
-                                lambda o: torch.float32),
-        "amax + amin": (lambda o, r: (torch.amin(o, dim=(), out=r[0]), torch.amax(o, dim=(), out=r[1])), lambda o: o.dtype),
+        "inf-norm to float32": (
+            lambda o, r: torch.linalg.vector_norm(o, float("inf"), dtype=torch.float32, out=r[1]),
+            lambda o: torch.float32,
+        ),
+        "amax + amin": (
+            lambda o, r: (torch.amin(o, dim=(), out=r[0]), torch.amax(o, dim=(), out=r[1])),
+            lambda o: o.dtype,
+        ),
     }
 
     def sync():
@@ -326,8 +344,11 @@ def hook_reductions(model, loss_fn, autocast, dev, reps: int = 5) -> dict:
         ms = (time.perf_counter() - t0) / reps * 1e3
         r = torch.zeros(2, device=dev)
         fn(nan_probe, r)
-        res["methods"][name] = {"ms_per_step": ms, "GBps": nbytes / ms / 1e6,
-                                "propagates_nan": bool(torch.isnan(r).any())}
+        res["methods"][name] = {
+            "ms_per_step": ms,
+            "GBps": nbytes / ms / 1e6,
+            "propagates_nan": bool(torch.isnan(r).any()),
+        }
     return res
 
 
@@ -337,8 +358,14 @@ def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
     loss = loss_fn(model)
     loss.backward()
     opt.step()
-    ts = [p.grad for p in model.parameters() if p.grad is not None] + list(model.parameters()) + mon.stats.optim.state_tensors()
-    nbytes = sum(t.numel() * t.element_size() for t in ts) + sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    ts = (
+        [p.grad for p in model.parameters() if p.grad is not None]
+        + list(model.parameters())
+        + mon.stats.optim.state_tensors()
+    )
+    nbytes = sum(t.numel() * t.element_size() for t in ts) + sum(
+        p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
+    )
     for _ in range(3):
         mon.stats.launch(0, loss)
     torch.cuda.synchronize()
@@ -361,8 +388,13 @@ def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
     mon.close()
     stats_gbs = nbytes / stats_s / 1e9
     copy_gbs = 2 * nbytes / copy_s / 1e9  # a copy reads and writes every byte
-    return {"bytes_read": nbytes, "stats_ms": stats_s * 1e3, "stats_GBps": stats_gbs, "copy_GBps": copy_gbs,
-            "fraction_of_copy": stats_gbs / copy_gbs}
+    return {
+        "bytes_read": nbytes,
+        "stats_ms": stats_s * 1e3,
+        "stats_GBps": stats_gbs,
+        "copy_GBps": copy_gbs,
+        "fraction_of_copy": stats_gbs / copy_gbs,
+    }
 
 
 def steady_allocator() -> bool:
@@ -393,7 +425,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
-    ap.add_argument("--probe-hooks", action="store_true", help="also time ways of reducing the hooked outputs (on by default on CUDA)")
+    ap.add_argument(
+        "--probe-hooks",
+        action="store_true",
+        help="also time ways of reducing the hooked outputs (on by default on CUDA)",
+    )
     ap.add_argument("--only", default=None, help="comma-separated variant names to run (the bare step always runs)")
     a = ap.parse_args(argv)
     steady = False if a.system_malloc else steady_allocator()
@@ -403,20 +439,28 @@ def main(argv=None) -> int:
     only = {v.strip() for v in a.only.split(",")} | {"bare"} if a.only else None
     res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda)
     res["steady_allocator"] = steady
-    print(f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
-          f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)")
+    print(
+        f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
+        f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)"
+    )
     print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s} {'paired':>7s} {'mean':>7s}")
     for k, r in res["ratio_to_bare"].items():
-        print(f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f} {res['mean_ratio'][k]:7.3f}")
+        print(
+            f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f} {res['mean_ratio'][k]:7.3f}"
+        )
     if res["stats_bandwidth"]:
         b = res["stats_bandwidth"]
-        print(f"statistics pass: {b['bytes_read'] / 1e9:.2f} GB in {b['stats_ms']:.2f} ms = {b['stats_GBps']:.0f} GB/s; "
-              f"device copy {b['copy_GBps']:.0f} GB/s; {b['fraction_of_copy']:.0%} of copy bandwidth")
+        print(
+            f"statistics pass: {b['bytes_read'] / 1e9:.2f} GB in {b['stats_ms']:.2f} ms = {b['stats_GBps']:.0f} GB/s; "
+            f"device copy {b['copy_GBps']:.0f} GB/s; {b['fraction_of_copy']:.0%} of copy bandwidth"
+        )
     if res["hook_reductions"]:
         h = res["hook_reductions"]
         print(f"max |output| of {h['outputs']} hooked outputs ({h['bytes'] / 1e9:.2f} GB):")
         for name, m in h["methods"].items():
-            print(f"  {name:26s} {m['ms_per_step']:8.2f} ms {m['GBps']:8.0f} GB/s  NaN propagates: {m['propagates_nan']}")
+            print(
+                f"  {name:26s} {m['ms_per_step']:8.2f} ms {m['GBps']:8.0f} GB/s  NaN propagates: {m['propagates_nan']}"
+            )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

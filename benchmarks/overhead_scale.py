@@ -20,6 +20,7 @@ rounds.
 
 On a GPU, `gpt12` and `gpt48` (GPT-2-small's shape with 12 / 48 blocks, bf16) are workloads too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,13 +45,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from overhead import GPT, steady_allocator  # noqa: E402
 from overhead import cnn_workload as overhead_cnn  # noqa: E402
 
-
-
 #: the clock of a timed block (wall time; --cpu-time: this thread's CPU time)
 CLOCK = time.perf_counter
 
 
 # ---------------------------------------------------------------- workloads
+
 
 def tiny_workload(n_tensors: int, dev: torch.device):
     torch.manual_seed(0)
@@ -140,11 +140,14 @@ def workload(name: str, dev: torch.device):
 
 # ---------------------------------------------------------------- variants
 
+
 def attach_monitor(policy):
     """A variant: a Monitor with this policy on the variant's own model and optimizer."""
+
     def attach(model, opt):
         mon = nummon.Monitor(model, opt, policy=policy)
         return mon.post_step, mon.close
+
     return attach
 
 
@@ -163,8 +166,9 @@ def variants() -> dict[str, Callable]:
     }
 
 
-def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int,
-            phase: dict[str, Callable] | None = None) -> dict:
+def measure(
+    name: str, dev: torch.device, rounds: int, steps: int, warmup: int, phase: dict[str, Callable] | None = None
+) -> dict:
     """Every variant trains its own copy of the workload (same seed: the same weights, data and
     work) with its attachment kept for the whole run, as in a real run: the sampled steps, the
     first-call and discovery costs land as often as they do in training. On CPU the variants
@@ -222,8 +226,11 @@ def measure(name: str, dev: torch.device, rounds: int, steps: int, warmup: int,
         ts = times[v]
         ratio = statistics.median(t / b for t, b in zip(ts, bare))
         extra_us = statistics.median((t - b) for t, b in zip(ts, bare)) * 1e6
-        res["variants"][v] = {"median_ms": statistics.median(ts) * 1e3, "paired_ratio": ratio,
-                              "extra_us_per_tensor": extra_us / n_tensors}
+        res["variants"][v] = {
+            "median_ms": statistics.median(ts) * 1e3,
+            "paired_ratio": ratio,
+            "extra_us_per_tensor": extra_us / n_tensors,
+        }
     return res
 
 
@@ -231,6 +238,7 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
     """Where the monitored step's extra time goes, in us per parameter tensor: wall time inside
     each part (timers wrapped around the Monitor's methods and hooks), paired with bare rounds."""
     import functools
+
     from nummon._engine import HealthEngine
     from nummon._stats import engine as stats_engine
 
@@ -247,13 +255,17 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
                 return fn(*a, **k)
             finally:
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
         return wrapper
 
-    patches = [(stats_engine.StatsEngine, "launch", "statistics launch (kernels, packing, copy)"),
-               (stats_engine.StatsEngine, "resolve", "decode (values -> StepRecord)"),
-               (HealthEngine, "step", "health engine (detectors, incidents)")]
+    patches = [
+        (stats_engine.StatsEngine, "launch", "statistics launch (kernels, packing, copy)"),
+        (stats_engine.StatsEngine, "resolve", "decode (values -> StepRecord)"),
+        (HealthEngine, "step", "health engine (detectors, incidents)"),
+    ]
     try:
         from nummon._stats import preclip
+
         patches.append((preclip.PreClipCapture, "_end_of_backward", "pre-clip end-of-backward pass"))
         patches.append((preclip.PreClipCapture, "_on_grad", "pre-clip gradient hooks"))
     except ImportError:
@@ -262,9 +274,11 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
     for cls, attr, label in patches:
         setattr(cls, attr, timed(label, getattr(cls, attr)))
     from nummon._stats import probes
+
     make_hook = probes.ActivationProbes._make_hook
     probes.ActivationProbes._make_hook = lambda self, idx: timed("activation hooks", make_hook(self, idx))
     try:
+
         def run(after, k):
             t0 = time.perf_counter()
             for _ in range(k):
@@ -294,8 +308,13 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
     extra = statistics.median(m - b for m, b in zip(mon_t, bare_t)) / steps
     parts = {label: t / k / n * 1e6 for label, t in timed_parts.items()}
     parts["the rest of post_step and the timers"] = extra / n * 1e6 - sum(parts.values())
-    return {"workload": name, "tensors": n, "bare_ms": statistics.median(bare_t) / steps * 1e3,
-            "extra_us_per_tensor": extra / n * 1e6, "parts_us_per_tensor": parts}
+    return {
+        "workload": name,
+        "tensors": n,
+        "bare_ms": statistics.median(bare_t) / steps * 1e3,
+        "extra_us_per_tensor": extra / n * 1e6,
+        "parts_us_per_tensor": parts,
+    }
 
 
 def main(argv=None) -> int:
@@ -306,9 +325,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--workloads", default="tiny-20,tiny-100,tiny-1000,tiny-2000,lm12,cnn")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="CPU: one torch thread, timed by this thread's CPU time (time.thread_time): other "
-                         "processes on a shared machine then add little but cache and memory contention")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU: one torch thread, timed by this thread's CPU time (time.thread_time): other "
+        "processes on a shared machine then add little but cache and memory contention",
+    )
     ap.add_argument("--profile", default=None, help="a workload to profile: us per tensor in each part of the step")
     a = ap.parse_args(argv)
     steady = steady_allocator()
@@ -319,7 +341,9 @@ def main(argv=None) -> int:
         CLOCK = time.thread_time
     if a.profile:
         r = profile(a.profile, dev, a.steps or 4, a.rounds)
-        print(f"{r['workload']}: {r['tensors']} tensors, bare {r['bare_ms']:.2f} ms, monitored +{r['extra_us_per_tensor']:.2f} us per tensor")
+        print(
+            f"{r['workload']}: {r['tensors']} tensors, bare {r['bare_ms']:.2f} ms, monitored +{r['extra_us_per_tensor']:.2f} us per tensor"
+        )
         for label, us in r["parts_us_per_tensor"].items():
             print(f"  {label:45s} {us:6.2f} us per tensor")
         if a.json:
@@ -331,14 +355,22 @@ def main(argv=None) -> int:
     default_steps = {"tiny-20": 60, "tiny-100": 20, "tiny-1000": 10, "tiny-2000": 10, "lm12": 10, "cnn": 10}
     if dev.type == "cuda":  # short steps: more of them per round
         default_steps = {k: 4 * v for k, v in default_steps.items()} | {"gpt12": 10, "gpt48": 10}
-    out = {"device": str(dev), "torch": torch.__version__, "steady_allocator": steady, "rounds": a.rounds,
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-           "date": time.strftime("%Y-%m-%d %H:%M"), "clock": "thread CPU time" if CLOCK is time.thread_time else "wall",
-           "workloads": {}}
+    out = {
+        "device": str(dev),
+        "torch": torch.__version__,
+        "steady_allocator": steady,
+        "rounds": a.rounds,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "clock": "thread CPU time" if CLOCK is time.thread_time else "wall",
+        "workloads": {},
+    }
     if dev.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(dev)
     print(f"{out['machine']}, torch {out['torch']}, {a.rounds} rounds, paired medians")
-    print(f"{'workload':10s} {'tensors':>7s} {'modules':>7s} {'bare ms':>8s} | {'variant':32s} {'ratio':>6s} {'us/tensor':>9s}")
+    print(
+        f"{'workload':10s} {'tensors':>7s} {'modules':>7s} {'bare ms':>8s} | {'variant':32s} {'ratio':>6s} {'us/tensor':>9s}"
+    )
     for w in a.workloads.split(","):
         steps = a.steps or default_steps.get(w, 5)
         r = measure(w, dev, a.rounds, steps, a.warmup)

@@ -12,6 +12,7 @@ usage:
   python benchmarks/real_split.py score tune|blind [-v]      score.py over that part only
   python benchmarks/real_split.py alarms tune|blind          false alarms per 1,000 healthy records
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,7 +71,9 @@ def score(part: str, verbose: bool) -> int:
         for n in names:
             shutil.copy(REAL / f"{n}.jsonl", Path(tmp) / f"{n}.jsonl")
         (Path(tmp) / "labels.json").write_text(json.dumps({n: labels[n] for n in names}))
-        cmd = [sys.executable, str(SCORER), tmp, "--cmd", f"{sys.executable} -m nummon replay"] + (["-v"] if verbose else [])
+        cmd = [sys.executable, str(SCORER), tmp, "--cmd", f"{sys.executable} -m nummon replay"] + (
+            ["-v"] if verbose else []
+        )
         return subprocess.run(cmd).returncode
 
 
@@ -80,10 +83,17 @@ def false_alarms(part: str) -> tuple[int, int, int]:
     labels = json.loads((REAL / "labels.json").read_text())
     names = [n for n, p in split().items() if p == part and labels[n]["label"] == "healthy"]
     paths = [str(REAL / f"{n}.jsonl") for n in names]
-    out = subprocess.run([sys.executable, "-m", "nummon", "replay", "--format", "jsonl", *paths],
-                         capture_output=True, text=True, check=True).stdout
-    loud = sum(1 for line in out.splitlines() if line.startswith("{")
-               and json.loads(line).get("severity") in ("warning", "critical"))
+    out = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", "--format", "jsonl", *paths],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    loud = sum(
+        1
+        for line in out.splitlines()
+        if line.startswith("{") and json.loads(line).get("severity") in ("warning", "critical")
+    )
     records = sum(sum(1 for line in (REAL / f"{n}.jsonl").read_text().splitlines() if line.strip()) for n in names)
     return loud, records, len(names)
 
@@ -99,8 +109,10 @@ def main(argv: list[str]) -> int:
         return score(argv[1], "-v" in argv)
     if argv[:1] == ["alarms"] and len(argv) >= 2 and argv[1] in ("tune", "blind"):
         loud, records, traces = false_alarms(argv[1])
-        print(f"{argv[1]}: {loud} loud alerts on {traces} healthy traces, {records} records: "
-              f"{1000 * loud / max(records, 1):.2f} per 1,000 healthy records")
+        print(
+            f"{argv[1]}: {loud} loud alerts on {traces} healthy traces, {records} records: "
+            f"{1000 * loud / max(records, 1):.2f} per 1,000 healthy records"
+        )
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -8,6 +8,7 @@ Each configuration runs away to NaN without recovery (run to the end, the stop s
 show the NaN); with the `recover` preset the loop honours `report.should_stop`. Timings are CPU
 wall clock of this machine and only meaningful as ratios measured side by side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -27,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nummon import Monitor  # noqa: E402
-
 from nummon._demo_model import DemoCNN, SyntheticDigits  # noqa: E402
 
 __all__ = ["CONFIGS", "Config", "run_plain", "run_monitored", "demo_with_recovery", "snapshot_cost"]
@@ -159,7 +159,9 @@ CONFIGS: list[Config] = [
     Config("MLP leaky 4, SGD-m lr 0.2, switch x5, seed 0", _leaky(4), "sgd", 0.2, 0, _clusters(5.0)),
     Config("MLP leaky 6 fp16, Adam lr 0.03, switch x5, seed 0", _leaky(6), "adam", 0.03, 0, _clusters(5.0), half=True),
     Config("MLP leaky 6 fp16, Adam lr 0.03, switch x5, seed 1", _leaky(6), "adam", 0.03, 1, _clusters(5.0), half=True),
-    Config("CNN (demo, narrow), SGD-m lr 0.08, switch x3, seed 0", _narrow_cnn, "sgd", 0.08, 0, DigitsSwitch, steps=120),
+    Config(
+        "CNN (demo, narrow), SGD-m lr 0.08, switch x3, seed 0", _narrow_cnn, "sgd", 0.08, 0, DigitsSwitch, steps=120
+    ),
     Config("tiny transformer, SGD-m lr 0.1, seed 0", TinyTransformer, "sgd", 0.1, 0, _tokens),
     Config("tiny transformer, SGD-m lr 0.2, seed 0", TinyTransformer, "sgd", 0.2, 0, _tokens),
     Config("tiny transformer, SGD-m lr 0.3, seed 0", TinyTransformer, "sgd", 0.3, 0, _tokens),
@@ -222,8 +224,10 @@ def run_monitored(cfg: Config, policy: str = "recover") -> dict:
 
 def table(configs: list[Config] = CONFIGS) -> tuple[str, int, int]:
     """The markdown table; (text, saved, runaways): saved = NaN without recovery and finite with it."""
-    rows = ["| configuration | steps | without recovery: first NaN loss | with `recover`: end | rollbacks | skipped updates | median loss, last 10 |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | steps | without recovery: first NaN loss | with `recover`: end | rollbacks | skipped updates | median loss, last 10 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     saved = runaways = 0
     for cfg in configs:
         plain = run_plain(cfg)
@@ -231,18 +235,26 @@ def table(configs: list[Config] = CONFIGS) -> tuple[str, int, int]:
         nan = plain["first_nan"]
         runaways += nan is not None
         saved += nan is not None and rec["ends_finite"]
-        end = ("finite" if rec["ends_finite"] else
-               f"stopped at step {rec['stopped']}" if rec["stopped"] is not None else "non-finite")
+        end = (
+            "finite"
+            if rec["ends_finite"]
+            else f"stopped at step {rec['stopped']}"
+            if rec["stopped"] is not None
+            else "non-finite"
+        )
         if rec["ends_finite"] and not rec["all_losses_finite"]:
             end += f" (a skipped step's loss was non-finite at {rec['first_nonfinite_loss']})"
-        rows.append(f"| {cfg.name} | {cfg.steps} | {'step ' + str(nan) if nan is not None else 'none (finite)'} | {end} "
-                    f"| {rec['rollbacks']} | {rec['skips']} | {rec['median_last10']:.3g} |")
+        rows.append(
+            f"| {cfg.name} | {cfg.steps} | {'step ' + str(nan) if nan is not None else 'none (finite)'} | {end} "
+            f"| {rec['rollbacks']} | {rec['skips']} | {rec['median_last10']:.3g} |"
+        )
         print(rows[-1], flush=True)
     return "\n".join(rows) + "\n", saved, runaways
 
 
-def demo_with_recovery(policy: str = "recover", seed: int = 0, steps: int = 120, lr: float = 0.02,
-                       run_dir: str | None = None) -> dict:
+def demo_with_recovery(
+    policy: str = "recover", seed: int = 0, steps: int = 120, lr: float = 0.02, run_dir: str | None = None
+) -> dict:
     """The demo's scenario (DemoCNN, SGD momentum 0.9, classes 0-4 then 5-9 at 3x contrast from
     step 60, batch 64) under `policy`, run to the end (the stop signal is reported, not obeyed)."""
     torch.manual_seed(seed)
@@ -303,8 +315,13 @@ def snapshot_cost(steps: int = 20, device: str = "cpu") -> dict:
             step_s.append(t1 - t0)
             snap_s.append(t2 - t1)
     step_med, snap_med = statistics.median(step_s), statistics.median(snap_s)
-    return {"device": device, "step_ms": step_med * 1e3, "snapshot_ms": snap_med * 1e3,
-            "snapshot_mb": snap.nbytes / 2**20, "every_50_fraction": snap_med / 50 / step_med}
+    return {
+        "device": device,
+        "step_ms": step_med * 1e3,
+        "snapshot_ms": snap_med * 1e3,
+        "snapshot_mb": snap.nbytes / 2**20,
+        "every_50_fraction": snap_med / 50 / step_med,
+    }
 
 
 def main() -> None:

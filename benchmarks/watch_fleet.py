@@ -11,6 +11,7 @@ interleaved (one, shards, shards, one, ...) so the shared machine's load falls o
 
     flock /work/bench.lock python benchmarks/watch_fleet.py [--runs 1000] [--shards 4] [--seconds 90] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,17 @@ def start_alertmanager(tmp: Path) -> tuple[subprocess.Popen | None, str | None]:
     port = free_port()
     cfg = tmp / "am.yml"
     cfg.write_text("route: {receiver: none, group_wait: 1s}\nreceivers: [{name: none}]\n")
-    proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.path={tmp / 'am-data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"--config.file={cfg}",
+            f"--storage.path={tmp / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -74,8 +83,20 @@ def am_runs(url: str) -> set[str]:
 def start_watchers(root: Path, tmp: Path, shards: int, am_url: str | None, interval: float):
     procs = []
     for i in range(shards):
-        cmd = [sys.executable, "-m", "nummon._watch", str(root), "--interval", str(interval), "--metrics", "127.0.0.1:0",
-               "--state", str(tmp / f"state-{i}.json"), "--notify", f"jsonl:{tmp / f'notes-{i}.jsonl'}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nummon._watch",
+            str(root),
+            "--interval",
+            str(interval),
+            "--metrics",
+            "127.0.0.1:0",
+            "--state",
+            str(tmp / f"state-{i}.json"),
+            "--notify",
+            f"jsonl:{tmp / f'notes-{i}.jsonl'}",
+        ]
         if shards > 1:
             cmd += ["--shard", f"{i}/{shards}"]
         if am_url:
@@ -108,7 +129,9 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
         for s in range(args.history):
             r.log(s, *healthy(s, i))
         r.flush()
-    planted = [i for i, r in enumerate(runs) if isinstance(r, JsonlRun)][:: max(1, args.runs // 4 // args.plants)][: args.plants]
+    planted = [i for i, r in enumerate(runs) if isinstance(r, JsonlRun)][:: max(1, args.runs // 4 // args.plants)][
+        : args.plants
+    ]
     plant_at = {i: args.seconds * (0.35 + 0.5 * k / max(1, len(planted))) for k, i in enumerate(planted)}
     t0 = time.monotonic()
     procs = start_watchers(root, tmp, shards, am_url, args.interval)
@@ -176,7 +199,9 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
     times = [s[0] for s in scrapes]
     result = {
         "config": f"{shards} x {args.runs // shards}" if shards > 1 else f"1 x {args.runs}",
-        "runs": args.runs, "runs_in_state_files": watched, "wall_s": round(wall, 1),
+        "runs": args.runs,
+        "runs_in_state_files": watched,
+        "wall_s": round(wall, 1),
         "cpu_s_total": round(sum(u[0] for u in usage), 1),
         "cpu_percent_of_one_core_total": round(100 * sum(u[0] for u in usage) / wall, 1),
         "cpu_s_per_watcher_max": round(max(u[0] for u in usage), 1),
@@ -187,7 +212,8 @@ def one_round(args, shards: int, am_url: str | None, tag: str) -> dict:
         "scrape_s_max": round(max(times), 4) if times else None,
         "scrape_kb_median": round(statistics.median(s[1] for s in scrapes) / 1024, 1) if scrapes else None,
         "series_per_scrape_median": statistics.median(s[2] for s in scrapes) if scrapes else None,
-        "writer_ticks": ticks, "writer_tick_s_median": round(statistics.median(tick_s), 2),
+        "writer_ticks": ticks,
+        "writer_tick_s_median": round(statistics.median(tick_s), 2),
         "planted": len(written),
         "delay_to_event_s": sorted(round(v, 2) for v in seen_jsonl.values()),
         "delay_to_alertmanager_s": sorted(round(v, 2) for v in seen_am.values()),
@@ -203,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--history", type=int, default=200, help="steps each run already has when the watchers start")
-    ap.add_argument("--interval", type=float, default=5.0, help="the watchers' --interval (default: 5, as nummon watch)")
+    ap.add_argument(
+        "--interval", type=float, default=5.0, help="the watchers' --interval (default: 5, as nummon watch)"
+    )
     ap.add_argument("--plants", type=int, default=4, help="runs that get a non-finite step")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of both configurations (order ABBA...)")
     ap.add_argument("--json", default=None)

@@ -5,6 +5,7 @@ rusage of the child), records read and notifications sent.
 
     python benchmarks/watch_load.py [--runs 50] [--seconds 60] [--history 1000] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ class TbRun:
     def log(self, step: int, loss: float, gn: float) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
-        vals = [summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in (("train/loss", loss), ("train/grad_norm", gn))]
+        vals = [
+            summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in (("train/loss", loss), ("train/grad_norm", gn))
+        ]
         self.w.add_event(event_pb2.Event(step=step, wall_time=time.time(), summary=summary_pb2.Summary(value=vals)))
 
     def flush(self) -> None:
@@ -48,7 +51,9 @@ class HfRun:
     def flush(self) -> None:  # Trainer-style save: the whole file rewritten
         ckpt = self.folder / "checkpoint-1000"  # one checkpoint folder, rewritten at each save
         ckpt.mkdir(parents=True, exist_ok=True)
-        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": self.hist[-1]["step"], "log_history": self.hist}, indent=2))
+        (ckpt / "trainer_state.json").write_text(
+            json.dumps({"global_step": self.hist[-1]["step"], "log_history": self.hist}, indent=2)
+        )
 
 
 class CsvRun:
@@ -101,8 +106,18 @@ def main(argv: list[str] | None = None) -> int:
             r.log(s, *healthy(s, i))
         r.flush()
     state, notes = tmp / "state.json", tmp / "notes.jsonl"
-    cmd = [sys.executable, "-m", "nummon._watch", str(root), "--interval", "1", "--state", str(state),
-           "--notify", f"jsonl:{notes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nummon._watch",
+        str(root),
+        "--interval",
+        "1",
+        "--state",
+        str(state),
+        "--notify",
+        f"jsonl:{notes}",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     step = args.history

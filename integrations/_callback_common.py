@@ -3,6 +3,7 @@ event log, and the loss of one optimizer step gathered from its micro-batches.
 
 Imports neither framework (and not torch at module level), so both callbacks can use it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,25 @@ from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import ConsoleSink, JsonlSink
 from nummon._types import Severity, StepReport
 
-__all__ = ["EVENTS_FILE", "ConsoleLogger", "StepAsMetric", "StepLoss", "bars_cleared", "clip_ratio", "console_log",
-           "console_sinks", "events_sink", "loss_of", "resolve_policy", "restore_engine", "saved_state", "start_line",
-           "stop_line", "summary_line", "with_class_count"]
+__all__ = [
+    "EVENTS_FILE",
+    "ConsoleLogger",
+    "StepAsMetric",
+    "StepLoss",
+    "bars_cleared",
+    "clip_ratio",
+    "console_log",
+    "console_sinks",
+    "events_sink",
+    "loss_of",
+    "resolve_policy",
+    "restore_engine",
+    "saved_state",
+    "start_line",
+    "stop_line",
+    "summary_line",
+    "with_class_count",
+]
 
 EVENTS_FILE = "nummon-events.jsonl"
 
@@ -51,8 +68,11 @@ def saved_state(state: Any, origin: str) -> dict[str, Any] | None:
     step = state.get("step", 0) if isinstance(state, dict) else None
     if isinstance(engine, dict) and isinstance(step, int) and not isinstance(step, bool) and step >= 0:
         return {"engine": engine, "step": step}
-    warn_cold_start(origin, f"not a saved state (a {type(state).__name__}" + (
-        f" with engine {type(engine).__name__} and step {step!r})" if isinstance(state, dict) else ")"))
+    warn_cold_start(
+        origin,
+        f"not a saved state (a {type(state).__name__}"
+        + (f" with engine {type(engine).__name__} and step {step!r})" if isinstance(state, dict) else ")"),
+    )
     return None
 
 
@@ -159,10 +179,12 @@ def start_line(model: Any, policy: Policy, events_path: Path, run_dir: str | os.
     params = [p for p in model.parameters()] if model is not None else []
     trainable = sum(p.numel() for p in params if p.requires_grad)
     s = policy.sampling
-    return (f"nummon: watching {type(model).__name__} ({_count(trainable)} trainable parameters in {len(params)} tensors), "
-            f"policy {policy.name} (stop on critical: {'yes' if policy.alerts.stop_on_critical else 'no'}); "
-            f"gradients every step, parameters every {s.params_every} and optimizer state every {s.optimizer_every} "
-            f"steps, activations {'on' if s.activations else 'off'}; events in {events_path}, flight records in {run_dir}")
+    return (
+        f"nummon: watching {type(model).__name__} ({_count(trainable)} trainable parameters in {len(params)} tensors), "
+        f"policy {policy.name} (stop on critical: {'yes' if policy.alerts.stop_on_critical else 'no'}); "
+        f"gradients every step, parameters every {s.params_every} and optimizer state every {s.optimizer_every} "
+        f"steps, activations {'on' if s.activations else 'off'}; events in {events_path}, flight records in {run_dir}"
+    )
 
 
 def summary_line(monitor: Any, first_step: int, events_path: Path) -> str:
@@ -177,10 +199,14 @@ def summary_line(monitor: Any, first_step: int, events_path: Path) -> str:
         count = len({e.number for e in opened})
         worst = max(opened, key=lambda e: (e.state.rank, -e.step))
         what = worst.title.removeprefix("nummon: ")
-        where = next((a.location for a in monitor.alerts
-                      if a.step == worst.step and a.kind.value == "nonfinite" and a.location), None)
-        text += (f": {count} incident{'s' if count != 1 else ''}, worst state {worst.state.value}; "
-                 f"the worst moment: step {worst.step}, {what}" + (f" in {plain_text(where)}" if where else ""))
+        where = next(
+            (a.location for a in monitor.alerts if a.step == worst.step and a.kind.value == "nonfinite" and a.location),
+            None,
+        )
+        text += (
+            f": {count} incident{'s' if count != 1 else ''}, worst state {worst.state.value}; "
+            f"the worst moment: step {worst.step}, {what}" + (f" in {plain_text(where)}" if where else "")
+        )
     text += f"; events in {events_path}"
     if monitor.flight_record is not None:
         text += f", flight record {monitor.flight_record}"

@@ -6,17 +6,32 @@ multiplied by the GradScaler's scale under ``precision="16-mixed"``); `on_before
 runs after the gradients are accumulated and unscaled and *before* Lightning clips them, so
 nummon's gradient statistics are the unclipped ones.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
-from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, loss_of, resolve_policy,
-                               console_log, restore_engine, saved_state, start_line, stop_line, summary_line,
-                               take_per_sample)
+from ._callback_common import (
+    StepAsMetric,
+    StepLoss,
+    clip_ratio,
+    console_log,
+    console_sinks,
+    events_sink,
+    loss_of,
+    resolve_policy,
+    restore_engine,
+    saved_state,
+    start_line,
+    stop_line,
+    summary_line,
+    take_per_sample,
+)
 from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
@@ -111,8 +126,12 @@ class NummonCallback(pl.Callback):
         restored = saved_state(self._restored, RESTORED_FROM)
         self._restored = None
         self.monitor = Monitor(
-            pl_module, self._optimizer, self.policy, sinks,
-            run_dir=run_dir, grad_scaler=self._scaler(trainer),
+            pl_module,
+            self._optimizer,
+            self.policy,
+            sinks,
+            run_dir=run_dir,
+            grad_scaler=self._scaler(trainer),
             start_step=restored["step"] if restored else trainer.global_step,
         )
         restore_engine(self.monitor, restored, RESTORED_FROM, cold_step=trainer.global_step)
@@ -165,14 +184,19 @@ class NummonCallback(pl.Callback):
             return
         if self._loss.empty:  # e.g. training_step returned None and backward was skipped
             if not self._warned_no_loss:
-                console_log.warning("nummon: no loss reached backward before optimizer step %d; that step is not monitored",
-                            trainer.global_step)
+                console_log.warning(
+                    "nummon: no loss reached backward before optimizer step %d; that step is not monitored",
+                    trainer.global_step,
+                )
                 self._warned_no_loss = True
             return
         # before the optimizer's update: a failing step can be re-run on the weights that failed
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(pl_module),
-                                        clip_norm=self._clip_norm(trainer),
-                                        per_sample_loss=take_per_sample(pl_module))
+        report = self.monitor.post_step(
+            self._loss.take(),
+            recompute=self._recompute(pl_module),
+            clip_norm=self._clip_norm(trainer),
+            per_sample_loss=take_per_sample(pl_module),
+        )
         self.last_report = report
         self._report_clip_ratio(trainer, pl_module, report)
         if report.should_stop and not trainer.should_stop:

@@ -6,6 +6,7 @@ created. Metrics go out in batches (``MlflowClient.log_batch``, at most 1,000 va
 one request per metric per step; like every sink it runs on its own thread behind the dispatcher's
 bounded queue, so a slow or unreachable tracking server delays only itself.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,11 @@ log = logging.getLogger("nummon")
 BATCH_LIMIT = 1000
 #: The worst state first: what the `nummon.state` tag says (a run's worst moment, not its last).
 _STATES = ("healthy", "incident", "critical", "nonfinite")
-_STATE_OF_INCIDENT = {IncidentState.OPEN: "incident", IncidentState.CRITICAL: "critical",
-                      IncidentState.NONFINITE: "nonfinite"}
+_STATE_OF_INCIDENT = {
+    IncidentState.OPEN: "incident",
+    IncidentState.CRITICAL: "critical",
+    IncidentState.NONFINITE: "nonfinite",
+}
 
 
 def metric_key(tag: str) -> str:
@@ -37,7 +41,7 @@ def metric_key(tag: str) -> str:
     nummon/more/x, nummon_layers_grad_norm/fc1 -> nummon/layers_grad_norm/fc1."""
     if tag.startswith("nummon/"):
         return tag
-    return "nummon/" + (tag[len("nummon_"):] if tag.startswith("nummon_") else tag)
+    return "nummon/" + (tag[len("nummon_") :] if tag.startswith("nummon_") else tag)
 
 
 class MlflowSink(BaseSink):
@@ -52,8 +56,15 @@ class MlflowSink(BaseSink):
     ended at close). `tracking_uri`: the server (default: MLflow's own resolution, MLFLOW_TRACKING_URI).
     """
 
-    def __init__(self, run_id: str | None = None, tracking_uri: str | None = None, experiment: str | None = None,
-                 run_name: str | None = None, batch_steps: int = 10, top_k: int = TOP_K) -> None:
+    def __init__(
+        self,
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        batch_steps: int = 10,
+        top_k: int = TOP_K,
+    ) -> None:
         mlflow = require("mlflow", "mlflow")
         if batch_steps < 1:
             raise NummonError(f"MlflowSink: batch_steps must be >= 1 (got {batch_steps})")
@@ -111,8 +122,9 @@ class MlflowSink(BaseSink):
     def on_alert(self, alert: Alert) -> None:
         if alert.kind is AlertKind.NONFINITE and alert.severity is Severity.CRITICAL and self._first_nonfinite is None:
             self._first_nonfinite = alert.location or alert.metric
-            self._set_tags({"nummon.first_nonfinite": self._first_nonfinite,
-                            "nummon.first_nonfinite_step": str(alert.step)})
+            self._set_tags(
+                {"nummon.first_nonfinite": self._first_nonfinite, "nummon.first_nonfinite_step": str(alert.step)}
+            )
         path = getattr(alert, "flight_record", None)
         if path and os.path.isfile(str(path)):
             self.client.log_artifact(self.run_id, str(path), "nummon/flight-records")
@@ -123,8 +135,12 @@ class MlflowSink(BaseSink):
         state = _STATE_OF_INCIDENT.get(event.state)
         if state is not None and _STATES.index(state) > _STATES.index(self.state):
             self.state = state
-        tags = {"nummon.state": self.state, "nummon.incident_state": str(getattr(event.state, "value", event.state)),
-                "nummon.incident": event.title, "nummon.incident_step": str(event.step)}
+        tags = {
+            "nummon.state": self.state,
+            "nummon.incident_state": str(getattr(event.state, "value", event.state)),
+            "nummon.incident": event.title,
+            "nummon.incident_step": str(event.step),
+        }
         self._set_tags(tags)
         number = getattr(event, "number", self._incidents)
         self.client.log_text(self.run_id, event.summary(), f"nummon/incident-{number}-step{event.step}.md")
@@ -140,7 +156,7 @@ class MlflowSink(BaseSink):
     def flush(self) -> None:
         pending, self._pending, self._steps_pending = self._pending, [], 0
         for i in range(0, len(pending), BATCH_LIMIT):
-            self.client.log_batch(self.run_id, metrics=pending[i:i + BATCH_LIMIT])
+            self.client.log_batch(self.run_id, metrics=pending[i : i + BATCH_LIMIT])
             self.batches_sent += 1
 
     def close(self) -> None:

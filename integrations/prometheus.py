@@ -9,6 +9,7 @@ scrape, and there is never a per-layer series.
 Needs the `prometheus-client` package (``pip install 'nummon[prometheus]'``), imported only
 when a server starts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from nummon._errors import NummonError
@@ -38,12 +40,18 @@ IDLE_TIMEOUT_S = 10.0
 
 #: every series nummon exposes: name -> (type, help)
 METRICS = {
-    "nummon_health_state": ("gauge", "Numerical health of the latest record: 0 healthy, 1 incident, 2 extreme, 3 non-finite."),
+    "nummon_health_state": (
+        "gauge",
+        "Numerical health of the latest record: 0 healthy, 1 incident, 2 extreme, 3 non-finite.",
+    ),
     "nummon_incident_state": ("gauge", "The run's incident: 0 none, 1 open, 2 critical, 3 non-finite."),
     "nummon_loss": ("gauge", "Latest measured loss."),
     "nummon_grad_norm": ("gauge", "Latest measured global gradient L2 norm."),
     "nummon_headroom_decades": ("gauge", "Decades between the largest magnitude and its dtype's maximum."),
-    "nummon_steps_to_overflow": ("gauge", "Steps until the nearest runaway metric overflows (absent when nothing runs away)."),
+    "nummon_steps_to_overflow": (
+        "gauge",
+        "Steps until the nearest runaway metric overflows (absent when nothing runs away).",
+    ),
     "nummon_last_step": ("gauge", "Step of the latest record."),
     "nummon_last_record_timestamp_seconds": ("gauge", "Unix time of the latest record."),
     "nummon_run_open": ("gauge", "1 while the training process's Monitor is open (PrometheusSink only)."),
@@ -120,10 +128,14 @@ class _Collector:
         if snap.watched is not None:
             yield core.GaugeMetricFamily("nummon_watch_runs", METRICS["nummon_watch_runs"][1], value=snap.watched)
             if snap.poll_duration_s is not None and math.isfinite(snap.poll_duration_s):
-                yield core.GaugeMetricFamily("nummon_watch_poll_duration_seconds",
-                                             METRICS["nummon_watch_poll_duration_seconds"][1], value=snap.poll_duration_s)
-            failed = core.CounterMetricFamily("nummon_notifications_failed", METRICS["nummon_notifications_failed"][1],
-                                              labels=["target"])
+                yield core.GaugeMetricFamily(
+                    "nummon_watch_poll_duration_seconds",
+                    METRICS["nummon_watch_poll_duration_seconds"][1],
+                    value=snap.poll_duration_s,
+                )
+            failed = core.CounterMetricFamily(
+                "nummon_notifications_failed", METRICS["nummon_notifications_failed"][1], labels=["target"]
+            )
             for kind, n in sorted(snap.failed.items()):
                 failed.add_metric([label_value(kind)], float(n))
             yield failed
@@ -133,7 +145,7 @@ class _Handler(BaseHTTPRequestHandler):
     """GET /metrics (or /): the exposition of the server's registry. HTTP/1.0: one request per
     connection."""
 
-    server: "_Server"
+    server: _Server
 
     def setup(self) -> None:
         self.timeout = self.server.idle_timeout_s  # a client silent this long is dropped
@@ -216,20 +228,29 @@ class MetricsServer:
     """`/metrics` over HTTP on a thread of its own, for one `FleetMetrics`: at most
     `max_connections` served at once, each dropped after `idle_timeout_s` seconds of silence."""
 
-    def __init__(self, metrics: FleetMetrics, host: str, port: int, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        metrics: FleetMetrics,
+        host: str,
+        port: int,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
         pc = require("prometheus_client", "prometheus")
         if max_connections < 1 or not idle_timeout_s > 0:
-            raise NummonError(f"metrics endpoint: max_connections must be >= 1 and idle_timeout_s > 0, "
-                              f"got {max_connections} and {idle_timeout_s}")
+            raise NummonError(
+                f"metrics endpoint: max_connections must be >= 1 and idle_timeout_s > 0, "
+                f"got {max_connections} and {idle_timeout_s}"
+            )
         self.registry = pc.CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(metrics))
         try:
             self._server = _server_class(host, port)((host, port), self.registry, max_connections, idle_timeout_s)
         except OSError as e:
             raise NummonError(f"metrics endpoint {host}:{port}: {e.strerror or e}") from None
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="nummon-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="nummon-metrics", daemon=True
+        )
         self._thread.start()
         self.host = host
         self.port = self._server.server_port  # the OS's choice when port was 0
@@ -252,8 +273,9 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def serve_metrics(metrics: FleetMetrics, listen: str, max_connections: int = MAX_CONNECTIONS,
-                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> MetricsServer:
+def serve_metrics(
+    metrics: FleetMetrics, listen: str, max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S
+) -> MetricsServer:
     """Serve `metrics` at `listen` (HOST:PORT; port 0 lets the OS choose)."""
     host, port = parse_listen(listen)
     return MetricsServer(metrics, host, port, max_connections, idle_timeout_s)

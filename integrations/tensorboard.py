@@ -4,15 +4,28 @@
 Needs the `tensorboard` package (``pip install 'nummon[tensorboard]'``), imported only when a
 sink is created. The tags and groups are described in `nummon/_layout.py`.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Any
 
 from nummon._format import alert_text
-from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, LAYER_METRICS, TOP_K, VIEWS_LEGEND, TopOffenders,
-                            alert_tag, custom_scalars_layout, histogram_tags, incident_tag, linear_histogram_readable,
-                            state_range_scalars, step_scalars)
+from nummon._layout import (
+    DEFAULT_HISTOGRAM_EVERY,
+    INCIDENT_LEGEND,
+    LAYER_METRICS,
+    TOP_K,
+    VIEWS_LEGEND,
+    TopOffenders,
+    alert_tag,
+    custom_scalars_layout,
+    histogram_tags,
+    incident_tag,
+    linear_histogram_readable,
+    state_range_scalars,
+    step_scalars,
+)
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
 
@@ -33,8 +46,14 @@ class TensorBoardSink(BaseSink):
 
     wants_histograms = True
 
-    def __init__(self, log_dir: str | os.PathLike[str] | None = None, histogram_every: int | None = None,
-                 flush_secs: int = 10, writer: Any = None, top_k: int = TOP_K) -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None = None,
+        histogram_every: int | None = None,
+        flush_secs: int = 10,
+        writer: Any = None,
+        top_k: int = TOP_K,
+    ) -> None:
         """Give `log_dir` for a writer of its own, or `writer` (a `SummaryWriter`, e.g. Lightning's
         `TensorBoardLogger.experiment`) to write into an existing run's event files."""
         if writer is None:
@@ -100,18 +119,30 @@ class TensorBoardSink(BaseSink):
             linear_tag, log_tag = histogram_tags(name)
             if linear_histogram_readable(h):  # values up to 2e33: only the log10|x| view is readable
                 w.add_histogram_raw(
-                    linear_tag, min=h["min"], max=h["max"], num=int(h["num"]), sum=h["sum"],
-                    sum_squares=h["sum_squares"], bucket_limits=h["edges"][1:].tolist(),
-                    bucket_counts=h["counts"].tolist(), global_step=step,
+                    linear_tag,
+                    min=h["min"],
+                    max=h["max"],
+                    num=int(h["num"]),
+                    sum=h["sum"],
+                    sum_squares=h["sum_squares"],
+                    bucket_limits=h["edges"][1:].tolist(),
+                    bucket_counts=h["counts"].tolist(),
+                    global_step=step,
                 )
             # log10|x| shows how many decades remain before the dtype overflows
             lc = h["log10_counts"]
             le = h["log10_edges"]
             mids = (le[:-1] + le[1:]) / 2
             w.add_histogram_raw(
-                log_tag, min=float(le[0]), max=float(le[-1]), num=int(lc.sum()),
-                sum=float((lc * mids).sum()), sum_squares=float((lc * mids ** 2).sum()),
-                bucket_limits=le[1:].tolist(), bucket_counts=lc.tolist(), global_step=step,
+                log_tag,
+                min=float(le[0]),
+                max=float(le[-1]),
+                num=int(lc.sum()),
+                sum=float((lc * mids).sum()),
+                sum_squares=float((lc * mids**2).sum()),
+                bucket_limits=le[1:].tolist(),
+                bucket_counts=lc.tolist(),
+                global_step=step,
             )
 
     def _text(self, tag_of: Any, key: Any, text: str, step: int) -> None:

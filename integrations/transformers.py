@@ -8,19 +8,34 @@ before `model.zero_grad()` (which comes before `on_step_end` and would leave no 
 The Trainer clips before `on_pre_optimizer_step`: the unclipped gradient statistics come from
 the Monitor's own gradient hooks where it has them.
 """
+
 from __future__ import annotations
 
 import inspect
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
-from ._callback_common import (StepAsMetric, StepLoss, clip_ratio, console_sinks, events_sink, resolve_policy,
-                               console_log, restore_engine, saved_state, start_line, stop_line, summary_line,
-                               take_per_sample, with_class_count)
+from ._callback_common import (
+    StepAsMetric,
+    StepLoss,
+    clip_ratio,
+    console_log,
+    console_sinks,
+    events_sink,
+    resolve_policy,
+    restore_engine,
+    saved_state,
+    start_line,
+    stop_line,
+    summary_line,
+    take_per_sample,
+    with_class_count,
+)
 from ._lazy import require
 
 transformers = require("transformers", "transformers")
@@ -67,8 +82,12 @@ def classification_classes(model: Any) -> int | None:
     `config.num_labels`), None for any other task (a language model's vocabulary is no chance level)."""
     config = getattr(model, "config", None)
     arch = " ".join(getattr(config, "architectures", None) or [type(model).__name__])
-    if config is None or "ForSequenceClassification" not in arch and "ForImageClassification" not in arch \
-            and "ForTokenClassification" not in arch:
+    if (
+        config is None
+        or "ForSequenceClassification" not in arch
+        and "ForImageClassification" not in arch
+        and "ForTokenClassification" not in arch
+    ):
         return None
     if getattr(config, "problem_type", None) not in (None, "single_label_classification"):
         return None
@@ -96,7 +115,9 @@ def tensorboard_dir(args: Any) -> str:
 
 # transformers >= 4.41 saves the `state()` of an `ExportableState` callback in each checkpoint's
 # trainer_state.json (`stateful_callbacks`); older versions save nothing
-_ExportableState: Any = getattr(transformers.trainer_callback, "ExportableState", None) or type("_NotExportable", (), {})
+_ExportableState: Any = getattr(transformers.trainer_callback, "ExportableState", None) or type(
+    "_NotExportable", (), {}
+)
 
 
 class NummonCallback(transformers.TrainerCallback, _ExportableState):
@@ -193,7 +214,9 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
             entries.setdefault(type(self).__name__, self.state())
 
     # ------------------------------------------------------------------ lifecycle
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         from nummon._monitor import Monitor
 
         self._close()
@@ -210,8 +233,14 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         start = restored["step"] if restored else state.global_step
         # a classifier's task names its chance level (stall.chance_loss), unless the policy does
         policy = with_class_count(self.policy, classification_classes(model))
-        self.monitor = Monitor(model, _unwrap_optimizer(optimizer) if optimizer is not None else None, policy,
-                               sinks, run_dir=args.output_dir, start_step=start)
+        self.monitor = Monitor(
+            model,
+            _unwrap_optimizer(optimizer) if optimizer is not None else None,
+            policy,
+            sinks,
+            run_dir=args.output_dir,
+            start_step=start,
+        )
         restore_engine(self.monitor, restored, RESTORED_FROM, cold_step=state.global_step)
         self._add_checkpoint_entry(state)
         self._first_step, self._events_path = self.monitor.step, events.path
@@ -219,7 +248,11 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
         if self._summary_due:
             console_log.warning("%s", start_line(model, policy, events.path, args.output_dir))
         # with `average_tokens_across_devices` the Trainer multiplies each rank's share by the world size
-        self._share_scale = float(dist.get_world_size()) if distributed and getattr(args, "average_tokens_across_devices", False) else 1.0
+        self._share_scale = (
+            float(dist.get_world_size())
+            if distributed and getattr(args, "average_tokens_across_devices", False)
+            else 1.0
+        )
         self._loss.reset()
         self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         self._model = model  # a model that sets `nummon_per_sample_loss` in forward names its worst samples
@@ -274,12 +307,17 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
             return
         if self._loss.empty:  # the loss is computed outside the model (custom compute_loss)
             if not self._warned_no_loss:
-                console_log.warning("nummon: the model returned no `loss` during training (pass `labels` so the model "
-                            "computes it); steps are not monitored")
+                console_log.warning(
+                    "nummon: the model returned no `loss` during training (pass `labels` so the model "
+                    "computes it); steps are not monitored"
+                )
                 self._warned_no_loss = True
             return
-        report = self.monitor.post_step(self._loss.take(), recompute=self._recompute(),
-                                        per_sample_loss=take_per_sample(getattr(self, "_model", None)))
+        report = self.monitor.post_step(
+            self._loss.take(),
+            recompute=self._recompute(),
+            per_sample_loss=take_per_sample(getattr(self, "_model", None)),
+        )
         self.last_report = report
         if report.record is not None and args.max_grad_norm:
             self.last_clip_ratio = clip_ratio(report.record.grad_norm, float(args.max_grad_norm))

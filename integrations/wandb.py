@@ -6,6 +6,7 @@ created. Without W&B credentials it runs offline and says once how to sync. The 
 groups of `nummon/_layout.py`. It never calls `wandb.watch` (whose every-step hooks cost ~1.7x a
 CPU step): histograms come from nummon's own pass, at the Monitor's cadence.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,16 @@ from typing import Any
 
 from nummon._errors import NummonError
 from nummon._format import alert_text
-from nummon._layout import (DEFAULT_HISTOGRAM_EVERY, INCIDENT_LEGEND, TOP_K, TopOffenders, histogram_tags,
-                            incident_code, metric_sections, step_scalars)
+from nummon._layout import (
+    DEFAULT_HISTOGRAM_EVERY,
+    INCIDENT_LEGEND,
+    TOP_K,
+    TopOffenders,
+    histogram_tags,
+    incident_code,
+    metric_sections,
+    step_scalars,
+)
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, Severity, StepRecord
 
@@ -33,8 +42,13 @@ _MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 STEP_METRIC = "nummon_step"  # the x axis of every nummon chart (the training step)
 _INCIDENT_LEVEL = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
 # run-level charts whose run summary is better as an extreme than as the last value
-_SUMMARIES = {"nummon/health": "max", "nummon/incident_state": "max", "nummon/headroom": "min",
-              "nummon/grad_norm": "max", "nummon/activation_max": "max"}
+_SUMMARIES = {
+    "nummon/health": "max",
+    "nummon/incident_state": "max",
+    "nummon/headroom": "min",
+    "nummon/grad_norm": "max",
+    "nummon/activation_max": "max",
+}
 
 
 def _has_credentials() -> bool:
@@ -101,7 +115,9 @@ class WandbSink(BaseSink):
             raise NummonError(f"W&B mode {mode!r} is not one of {', '.join(_MODES)} (from WANDB_MODE or mode=)")
         if mode in (None, "online", "run") and not _has_credentials():
             if mode is not None:
-                log.warning("nummon: W&B mode %r needs an API key (WANDB_API_KEY or `wandb login`); running offline", mode)
+                log.warning(
+                    "nummon: W&B mode %r needs an API key (WANDB_API_KEY or `wandb login`); running offline", mode
+                )
             mode = "offline"
         self.offline = mode in ("offline", "dryrun")
         env_mode = os.environ.pop("WANDB_MODE", None)  # an explicit mode wins over the environment's
@@ -111,7 +127,9 @@ class WandbSink(BaseSink):
             if env_mode is not None:
                 os.environ["WANDB_MODE"] = env_mode
         if self.offline:
-            log.warning("nummon: W&B is offline; sync later with `wandb sync %s`", self.run_dir_of(run) or "wandb/offline-run-*")
+            log.warning(
+                "nummon: W&B is offline; sync later with `wandb sync %s`", self.run_dir_of(run) or "wandb/offline-run-*"
+            )
         return run
 
     @staticmethod
@@ -131,8 +149,10 @@ class WandbSink(BaseSink):
 
     def bind(self, context: RunContext) -> None:
         try:  # the legends of the health and incident charts, where people look for them
-            self.run.config.update({"nummon/health_legend": HEALTH_LEGEND, "nummon/incident_legend": INCIDENT_LEGEND},
-                                   allow_val_change=True)
+            self.run.config.update(
+                {"nummon/health_legend": HEALTH_LEGEND, "nummon/incident_legend": INCIDENT_LEGEND},
+                allow_val_change=True,
+            )
         except Exception:  # a run that refuses config updates still gets the metrics
             pass
         try:  # one section per group, every chart over the training step
@@ -175,9 +195,15 @@ class WandbSink(BaseSink):
         self.incident_state = event.state
         code = incident_code(event.state)
         state = str(getattr(event.state, "value", event.state))
-        self._summarise({"nummon/incident": state, "nummon/incident_step": event.step,
-                         "nummon/incident_title": event.title, "nummon/incident_events": self._incident_events,
-                         "nummon/incident_number": getattr(event, "number", self._incident_events)})
+        self._summarise(
+            {
+                "nummon/incident": state,
+                "nummon/incident_step": event.step,
+                "nummon/incident_title": event.title,
+                "nummon/incident_events": self._incident_events,
+                "nummon/incident_number": getattr(event, "number", self._incident_events),
+            }
+        )
         title, text, level = event.title[:63], event.summary(), _INCIDENT_LEVEL.get(code, "WARN")
         self.run.alert(title=title, text=text, level=level, wait_duration=1)
         self.sent_alerts.append((title, level, text))

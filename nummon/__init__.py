@@ -3,6 +3,7 @@
 ``Monitor`` (and anything else that needs torch) is imported lazily, so ``nummon replay`` and
 the detectors run without torch.
 """
+
 from __future__ import annotations
 
 import os as _os
@@ -23,7 +24,17 @@ from ._policy import Policy, PolicyError, load_policy, preset_names
 from ._replay import replay
 from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
 from ._trace import TraceError, read_trace
-from ._types import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, Severity, StepRecord, StepReport
+from ._types import (
+    Alert,
+    AlertKind,
+    Contributor,
+    Health,
+    IncidentEvent,
+    IncidentState,
+    Severity,
+    StepRecord,
+    StepReport,
+)
 
 __version__ = "0.1.0"
 

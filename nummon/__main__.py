@@ -1,4 +1,5 @@
 """`python -m nummon`: the command line."""
+
 import sys
 
 from ._cli import main

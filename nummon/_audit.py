@@ -6,6 +6,7 @@ known formats and text are named in the error). Torch checkpoints load with
 in chunks, so a 1 GB checkpoint needs little more than its own pages. A file that needs pickled
 code is refused unless the caller passes ``trust=True``. Printing is the CLI's job.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ __all__ = [
     "sniff_format",
 ]
 
+
 @dataclass
 class TensorAudit:
     """Census of one tensor (counts exact; max_abs over finite values, exact for integers;
@@ -63,8 +65,17 @@ class TensorAudit:
 
 #: Top-level keys of trainer checkpoints that hold the trainer's own bookkeeping, not the model or
 #: optimizer: Lightning's `ModelCheckpoint` keeps `kth_value = +Inf` there in a healthy run.
-METADATA_ROOTS = frozenset({"callbacks", "loops", "hyper_parameters", "hparams", "datamodule_hyper_parameters",
-                            "lr_schedulers", "trainer_state"})
+METADATA_ROOTS = frozenset(
+    {
+        "callbacks",
+        "loops",
+        "hyper_parameters",
+        "hparams",
+        "datamodule_hyper_parameters",
+        "lr_schedulers",
+        "trainer_state",
+    }
+)
 
 
 @dataclass
@@ -107,12 +118,22 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: strict JSON, non-finite floats as "NaN" / "Infinity" / "-Infinity" (nummon's one encoding)."""
-        out: dict[str, Any] = {"checkpoint": self.first.path, "format": self.first.format,
-                               "tensors": [asdict(r) for r in self.first.tensors], "summary": self.first.summary}
+        out: dict[str, Any] = {
+            "checkpoint": self.first.path,
+            "format": self.first.format,
+            "tensors": [asdict(r) for r in self.first.tensors],
+            "summary": self.first.summary,
+        }
         if self.second is not None:
-            out.update({"checkpoint2": self.second.path, "format2": self.second.format,
-                        "tensors2": [asdict(r) for r in self.second.tensors], "summary2": self.second.summary,
-                        "comparison": self.comparison})
+            out.update(
+                {
+                    "checkpoint2": self.second.path,
+                    "format2": self.second.format,
+                    "tensors2": [asdict(r) for r in self.second.tensors],
+                    "summary2": self.second.summary,
+                    "comparison": self.comparison,
+                }
+            )
         return json_safe(out)
 
 
@@ -182,7 +203,9 @@ def _load_safetensors(p: Path) -> Any:
     try:
         from safetensors.torch import load_file
     except ImportError:
-        raise NummonError(f"{p} is a safetensors file; reading it needs the safetensors package: pip install 'nummon[safetensors]'") from None
+        raise NummonError(
+            f"{p} is a safetensors file; reading it needs the safetensors package: pip install 'nummon[safetensors]'"
+        ) from None
     try:
         return load_file(str(p))
     except Exception as e:
@@ -208,7 +231,9 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> tuple[Any, str]:
     if fmt == "text":
         raise NummonError(f"{p} is not a PyTorch checkpoint: it is a text file")
     if fmt == "unknown":
-        raise NummonError(f"{p} is not a PyTorch checkpoint: neither a torch zip archive, a pickle nor a safetensors file")
+        raise NummonError(
+            f"{p} is not a PyTorch checkpoint: neither a torch zip archive, a pickle nor a safetensors file"
+        )
     if fmt not in ("zip", "pickle"):
         raise NummonError(f"{p} is not a PyTorch checkpoint: it looks like {fmt}")
     try:
@@ -220,12 +245,17 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> tuple[Any, str]:
                 f"checkpoint {p} needs pickled code to load and was refused (weights_only=True); "
                 f"pass --trust only if you trust its source ({reason[:120]})"
             ) from None
-        raise NummonError(f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})") from None
+        raise NummonError(
+            f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})"
+        ) from None
     except Exception as e:  # truncated zip, EOF, a torch version that cannot read it: one message
-        raise NummonError(f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})") from None
+        raise NummonError(
+            f"cannot read checkpoint {p}: file is truncated or corrupt ({_first_line(e)[:160]})"
+        ) from None
 
 
 # ------------------------------------------------------------------ census
+
 
 def _headroom(max_abs: float, dtype: torch.dtype) -> float:
     """Decades between the largest finite magnitude and the dtype's largest finite value."""
@@ -251,8 +281,11 @@ def audit_tensor(key: str, t: torch.Tensor) -> TensorAudit:
             if fin.numel():
                 m = float(fin.max())
                 top = m if top is None else max(top, m)
-        headroom = _headroom(top, t.dtype if t.dtype.is_floating_point or t.is_complex() else torch.float32) \
-            if top is not None and not t.is_quantized else None
+        headroom = (
+            _headroom(top, t.dtype if t.dtype.is_floating_point or t.is_complex() else torch.float32)
+            if top is not None and not t.is_quantized
+            else None
+        )
         if nan + posinf + neginf == data.numel():
             top = headroom = None  # no finite value: nothing to measure
     elif data.dtype == torch.bool:

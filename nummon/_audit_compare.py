@@ -4,10 +4,12 @@ Keys are tuples of dict keys and list indices (so a top-level "a.b" never collid
 {"a": {"b": ...}}); complex tensors compare both parts; integers compare and report their
 difference exactly (Python integers beyond 2^53); tensors are read in chunks of CHUNK elements.
 """
+
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -19,7 +21,8 @@ CHUNK = 1 << 22  # elements read at once: bounds the temporaries to tens of MB
 _MAX_DEPTH = 64  # nesting of dicts / lists a checkpoint may have (guards against cycles)
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _WIDEN = (torch.float16, torch.bfloat16) + tuple(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, n)
 )
 _SMALL_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n))
@@ -88,7 +91,7 @@ def numeric_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
     to int64 per chunk (their own kernels are missing), the rest as stored."""
     flat = t.reshape(-1)
     for start in range(0, max(flat.numel(), 1), CHUNK):
-        c = flat[start:start + CHUNK]
+        c = flat[start : start + CHUNK]
         if c.dtype in _WIDEN:
             c = c.float()
         elif c.dtype in _SMALL_UNSIGNED or c.dtype is torch.bool:
@@ -112,8 +115,13 @@ def _float_diff(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         if bool(both.any()):
             m = float(torch.where(both, (cx.double() - cy.double()).abs(), 0.0).max())
             top = m if top is None else max(top, m)
-    return {"equal": equal, "max_abs_diff": top if top is not None else float("nan"),
-            "nonfinite_mismatch": mismatch, "nonfinite_a": nf_a, "nonfinite_b": nf_b}
+    return {
+        "equal": equal,
+        "max_abs_diff": top if top is not None else float("nan"),
+        "nonfinite_mismatch": mismatch,
+        "nonfinite_a": nf_a,
+        "nonfinite_b": nf_b,
+    }
 
 
 def _int_diff(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
@@ -168,7 +176,9 @@ def compare(a: Any, b: Any) -> dict[str, Any]:
             if d["nonfinite_a"] != d["nonfinite_b"]:
                 nonfinite_one.append({"key": name, "nonfinite_in": "a" if d["nonfinite_a"] else "b"})
             if not d["equal"]:
-                diffs.append({"key": name, "max_abs_diff": d["max_abs_diff"], "nonfinite_mismatch": d["nonfinite_mismatch"]})
+                diffs.append(
+                    {"key": name, "max_abs_diff": d["max_abs_diff"], "nonfinite_mismatch": d["nonfinite_mismatch"]}
+                )
         else:
             d = _int_diff(vx, vy)
             if not d["equal"]:

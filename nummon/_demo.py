@@ -9,15 +9,17 @@ learning rate on all ten classes, with no switch.
 `prepare` checks every input and creates nothing; `run` trains and returns a `DemoResult`.
 Printing is the CLI's job (`nummon._cli.demo`).
 """
+
 from __future__ import annotations
 
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,7 +81,9 @@ class DemoResult:
 
     @property
     def first_warning_alert(self) -> Alert | None:
-        return next((a for a in self.alerts if a.step == self.first_warning and a.severity.rank >= Severity.WARNING.rank), None)
+        return next(
+            (a for a in self.alerts if a.step == self.first_warning and a.severity.rank >= Severity.WARNING.rank), None
+        )
 
     @property
     def nonfinite_location(self) -> str | None:
@@ -110,12 +114,16 @@ def _wandb_mode(notes: list[str]) -> str | None:
         return None
     mode = raw.strip().lower()
     if mode not in WANDB_MODES:
-        raise NummonError(f"WANDB_MODE={raw!r} is not a W&B mode (one of {', '.join(WANDB_MODES)}); fix it or pass --no-wandb")
+        raise NummonError(
+            f"WANDB_MODE={raw!r} is not a W&B mode (one of {', '.join(WANDB_MODES)}); fix it or pass --no-wandb"
+        )
     if mode in _ONLINE:
         from .integrations.wandb import _has_credentials
 
         if not _has_credentials():
-            notes.append(f"W&B: WANDB_MODE={raw} but no API key is set: logging offline instead (sync later with `wandb sync`)")
+            notes.append(
+                f"W&B: WANDB_MODE={raw} but no API key is set: logging offline instead (sync later with `wandb sync`)"
+            )
             return "offline"
     return mode
 
@@ -132,12 +140,16 @@ def prepare(config: DemoConfig) -> DemoPlan:
         device = torch.device(config.device)
         torch.empty(0, device=device)
     except Exception as e:
-        raise NummonError(f"--device {config.device!r} is not usable here ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        raise NummonError(
+            f"--device {config.device!r} is not usable here ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        ) from None
     policy = load_policy(config.policy)
     if config.recover and not policy.recovery.enabled:
         policy = policy.model_copy(update={"recovery": load_policy("recover").recovery})
     if not policy.sampling.histogram_every:  # the demo shows histograms unless the policy says otherwise
-        policy = policy.model_copy(update={"sampling": policy.sampling.model_copy(update={"histogram_every": HISTOGRAM_EVERY})})
+        policy = policy.model_copy(
+            update={"sampling": policy.sampling.model_copy(update={"histogram_every": HISTOGRAM_EVERY})}
+        )
     notes: list[str] = []
     wandb_mode = _wandb_mode(notes) if config.wandb else None
     out = Path(config.out) if config.out else _default_out()
@@ -172,7 +184,9 @@ def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | Non
             os.environ.setdefault("WANDB_CONSOLE", "off")
             if plan.wandb_mode is not None:
                 os.environ["WANDB_MODE"] = plan.wandb_mode  # the sink reads the mode from the environment
-            wandb_sink = WandbSink(project="nummon-demo", dir=str(out), config={"lr": plan.lr, "seed": cfg.seed, "steps": cfg.steps})
+            wandb_sink = WandbSink(
+                project="nummon-demo", dir=str(out), config={"lr": plan.lr, "seed": cfg.seed, "steps": cfg.steps}
+            )
             sinks.append(wandb_sink)
         except ImportError as e:
             notes.append(f"W&B sink skipped: {e}")
@@ -250,10 +264,17 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
     warned = [a.step for a in alerts if a.severity.rank >= Severity.WARNING.rank]
     crit = [a.step for a in alerts if a.severity is Severity.CRITICAL]
     return DemoResult(
-        plan=plan, steps_run=steps_run, elapsed_s=elapsed, records=mon.recent(), alerts=alerts,
-        first_warning=min(warned, default=None), first_critical=min(crit, default=None),
-        first_nonfinite=first_nonfinite, flight_record=mon.flight_record and str(mon.flight_record),
-        cause=mon.cause, recoveries=mon.recoveries,
+        plan=plan,
+        steps_run=steps_run,
+        elapsed_s=elapsed,
+        records=mon.recent(),
+        alerts=alerts,
+        first_warning=min(warned, default=None),
+        first_critical=min(crit, default=None),
+        first_nonfinite=first_nonfinite,
+        flight_record=mon.flight_record and str(mon.flight_record),
+        cause=mon.cause,
+        recoveries=mon.recoveries,
         tensorboard_dir=tb_dir,
         wandb_run_dir=wandb_sink.run_dir if wandb_sink is not None else None,
         wandb_offline=bool(wandb_sink is not None and wandb_sink.offline),

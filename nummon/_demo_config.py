@@ -1,5 +1,6 @@
 """The demo's settings (no torch): defaults the CLI's help texts are derived from, and the
 user's configuration before it is checked."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

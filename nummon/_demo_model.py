@@ -3,6 +3,7 @@
 Shared downward by the demo, `nummon diagnose`, the tests and the overhead benchmark; the
 demo's constants live in `_demo_config` (no torch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from ._demo_config import BATCH, DOMAIN_B_GAIN, SWITCH_STEP
 
 __all__ = ["DemoCNN", "SyntheticDigits"]
+
 
 class DemoCNN(nn.Module):
     """Two conv layers (`width`, 2 x `width` channels) on `side` x `side` inputs, max-pool, fc1,

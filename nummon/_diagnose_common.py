@@ -3,20 +3,32 @@
 Below both `diagnose` (the public checklist) and `_overfit` (overfit one batch), so neither
 imports the other.
 """
+
 from __future__ import annotations
 
 import copy
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._errors import NummonError
 
-__all__ = ["LossFn", "Status", "Report", "LRRangeReport", "Diagnosis", "copy_with_batch", "copy_model",
-           "split_batch", "device_of", "to_device"]
+__all__ = [
+    "LossFn",
+    "Status",
+    "Report",
+    "LRRangeReport",
+    "Diagnosis",
+    "copy_with_batch",
+    "copy_model",
+    "split_batch",
+    "device_of",
+    "to_device",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,8 +104,14 @@ def copy_model(model: nn.Module) -> nn.Module:
     """A deep copy without the original's hooks (a Monitor's hooks must not see the copy)."""
     clone = copy.deepcopy(model)
     for m in clone.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_forward_pre_hooks_with_kwargs",
+        ):
             d = getattr(m, attr, None)
             if d is not None:
                 d.clear()

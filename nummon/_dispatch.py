@@ -6,6 +6,7 @@ a full queue in block mode, a critical alert being written, `close()`. Step reco
 dropped (counted); alerts never are. A sink that raises, even `SystemExit`, is isolated: the
 error is logged once, counted, and the other sinks keep running.
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,8 +52,13 @@ class _Worker:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         self.stuck = True
-                        self._warn_once("block", "nummon: sink %s made no room within %.1f s (sinks.block_timeout_s); "
-                                        "dropping its step records until it catches up", self.name, self.block_timeout_s)
+                        self._warn_once(
+                            "block",
+                            "nummon: sink %s made no room within %.1f s (sinks.block_timeout_s); "
+                            "dropping its step records until it catches up",
+                            self.name,
+                            self.block_timeout_s,
+                        )
                         break
                     self.cv.wait(left)
             if len(self.steps) >= self.queue_size:
@@ -97,8 +103,14 @@ class _Worker:
         except BaseException as e:  # isolate: not even SystemExit from a sink may stop training
             with self.cv:
                 self.errors += 1
-            self._warn_once("error", "nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
-                            self.name, method, type(e).__name__, e)
+            self._warn_once(
+                "error",
+                "nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
+                self.name,
+                method,
+                type(e).__name__,
+                e,
+            )
 
     def _run(self) -> None:
         while True:
@@ -163,8 +175,13 @@ class SinkDispatcher:
         except BaseException as e:
             self._sync_errors[name] += 1
             if self._sync_errors[name] == 1:
-                log.warning("nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
-                            name, method, type(e).__name__, e)
+                log.warning(
+                    "nummon: sink %s failed in %s (%s: %s); further errors are counted, not logged",
+                    name,
+                    method,
+                    type(e).__name__,
+                    e,
+                )
 
     def step(self, record: StepRecord, health: Health | None) -> None:
         for s, n in self._sync:
@@ -213,8 +230,12 @@ class SinkDispatcher:
             if not done.wait(max(0.0, deadline - time.monotonic())):
                 ok = False
                 w.mark_stuck(True)
-                w._warn_once("flush", "nummon: sink %s did not write within %.1f s; training goes on without waiting for it",
-                             w.name, timeout)
+                w._warn_once(
+                    "flush",
+                    "nummon: sink %s did not write within %.1f s; training goes on without waiting for it",
+                    w.name,
+                    timeout,
+                )
         return ok
 
     def close(self, timeout: float) -> None:
@@ -231,8 +252,11 @@ class SinkDispatcher:
         for w in self.workers:
             w.thread.join(max(0.0, deadline - time.monotonic()))
             if w.thread.is_alive():
-                log.warning("nummon: sink %s did not close within %.1f s (sinks.close_timeout_s); closing without it",
-                            w.name, timeout)
+                log.warning(
+                    "nummon: sink %s did not close within %.1f s (sinks.close_timeout_s); closing without it",
+                    w.name,
+                    timeout,
+                )
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Errors and dropped step records per sink (keys: class name, `#2`, `#3`... for repeats)."""

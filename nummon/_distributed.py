@@ -12,12 +12,14 @@ that pack different layouts (a batch of two tensors on one rank, one on another)
 still gather the same number of elements, and the header check turns the mismatch into a
 `DistributedError` that names the rank and the difference, instead of a crashed backend.
 """
+
 from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

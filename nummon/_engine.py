@@ -1,15 +1,17 @@
 """The detection core: detectors -> lifecycle transitions -> alerts -> incidents. Shared by
 Monitor and replay (no torch)."""
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal
 
 from ._detectors import MAGNITUDE_FIELDS, build_detectors
+from ._errors import NummonError, StateError
 from ._functional import is_finite, median
 from ._hints import hint_for
-from ._errors import NummonError, StateError
 from ._incidents import IncidentEvent, IncidentState, IncidentTracker
 from ._json import json_safe
 from ._policy import AlertPolicy, Policy
@@ -54,8 +56,9 @@ class AlertLifecycle:
     clear is a new alert, whatever the cooldown.
     """
 
-    def __init__(self, p: Union[AlertPolicy, Policy],
-                 settled_kinds: frozenset[AlertKind] = frozenset({AlertKind.NONFINITE})) -> None:
+    def __init__(
+        self, p: AlertPolicy | Policy, settled_kinds: frozenset[AlertKind] = frozenset({AlertKind.NONFINITE})
+    ) -> None:
         self._p = p.alerts if isinstance(p, Policy) else p
         self._settled_kinds = settled_kinds
         self._open: dict[Key, _Open] = {}
@@ -65,7 +68,9 @@ class AlertLifecycle:
         sent = self._sent.get(key)
         return sent is not None and step - sent[0] <= self._p.cooldown_steps and severity.rank <= sent[1].rank
 
-    def update(self, step: int, findings: list[Finding], hold: Union[bool, Callable[[Finding], bool]] = False) -> list[Transition]:
+    def update(
+        self, step: int, findings: list[Finding], hold: bool | Callable[[Finding], bool] = False
+    ) -> list[Transition]:
         """Transitions at this step. Conditions not seen now stay open when `hold` is true or
         returns true for their finding (a record that does not measure a metric, or a
         non-finite record, is no evidence that a condition cleared)."""
@@ -140,8 +145,9 @@ class HealthEngine:
     divergence baseline) and the `warm_recent` latest ones are kept for that.
     """
 
-    def __init__(self, policy: Policy, context: dict | None = None, *, warm_first: int = 32,
-                 warm_recent: int = 256) -> None:
+    def __init__(
+        self, policy: Policy, context: dict | None = None, *, warm_first: int = 32, warm_recent: int = 256
+    ) -> None:
         self.policy = policy
         self.context = context or {}
         self.detectors = build_detectors(policy)
@@ -191,8 +197,11 @@ class HealthEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
-        return {"incident": self._incidents.to_state(), "first": [_saved(e) for e in self._first],
-                "history": [_saved(e) for e in self._recent]}
+        return {
+            "incident": self._incidents.to_state(),
+            "first": [_saved(e) for e in self._first],
+            "history": [_saved(e) for e in self._recent],
+        }
 
     def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
         """Resume from `state_dict()`: the saved records run through the detectors again (their
@@ -204,8 +213,10 @@ class HealthEngine:
             saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
             skipped = max(0, len(saved_recent) - self._recent.maxlen)
             first = [record_from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
-            recent = [record_from_dict(o, origin, len(saved_first) + skipped + i)
-                      for i, o in enumerate(saved_recent[skipped:])]
+            recent = [
+                record_from_dict(o, origin, len(saved_first) + skipped + i)
+                for i, o in enumerate(saved_recent[skipped:])
+            ]
             incident = state.get("incident") or {}
             IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
@@ -277,8 +288,17 @@ class HealthEngine:
         # a non-finite record says nothing about whether growth stopped, and a record that does
         # not measure a metric (an eval-only row) says nothing about that metric's condition; a
         # non-finite condition holds until `clear_records` finite records in a row
-        hold = (lambda f: True) if not finite else (
-            lambda f: (f.kind is AlertKind.NONFINITE and not settled) or not rec.measures(f.metric) or self._still_high(f, rec))
+        hold = (
+            (lambda f: True)
+            if not finite
+            else (
+                lambda f: (
+                    (f.kind is AlertKind.NONFINITE and not settled)
+                    or not rec.measures(f.metric)
+                    or self._still_high(f, rec)
+                )
+            )
+        )
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
         self._note_levels(rec)
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)

@@ -1,14 +1,24 @@
 """Shared formatting of records and alerts for sinks and the CLI (plain data in, text out)."""
+
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ._functional import cut_at_word, fmt_num
-from ._types import Alert, StepRecord, threshold_text, value_text
+from ._types import Alert, threshold_text, value_text
 
-__all__ = ["TABLE_COLUMNS", "alert_text", "clean_text", "cut_at_word", "fmt_num", "plain_text", "plural", "records_table"]
+__all__ = [
+    "TABLE_COLUMNS",
+    "alert_text",
+    "clean_text",
+    "cut_at_word",
+    "fmt_num",
+    "plain_text",
+    "plural",
+    "records_table",
+]
 
 TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
 
@@ -41,10 +51,14 @@ def plural(n: float, word: str) -> str:
     return f"{k} {word}" + ("" if k == 1 else "s")
 
 
-def records_table(rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False) -> str:
+def records_table(
+    rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False
+) -> str:
     """A small fixed-width (or markdown) table of step records."""
     rows = list(rows)
-    cells = [[fmt_num(r.get(c)) if r.get("step") != "..." else ("..." if c == "step" else "") for c in columns] for r in rows]
+    cells = [
+        [fmt_num(r.get(c)) if r.get("step") != "..." else ("..." if c == "step" else "") for c in columns] for r in rows
+    ]
     if markdown:
         head = "| " + " | ".join(columns) + " |"
         sep = "|" + "|".join("---" for _ in columns) + "|"

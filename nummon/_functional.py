@@ -1,9 +1,11 @@
 """Pure maths over host-side floats: robust baselines, growth, trend. No state, no torch."""
+
 from __future__ import annotations
 
 import decimal
 import math
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 __all__ = [
     "spaced",
@@ -68,7 +70,7 @@ def printed_unit(v: float) -> float:
     """One unit of the last digit of `v` as it is written (its shortest repr): 1e-4 for a loss
     logged as 0.0057, ~1e-17 for a float32 loss read from a tensor."""
     exponent = decimal.Decimal(repr(float(v))).as_tuple().exponent
-    return 10.0 ** exponent if isinstance(exponent, int) else 0.0
+    return 10.0**exponent if isinstance(exponent, int) else 0.0
 
 
 def log10_safe(v: float, floor: float = 1e-30) -> float:

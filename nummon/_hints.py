@@ -1,4 +1,5 @@
 """Remediation hints: a short, specific next step for each alert kind."""
+
 from __future__ import annotations
 
 from ._types import AlertKind, Finding
@@ -38,27 +39,39 @@ def hint_for(finding: Finding, context: dict | None = None) -> str:
     context = context or {}
     kind = finding.kind
     if kind is AlertKind.RUNAWAY and context.get("optimizer") == "sgd_momentum":
-        return ("momentum SGD is amplifying a runaway: lower the LR about 10x (or the momentum), add gradient "
-                "clipping, and check for a recent data/domain switch")
+        return (
+            "momentum SGD is amplifying a runaway: lower the LR about 10x (or the momentum), add gradient "
+            "clipping, and check for a recent data/domain switch"
+        )
     if kind is AlertKind.EXTREME and finding.details.get("dtype") == "float16":
         return "float16 overflow ahead: use bfloat16 autocast or torch.amp.GradScaler (dynamic loss scaling)"
     if kind is AlertKind.NONFINITE and finding.metric == "input":
         return "the input batch holds NaN/Inf: fix the data pipeline (normalisation by a zero std, corrupt files)"
     if kind is AlertKind.NONFINITE and finding.details.get("rule") == "log_skip":
-        return ("with fp16 and a loss scaler this is the scaler calibrating, nothing to do while it stays rare; "
-                "without one, the next update makes the weights non-finite: lower the LR, clip gradients, check the data")
+        return (
+            "with fp16 and a loss scaler this is the scaler calibrating, nothing to do while it stays rare; "
+            "without one, the next update makes the weights non-finite: lower the LR, clip gradients, check the data"
+        )
     if kind is AlertKind.NONFINITE and "forward" in (finding.location or ""):
-        return ("the forward pass overflowed here: if it is a softmax/log/exp use log_softmax or add an epsilon; "
-                "if values grew step by step, lower the LR and clip gradients")
+        return (
+            "the forward pass overflowed here: if it is a softmax/log/exp use log_softmax or add an epsilon; "
+            "if values grew step by step, lower the LR and clip gradients"
+        )
     if kind is AlertKind.DIVERGENCE and finding.details.get("rule") == "rebound":
-        return ("the loss climbed back far above the best it had reached: restore a checkpoint from before the rise, "
-                "lower the LR (or lengthen the warm-up), and check what changed in the data at that step")
+        return (
+            "the loss climbed back far above the best it had reached: restore a checkpoint from before the rise, "
+            "lower the LR (or lengthen the warm-up), and check what changed in the data at that step"
+        )
     if kind is AlertKind.STALL and ("frozen_records" in finding.details or "chance_loss" in finding.details):
-        return ("the model's output does not change: check that the optimizer holds the model's parameters and the "
-                "LR is not 0, that the loss is not computed on detached tensors, that labels match inputs, and that "
-                "the last layer is not saturated (a sigmoid at 0.5 gives ln 2, a uniform softmax ln k)")
+        return (
+            "the model's output does not change: check that the optimizer holds the model's parameters and the "
+            "LR is not 0, that the loss is not computed on detached tensors, that labels match inputs, and that "
+            "the last layer is not saturated (a sigmoid at 0.5 gives ln 2, a uniform softmax ln k)"
+        )
     if kind is AlertKind.ADAM_SECOND_MOMENT and finding.metric == "adam_small_grad_fraction":
-        return ("lower the LR or lengthen the warm-up (dead units or saturated normalisation layers stop passing "
-                "gradient at too high a LR); if the gradients are merely tiny rather than zero, lower Adam's eps "
-                "(arXiv 2506.04805) or keep the optimizer state in float32")
+        return (
+            "lower the LR or lengthen the warm-up (dead units or saturated normalisation layers stop passing "
+            "gradient at too high a LR); if the gradients are merely tiny rather than zero, lower Adam's eps "
+            "(arXiv 2506.04805) or keep the optimizer state in float32"
+        )
     return _BASE[kind]

@@ -6,14 +6,17 @@ Pure (no torch, no I/O). `IncidentTracker.update` takes each step's alerts and r
 every alert. The events themselves (`IncidentEvent`, `IncidentState`, `Contributor`) are plain
 data in `_types`, re-exported here.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import Any
 
 from ._types import SUMMARY_MAX, TITLE_MAX, Alert, AlertKind, Contributor, IncidentEvent, IncidentState, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
+
 
 def _state_of(alert: Alert) -> IncidentState:
     if alert.severity is Severity.CRITICAL:
@@ -72,7 +75,9 @@ class IncidentTracker:
             target = max((_state_of(a) for a in loud), key=lambda s: s.rank)
             if target.rank > self.state.rank:
                 self.state = target
-        self._flight_record = flight_record or next((a.flight_record for a in alerts if a.flight_record), None) or self._flight_record
+        self._flight_record = (
+            flight_record or next((a.flight_record for a in alerts if a.flight_record), None) or self._flight_record
+        )
         still_open = bool(self._open) if conditions_open is None else conditions_open
         if alerts or still_open:
             self._quiet_since = step
@@ -114,8 +119,12 @@ class IncidentTracker:
 
     def to_state(self) -> dict[str, Any]:
         """Where the incident stands, as plain data (a restarted watcher resumes from it)."""
-        return {"state": self.state.value, "number": self.number, "opened_step": self._opened_step,
-                "quiet_since": self._quiet_since}
+        return {
+            "state": self.state.value,
+            "number": self.number,
+            "opened_step": self._opened_step,
+            "quiet_since": self._quiet_since,
+        }
 
     def load_state(self, d: dict[str, Any]) -> None:
         self.state = IncidentState(d.get("state", IncidentState.NONE.value))

@@ -3,6 +3,7 @@
 event log, flight records and reports. This is the one encoding of non-finite numbers: every
 `to_dict` uses `json_float` / `json_safe` (nummon's readers also take bare literals and the old
 "inf" / "nan" strings, and `null` where an audit report once wrote it)."""
+
 from __future__ import annotations
 
 import json

@@ -21,6 +21,7 @@ Plain data in, tag -> value dicts out (no torch). The groups (the part of a tag 
 - `nummon_1_incidents/<seq>_<state>` (listed first: they tell the story), `nummon_2_alerts/<seq>_<kind>`:
   one text entry each (no entry for a cleared alert: the incident's "resolved" event says it).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,18 +31,51 @@ from typing import Any
 from ._types import MECHANISM_FIELDS, Health, IncidentState, StepRecord
 
 __all__ = [
-    "MAIN_GROUP", "MAIN_CHARTS", "LOG10_GROUP", "LOG10_FIELDS", "HEALTH_GROUP", "MORE_GROUP",
-    "LAYER_METRICS", "MECHANISM_GROUP", "MECHANISM_LAYER_METRICS", "TOP_K", "DEFAULT_HISTOGRAM_EVERY", "INCIDENT_LEGEND", "VIEWS_LEGEND",
-    "ALERTS_GROUP", "INCIDENTS_GROUP", "incident_code", "step_scalars", "TopOffenders", "histogram_tags", "alert_tag", "incident_tag",
-    "custom_scalars_layout", "metric_sections", "STATE_RANGE_GROUP", "state_range_scalars", "layer_groups",
-    "HIST_LINEAR_MAX_ABS", "linear_histogram_readable",
+    "MAIN_GROUP",
+    "MAIN_CHARTS",
+    "LOG10_GROUP",
+    "LOG10_FIELDS",
+    "HEALTH_GROUP",
+    "MORE_GROUP",
+    "LAYER_METRICS",
+    "MECHANISM_GROUP",
+    "MECHANISM_LAYER_METRICS",
+    "TOP_K",
+    "DEFAULT_HISTOGRAM_EVERY",
+    "INCIDENT_LEGEND",
+    "VIEWS_LEGEND",
+    "ALERTS_GROUP",
+    "INCIDENTS_GROUP",
+    "incident_code",
+    "step_scalars",
+    "TopOffenders",
+    "histogram_tags",
+    "alert_tag",
+    "incident_tag",
+    "custom_scalars_layout",
+    "metric_sections",
+    "STATE_RANGE_GROUP",
+    "state_range_scalars",
+    "layer_groups",
+    "HIST_LINEAR_MAX_ABS",
+    "linear_histogram_readable",
 ]
 
 MAIN_GROUP = "nummon"
 #: The run-level charts, in display order: never more than 12, whatever the model.
 MAIN_CHARTS = (
-    "loss", "grad_norm", "clip_ratio", "grad_max", "param_norm", "optim_state_norm",
-    "update_ratio", "activation_max", "lr", "headroom", "health", "incident_state",
+    "loss",
+    "grad_norm",
+    "clip_ratio",
+    "grad_max",
+    "param_norm",
+    "optim_state_norm",
+    "update_ratio",
+    "activation_max",
+    "lr",
+    "headroom",
+    "health",
+    "incident_state",
 )
 LOG10_GROUP = "nummon_log10"
 #: Growth metrics that get a log10|x| companion (a runaway is a straight line on it).
@@ -58,8 +92,10 @@ MECHANISM_GROUP = "nummon_mechanisms"
 # a constant of the optimizer (kept in the record so that replay judges the ratio alike), not a chart
 _NOT_CHARTED = frozenset({"adam_ratio_bound"})
 #: Per-layer mechanism metric -> the StepRecord field (own groups; not in the top-offender charts).
-MECHANISM_LAYER_METRICS = {"attention_logit_max": "layer_attention_logit_max",
-                           "attention_entropy": "layer_attention_entropy"}
+MECHANISM_LAYER_METRICS = {
+    "attention_logit_max": "layer_attention_logit_max",
+    "attention_entropy": "layer_attention_entropy",
+}
 #: Per-layer metric -> the StepRecord field holding {layer name: value}.
 LAYER_METRICS = {"grad_norm": "layer_grad_norms", "activation_max": "layer_activation_max"}
 TOP_K = 5
@@ -83,7 +119,7 @@ VIEWS_LEGEND = (
     f"whose values stay within {HIST_LINEAR_MAX_ABS:g} in magnitude) and "
     "`nummon_hist_*_log10abs` (decades of |x|: the distance to the dtype's overflow). "
     "The Custom Scalars tab draws the health and incident-state charts with their whole range 0-3 "
-    "(`nummon_state_range`) so \"ignore outliers\" keeps the rare states, and one chart per layer group "
+    '(`nummon_state_range`) so "ignore outliers" keeps the rare states, and one chart per layer group '
     "with each layer named."
 )
 
@@ -102,7 +138,9 @@ def _log10_abs(v: float) -> float | None:
     return math.log10(abs(v))
 
 
-def step_scalars(record: StepRecord, health: Health | None, incident_state: IncidentState | None = None) -> dict[str, float]:
+def step_scalars(
+    record: StepRecord, health: Health | None, incident_state: IncidentState | None = None
+) -> dict[str, float]:
     """Every per-step scalar of one record under its tag (run-level, log10, health, per layer)."""
     values = record.scalars()
     clip = record.clip_ratio
@@ -220,7 +258,9 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in text)
 
 
-def custom_scalars_layout(k: int = TOP_K, layers: dict[str, list[str]] | None = None) -> dict[str, dict[str, list[Any]]]:
+def custom_scalars_layout(
+    k: int = TOP_K, layers: dict[str, list[str]] | None = None
+) -> dict[str, dict[str, list[Any]]]:
     """TensorBoard custom-scalars layout (`SummaryWriter.add_custom_scalars`): one multiline chart
     per per-layer metric, the top offenders, the log10 companions and the health states (with
     their whole range, `state_range_scalars`). With `layers` ({metric: layer names}), one chart
@@ -243,14 +283,21 @@ def custom_scalars_layout(k: int = TOP_K, layers: dict[str, list[str]] | None = 
             "max attention logit per module": ["Multiline", [r"^nummon_layers_attention_logit_max/"]],
             "attention entropy / ln keys per module": ["Multiline", [r"^nummon_layers_attention_entropy/"]],
             "output log Z (mean, max) and max output logit": ["Multiline", [rf"^{MECHANISM_GROUP}/output_"]],
-            "Adam RMS(g/sqrt(v)) and max update/param": ["Multiline", [rf"^{MECHANISM_GROUP}/(adam_|update_ratio_max)"]],
+            "Adam RMS(g/sqrt(v)) and max update/param": [
+                "Multiline",
+                [rf"^{MECHANISM_GROUP}/(adam_|update_ratio_max)"],
+            ],
         },
         "nummon: health": {
             "health (1 = in this state)": ["Multiline", [rf"^{HEALTH_GROUP}/"]],
             "incident state (0 none, 1 open, 2 critical, 3 non-finite)": [
-                "Multiline", [rf"^{MAIN_GROUP}/incident_state$", rf"^{STATE_RANGE_GROUP}/"]],
+                "Multiline",
+                [rf"^{MAIN_GROUP}/incident_state$", rf"^{STATE_RANGE_GROUP}/"],
+            ],
             "health code (0 healthy, 0.5 incident, 1 extreme, 2 non-finite)": [
-                "Multiline", [rf"^{MAIN_GROUP}/health$", rf"^{STATE_RANGE_GROUP}/"]],
+                "Multiline",
+                [rf"^{MAIN_GROUP}/health$", rf"^{STATE_RANGE_GROUP}/"],
+            ],
         },
     }
     words = {"grad_norm": "grad norm", "activation_max": "max |activation|"}
@@ -266,6 +313,13 @@ def custom_scalars_layout(k: int = TOP_K, layers: dict[str, list[str]] | None = 
 
 def metric_sections() -> list[str]:
     """Glob patterns of every scalar group, for W&B's `define_metric` (one section each)."""
-    return [f"{MAIN_GROUP}/*", f"{LOG10_GROUP}/*", f"{HEALTH_GROUP}/*", f"{MORE_GROUP}/*", f"{MECHANISM_GROUP}/*",
-            *(f"nummon_layers_{m}/*" for m in MECHANISM_LAYER_METRICS),
-            *(f"nummon_layers_{m}/*" for m in LAYER_METRICS), *(f"nummon_top_{m}/*" for m in LAYER_METRICS)]
+    return [
+        f"{MAIN_GROUP}/*",
+        f"{LOG10_GROUP}/*",
+        f"{HEALTH_GROUP}/*",
+        f"{MORE_GROUP}/*",
+        f"{MECHANISM_GROUP}/*",
+        *(f"nummon_layers_{m}/*" for m in MECHANISM_LAYER_METRICS),
+        *(f"nummon_layers_{m}/*" for m in LAYER_METRICS),
+        *(f"nummon_top_{m}/*" for m in LAYER_METRICS),
+    ]

@@ -1,4 +1,5 @@
 """Lazy imports of optional backends, with an install hint that names the extra."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,4 @@ def require(module: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(
-            f"{module} is not installed ({e}); install it with: pip install 'nummon[{extra}]'"
-        ) from None
+        raise ImportError(f"{module} is not installed ({e}); install it with: pip install 'nummon[{extra}]'") from None

@@ -1,4 +1,5 @@
 """Monitor: the one object a training loop touches."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +7,9 @@ import logging
 import numbers
 import os
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +20,9 @@ from ._engine import HealthEngine
 from ._errors import NummonError
 from ._functional import clip_ratio
 from ._incidents import IncidentEvent
-from ._report.live import LiveReport, escalated_to_critical
 from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
+from ._report.live import LiveReport, escalated_to_critical
 from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from ._stats import Pending, StatsEngine
 from ._types import Alert, Severity, StepRecord, StepReport
@@ -48,7 +50,9 @@ def _check_loss(loss: Any) -> Any:
     try:
         return float(loss)
     except OverflowError:  # e.g. 10**400: an integer beyond float's range
-        raise NummonError(f"loss must fit in a float (magnitude at most 1.8e308), got a {type(loss).__name__} beyond that") from None
+        raise NummonError(
+            f"loss must fit in a float (magnitude at most 1.8e308), got a {type(loss).__name__} beyond that"
+        ) from None
     except (TypeError, ValueError) as e:  # e.g. a numpy array with several elements
         raise NummonError(f"loss must be a single number, got {type(loss).__name__} ({e})") from None
 
@@ -61,9 +65,18 @@ def _check_per_sample(losses: Any) -> Any:
         try:
             losses = torch.as_tensor(losses, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise NummonError(f"per_sample_loss must be a tensor or a sequence of numbers, got {type(losses).__name__} ({e})") from None
-    if losses.numel() == 0 or losses.dtype == torch.bool or losses.is_complex() or not (losses.is_floating_point() or losses.dtype in (torch.int32, torch.int64)):
-        raise NummonError(f"per_sample_loss must be a non-empty real tensor, got dtype {losses.dtype} shape {tuple(losses.shape)}")
+            raise NummonError(
+                f"per_sample_loss must be a tensor or a sequence of numbers, got {type(losses).__name__} ({e})"
+            ) from None
+    if (
+        losses.numel() == 0
+        or losses.dtype == torch.bool
+        or losses.is_complex()
+        or not (losses.is_floating_point() or losses.dtype in (torch.int32, torch.int64))
+    ):
+        raise NummonError(
+            f"per_sample_loss must be a non-empty real tensor, got dtype {losses.dtype} shape {tuple(losses.shape)}"
+        )
     return losses
 
 
@@ -136,8 +149,9 @@ class Monitor:
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
         self.run_folder = RunFolder(self.policy.recorder.directory, run_dir, sink_list)
-        self.flight_records = FlightRecords(self.recorder, self.run_folder, enabled=self.policy.recorder.write,
-                                            rank=self.rank if self._dist else None)
+        self.flight_records = FlightRecords(
+            self.recorder, self.run_folder, enabled=self.policy.recorder.write, rank=self.rank if self._dist else None
+        )
         self._sinks = self._dispatcher(sink_list)
         self._start_run_state(start_step)
         self._hist_every = self._histogram_cadences(sink_list)
@@ -175,11 +189,15 @@ class Monitor:
         sp = self.policy.sinks
         if self._dist is not None and sp.rank0_only and self.rank != 0:
             sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
-        dispatcher = SinkDispatcher(sink_list, sp.queue_size,
-                                    block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None)
+        dispatcher = SinkDispatcher(
+            sink_list, sp.queue_size, block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None
+        )
         world = self._dist.world if self._dist else 1
-        dispatcher.bind(RunContext(rank=self.rank, world_size=world, run_dir=self.run_folder.known,
-                                   flush_every_steps=sp.flush_every_steps))
+        dispatcher.bind(
+            RunContext(
+                rank=self.rank, world_size=world, run_dir=self.run_folder.known, flush_every_steps=sp.flush_every_steps
+            )
+        )
         return dispatcher
 
     def _histogram_cadences(self, sink_list: list[Sink]) -> list[int]:
@@ -188,7 +206,9 @@ class Monitor:
         draw them (cost bounded: nummon/_layout.py). Empty when no sink wants histograms."""
         if not self._sinks.wants_histograms:
             return []
-        cadences = [self.policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
+        cadences = [self.policy.sampling.histogram_every] + [
+            getattr(s, "histogram_every", None) or 0 for s in sink_list
+        ]
         self._hist_early = not any(cadences)  # the default cadence: log-spaced early steps as well
         if not any(cadences):
             cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
@@ -200,12 +220,25 @@ class Monitor:
             return None
         from ._recovery import Recovery
 
-        return Recovery(self.stats.model, self.stats.optimizer, self.policy.recovery, self._dist,
-                        self.flight_records, step_of=lambda: self.step)
+        return Recovery(
+            self.stats.model,
+            self.stats.optimizer,
+            self.policy.recovery,
+            self._dist,
+            self.flight_records,
+            step_of=lambda: self.step,
+        )
 
     # ------------------------------------------------------------------ public
-    def post_step(self, loss: Any, batch: Any = None, *, recompute: Callable[[], Any] | None = None,
-                  clip_norm: float | None = None, per_sample_loss: Any = None) -> StepReport:
+    def post_step(
+        self,
+        loss: Any,
+        batch: Any = None,
+        *,
+        recompute: Callable[[], Any] | None = None,
+        clip_norm: float | None = None,
+        per_sample_loss: Any = None,
+    ) -> StepReport:
         """Record one optimizer step (call after `optimizer.step()`); returns this step's report.
 
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
@@ -240,9 +273,7 @@ class Monitor:
         sp = self.policy.sampling
         if per_sample_loss is not None and self.stats.mechanisms is not None:
             self.stats.mechanisms.per_sample(per_sample_loss)
-        pending = self.stats.launch(
-            s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s)
-        )
+        pending = self.stats.launch(s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s))
         hist = None
         if self._hist_every and self._hist_due(s):
             hist = self.stats.histograms()
@@ -274,8 +305,11 @@ class Monitor:
         if probes is None:
             return
         mp = self.policy.mechanisms
-        probes.arm(self.step % mp.every == 0 or self.engine.wants_sample()
-                   or (mp.during_incident and self.engine.incident_state.active))
+        probes.arm(
+            self.step % mp.every == 0
+            or self.engine.wants_sample()
+            or (mp.during_incident and self.engine.incident_state.active)
+        )
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -311,7 +345,9 @@ class Monitor:
             return
         if self.run_folder.known is None and not self.incidents:
             return
-        path = self._report.from_folder(lambda: self._report.from_memory(self.recorder.records, self.alerts, self.incidents))
+        path = self._report.from_folder(
+            lambda: self._report.from_memory(self.recorder.records, self.alerts, self.incidents)
+        )
         if path is not None:
             log.info("nummon: incident report: %s", path)
 
@@ -320,7 +356,7 @@ class Monitor:
         """The HTML incident report written into the run folder (None until one is)."""
         return self._report.path if self._report is not None else None
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -353,7 +389,9 @@ class Monitor:
         """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
         rec = self._resolve(pending, clip_norm)
         got = self.engine.step(rec)  # the record is frozen from here on
-        self.stats.watch_all_modules(self.engine.incident_state.active)  # every module's output while an incident is open
+        self.stats.watch_all_modules(
+            self.engine.incident_state.active
+        )  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
@@ -371,8 +409,9 @@ class Monitor:
             # the alert that precedes a crash is in the event log before post_step returns; the
             # other sinks (W&B, webhooks) get it asynchronously, so they never stall training
             self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s, durable_only=True)
-        return StepReport(step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop,
-                          record=rec, incidents=events)
+        return StepReport(
+            step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop, record=rec, incidents=events
+        )
 
     def _resolve(self, pending: Pending, clip_norm: float | None) -> StepRecord:
         rec = self.stats.resolve(pending)
@@ -394,25 +433,37 @@ class Monitor:
         if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
             a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
         if rec.sample_loss_top and not a.cleared:  # the batch that did it: which samples, how far out
-            a = dataclasses.replace(a, details={**a.details, "worst_samples": list(rec.sample_loss_top),
-                                                "sample_loss_max_over_mean": rec.sample_loss_ratio})
+            a = dataclasses.replace(
+                a,
+                details={
+                    **a.details,
+                    "worst_samples": list(rec.sample_loss_top),
+                    "sample_loss_max_over_mean": rec.sample_loss_ratio,
+                },
+            )
         self.alerts.append(a)
         self._sinks.alert(a)
         return a
 
-    def _incident_events(self, engine_events: tuple[IncidentEvent, ...], alerts: list[Alert]) -> tuple[IncidentEvent, ...]:
+    def _incident_events(
+        self, engine_events: tuple[IncidentEvent, ...], alerts: list[Alert]
+    ) -> tuple[IncidentEvent, ...]:
         """The engine's incident events, one per recovery action (rollback, budget spent), each
         naming the flight record; kept and sent."""
         events = list(engine_events)
         why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
         if why is not None:  # the forensic explanation travels with the incident event too
-            events = [ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events]
+            events = [
+                ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events
+            ]
         for a in alerts:
             if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
                 events.append(self.engine.mark_acted(a))
         if self.flight_record is not None:
-            events = [ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
-                      for ev in events]
+            events = [
+                ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
+                for ev in events
+            ]
         if self._report is not None and escalated_to_critical(events):
             path = self._report.from_memory(self.recorder.records, self.alerts, [*self.incidents, *events])
             if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text

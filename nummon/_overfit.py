@@ -9,11 +9,13 @@ callable that re-fetches the same samples through the user's pipeline, inputs an
 paired differently on each fetch. A fixed batch with wrong labels *can* be memorised: wrong labels
 in a fixed batch are invisible to this check (use `check_data` and a held-out evaluation).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +29,10 @@ __all__ = ["OVERFIT_LRS", "overfit_one_batch"]
 # fastest; 3e-3 and 1e-3 suit larger models; 3e-2 rescues tiny, badly scaled ones.
 OVERFIT_LRS: tuple[float, ...] = (1e-2, 3e-3, 1e-3, 3e-2)
 _FLAT_PROGRESS = 0.01  # "flat": the windowed mean loss came < 1% closer to the floor over one window
-_CAUSES = ("likely causes: labels that do not match the inputs, a loss that does not fit the outputs "
-           "(e.g. softmax before CrossEntropyLoss), frozen or detached parameters, a too small model")
+_CAUSES = (
+    "likely causes: labels that do not match the inputs, a loss that does not fit the outputs "
+    "(e.g. softmax before CrossEntropyLoss), frozen or detached parameters, a too small model"
+)
 
 
 @dataclass
@@ -79,8 +83,12 @@ def _constant_loss(loss_fn: Callable, out: Any, y: Any, dim: int | None) -> floa
     with torch.no_grad():
         if dim is not None:
             const = torch.zeros_like(out)
-        elif isinstance(y, torch.Tensor) and isinstance(out, torch.Tensor) and y.is_floating_point() \
-                and out.shape == y.shape:
+        elif (
+            isinstance(y, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and y.is_floating_point()
+            and out.shape == y.shape
+        ):
             const = y.mean(0, keepdim=True).expand_as(y).to(out.dtype)
         else:
             return None
@@ -102,13 +110,21 @@ def _dropout_off(model: nn.Module) -> None:
 def _flat(losses: list[float], window: int, floor: float) -> bool:
     if len(losses) < 2 * window:
         return False
-    prev = sum(losses[-2 * window:-window]) / window
+    prev = sum(losses[-2 * window : -window]) / window
     last = sum(losses[-window:]) / window
     return prev - last < _FLAT_PROGRESS * max(prev - floor, 0.0)
 
 
-def _run_trial(model: nn.Module, get_batch: Callable[[], Any], loss_fn: Callable, lr: float, steps: int,
-               optimizer_cls: type[torch.optim.Optimizer], fraction: float, floor: float) -> _Trial:
+def _run_trial(
+    model: nn.Module,
+    get_batch: Callable[[], Any],
+    loss_fn: Callable,
+    lr: float,
+    steps: int,
+    optimizer_cls: type[torch.optim.Optimizer],
+    fraction: float,
+    floor: float,
+) -> _Trial:
 
     trial = _Trial(lr)
     clone = copy_model(model)
@@ -187,7 +203,9 @@ def overfit_one_batch(
         get_batch = lambda: batch  # noqa: E731
     trials: list[_Trial] = []
     for rate in tried:
-        trials.append(_run_trial(model, get_batch, loss_fn, float(rate), steps, optimizer_cls, target_fraction, loss_floor))
+        trials.append(
+            _run_trial(model, get_batch, loss_fn, float(rate), steps, optimizer_cls, target_fraction, loss_floor)
+        )
         if trials[-1].ended in ("memorised", "no_grad"):
             break  # memorised: done; no_grad: no learning rate can change that
     return _verdict(trials, steps, loss_floor)
@@ -198,10 +216,16 @@ def _verdict(trials: list[_Trial], steps: int, floor: float) -> Report:
     total = sum(t.steps for t in trials)
     ratio = best.ratio(floor)
     nums: dict[str, Any] = {
-        "start_loss": best.start_loss, "best_loss": best.best_loss, "final_loss": best.final_loss,
-        "reference_loss": best.reference_loss, "best_over_reference": ratio,
+        "start_loss": best.start_loss,
+        "best_loss": best.best_loss,
+        "final_loss": best.final_loss,
+        "reference_loss": best.reference_loss,
+        "best_over_reference": ratio,
         "best_over_start": best.best_loss / best.start_loss if best.start_loss > 0 else math.inf,
-        "accuracy": best.accuracy, "lr": best.lr, "steps": total, "steps_per_lr": steps,
+        "accuracy": best.accuracy,
+        "lr": best.lr,
+        "steps": total,
+        "steps_per_lr": steps,
         "trials": [asdict(t) for t in trials],
     }
     name = "overfit one batch"
@@ -209,21 +233,48 @@ def _verdict(trials: list[_Trial], steps: int, floor: float) -> Report:
     loss = f"loss {best.start_loss:.4g} -> {best.best_loss:.4g} ({ratio:.2%} of a constant prediction's {best.reference_loss:.4g})"
     cost = f"{total} steps over {len(trials)} learning rate(s) {', '.join(f'{t.lr:g}' for t in trials)}"
     if best.ended == "memorised":
-        return Report(name, Status.PASS, [f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"], nums)
+        return Report(
+            name,
+            Status.PASS,
+            [f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"],
+            nums,
+        )
     if best.ended == "no_grad":
-        return Report(name, Status.FAIL, [
-            "the loss depends on no trainable parameter: the model is frozen (requires_grad False everywhere) "
-            "or its output is detached (.detach(), .item(), torch.no_grad, a numpy round trip)"], nums)
+        return Report(
+            name,
+            Status.FAIL,
+            [
+                "the loss depends on no trainable parameter: the model is frozen (requires_grad False everywhere) "
+                "or its output is detached (.detach(), .item(), torch.no_grad, a numpy round trip)"
+            ],
+            nums,
+        )
     if all(t.ended == "nonfinite" for t in trials):
-        return Report(name, Status.FAIL, [
-            f"the loss became non-finite at every learning rate tried ({cost}): check the loss for log(0)/division"], nums)
+        return Report(
+            name,
+            Status.FAIL,
+            [f"the loss became non-finite at every learning rate tried ({cost}): check the loss for log(0)/division"],
+            nums,
+        )
     if best.ended == "budget" and ratio <= 0.5:
-        return Report(name, Status.PARTIAL, [
-            f"not memorised within {steps} steps per learning rate but still falling: {loss}{acc}; "
-            f"raise steps; {cost}"], nums)
+        return Report(
+            name,
+            Status.PARTIAL,
+            [
+                f"not memorised within {steps} steps per learning rate but still falling: {loss}{acc}; "
+                f"raise steps; {cost}"
+            ],
+            nums,
+        )
     if best.accuracy == 1.0:
-        return Report(name, Status.FAIL, [
-            f"every prediction is right but the loss flattened far above its floor {floor:g}: {loss}; the loss cannot "
-            "reach its minimum: softmax before CrossEntropyLoss, or a loss with a non-zero floor "
-            f"(label smoothing: pass loss_floor); {cost}"], nums)
+        return Report(
+            name,
+            Status.FAIL,
+            [
+                f"every prediction is right but the loss flattened far above its floor {floor:g}: {loss}; the loss cannot "
+                "reach its minimum: softmax before CrossEntropyLoss, or a loss with a non-zero floor "
+                f"(label smoothing: pass loss_floor); {cost}"
+            ],
+            nums,
+        )
     return Report(name, Status.FAIL, [f"no learning rate memorised the batch: {loss}{acc}; {_CAUSES}; {cost}"], nums)

@@ -4,6 +4,7 @@ A policy is a pydantic model with ``extra="forbid"`` everywhere, so a typo is an
 than a silently ignored setting. Presets live as YAML in ``configs/`` (installed as
 ``nummon.configs``) and load by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,22 +18,22 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from ._errors import NummonError
 from ._policy_sections import (  # noqa: F401  (re-exported: the detector sections)
     MAX_WINDOW,
+    AdamMomentPolicy,
+    AttentionPolicy,
     Decades,
     DivergencePolicy,
     FloatDtype,
     HeadroomPolicy,
+    MechanismsPolicy,
     NonfinitePolicy,
     OscillationPolicy,
+    OutputLogitsPolicy,
+    ReportPolicy,
     RunawayPolicy,
     SpikePolicy,
     StallPolicy,
     TrendPolicy,
     VanishingPolicy,
-    MechanismsPolicy,
-    AttentionPolicy,
-    OutputLogitsPolicy,
-    AdamMomentPolicy,
-    ReportPolicy,
     _Section,
 )
 
@@ -86,8 +87,18 @@ class PolicyError(NummonError):
 class AlertPolicy(_Section):
     """Alert lifecycle: deduplication, cooldown, clearing."""
 
-    cooldown_steps: int = Field(20, ge=0, le=MAX_WINDOW, description="the same kind/metric/location is not re-alerted at the same or lower severity within this many steps of its last alert (steps)")
-    incident_quiet_steps: int = Field(50, ge=1, le=MAX_WINDOW, description="an incident resolves after this many steps with no open warning or critical condition and no new alert (steps)")
+    cooldown_steps: int = Field(
+        20,
+        ge=0,
+        le=MAX_WINDOW,
+        description="the same kind/metric/location is not re-alerted at the same or lower severity within this many steps of its last alert (steps)",
+    )
+    incident_quiet_steps: int = Field(
+        50,
+        ge=1,
+        le=MAX_WINDOW,
+        description="an incident resolves after this many steps with no open warning or critical condition and no new alert (steps)",
+    )
     emit_cleared: bool = Field(True, description="emit an info alert when a warning or critical condition clears")
     stop_on_critical: bool = Field(True, description="report.should_stop becomes true on a critical alert")
 
@@ -95,13 +106,39 @@ class AlertPolicy(_Section):
 class SamplingPolicy(_Section):
     """How often each statistic is computed (the hot path reads gradients every step)."""
 
-    params_every: int = Field(10, ge=1, le=MAX_WINDOW, description="parameter L2 norms and max |g| every this many steps, and every step while an incident is open or after a non-finite value (gradient norms are measured every step; between samples the largest gradient norm bounds max |g|, except for float16/float8 gradients, whose max |g| is measured every step) (steps)")
-    optimizer_every: int = Field(10, ge=1, le=MAX_WINDOW, description="optimizer-state norm every this many steps, and every step while an incident is open or after a non-finite value (steps)")
+    params_every: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="parameter L2 norms and max |g| every this many steps, and every step while an incident is open or after a non-finite value (gradient norms are measured every step; between samples the largest gradient norm bounds max |g|, except for float16/float8 gradients, whose max |g| is measured every step) (steps)",
+    )
+    optimizer_every: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="optimizer-state norm every this many steps, and every step while an incident is open or after a non-finite value (steps)",
+    )
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
-    activations_exclude: tuple[str, ...] = Field((), description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read")
-    activations_all_every: int = Field(50, ge=1, le=MAX_WINDOW, description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)")
-    histogram_every: int = Field(0, ge=0, le=MAX_WINDOW, description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)")
-    lag_one_step: bool = Field(True, description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits")
+    activations_exclude: tuple[str, ...] = Field(
+        (),
+        description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read",
+    )
+    activations_all_every: int = Field(
+        50,
+        ge=1,
+        le=MAX_WINDOW,
+        description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)",
+    )
+    histogram_every: int = Field(
+        0,
+        ge=0,
+        le=MAX_WINDOW,
+        description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)",
+    )
+    lag_one_step: bool = Field(
+        True,
+        description="on CUDA, read the statistics of step t at step t+1 with a non-blocking copy so the GPU never waits",
+    )
 
     def params_due(self, step: int) -> bool:
         """Whether `step` measures the parameters and max |g| on the cadence (the Monitor for
@@ -115,19 +152,55 @@ class SamplingPolicy(_Section):
 
 class RecorderPolicy(_Section):
     steps: int = Field(64, ge=1, le=MAX_WINDOW, description="steps of statistics kept by the flight recorder")
-    directory: str | None = Field(None, description="where the flight record is written on the first critical alert (default: the Monitor's run_dir, else the first JsonlSink's folder, else nummon-runs/<timestamp>/)")
+    directory: str | None = Field(
+        None,
+        description="where the flight record is written on the first critical alert (default: the Monitor's run_dir, else the first JsonlSink's folder, else nummon-runs/<timestamp>/)",
+    )
     write: bool = Field(True, description="write the flight record to a JSON file on the first critical alert")
 
 
 class SinkPolicy(_Section):
-    queue_size: int = Field(1024, ge=1, le=MAX_WINDOW, description="step records buffered per sink thread (alerts are never dropped and not counted here)")
-    when_full: Literal["drop", "block"] = Field("drop", description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room, at most block_timeout_s")
-    block_timeout_s: float = Field(10.0, gt=0, le=3600, description="in block mode, the longest a step waits for room in a sink's queue; then the record is dropped and the wait logged (seconds)")
-    critical_timeout_s: float = Field(5.0, ge=0, le=3600, description="post_step waits at most this long for the durable event logs (JSONL) to write and flush a critical alert; the other sinks get it without being waited for (seconds)")
-    flush_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.flush() waits at most this long for the sinks (seconds)")
-    close_timeout_s: float = Field(30.0, ge=0, le=3600, description="Monitor.close() waits at most this long for the sinks to write, flush and close (seconds)")
-    flush_every_steps: int = Field(1, ge=1, le=1_000_000, description="a JSONL log flushes step records to the OS at least every this many steps (alerts: at once)")
-    handle_sigterm: bool = Field(True, description="on SIGTERM (when no other handler is installed), close live monitors so their logs are complete, then exit as SIGTERM would")
+    queue_size: int = Field(
+        1024,
+        ge=1,
+        le=MAX_WINDOW,
+        description="step records buffered per sink thread (alerts are never dropped and not counted here)",
+    )
+    when_full: Literal["drop", "block"] = Field(
+        "drop",
+        description="when a sink's queue is full: drop the step record (counted in Monitor.sink_stats) or block training until there is room, at most block_timeout_s",
+    )
+    block_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="in block mode, the longest a step waits for room in a sink's queue; then the record is dropped and the wait logged (seconds)",
+    )
+    critical_timeout_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="post_step waits at most this long for the durable event logs (JSONL) to write and flush a critical alert; the other sinks get it without being waited for (seconds)",
+    )
+    flush_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="Monitor.flush() waits at most this long for the sinks (seconds)"
+    )
+    close_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="Monitor.close() waits at most this long for the sinks to write, flush and close (seconds)",
+    )
+    flush_every_steps: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description="a JSONL log flushes step records to the OS at least every this many steps (alerts: at once)",
+    )
+    handle_sigterm: bool = Field(
+        True,
+        description="on SIGTERM (when no other handler is installed), close live monitors so their logs are complete, then exit as SIGTERM would",
+    )
     rank0_only: bool = Field(True, description="under torch.distributed, only rank 0 feeds the sinks")
     jsonl: str | None = Field(None, description="path of a JSONL event log to add (a JsonlSink)")
     console: bool = Field(False, description="add a ConsoleSink (stdlib logging)")
@@ -142,20 +215,58 @@ class RecoveryPolicy(_Section):
     momentum/Adam), refreshed every `snapshot_every` steps (non-blocking copies on CUDA).
     """
 
-    enabled: bool = Field(False, description="turn recovery on: wrap optimizer.step with a gradient guard and keep rollback snapshots (off: nummon only watches)")
-    skip_nonfinite: bool = Field(True, description="skip an update whose gradients hold a NaN/Inf (parameters and optimizer state untouched, gradients zeroed)")
-    skip_outliers: bool = Field(True, description="skip an update whose total gradient norm is far above its robust recent range")
-    guard_window: int = Field(50, ge=4, description="accepted steps of total gradient norm kept for the guard's baseline (median and MAD of log10 values) (steps)")
-    guard_min_history: int = Field(10, ge=2, description="accepted steps needed before an outlier can be judged (steps)")
-    guard_factor: float = Field(10.0, gt=1, description="an outlier is at least this multiple of the recent median grad norm (ratio)")
-    guard_mad: float = Field(6.0, gt=0, description="and at least this many robust standard deviations (1.4826 * MAD of log10 values) above it")
+    enabled: bool = Field(
+        False,
+        description="turn recovery on: wrap optimizer.step with a gradient guard and keep rollback snapshots (off: nummon only watches)",
+    )
+    skip_nonfinite: bool = Field(
+        True,
+        description="skip an update whose gradients hold a NaN/Inf (parameters and optimizer state untouched, gradients zeroed)",
+    )
+    skip_outliers: bool = Field(
+        True, description="skip an update whose total gradient norm is far above its robust recent range"
+    )
+    guard_window: int = Field(
+        50,
+        ge=4,
+        description="accepted steps of total gradient norm kept for the guard's baseline (median and MAD of log10 values) (steps)",
+    )
+    guard_min_history: int = Field(
+        10, ge=2, description="accepted steps needed before an outlier can be judged (steps)"
+    )
+    guard_factor: float = Field(
+        10.0, gt=1, description="an outlier is at least this multiple of the recent median grad norm (ratio)"
+    )
+    guard_mad: float = Field(
+        6.0,
+        gt=0,
+        description="and at least this many robust standard deviations (1.4826 * MAD of log10 values) above it",
+    )
     skip_window: int = Field(20, ge=1, description="window in which repeated skips are counted (steps)")
-    max_skips: int = Field(3, ge=0, description="more skips than this within skip_window is a warning; more than twice this triggers a rollback (skips)")
-    rollback: bool = Field(True, description="on a critical trigger, restore the last healthy snapshot and lower the learning rate")
-    snapshot_every: int = Field(50, ge=1, description="take a snapshot every this many steps, when the last this-many steps raised no warning (steps)")
-    lr_factor: float = Field(0.5, gt=0, le=1, description="after a rollback every param group's learning rate is multiplied by this (ratio)")
-    max_rollbacks: int = Field(3, ge=0, description="retry budget: rollbacks allowed in a run; when spent, a critical alert stops the run as without recovery")
-    triggers: tuple[Literal["nonfinite", "runaway", "divergence", "extreme", "output_logits", "attention_logits"], ...] = Field(
+    max_skips: int = Field(
+        3,
+        ge=0,
+        description="more skips than this within skip_window is a warning; more than twice this triggers a rollback (skips)",
+    )
+    rollback: bool = Field(
+        True, description="on a critical trigger, restore the last healthy snapshot and lower the learning rate"
+    )
+    snapshot_every: int = Field(
+        50,
+        ge=1,
+        description="take a snapshot every this many steps, when the last this-many steps raised no warning (steps)",
+    )
+    lr_factor: float = Field(
+        0.5, gt=0, le=1, description="after a rollback every param group's learning rate is multiplied by this (ratio)"
+    )
+    max_rollbacks: int = Field(
+        3,
+        ge=0,
+        description="retry budget: rollbacks allowed in a run; when spent, a critical alert stops the run as without recovery",
+    )
+    triggers: tuple[
+        Literal["nonfinite", "runaway", "divergence", "extreme", "output_logits", "attention_logits"], ...
+    ] = Field(
         ("nonfinite", "runaway", "divergence", "extreme", "output_logits", "attention_logits"),
         description="critical alert kinds that trigger a rollback (a non-finite step always does unless its update was skipped); "
         "critical output or attention logits are a divergence on its way, and a lower LR is their documented fix",
@@ -165,7 +276,10 @@ class RecoveryPolicy(_Section):
 class ForensicsPolicy(_Section):
     """Why the first non-finite value appeared (operator, line, cause), on the failing step only."""
 
-    enabled: bool = Field(True, description="explain a non-finite step by re-running its forward and backward under operator interception, when the loop passes post_step(..., recompute=fn) or a framework callback can recompute; costs nothing on healthy steps")
+    enabled: bool = Field(
+        True,
+        description="explain a non-finite step by re-running its forward and backward under operator interception, when the loop passes post_step(..., recompute=fn) or a framework callback can recompute; costs nothing on healthy steps",
+    )
 
 
 class Policy(_Section):
@@ -194,13 +308,13 @@ class Policy(_Section):
     report: ReportPolicy = ReportPolicy()
 
     @model_validator(mode="after")
-    def _windows(self) -> "Policy":
+    def _windows(self) -> Policy:
         if self.spike.min_history > self.spike.window:
             raise ValueError("spike.min_history must be <= spike.window")
         return self
 
     @classmethod
-    def load(cls, source: "PolicyLike") -> "Policy":
+    def load(cls, source: PolicyLike) -> Policy:
         """A policy from a preset name, a YAML/TOML/JSON file, a dict, or a Policy."""
         return load_policy(source)
 
@@ -337,7 +451,7 @@ def load_policy(source: PolicyLike = None) -> Policy:
     raise PolicyError(f"policy must be a preset name, a path, a mapping or nummon.Policy, got {type(source).__name__}")
 
 
-def _source_mapping(source: "str | os.PathLike[str]") -> tuple[dict[str, Any], str]:
+def _source_mapping(source: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
     """(mapping, origin) of a preset name or a policy file path."""
     text = os.fspath(source)
     if "\0" in text:
@@ -347,7 +461,9 @@ def _source_mapping(source: "str | os.PathLike[str]") -> tuple[dict[str, Any], s
         return _read_mapping(path), f"policy {path}"
     names = preset_names()
     if text not in names:
-        raise PolicyError(f"unknown policy preset {text!r} (presets: {', '.join(names)}; or give a .yaml/.toml/.json path)")
+        raise PolicyError(
+            f"unknown policy preset {text!r} (presets: {', '.join(names)}; or give a .yaml/.toml/.json path)"
+        )
     preset = resources.files("nummon.configs").joinpath(f"{text}.yaml").read_text("utf-8")
     return _parse_mapping(preset, ".yaml", f"preset {text!r}"), f"preset {text!r}"
 
@@ -368,7 +484,9 @@ def policy_yaml(policy: Policy, with_descriptions: bool = True) -> str:
             else:
                 import yaml
 
-                dumped = yaml.safe_dump({name: list(value) if isinstance(value, tuple) else value}, default_flow_style=True, sort_keys=False).strip()
+                dumped = yaml.safe_dump(
+                    {name: list(value) if isinstance(value, tuple) else value}, default_flow_style=True, sort_keys=False
+                ).strip()
                 if dumped.startswith("{") and dumped.endswith("}"):
                     dumped = dumped[1:-1]
                 lines.append(f"{pad}{dumped}")
@@ -377,7 +495,7 @@ def policy_yaml(policy: Policy, with_descriptions: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def validate_policy_file(path: "str | os.PathLike[str]") -> list[str]:
+def validate_policy_file(path: str | os.PathLike[str]) -> list[str]:
     """Every validation error of a policy file or preset name, each with its field path (empty:
     valid). A file that cannot be read or parsed raises PolicyError (one line)."""
     data, _ = _source_mapping(path)

@@ -1,6 +1,7 @@
 """The detector sections of a policy: every threshold and window of every detector, validated
 strictly (``extra="forbid"``, finite floats, bounded windows). Assembled into ``Policy`` by
 ``_policy``, which re-exports every name here."""
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -46,42 +47,108 @@ class _Section(BaseModel):
 
 
 class NonfinitePolicy(_Section):
-    enabled: bool = Field(True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations")
-    log_skip_warning: int = Field(3, ge=1, le=MAX_WINDOW, description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP; the scaler calibrates so at the start of a run): info, a warning once it has lasted this many records in a row (records)")
-    log_skip_records: int = Field(10, ge=1, le=MAX_WINDOW, description="and critical once it has lasted this many: the scaler is skipping every step, the run no longer trains (records)")
-    clear_records: int = Field(10, ge=1, le=MAX_WINDOW, description="a non-finite condition clears only after this many finite records in a row: NaNs that come back every few records stay one open condition (announced again as recurring once the cooldown is over), while a one-off NaN or a loss scaler's calibration (its next overflow is thousands of steps away) clears (records)")
+    enabled: bool = Field(
+        True, description="critical alert on any NaN/Inf in loss, gradients, parameters, optimizer state or activations"
+    )
+    log_skip_warning: int = Field(
+        3,
+        ge=1,
+        le=MAX_WINDOW,
+        description="in a log (replay, watch: no statistics behind a record), a non-finite gradient norm beside a finite loss is what a loss scaler's skipped step looks like (fp16 AMP; the scaler calibrates so at the start of a run): info, a warning once it has lasted this many records in a row (records)",
+    )
+    log_skip_records: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="and critical once it has lasted this many: the scaler is skipping every step, the run no longer trains (records)",
+    )
+    clear_records: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="a non-finite condition clears only after this many finite records in a row: NaNs that come back every few records stay one open condition (announced again as recurring once the cooldown is over), while a one-off NaN or a loss scaler's calibration (its next overflow is thousands of steps away) clears (records)",
+    )
 
 
 class SpikePolicy(_Section):
     """Sudden jumps against the run's own recent history (loss_spike, explosion)."""
 
     enabled: bool = True
-    window: int = Field(50, ge=2, le=MAX_WINDOW, description="steps of finite history kept for the robust baseline (median of log10 values)")
-    min_history: int = Field(1, ge=1, le=MAX_WINDOW, description="finite samples needed before a jump can be judged (steps)")
-    loss_factor: float = Field(8.0, gt=1, description="loss_spike when the loss exceeds this multiple of its recent median (ratio)")
-    grad_factor: float = Field(10.0, gt=1, description="explosion when grad norm, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)")
-    robust_z: float = Field(3.0, gt=0, description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)")
-    short_history: int = Field(8, ge=1, le=MAX_WINDOW, description="below this many samples the baseline is uncertain and the factors are multiplied by short_history_multiplier (steps)")
-    short_history_multiplier: float = Field(2.0, ge=1, description="factor multiplier while the history is short (ratio)")
+    window: int = Field(
+        50,
+        ge=2,
+        le=MAX_WINDOW,
+        description="steps of finite history kept for the robust baseline (median of log10 values)",
+    )
+    min_history: int = Field(
+        1, ge=1, le=MAX_WINDOW, description="finite samples needed before a jump can be judged (steps)"
+    )
+    loss_factor: float = Field(
+        8.0, gt=1, description="loss_spike when the loss exceeds this multiple of its recent median (ratio)"
+    )
+    grad_factor: float = Field(
+        10.0,
+        gt=1,
+        description="explosion when grad norm, optimizer-state norm or max activation exceeds this multiple of its recent median (ratio)",
+    )
+    robust_z: float = Field(
+        3.0,
+        gt=0,
+        description="and exceeds the median by at least this many robust standard deviations of log10 values (sigma = 1.4826 * MAD)",
+    )
+    short_history: int = Field(
+        8,
+        ge=1,
+        le=MAX_WINDOW,
+        description="below this many samples the baseline is uncertain and the factors are multiplied by short_history_multiplier (steps)",
+    )
+    short_history_multiplier: float = Field(
+        2.0, ge=1, description="factor multiplier while the history is short (ratio)"
+    )
 
 
 class RunawayPolicy(_Section):
     """Sustained geometric growth over consecutive records."""
 
     enabled: bool = True
-    min_growth: float = Field(1.5, gt=1, description="a step counts as growth when the value grows by at least this factor per step (ratio)")
+    min_growth: float = Field(
+        1.5, gt=1, description="a step counts as growth when the value grows by at least this factor per step (ratio)"
+    )
     warning_steps: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a warning (steps)")
-    warning_records: int = Field(2, ge=1, le=MAX_WINDOW, description="and growth records for a warning: with logs every N steps, one jump between two records is a spike (explosion), not a rate to forecast overflow from (records)")
-    critical_steps: int = Field(3, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a critical alert (steps)")
-    warning_total_factor: float = Field(10.0, gt=1, description="total growth over the streak needed for a warning (ratio)")
-    critical_total_factor: float = Field(100.0, gt=1, description="total growth over the streak needed for a critical alert (ratio)")
+    warning_records: int = Field(
+        2,
+        ge=1,
+        le=MAX_WINDOW,
+        description="and growth records for a warning: with logs every N steps, one jump between two records is a spike (explosion), not a rate to forecast overflow from (records)",
+    )
+    critical_steps: int = Field(
+        3, ge=1, le=MAX_WINDOW, description="consecutive growth steps for a critical alert (steps)"
+    )
+    warning_total_factor: float = Field(
+        10.0, gt=1, description="total growth over the streak needed for a warning (ratio)"
+    )
+    critical_total_factor: float = Field(
+        100.0, gt=1, description="total growth over the streak needed for a critical alert (ratio)"
+    )
     metrics: tuple[str, ...] = Field(
         ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max"),
         description=f"statistics watched for runaway growth (any of: {', '.join(SCALAR_FIELDS)})",
     )
-    history: int = Field(50, ge=2, le=MAX_WINDOW, description="earlier finite values kept to judge whether a value stands above the metric's recent level (records)")
-    short_history: int = Field(8, ge=1, le=MAX_WINDOW, description="below this many earlier values the total factors are raised to the power short_history_multiplier: growth from tiny initial values is normal (records)")
-    short_history_multiplier: float = Field(2.0, ge=1, le=10, description="exponent applied to the total factors while the history is short")
+    history: int = Field(
+        50,
+        ge=2,
+        le=MAX_WINDOW,
+        description="earlier finite values kept to judge whether a value stands above the metric's recent level (records)",
+    )
+    short_history: int = Field(
+        8,
+        ge=1,
+        le=MAX_WINDOW,
+        description="below this many earlier values the total factors are raised to the power short_history_multiplier: growth from tiny initial values is normal (records)",
+    )
+    short_history_multiplier: float = Field(
+        2.0, ge=1, le=10, description="exponent applied to the total factors while the history is short"
+    )
 
     @field_validator("metrics")
     @classmethod
@@ -92,7 +159,7 @@ class RunawayPolicy(_Section):
         return v
 
     @model_validator(mode="after")
-    def _order(self) -> "RunawayPolicy":
+    def _order(self) -> RunawayPolicy:
         if self.critical_steps < self.warning_steps:
             raise ValueError("critical_steps must be >= warning_steps")
         if self.critical_total_factor < self.warning_total_factor:
@@ -117,7 +184,7 @@ class HeadroomPolicy(_Section):
     )
 
     @model_validator(mode="after")
-    def _order(self) -> "HeadroomPolicy":
+    def _order(self) -> HeadroomPolicy:
         for dt, crit in self.critical_decades.items():
             warn = self.warning_decades.get(dt)
             if warn is not None and crit >= warn:
@@ -129,17 +196,43 @@ class DivergencePolicy(_Section):
     """Loss far above its starting level, held for a while."""
 
     enabled: bool = True
-    warning_factor: float = Field(5.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)")
+    warning_factor: float = Field(
+        5.0, gt=1, description="warning when the loss stays above this multiple of the starting level (ratio)"
+    )
     critical_factor: float = Field(1e4, gt=1, description="critical when it stays above this multiple (ratio)")
-    patience: int = Field(5, ge=1, le=MAX_WINDOW, description="the median of the last this many finite losses, and the current loss, must stand above the factor (records)")
-    rebound_factor: float = Field(2.0, gt=1, description="warning when the median of the last `patience` losses stands at least this multiple above the best (lowest) smoothed loss reached before them: a run that had learned and lost it, however low it started (ratio)")
-    noise_multiple: float = Field(2.5, ge=0, description="a warning (either rule) also needs the rise, in log space, to be at least this many times the loss's noise (the median |change of ln loss| from one record to the next, over the last `noise_records`) times sqrt(2 ln n), n the smoothed medians the best is the lowest of (1 for the starting level): the lowest of many noisy records is no level a run can be held to (multiple)")
-    noise_records: int = Field(50, ge=2, le=MAX_WINDOW, description="record-to-record changes the loss's noise is measured over (records)")
-    rebound_smoothing: int = Field(3, ge=1, le=MAX_WINDOW, description="the best loss so far is the lowest median of this many consecutive finite losses, so one lucky batch does not set it (records)")
-    rebound_min_level: float = Field(0.25, ge=0, description="a rebound counts only while the held loss is at least this fraction of the starting level: noise around a loss near zero is not divergence (fraction)")
+    patience: int = Field(
+        5,
+        ge=1,
+        le=MAX_WINDOW,
+        description="the median of the last this many finite losses, and the current loss, must stand above the factor (records)",
+    )
+    rebound_factor: float = Field(
+        2.0,
+        gt=1,
+        description="warning when the median of the last `patience` losses stands at least this multiple above the best (lowest) smoothed loss reached before them: a run that had learned and lost it, however low it started (ratio)",
+    )
+    noise_multiple: float = Field(
+        2.5,
+        ge=0,
+        description="a warning (either rule) also needs the rise, in log space, to be at least this many times the loss's noise (the median |change of ln loss| from one record to the next, over the last `noise_records`) times sqrt(2 ln n), n the smoothed medians the best is the lowest of (1 for the starting level): the lowest of many noisy records is no level a run can be held to (multiple)",
+    )
+    noise_records: int = Field(
+        50, ge=2, le=MAX_WINDOW, description="record-to-record changes the loss's noise is measured over (records)"
+    )
+    rebound_smoothing: int = Field(
+        3,
+        ge=1,
+        le=MAX_WINDOW,
+        description="the best loss so far is the lowest median of this many consecutive finite losses, so one lucky batch does not set it (records)",
+    )
+    rebound_min_level: float = Field(
+        0.25,
+        ge=0,
+        description="a rebound counts only while the held loss is at least this fraction of the starting level: noise around a loss near zero is not divergence (fraction)",
+    )
 
     @model_validator(mode="after")
-    def _order(self) -> "DivergencePolicy":
+    def _order(self) -> DivergencePolicy:
         if self.critical_factor <= self.warning_factor:
             raise ValueError("critical_factor must be > warning_factor")
         return self
@@ -152,57 +245,158 @@ class TrendPolicy(_Section):
     the steps so far, and ``min_records`` records at the run's logging cadence.
     """
 
-    baseline_records: int = Field(10, ge=1, le=MAX_WINDOW, description="the starting level is the lowest running median of the first this many finite losses, so a run that blows up early is still judged against where it started (records)")
-    min_span: int = Field(100, ge=10, le=MAX_WINDOW, description="shortest trend window: the median of its second half is compared against its first (steps)")
-    min_records: int = Field(10, ge=4, le=MAX_WINDOW, description="finite losses a window must hold before it is judged (records)")
-    span_fraction: float = Field(1.0, gt=0, le=1, description="the window grows to this fraction of the steps the run has lasted (fraction)")
+    baseline_records: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="the starting level is the lowest running median of the first this many finite losses, so a run that blows up early is still judged against where it started (records)",
+    )
+    min_span: int = Field(
+        100,
+        ge=10,
+        le=MAX_WINDOW,
+        description="shortest trend window: the median of its second half is compared against its first (steps)",
+    )
+    min_records: int = Field(
+        10, ge=4, le=MAX_WINDOW, description="finite losses a window must hold before it is judged (records)"
+    )
+    span_fraction: float = Field(
+        1.0, gt=0, le=1, description="the window grows to this fraction of the steps the run has lasted (fraction)"
+    )
 
 
 class StallPolicy(_Section):
     """No meaningful improvement over the trend window while the loss is still high."""
 
     enabled: bool = True
-    min_improvement: float = Field(0.05, ge=0, lt=1, description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower, but never below min_improvement_floor x this value (fraction)")
-    min_improvement_floor: float = Field(0.1, gt=0, le=1, description="the lowest min_improvement is lowered to for a slow run, as a fraction of it: a pretrained model's fine-tune improves its loss by ~1% per window and is learning (fraction)")
-    min_records: int = Field(20, ge=4, le=MAX_WINDOW, description="finite losses the trend window must hold before a flat one counts as a stall: ten records of a slow fine-tune cannot tell its progress from noise (records)")
-    high_fraction: float = Field(0.9, gt=0, description="a flat trend window is a stall only while the loss is above this fraction of its starting level: a run that has come further down has learned, and its plateau is convergence or a pretrained model's slow fine-tune (fraction)")
-    max_spread: float = Field(0.05, gt=0, description="a flat loss is a stall only while its relative spread (IQR / median over the window) stays below this: a model stuck at chance predicts alike for every input and its loss barely varies from batch to batch, one whose loss varies more is responding to its inputs (fraction)")
-    frozen_records: int = Field(10, ge=2, le=MAX_WINDOW, description="a loss that has not moved for this many consecutive finite records while still above frozen_high_fraction of its starting level is a stall, however short the run (records)")
-    frozen_high_fraction: float = Field(0.5, gt=0, description="a frozen loss counts as still high above this fraction of its starting level (fraction)")
-    frozen_tolerance: float = Field(1e-3, ge=0, lt=1, description="the loss counts as not moving while (max - min) / median of those records stays at or below this; 1e-3 covers losses printed with 4 significant digits; a loss printed more coarsely than this (one unit of its last printed digit) cannot show that it moves, and is not called frozen once it has come below high_fraction of its starting level (fraction)")
-    chance_match: float = Field(0.01, ge=0, lt=0.1, description="a loss that has stayed within this relative distance of ln k (k = 2..10 classes) for at least frozen_records records and trend.min_span steps, while still high, is stuck at chance (fraction)")
-    chance_loss: float | None = Field(None, gt=0, description="the loss of a model that predicts nothing (a classifier's chance level: ln(number of classes) for balanced classes); when set, the median of the last chance_records losses within chance_tolerance of it, with no improvement across them, is a stall (loss units; default: unknown)")
-    chance_tolerance: float = Field(0.1, gt=0, lt=1, description="relative distance from chance_loss that still counts as at chance (fraction)")
-    chance_records: int = Field(6, ge=2, le=MAX_WINDOW, description="finite losses judged against chance_loss; the run must also have logged trend.min_records finite losses (records)")
+    min_improvement: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="relative improvement of the median loss across the window below which the run counts as not improving; lowered to half the run's own average progress over the same span when the run has always been slower, but never below min_improvement_floor x this value (fraction)",
+    )
+    min_improvement_floor: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="the lowest min_improvement is lowered to for a slow run, as a fraction of it: a pretrained model's fine-tune improves its loss by ~1% per window and is learning (fraction)",
+    )
+    min_records: int = Field(
+        20,
+        ge=4,
+        le=MAX_WINDOW,
+        description="finite losses the trend window must hold before a flat one counts as a stall: ten records of a slow fine-tune cannot tell its progress from noise (records)",
+    )
+    high_fraction: float = Field(
+        0.9,
+        gt=0,
+        description="a flat trend window is a stall only while the loss is above this fraction of its starting level: a run that has come further down has learned, and its plateau is convergence or a pretrained model's slow fine-tune (fraction)",
+    )
+    max_spread: float = Field(
+        0.05,
+        gt=0,
+        description="a flat loss is a stall only while its relative spread (IQR / median over the window) stays below this: a model stuck at chance predicts alike for every input and its loss barely varies from batch to batch, one whose loss varies more is responding to its inputs (fraction)",
+    )
+    frozen_records: int = Field(
+        10,
+        ge=2,
+        le=MAX_WINDOW,
+        description="a loss that has not moved for this many consecutive finite records while still above frozen_high_fraction of its starting level is a stall, however short the run (records)",
+    )
+    frozen_high_fraction: float = Field(
+        0.5, gt=0, description="a frozen loss counts as still high above this fraction of its starting level (fraction)"
+    )
+    frozen_tolerance: float = Field(
+        1e-3,
+        ge=0,
+        lt=1,
+        description="the loss counts as not moving while (max - min) / median of those records stays at or below this; 1e-3 covers losses printed with 4 significant digits; a loss printed more coarsely than this (one unit of its last printed digit) cannot show that it moves, and is not called frozen once it has come below high_fraction of its starting level (fraction)",
+    )
+    chance_match: float = Field(
+        0.01,
+        ge=0,
+        lt=0.1,
+        description="a loss that has stayed within this relative distance of ln k (k = 2..10 classes) for at least frozen_records records and trend.min_span steps, while still high, is stuck at chance (fraction)",
+    )
+    chance_loss: float | None = Field(
+        None,
+        gt=0,
+        description="the loss of a model that predicts nothing (a classifier's chance level: ln(number of classes) for balanced classes); when set, the median of the last chance_records losses within chance_tolerance of it, with no improvement across them, is a stall (loss units; default: unknown)",
+    )
+    chance_tolerance: float = Field(
+        0.1, gt=0, lt=1, description="relative distance from chance_loss that still counts as at chance (fraction)"
+    )
+    chance_records: int = Field(
+        6,
+        ge=2,
+        le=MAX_WINDOW,
+        description="finite losses judged against chance_loss; the run must also have logged trend.min_records finite losses (records)",
+    )
 
 
 class OscillationPolicy(_Section):
     """Loss bouncing without a downward trend (minibatch noise of a learning run is not this)."""
 
     enabled: bool = True
-    min_improvement: float = Field(0.1, ge=0, lt=1, description="relative improvement of the median loss across the trend window below which there is no downward trend; lowered like stall.min_improvement for slow runs (fraction)")
-    min_spread: float = Field(0.15, gt=0, description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)")
-    high_fraction: float = Field(0.25, gt=0, description="only while the loss is above this fraction of its starting level: a converged run's relative noise is not oscillation (fraction)")
+    min_improvement: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="relative improvement of the median loss across the trend window below which there is no downward trend; lowered like stall.min_improvement for slow runs (fraction)",
+    )
+    min_spread: float = Field(
+        0.15,
+        gt=0,
+        description="relative spread (IQR / median of the window) at or above which the loss counts as bouncing (fraction)",
+    )
+    high_fraction: float = Field(
+        0.25,
+        gt=0,
+        description="only while the loss is above this fraction of its starting level: a converged run's relative noise is not oscillation (fraction)",
+    )
 
 
 class VanishingPolicy(_Section):
     """Some layers' gradients ~0 for many steps while others are not."""
 
     enabled: bool = True
-    ratio: float = Field(1e-6, gt=0, lt=1, description="a layer's grad norm below this fraction of the largest layer's counts as vanished (ratio)")
+    ratio: float = Field(
+        1e-6,
+        gt=0,
+        lt=1,
+        description="a layer's grad norm below this fraction of the largest layer's counts as vanished (ratio)",
+    )
     patience: int = Field(50, ge=1, le=MAX_WINDOW, description="consecutive steps vanished before alerting (steps)")
-    max_named: int = Field(3, ge=1, le=100, description="layers named in the one alert that covers every vanished layer of a step (count)")
+    max_named: int = Field(
+        3, ge=1, le=100, description="layers named in the one alert that covers every vanished layer of a step (count)"
+    )
 
 
 class MechanismsPolicy(_Section):
     """Sampled probes of what comes before a transformer's loss spike (nummon/_stats/mechanisms.py)."""
 
-    enabled: bool = Field(True, description="sample attention logits and entropy, output log Z, Adam's second moment and per-layer output RMS")
-    every: int = Field(10, ge=1, le=MAX_WINDOW, description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 the detectors' baselines form too late for the proxies' spikes (steps)")
+    enabled: bool = Field(
+        True,
+        description="sample attention logits and entropy, output log Z, Adam's second moment and per-layer output RMS",
+    )
+    every: int = Field(
+        10,
+        ge=1,
+        le=MAX_WINDOW,
+        description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 the detectors' baselines form too late for the proxies' spikes (steps)",
+    )
     during_incident: bool = Field(True, description="sample every step while an incident is open")
-    attention: bool = Field(True, description="max attention logit and entropy per attention module (softmax of q·kᵀ scores, scaled_dot_product_attention, nn.MultiheadAttention)")
-    output: bool = Field(True, description="log-sum-exp (log Z) and max of the logits that go into cross_entropy / log_softmax")
-    adam: bool = Field(True, description="Adam/AdamW per tensor: RMS(g_t / sqrt(v_hat_t)) with v_t including g_t, fraction of |g| < eps, ||update|| / ||param||")
+    attention: bool = Field(
+        True,
+        description="max attention logit and entropy per attention module (softmax of q·kᵀ scores, scaled_dot_product_attention, nn.MultiheadAttention)",
+    )
+    output: bool = Field(
+        True, description="log-sum-exp (log Z) and max of the logits that go into cross_entropy / log_softmax"
+    )
+    adam: bool = Field(
+        True,
+        description="Adam/AdamW per tensor: RMS(g_t / sqrt(v_hat_t)) with v_t including g_t, fraction of |g| < eps, ||update|| / ||param||",
+    )
     linear_rms: bool = Field(True, description="output RMS of every nn.Linear (per-layer output growth)")
 
 
@@ -210,20 +404,58 @@ class AttentionPolicy(_Section):
     """Attention-logit growth and attention-entropy collapse (Dehghani et al. 2023; Wortsman et al. 2023)."""
 
     enabled: bool = True
-    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="a layer's entropy baseline is the highest of its first this many samples (samples)")
-    recent_steps: int = Field(80, ge=1, le=100 * MAX_WINDOW, description="a layer's recent logit level is the median of its samples of the last this many steps (its last sample when none is that recent), whatever the cadence (steps)")
-    start_step: int = Field(0, ge=0, le=MAX_WINDOW, description="samples before this step do not set the recent level (steps)")
-    warning_growth: float = Field(3.0, gt=1, description="warning when a layer's max logit stands this multiple above its baseline and above warning_floor (ratio)")
-    warning_floor: float = Field(20.0, gt=0, description="logits below this never warn: a logit gap of 20 already gives a one-hot softmax weight of 1 - 2e-9 (logit units)")
-    warning_logit: float = Field(50.0, gt=0, description="warning at this max logit whatever the baseline (logit units)")
-    critical_logit: float = Field(1e4, gt=0, description="critical at this max logit (a stop, and a rollback under recovery): on the CPU proxies the logits of runs that diverged passed 1e4 only after their loss had left its band, and a healthy Llama's copy heads reached 1.6e3; QK-clip (Kimi K2) caps them at 100, where nummon warns (logit units)")
-    collapse_entropy: float = Field(0.1, gt=0, lt=1, description="attention collapsed when a layer's mean normalised entropy (entropy / ln keys) falls below this (fraction)")
-    collapse_drop: float = Field(0.25, gt=0, lt=1, description="and below this fraction of its baseline entropy (fraction)")
-    chance_match: float = Field(0.05, gt=0, lt=1, description="after a collapse, a loss within this relative distance of its starting level is the model back at chance: critical (fraction)")
+    baseline_samples: int = Field(
+        5,
+        ge=1,
+        le=MAX_WINDOW,
+        description="a layer's entropy baseline is the highest of its first this many samples (samples)",
+    )
+    recent_steps: int = Field(
+        80,
+        ge=1,
+        le=100 * MAX_WINDOW,
+        description="a layer's recent logit level is the median of its samples of the last this many steps (its last sample when none is that recent), whatever the cadence (steps)",
+    )
+    start_step: int = Field(
+        0, ge=0, le=MAX_WINDOW, description="samples before this step do not set the recent level (steps)"
+    )
+    warning_growth: float = Field(
+        3.0,
+        gt=1,
+        description="warning when a layer's max logit stands this multiple above its baseline and above warning_floor (ratio)",
+    )
+    warning_floor: float = Field(
+        20.0,
+        gt=0,
+        description="logits below this never warn: a logit gap of 20 already gives a one-hot softmax weight of 1 - 2e-9 (logit units)",
+    )
+    warning_logit: float = Field(
+        50.0, gt=0, description="warning at this max logit whatever the baseline (logit units)"
+    )
+    critical_logit: float = Field(
+        1e4,
+        gt=0,
+        description="critical at this max logit (a stop, and a rollback under recovery): on the CPU proxies the logits of runs that diverged passed 1e4 only after their loss had left its band, and a healthy Llama's copy heads reached 1.6e3; QK-clip (Kimi K2) caps them at 100, where nummon warns (logit units)",
+    )
+    collapse_entropy: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="attention collapsed when a layer's mean normalised entropy (entropy / ln keys) falls below this (fraction)",
+    )
+    collapse_drop: float = Field(
+        0.25, gt=0, lt=1, description="and below this fraction of its baseline entropy (fraction)"
+    )
+    chance_match: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="after a collapse, a loss within this relative distance of its starting level is the model back at chance: critical (fraction)",
+    )
     patience: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive samples a condition must hold (samples)")
 
     @model_validator(mode="after")
-    def _order(self) -> "AttentionPolicy":
+    def _order(self) -> AttentionPolicy:
         if self.critical_logit <= self.warning_logit:
             raise ValueError("critical_logit must be > warning_logit")
         return self
@@ -233,14 +465,27 @@ class OutputLogitsPolicy(_Section):
     """Output-logit divergence: the log-partition log Z of the output softmax drifting (PaLM; Wortsman et al. 2023)."""
 
     enabled: bool = True
-    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="the baseline is the median |log Z| of the first this many samples (samples)")
-    warning_drift: float = Field(10.0, gt=0, description="warning when the mean |log Z| has drifted this far (nats) above its baseline: every probability is then off by a factor e^drift before normalisation (nats)")
+    baseline_samples: int = Field(
+        5,
+        ge=1,
+        le=MAX_WINDOW,
+        description="the baseline is the median |log Z| of the first this many samples (samples)",
+    )
+    warning_drift: float = Field(
+        10.0,
+        gt=0,
+        description="warning when the mean |log Z| has drifted this far (nats) above its baseline: every probability is then off by a factor e^drift before normalisation (nats)",
+    )
     critical_drift: float = Field(50.0, gt=0, description="critical at this drift (nats)")
-    warning_logit: float = Field(100.0, gt=0, description="warning when the largest output logit exceeds this (bfloat16 keeps 3 significant digits, so a softmax over logits near 100 is coarse) (logit units)")
+    warning_logit: float = Field(
+        100.0,
+        gt=0,
+        description="warning when the largest output logit exceeds this (bfloat16 keeps 3 significant digits, so a softmax over logits near 100 is coarse) (logit units)",
+    )
     patience: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive samples a condition must hold (samples)")
 
     @model_validator(mode="after")
-    def _order(self) -> "OutputLogitsPolicy":
+    def _order(self) -> OutputLogitsPolicy:
         if self.critical_drift <= self.warning_drift:
             raise ValueError("critical_drift must be > warning_drift")
         return self
@@ -250,18 +495,52 @@ class AdamMomentPolicy(_Section):
     """Adam's second moment out of step with the gradients (Wortsman et al. 2023, arXiv 2304.13013; arXiv 2506.04805)."""
 
     enabled: bool = True
-    warning_rms: float = Field(3.0, gt=1, description="warning when a tensor's RMS(g_t / sqrt(v_hat_t)) exceeds this, where v_t = beta2 v_{t-1} + (1 - beta2) g_t^2 includes the gradient itself and v_hat_t = v_t / (1 - beta2^t): about 1 when v tracks g², at most sqrt((1 - beta2^t) / (1 - beta2)) at Adam step t (3.3 at step 11 and 31.6 in the long run for beta2 0.999; 4.5 for 0.95) (ratio)")
-    critical_rms: float | None = Field(None, gt=1, description="critical at or above this; off (None) by default: on high-LR runs of small models the ratio sits at its bound for dozens of steps in runs that recover on their own as in runs that are lost, so no level separates them and this kind only warns (tests/test_adam_moment_truth.py) (ratio)")
-    bound_fraction: float = Field(0.67, gt=0, lt=1, description="the warning level is at least this fraction of the ratio's bound at the step, sqrt((1 - beta2^t) / (1 - beta2)): early in a run, and with a long second-moment memory, the bound is near and ratios of 3-4 come and go in healthy runs (at 0.67 the level for beta2 0.95 stays 3) (fraction)")
-    small_fraction: float = Field(0.1, gt=0, le=1, description="warning when at least this fraction of gradient elements is below Adam's eps (their parameters have stopped receiving gradient while Adam's second moment still carries their old size) (fraction)")
-    small_growth: float = Field(5.0, ge=1, description="and that fraction is at least this multiple of the run's own level: the lowest of its first `baseline_samples` samples (ratio)")
-    baseline_samples: int = Field(5, ge=1, le=MAX_WINDOW, description="samples from `start_step` on that set the run's own level of the small-gradient fraction (samples)")
-    warning_update_ratio: float = Field(1.0, gt=0, description="warning when one tensor's ||update|| / ||param|| exceeds this in one step (ratio)")
+    warning_rms: float = Field(
+        3.0,
+        gt=1,
+        description="warning when a tensor's RMS(g_t / sqrt(v_hat_t)) exceeds this, where v_t = beta2 v_{t-1} + (1 - beta2) g_t^2 includes the gradient itself and v_hat_t = v_t / (1 - beta2^t): about 1 when v tracks g², at most sqrt((1 - beta2^t) / (1 - beta2)) at Adam step t (3.3 at step 11 and 31.6 in the long run for beta2 0.999; 4.5 for 0.95) (ratio)",
+    )
+    critical_rms: float | None = Field(
+        None,
+        gt=1,
+        description="critical at or above this; off (None) by default: on high-LR runs of small models the ratio sits at its bound for dozens of steps in runs that recover on their own as in runs that are lost, so no level separates them and this kind only warns (tests/test_adam_moment_truth.py) (ratio)",
+    )
+    bound_fraction: float = Field(
+        0.67,
+        gt=0,
+        lt=1,
+        description="the warning level is at least this fraction of the ratio's bound at the step, sqrt((1 - beta2^t) / (1 - beta2)): early in a run, and with a long second-moment memory, the bound is near and ratios of 3-4 come and go in healthy runs (at 0.67 the level for beta2 0.95 stays 3) (fraction)",
+    )
+    small_fraction: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="warning when at least this fraction of gradient elements is below Adam's eps (their parameters have stopped receiving gradient while Adam's second moment still carries their old size) (fraction)",
+    )
+    small_growth: float = Field(
+        5.0,
+        ge=1,
+        description="and that fraction is at least this multiple of the run's own level: the lowest of its first `baseline_samples` samples (ratio)",
+    )
+    baseline_samples: int = Field(
+        5,
+        ge=1,
+        le=MAX_WINDOW,
+        description="samples from `start_step` on that set the run's own level of the small-gradient fraction (samples)",
+    )
+    warning_update_ratio: float = Field(
+        1.0, gt=0, description="warning when one tensor's ||update|| / ||param|| exceeds this in one step (ratio)"
+    )
     patience: int = Field(2, ge=1, le=MAX_WINDOW, description="consecutive samples a condition must hold (samples)")
-    start_step: int = Field(10, ge=0, le=MAX_WINDOW, description="no finding before this step: the first updates are large relative to small initial parameters (steps)")
+    start_step: int = Field(
+        10,
+        ge=0,
+        le=MAX_WINDOW,
+        description="no finding before this step: the first updates are large relative to small initial parameters (steps)",
+    )
 
     @model_validator(mode="after")
-    def _order(self) -> "AdamMomentPolicy":
+    def _order(self) -> AdamMomentPolicy:
         if self.critical_rms is not None and self.critical_rms <= self.warning_rms:
             raise ValueError("critical_rms must be > warning_rms")
         return self
@@ -270,4 +549,7 @@ class AdamMomentPolicy(_Section):
 class ReportPolicy(_Section):
     """The incident report (`nummon report`) the Monitor writes into its run folder."""
 
-    enabled: bool = Field(True, description="write nummon-report.html into the run folder when an incident reaches critical, when it goes non-finite, and at close; never on a healthy step")
+    enabled: bool = Field(
+        True,
+        description="write nummon-report.html into the run folder when an incident reaches critical, when it goes non-finite, and at close; never on a healthy step",
+    )

@@ -1,12 +1,14 @@
 """The flight recorder and the run folder it writes into."""
+
 from __future__ import annotations
 
 import logging
 import os
 from collections import deque
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ._json import dumps
 from ._types import Alert, Health, StepRecord
@@ -21,8 +23,9 @@ class RunFolder:
     `recorder.directory`, else the Monitor's `run_dir`, else the first JSONL log's folder, else a
     new `nummon-runs/<timestamp>/` (announced once)."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None,
-                 sinks: Iterable[Any]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None, sinks: Iterable[Any]
+    ) -> None:
         self._explicit = directory if directory is not None else run_dir
         self._sinks = list(sinks)
         self._path: Path | None = None
@@ -85,8 +88,9 @@ class FlightRecords:
     (`nummon-flight-record-step<S>.json`) and each rollback's (`...-step<S>-rollback<N>.json`),
     with `-rank<R>` under torch.distributed, into the run folder."""
 
-    def __init__(self, recorder: FlightRecorder, folder: RunFolder, *, enabled: bool = True,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self, recorder: FlightRecorder, folder: RunFolder, *, enabled: bool = True, rank: int | None = None
+    ) -> None:
         self.recorder = recorder
         self.folder = folder
         self.enabled = enabled  # policy recorder.write
@@ -102,5 +106,7 @@ class FlightRecords:
         try:
             return self.recorder.dump(self.folder.path() / name, alert)
         except OSError as e:
-            log.warning("nummon: could not write the %sflight record: %s", "rollback " if rollback is not None else "", e)
+            log.warning(
+                "nummon: could not write the %sflight record: %s", "rollback " if rollback is not None else "", e
+            )
             return None

@@ -4,11 +4,12 @@ A step number that goes backwards or repeats (a resumed or restarted run appende
 file) starts a new segment: a one-line warning names file:line and the detectors start afresh,
 so no alert of one segment is raised or cleared by the other's steps.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from ._engine import HealthEngine
 from ._policy import Policy, PolicyLike, load_policy
@@ -37,8 +38,9 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
         yield from engine.step(rec).alerts
 
 
-def iter_replay_records(records: Iterable[StepRecord], policy: PolicyLike = None, warn: WarnFn | None = None,
-                        source: str = "log") -> Iterator[Alert]:
+def iter_replay_records(
+    records: Iterable[StepRecord], policy: PolicyLike = None, warn: WarnFn | None = None, source: str = "log"
+) -> Iterator[Alert]:
     """Alerts over records read by any reader (TensorBoard, HF, CSV, W&B), in order; a step
     that goes backwards starts a new segment, as in `iter_replay` (named to `warn` when given)."""
     pol: Policy = load_policy(policy)

@@ -6,6 +6,7 @@ Monitor call there (half a step done, a sink's lock held). So it only sets a fla
 thread is inside a Monitor call; that call acts on the flag as it leaves (the safe point). Outside
 any Monitor call (a forward, a data loader wait) there is nothing half-done, and it acts at once.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -15,13 +16,14 @@ import os
 import signal
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["register", "unregister", "safe_point"]
 
 log = logging.getLogger("nummon")
 
-_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
 _main = threading.main_thread()
 _depth = 0  # Monitor calls in progress on the main thread (the thread signal handlers run on)

@@ -2,6 +2,7 @@
 
 The dispatcher (`_dispatch.py`) runs each sink on its own thread; a sink only writes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -210,8 +211,12 @@ class ConsoleSink(BaseSink):
 
     synchronous = True
 
-    def __init__(self, logger: logging.Logger | None = None, min_severity: Severity | str = Severity.INFO,
-                 per_alert: bool = False) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger | None = None,
+        min_severity: Severity | str = Severity.INFO,
+        per_alert: bool = False,
+    ) -> None:
         self.logger = logger or log
         self.min_severity = Severity(min_severity)
         self.per_alert = per_alert
@@ -219,7 +224,9 @@ class ConsoleSink(BaseSink):
     def on_alert(self, alert: Alert) -> None:
         if not self.per_alert or alert.severity.rank < self.min_severity.rank:
             return
-        level = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.CRITICAL: logging.ERROR}[alert.severity]
+        level = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.CRITICAL: logging.ERROR}[
+            alert.severity
+        ]
         hint = f" | hint: {alert.hint}" if alert.hint and not alert.cleared else ""
         self.logger.log(level, "nummon %s%s", alert, hint)
 

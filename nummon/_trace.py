@@ -10,20 +10,29 @@ many in all. A file with no readable step record and some unreadable line is an 
 Non-finite numbers are read in both spellings: strict-JSON strings ("NaN", "Infinity",
 "-Infinity") and the bare literals Python and Hugging Face write (NaN, Infinity).
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ._errors import NummonError
 from ._format import clean_text
 from ._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 
-__all__ = ["TraceError", "UnreadableLine", "WarnFn", "expand_paths", "iter_steps", "parse_step_line", "read_trace",
-           "record_from_dict"]
+__all__ = [
+    "TraceError",
+    "UnreadableLine",
+    "WarnFn",
+    "expand_paths",
+    "iter_steps",
+    "parse_step_line",
+    "read_trace",
+    "record_from_dict",
+]
 
 _SPECIAL = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf, "inf": math.inf, "-inf": -math.inf}
 
@@ -78,7 +87,11 @@ def _text(v: str, limit: int = 500) -> str:
 def record_from_dict(obj: dict, where: str, default_step: int) -> StepRecord:
     """A StepRecord from one trace object (unknown keys are ignored)."""
     step = obj.get("step", default_step)
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or (isinstance(step, float) and not step.is_integer()):
+    if (
+        isinstance(step, bool)
+        or not isinstance(step, (int, float))
+        or (isinstance(step, float) and not step.is_integer())
+    ):
         raise TraceError(f"{where}: step must be an integer, got {_show(step)}")
     rec = StepRecord(step=int(step))
     for key in SCALAR_FIELDS + MECHANISM_FIELDS:
@@ -131,7 +144,7 @@ def parse_step_line(raw: bytes, where: str, default_step: int) -> StepRecord | N
     except UnreadableLine:
         raise
     except TraceError as e:
-        raise UnreadableLine(where, str(e)[len(where) + 2:], False) from None
+        raise UnreadableLine(where, str(e)[len(where) + 2 :], False) from None
 
 
 def _open(path: Path):

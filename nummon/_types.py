@@ -2,6 +2,7 @@
 
 Nothing here imports torch: detectors, replay and sinks all speak these types.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -108,11 +109,12 @@ class Health(str, enum.Enum):
         return self.value
 
 
-
 _HEALTH_CODE = {Health.HEALTHY: 0.0, Health.INCIDENT: 0.5, Health.EXTREME: 1.0, Health.NONFINITE: 2.0}
 #: What the plotted health numbers mean.
-HEALTH_LEGEND = ("health: 0 = healthy, 0.5 = incident (finite, but a warning or critical condition is open), "
-                 "1 = extreme (finite, few decades left before the dtype overflows), 2 = non-finite (NaN/Inf)")
+HEALTH_LEGEND = (
+    "health: 0 = healthy, 0.5 = incident (finite, but a warning or critical condition is open), "
+    "1 = extreme (finite, few decades left before the dtype overflows), 2 = non-finite (NaN/Inf)"
+)
 
 
 #: Scalar fields of a step record, in the order sinks and tables show them.
@@ -170,10 +172,10 @@ class ReadOnlyDict(dict):
     def __reduce__(self) -> Any:  # pickle / deepcopy rebuild from a plain dict, not item by item
         return (ReadOnlyDict, (dict(self),))
 
-    def __copy__(self) -> "ReadOnlyDict":
+    def __copy__(self) -> ReadOnlyDict:
         return self
 
-    def __deepcopy__(self, memo: Any) -> "ReadOnlyDict":
+    def __deepcopy__(self, memo: Any) -> ReadOnlyDict:
         return self  # immutable, and its values are floats
 
 
@@ -217,9 +219,13 @@ class StepRecord:
     output_logsumexp_mean: float | None = None  # mean log Z of the logits that go into cross-entropy
     output_logsumexp_max: float | None = None  # max log Z over positions
     output_logit_max: float | None = None  # max output logit
-    adam_ratio_rms: float | None = None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
+    adam_ratio_rms: float | None = (
+        None  # worst tensor's RMS of g / sqrt(v_hat) (<= 1/sqrt(1 - beta2); ~1 when v tracks g²)
+    )
     adam_small_grad_fraction: float | None = None  # fraction of gradient elements with |g| < Adam's eps
-    adam_ratio_bound: float | None = None  # sqrt((1 - beta2^t) / (1 - beta2)), the bound of adam_ratio_rms at Adam step t (the largest over param groups)
+    adam_ratio_bound: float | None = (
+        None  # sqrt((1 - beta2^t) / (1 - beta2)), the bound of adam_ratio_rms at Adam step t (the largest over param groups)
+    )
     update_ratio_max: float | None = None  # largest ||Adam update|| / ||param|| over tensors
     sample_loss_ratio: float | None = None  # max / mean of the per-sample losses (post_step(per_sample_loss=...))
     sample_loss_top: tuple[int, ...] = ()  # indices in the batch of the largest per-sample losses, worst first
@@ -233,10 +239,11 @@ class StepRecord:
         if self.__dict__.get("_frozen"):
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign to field {name!r}: a StepRecord is read-only once the engine has seen it "
-                "(use dataclasses.replace)")
+                "(use dataclasses.replace)"
+            )
         object.__setattr__(self, name, value)
 
-    def freeze(self) -> "StepRecord":
+    def freeze(self) -> StepRecord:
         """Make this record read-only, its per-layer dicts included (the engine does, before
         sinks on other threads hold it); returns it."""
         d = self.__dict__
@@ -290,7 +297,9 @@ class StepRecord:
             v = getattr(self, k)
             if v is not None and not isfinite(v):
                 return False
-        return all(map(isfinite, self.layer_grad_norms.values())) and all(map(isfinite, self.layer_activation_max.values()))
+        return all(map(isfinite, self.layer_grad_norms.values())) and all(
+            map(isfinite, self.layer_activation_max.values())
+        )
 
 
 @dataclass(frozen=True)
@@ -431,8 +440,13 @@ _VALUE_NAMES = {
 }
 
 
-def value_text(kind: AlertKind, metric: str, value: float | None, details: dict[str, Any] | None = None,
-               location: str | None = None) -> str | None:
+def value_text(
+    kind: AlertKind,
+    metric: str,
+    value: float | None,
+    details: dict[str, Any] | None = None,
+    location: str | None = None,
+) -> str | None:
     """The value of an alert with its name and unit ("loss 6.0e34 (3.7 decades of float32
     headroom left)", "1.6e6 non-finite elements in output of `fc1`"); None when it has none."""
     d = details or {}
@@ -458,17 +472,32 @@ def value_text(kind: AlertKind, metric: str, value: float | None, details: dict[
         return f"{value:.0%} of gradient elements below Adam's eps"
     text = _VALUE_NAMES.get((kind, metric), metric + " {v}").format(v=sci(value))
     ratio, base = d.get("ratio"), d.get("baseline")
-    if kind in (AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION) and isinstance(ratio, (int, float)) and isinstance(base, (int, float)):
+    if (
+        kind in (AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION)
+        and isinstance(ratio, (int, float))
+        and isinstance(base, (int, float))
+    ):
         text += f" ({ratio:.3g}x its recent median {sci(base)})"
     return text
 
 
 #: kinds whose threshold is in the unit of their value
-_THRESHOLD_IN_VALUE_UNITS = frozenset({AlertKind.EXTREME, AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION, AlertKind.DIVERGENCE,
-                                       AlertKind.OSCILLATION, AlertKind.ATTENTION_LOGITS, AlertKind.ADAM_SECOND_MOMENT})
+_THRESHOLD_IN_VALUE_UNITS = frozenset(
+    {
+        AlertKind.EXTREME,
+        AlertKind.LOSS_SPIKE,
+        AlertKind.EXPLOSION,
+        AlertKind.DIVERGENCE,
+        AlertKind.OSCILLATION,
+        AlertKind.ATTENTION_LOGITS,
+        AlertKind.ADAM_SECOND_MOMENT,
+    }
+)
 
 
-def threshold_text(kind: AlertKind, metric: str, threshold: float | None, details: dict[str, Any] | None = None) -> str | None:
+def threshold_text(
+    kind: AlertKind, metric: str, threshold: float | None, details: dict[str, Any] | None = None
+) -> str | None:
     """The limit an alert's value crossed, with its name and unit; None where there is none to say
     (a non-finite value has no threshold)."""
     if threshold is None or kind not in _THRESHOLD_IN_VALUE_UNITS:
@@ -496,12 +525,23 @@ class Contributor:
     value_text: str | None = None  # the value with its name and unit (see `value_text`)
 
     @classmethod
-    def from_alert(cls, a: Alert) -> "Contributor":
+    def from_alert(cls, a: Alert) -> Contributor:
         d = a.details or {}
         num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
-        return cls(a.step, a.kind, a.severity, a.metric, a.value, num("growth"), num("rate_per_step"),
-                   num("steps_to_overflow"), a.location, a.rank, bool(d.get("overflow_bound")),
-                   value_text(a.kind, a.metric, a.value, d, a.location))
+        return cls(
+            a.step,
+            a.kind,
+            a.severity,
+            a.metric,
+            a.value,
+            num("growth"),
+            num("rate_per_step"),
+            num("steps_to_overflow"),
+            a.location,
+            a.rank,
+            bool(d.get("overflow_bound")),
+            value_text(a.kind, a.metric, a.value, d, a.location),
+        )
 
     def line(self) -> str:
         """One Markdown list item."""
@@ -513,7 +553,9 @@ class Contributor:
             ov = self.steps_to_overflow
             if ov is not None and math.isfinite(ov):
                 n = max(1, round(ov))
-                parts[-1] += f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+                parts[-1] += (
+                    f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
+                )
             else:
                 parts[-1] += ")"
         if self.location and self.location not in (said or ""):
@@ -523,7 +565,12 @@ class Contributor:
         return "- " + " ".join(parts) + f" (step {self.step})"
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"step": self.step, "kind": self.kind.value, "severity": self.severity.value, "metric": self.metric}
+        d: dict[str, Any] = {
+            "step": self.step,
+            "kind": self.kind.value,
+            "severity": self.severity.value,
+            "metric": self.metric,
+        }
         for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
             v = getattr(self, k)
             if v is not None:
@@ -572,11 +619,15 @@ class IncidentEvent:
         if self.action:
             head = f"Incident {self.number} at step {self.step}: {self.action}. Now **{self.state.value}**."
         elif self.state is IncidentState.RESOLVED:
-            head = (f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
-                    "no open condition and no new alert since.")
+            head = (
+                f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
+                "no open condition and no new alert since."
+            )
         elif self.reopened is not None:
-            head = (f"Incident {self.number} re-opened at step {self.step}: **{self.state.value}** again "
-                    f"(its conditions had cleared at step {self.reopened}).")
+            head = (
+                f"Incident {self.number} re-opened at step {self.step}: **{self.state.value}** again "
+                f"(its conditions had cleared at step {self.reopened})."
+            )
         else:
             verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
             head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
@@ -621,11 +672,11 @@ class IncidentEvent:
             **({"report": self.report} if self.report else {}),
         }
 
-    def with_flight_record(self, path: str | None) -> "IncidentEvent":
+    def with_flight_record(self, path: str | None) -> IncidentEvent:
         """This event naming a flight record written after it was made."""
         return replace(self, flight_record=path)
 
-    def explained(self, explanation: str, hint: str | None) -> "IncidentEvent":
+    def explained(self, explanation: str, hint: str | None) -> IncidentEvent:
         """This event with the forensic explanation of its non-finite step (and its remedy)."""
         return replace(self, explanation=explanation, hint=hint or self.hint)
 

@@ -5,26 +5,51 @@ touched.
 Each function returns a report with `status` (PASS, PARTIAL, WARN, FAIL), its numbers, and a
 human summary via `str()`.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._diagnose_common import (Diagnosis, LossFn, LRRangeReport, Report, Status, copy_model, copy_with_batch,
-                               device_of, split_batch, to_device)
+from ._diagnose_common import (
+    Diagnosis,
+    LossFn,
+    LRRangeReport,
+    Report,
+    Status,
+    copy_model,
+    copy_with_batch,
+    device_of,
+    split_batch,
+    to_device,
+)
 from ._errors import NummonError
 from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
 from ._functional import MAD_TO_SIGMA
+from ._overfit import OVERFIT_LRS, overfit_one_batch
 from ._sinks import as_sink
 from ._types import Health, StepRecord
-from ._overfit import OVERFIT_LRS, overfit_one_batch
 
 __all__ = [
-    "Status", "Report", "Diagnosis", "LRRangeReport", "OVERFIT_LRS", "overfit_one_batch", "check_gradients", "check_data",
-    "check_loader", "check_weights", "lr_range_test", "run_all", "explain_nonfinite", "NonfiniteReport", "CAUSES",
+    "Status",
+    "Report",
+    "Diagnosis",
+    "LRRangeReport",
+    "OVERFIT_LRS",
+    "overfit_one_batch",
+    "check_gradients",
+    "check_data",
+    "check_loader",
+    "check_weights",
+    "lr_range_test",
+    "run_all",
+    "explain_nonfinite",
+    "NonfiniteReport",
+    "CAUSES",
 ]
 
 # ------------------------------------------------------------------ overfit one batch
@@ -33,6 +58,7 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ gradients
+
 
 def check_gradients(
     model: nn.Module,
@@ -72,12 +98,15 @@ def check_gradients(
         elif d["norm"] > explode:
             warns.append(f"{name}: exploding gradient (norm {d['norm']:.3g} > {explode:g})")
         elif top > 0 and d["norm"] < vanish_ratio * top:
-            warns.append(f"{name}: vanishing gradient (norm {d['norm']:.3g}, < {vanish_ratio:g} of the largest {top:.3g})")
+            warns.append(
+                f"{name}: vanishing gradient (norm {d['norm']:.3g}, < {vanish_ratio:g} of the largest {top:.3g})"
+            )
     status = Status.FAIL if fails else (Status.WARN if warns else Status.PASS)
     return Report("check gradients", status, fails + warns, {"loss": float(loss.detach()), "per_parameter": per})
 
 
 # ------------------------------------------------------------------ data
+
 
 def _data_numbers(x: torch.Tensor, y: torch.Tensor | None, num_classes: int | None, outlier_z: float) -> dict[str, Any]:
     nums: dict[str, Any] = {"samples": int(x.shape[0]) if x.dim() else 1}
@@ -122,13 +151,17 @@ def _data_verdict(name: str, nums: dict[str, Any], num_classes: int | None, imba
     if nums.get("nan") or nums.get("inf"):
         fails.append(f"inputs hold {nums['nan']} NaN and {nums['inf']} Inf values")
     if nums.get("labels_out_of_range"):
-        fails.append(f"{nums['labels_out_of_range']} labels outside [0, {num_classes}) (label range {nums['label_min']}..{nums['label_max']})")
+        fails.append(
+            f"{nums['labels_out_of_range']} labels outside [0, {num_classes}) (label range {nums['label_min']}..{nums['label_max']})"
+        )
     elif nums.get("label_min", 0) < 0:
         fails.append(f"negative labels (min {nums['label_min']})")
     if nums.get("all_zero_samples"):
         warns.append(f"{nums['all_zero_samples']} of {nums['samples']} samples are all zeros")
     if nums.get("outliers"):
-        warns.append(f"{nums['outliers']} extreme outliers (robust z > threshold; max z {nums.get('max_robust_z', 0):.3g})")
+        warns.append(
+            f"{nums['outliers']} extreme outliers (robust z > threshold; max z {nums.get('max_robust_z', 0):.3g})"
+        )
     counts = [c for c in nums.get("label_counts", []) if c > 0]
     present = nums.get("label_counts", [])
     if counts:
@@ -148,15 +181,25 @@ def _data_verdict(name: str, nums: dict[str, Any], num_classes: int | None, imba
     return Report(name, status, fails + warns, nums)
 
 
-def check_data(x: torch.Tensor, y: torch.Tensor | None = None, num_classes: int | None = None,
-               outlier_z: float = 10.0, imbalance_limit: float = 10.0) -> Report:
+def check_data(
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    num_classes: int | None = None,
+    outlier_z: float = 10.0,
+    imbalance_limit: float = 10.0,
+) -> Report:
     """Inputs: non-finite counts, all-zero samples, extreme outliers (robust z), value range;
     labels: range against `num_classes`, histogram, imbalance ratio."""
     return _data_verdict("check data", _data_numbers(x, y, num_classes, outlier_z), num_classes, imbalance_limit)
 
 
-def check_loader(loader: Iterable, max_batches: int = 10, num_classes: int | None = None,
-                 outlier_z: float = 10.0, imbalance_limit: float = 10.0) -> Report:
+def check_loader(
+    loader: Iterable,
+    max_batches: int = 10,
+    num_classes: int | None = None,
+    outlier_z: float = 10.0,
+    imbalance_limit: float = 10.0,
+) -> Report:
     """`check_data` over the first `max_batches` batches of a loader, combined."""
     xs, ys = [], []
     for i, batch in enumerate(loader):
@@ -175,6 +218,7 @@ def check_loader(loader: Iterable, max_batches: int = 10, num_classes: int | Non
 
 
 # ------------------------------------------------------------------ weights
+
 
 def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 1e-8) -> Report:
     """Per parameter: non-finite values, near-constant weights (bad initialisation; biases and
@@ -196,7 +240,9 @@ def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 
             if w.dim() >= 2 and w.numel() > 1 and d["max_abs"] == 0.0:
                 zero.append(name)  # zero init is deliberate in many models (LoRA B, position tables)
             elif w.dim() >= 2 and w.numel() > 1 and d["std"] <= constant_std * max(1.0, d["max_abs"]):
-                warns.append(f"{name}: all weights (near) identical ({float(wf.reshape(-1)[0]):.4g}): units stay symmetric and learn the same thing")
+                warns.append(
+                    f"{name}: all weights (near) identical ({float(wf.reshape(-1)[0]):.4g}): units stay symmetric and learn the same thing"
+                )
             if d["max_abs"] > max_abs:
                 warns.append(f"{name}: absurd scale (max |w| {d['max_abs']:.3g} > {max_abs:g})")
         per[name] = d
@@ -207,6 +253,7 @@ def check_weights(model: nn.Module, max_abs: float = 1e3, constant_std: float = 
 
 
 # ------------------------------------------------------------------ LR range test
+
 
 def lr_range_test(
     model: nn.Module,
@@ -228,27 +275,59 @@ def lr_range_test(
     step as a record with `loss` and `lr`."""
     if not (0 < start < end):
         raise NummonError(f"lr_range_test needs 0 < start < end, got start={start!r}, end={end!r}")
-    lrs, smoothed, diverged = _sweep(model, loader, loss_fn, optimizer_cls, start, end, steps, smooth, diverge_factor,
-                                     [as_sink(s) for s in sinks], optimizer_kwargs)
+    lrs, smoothed, diverged = _sweep(
+        model,
+        loader,
+        loss_fn,
+        optimizer_cls,
+        start,
+        end,
+        steps,
+        smooth,
+        diverge_factor,
+        [as_sink(s) for s in sinks],
+        optimizer_kwargs,
+    )
     suggested = _steepest_descent(lrs, smoothed, smooth)
     findings = []
     if suggested is not None:
         findings.append(f"steepest descent at lr {suggested:.3g}")
     else:
         findings.append("the loss never fell during the sweep")
-    findings.append(f"diverged at lr {diverged:.3g}" if diverged is not None else f"no divergence up to lr {lrs[-1] if lrs else end:.3g}")
+    findings.append(
+        f"diverged at lr {diverged:.3g}"
+        if diverged is not None
+        else f"no divergence up to lr {lrs[-1] if lrs else end:.3g}"
+    )
     status = Status.PASS if suggested is not None else Status.WARN
-    rep = LRRangeReport("lr range test", status, findings,
-                        {"suggested_lr": suggested, "diverged_lr": diverged, "steps_run": len(lrs)},
-                        lrs=lrs, losses=smoothed, suggested_lr=suggested, diverged_lr=diverged)
+    rep = LRRangeReport(
+        "lr range test",
+        status,
+        findings,
+        {"suggested_lr": suggested, "diverged_lr": diverged, "steps_run": len(lrs)},
+        lrs=lrs,
+        losses=smoothed,
+        suggested_lr=suggested,
+        diverged_lr=diverged,
+    )
     if plot:
         _plot_lr_range(rep, plot)
     return rep
 
 
-def _sweep(model: nn.Module, loader: Iterable, loss_fn: LossFn, optimizer_cls: type[torch.optim.Optimizer], start: float,
-           end: float, steps: int, smooth: float, diverge_factor: float, sinks: list[Any],
-           optimizer_kwargs: dict[str, Any]) -> tuple[list[float], list[float], float | None]:
+def _sweep(
+    model: nn.Module,
+    loader: Iterable,
+    loss_fn: LossFn,
+    optimizer_cls: type[torch.optim.Optimizer],
+    start: float,
+    end: float,
+    steps: int,
+    smooth: float,
+    diverge_factor: float,
+    sinks: list[Any],
+    optimizer_kwargs: dict[str, Any],
+) -> tuple[list[float], list[float], float | None]:
     """(learning rates, bias-corrected EMA losses, the lr it diverged at or None) of the sweep on a copy."""
     clone = copy_model(model)
     dev = device_of(clone)
@@ -299,8 +378,10 @@ def _steepest_descent(lrs: list[float], smoothed: list[float], smooth: float) ->
     skip = min(round(1 / (1 - smooth)) if smooth < 1 else 0, max(len(smoothed) - 3, 0))
     if len(smoothed) < 3:
         return None
-    logs = [math.log10(l) for l in lrs]
-    slopes = [(smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)]
+    logs = [math.log10(lr) for lr in lrs]
+    slopes = [
+        (smoothed[j + 1] - smoothed[j - 1]) / (logs[j + 1] - logs[j - 1]) for j in range(1 + skip, len(smoothed) - 1)
+    ]
     j = min(range(len(slopes)), key=lambda k: slopes[k])
     return lrs[j + 1 + skip] if slopes[j] < 0 else None
 
@@ -331,8 +412,15 @@ def _plot_lr_range(rep: LRRangeReport, path: str) -> None:
 
 # ------------------------------------------------------------------ all of it
 
-def run_all(model: nn.Module, loader: Iterable, loss_fn: LossFn, num_classes: int | None = None,
-            overfit_steps: int = 200, overfit_lr: float | None = None) -> Diagnosis:
+
+def run_all(
+    model: nn.Module,
+    loader: Iterable,
+    loss_fn: LossFn,
+    num_classes: int | None = None,
+    overfit_steps: int = 200,
+    overfit_lr: float | None = None,
+) -> Diagnosis:
     """data -> overfit one batch -> gradients -> weights, stopping at the first FAIL.
     `overfit_steps` caps each learning rate's steps; `overfit_lr`, when given, is tried first."""
     reports: list[Report] = []

@@ -7,6 +7,7 @@ logged every `every` steps. The truth is the first step whose |x| exceeds the dt
 from the per-step series (also when that step is not logged); the first logged step at or after
 it carries inf, and the trace ends there.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ SHAPES = {
     "constant": lambda k, a, _b: a * k,  # x10^a per step
     "quadratic": lambda k, a, c: a * k + c * k * k,  # the rate rises linearly
     "double_exp": lambda k, amp, lam: amp * math.expm1(lam * k),  # the rate rises geometrically
-    "decelerating": lambda k, a, rho: a * (1.0 - rho ** k) / (1.0 - rho),  # the rate decays by rho per step
+    "decelerating": lambda k, a, rho: a * (1.0 - rho**k) / (1.0 - rho),  # the rate decays by rho per step
 }
 
 

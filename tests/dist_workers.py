@@ -1,4 +1,5 @@
 """Worker functions for the distributed tests (importable by spawned processes)."""
+
 import datetime
 import json
 import os
@@ -100,13 +101,17 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
             break
     mon.close()
     calls.__exit__()
-    _out(out_dir, rank, {
-        "alerts": [a.to_dict() | {"rank": a.rank} for a in mon.alerts],
-        "stopped_at": stopped_at,
-        "collectives": per_step_collectives,
-        "sink_records": len(mem.records),
-        "sink_alerts": len(mem.alerts),
-    })
+    _out(
+        out_dir,
+        rank,
+        {
+            "alerts": [a.to_dict() | {"rank": a.rank} for a in mon.alerts],
+            "stopped_at": stopped_at,
+            "collectives": per_step_collectives,
+            "sink_records": len(mem.records),
+            "sink_alerts": len(mem.alerts),
+        },
+    )
     del ddp
     teardown()
     _exit()
@@ -231,8 +236,9 @@ def fsdp1_grad_norm(rank, world, port, out_dir):
 
 def ddp_finite_but_extreme(rank, world, port, out_dir):
     """DDP with weights near 1e20: every value finite, every float32 sum of squares overflows."""
-    import nummon
     from models import train_step
+
+    import nummon
 
     setup(rank, world, port)
     model = Net()
@@ -252,7 +258,11 @@ def ddp_finite_but_extreme(rank, world, port, out_dir):
         "param_norm": sum(float(p.detach().double().square().sum()) for p in params) ** 0.5,
     }
     mon.close()
-    _out(out_dir, rank, {"records": records, "ref": ref, "alerts": [(a.kind.value, a.severity.value) for a in mon.alerts]})
+    _out(
+        out_dir,
+        rank,
+        {"records": records, "ref": ref, "alerts": [(a.kind.value, a.severity.value) for a in mon.alerts]},
+    )
     del ddp
     teardown()
     _exit()
@@ -335,8 +345,16 @@ def compiled_ddp_mechanisms(rank, world, port, out_dir):
         per_step.append(calls.n - before)
     mon.close()
     calls.__exit__()
-    _out(out_dir, rank, {"records": records, "collectives": per_step, "errors": mon.stats.mechanisms.errors,
-                         "weights": [float(p.detach().sum()) for p in model.parameters()]})
+    _out(
+        out_dir,
+        rank,
+        {
+            "records": records,
+            "collectives": per_step,
+            "errors": mon.stats.mechanisms.errors,
+            "weights": [float(p.detach().sum()) for p in model.parameters()],
+        },
+    )
     del run, ddp
     teardown()
     _exit()

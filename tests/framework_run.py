@@ -1,5 +1,6 @@
 """What one framework run tells the shared framework suite (test_framework_callbacks.py), in nummon's
 step numbers (nummon step s is the framework's optimizer step s, counted from 0)."""
+
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -4,17 +4,17 @@ pre-norm residual MLP on synthetic data, CPU.
 The runaway: SGD whose learning rate doubles every step (a warmup to a peak far too high), with
 Lightning clipping gradients at 1.0. Without nummon the loss reaches NaN within ~25 steps.
 """
+
 import logging
 import warnings
 
 import lightning.pytorch as pl
 import torch
+from framework_run import Run
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from nummon.integrations.lightning import NummonCallback
-
-from framework_run import Run
 
 NAME = "lightning"
 EXTRA, MODULE = "lightning", "lightning"  # the install extra and the package it needs
@@ -81,25 +81,37 @@ def synthetic_data(batch=16):
 
 def trainer_for(root, callbacks, *, steps, loggers=False, accumulate=1, clip=1.0, precision="32-true"):
     return pl.Trainer(
-        accelerator="cpu", max_steps=steps, logger=loggers, callbacks=callbacks, default_root_dir=str(root),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision, log_every_n_steps=1,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=loggers,
+        callbacks=callbacks,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        precision=precision,
+        log_every_n_steps=1,
     )
 
 
 def fit(root, callbacks, *, runaway, steps, loggers=False, accumulate=1, clip=1.0, precision="32-true", batch=16):
     pl.seed_everything(0, verbose=False)
     model = TinyRegressor(1.0, 2.0) if runaway else TinyRegressor(1e-3, optimizer="adamw")
-    trainer = trainer_for(root, callbacks, steps=steps, loggers=loggers, accumulate=accumulate, clip=clip,
-                          precision=precision)
+    trainer = trainer_for(
+        root, callbacks, steps=steps, loggers=loggers, accumulate=accumulate, clip=clip, precision=precision
+    )
     trainer.fit(model, synthetic_data(batch))
     return trainer, model
 
 
 def _per_step(losses, accumulate=1):
     """{nummon step: the mean of its micro-batch losses}."""
-    return {s: sum(losses[accumulate * s: accumulate * s + accumulate]) / accumulate
-            for s in range(len(losses) // accumulate)}
+    return {
+        s: sum(losses[accumulate * s : accumulate * s + accumulate]) / accumulate
+        for s in range(len(losses) // accumulate)
+    }
 
 
 def runaway(root, cb=None, *, loggers=False):
@@ -110,8 +122,9 @@ def runaway(root, cb=None, *, loggers=False):
 
         tb = TensorBoardLogger(str(root / "tb"))
         wb = WandbLogger(offline=True, save_dir=str(root / "wb"), project="nummon-test")
-    trainer, model = fit(root, [cb] if cb else [], runaway=True, steps=RUNAWAY_STEPS,
-                         loggers=[tb, wb] if loggers else False)
+    trainer, model = fit(
+        root, [cb] if cb else [], runaway=True, steps=RUNAWAY_STEPS, loggers=[tb, wb] if loggers else False
+    )
     run = Run(trainer_steps=trainer.global_step, losses=_per_step(model.losses))
     if loggers:
         run.events_dir = run.tb_dir = tb.log_dir
@@ -128,8 +141,9 @@ def accumulated_and_clipped(root, cb):
     """6 steps of 4 micro-batches of 16, clipping at CLIP: the loss and unclipped norm of every step."""
     preclip = PreClipNorm()
     trainer, model = fit(root, [cb, preclip], runaway=False, steps=6, accumulate=4, clip=CLIP)
-    return Run(trainer_steps=trainer.global_step, losses=_per_step(model.losses, 4),
-               grad_norms=dict(enumerate(preclip.norms)))
+    return Run(
+        trainer_steps=trainer.global_step, losses=_per_step(model.losses, 4), grad_norms=dict(enumerate(preclip.norms))
+    )
 
 
 class PlantedLogOfZero(TinyRegressor):
@@ -147,8 +161,16 @@ class PlantedLogOfZero(TinyRegressor):
 def planted_log_of_zero(root, cb):
     """40 healthy AdamW steps whose loss becomes a log of 0 at step 30; returns the planted class."""
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=40, logger=False, callbacks=[cb], default_root_dir=str(root),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=40,
+        logger=False,
+        callbacks=[cb],
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(PlantedLogOfZero(1e-3, optimizer="adamw"), synthetic_data())
     return PlantedLogOfZero
 
@@ -186,9 +208,17 @@ def readme_blow_up(root, cb):
     torch.manual_seed(0)
     x = torch.randn(1024, 8)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=40, accumulate_grad_batches=2, logger=False, callbacks=[cb],
-                         default_root_dir=str(root), enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=40,
+        accumulate_grad_batches=2,
+        logger=False,
+        callbacks=[cb],
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     handler = StepLog(trainer)
     logging.getLogger("nummon").addHandler(handler)
     try:
@@ -200,4 +230,3 @@ def readme_blow_up(root, cb):
 
 def callback(sinks=(), **kwargs):
     return NummonCallback(sinks=list(sinks), **kwargs)
-

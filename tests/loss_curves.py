@@ -1,4 +1,5 @@
 """Shared by the detector tests: the loud (warning or critical) alerts over a loss curve."""
+
 from nummon import Policy, Severity, StepRecord
 from nummon._engine import HealthEngine
 

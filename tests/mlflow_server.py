@@ -1,6 +1,7 @@
 """A real MLflow tracking server for tests: `mlflow server` with a SQLite backend and an artifact
 folder under a temporary directory, on 127.0.0.1 and a free port, stopped by its PID (its process
 group: the server runs uvicorn in a child)."""
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,20 @@ class MlflowServer:
         self.log = root / "mlflow-server.log"
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no background job workers
         exe = Path(sys.executable).with_name("mlflow")
-        cmd = [str(exe) if exe.exists() else "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-               "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
-               "--workers", "1"]
+        cmd = [
+            str(exe) if exe.exists() else "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + startup_s

@@ -1,4 +1,5 @@
 """Small real models shared by the tests."""
+
 import torch
 from torch import nn
 

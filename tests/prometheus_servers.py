@@ -1,6 +1,7 @@
 """Real Prometheus and Alertmanager servers for tests (the Debian packages' binaries): started on
 127.0.0.1 with free ports and storage under the test's tmp_path, stopped by PID. Tests that need
 a binary skip, naming it, only when it is absent."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import webhook_receiver
 import yaml
 
@@ -74,7 +74,9 @@ class Server:
 
     def _ready(self, path: str) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"{self.proc.args[0]} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            raise AssertionError(
+                f"{self.proc.args[0]} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+            )
         with urllib.request.urlopen(self.url + path, timeout=2) as r:
             return r.status == 200
 
@@ -89,7 +91,9 @@ class Server:
         self._fh.close()
 
 
-def start_prometheus(tmp_path: Path, targets: list[str], rules: list[Path] = (), alertmanager: str | None = None) -> Server:
+def start_prometheus(
+    tmp_path: Path, targets: list[str], rules: list[Path] = (), alertmanager: str | None = None
+) -> Server:
     """Prometheus scraping `targets` (host:port) every second, evaluating `rules` every second."""
     exe = binary("prometheus")
     port = free_port()
@@ -102,8 +106,13 @@ def start_prometheus(tmp_path: Path, targets: list[str], rules: list[Path] = (),
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(yaml.safe_dump(config))
-    argv = [exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"]
+    argv = [
+        exe,
+        f"--config.file={cfg}",
+        f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--storage.tsdb.retention.time=1h",
+    ]
     return Server(argv, port, tmp_path / "prometheus.log")
 
 
@@ -128,8 +137,13 @@ def start_alertmanager(tmp_path: Path, config: dict) -> Server:
     port = free_port()
     cfg = tmp_path / "alertmanager.yml"
     cfg.write_text(yaml.safe_dump(config))
-    argv = [exe, f"--config.file={cfg}", f"--storage.path={tmp_path / 'alertmanager-data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
+    argv = [
+        exe,
+        f"--config.file={cfg}",
+        f"--storage.path={tmp_path / 'alertmanager-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",
+    ]
     return Server(argv, port, tmp_path / "alertmanager.log")
 
 

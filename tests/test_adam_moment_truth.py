@@ -5,6 +5,7 @@ The quantity: RMS over a tensor of g_t / sqrt(v_hat_t), v_t = beta2 v_{t-1} + (1
 sqrt((1 - beta2^t) / (1 - beta2)) because v_t >= (1 - beta2) g_t^2. The runs below are real
 torch.optim.Adam / AdamW runs on tiny models built here.
 """
+
 import math
 
 import pytest
@@ -20,13 +21,16 @@ EVERY_STEP = {"mechanisms": {"every": 1}}
 
 
 def _bound(beta2, t):
-    return math.sqrt((1 - beta2 ** t) / (1 - beta2))
+    return math.sqrt((1 - beta2**t) / (1 - beta2))
 
 
 @settings(max_examples=12, deadline=None)
-@given(beta2=st.sampled_from([0.9, 0.95, 0.99, 0.999, 0.9999]),
-       scales=st.lists(st.floats(min_value=-12, max_value=6), min_size=2, max_size=12),
-       before_step=st.booleans(), seed=st.integers(0, 2 ** 16))
+@given(
+    beta2=st.sampled_from([0.9, 0.95, 0.99, 0.999, 0.9999]),
+    scales=st.lists(st.floats(min_value=-12, max_value=6), min_size=2, max_size=12),
+    before_step=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_the_bound_printed_holds_on_real_adam_updates(beta2, scales, before_step, seed):
     """Random gradients (each step's scale 1e-12 .. 1e6, so v lags behind any jump) through real
     Adam; the Monitor's ratio is the hand-computed one and never above the bound it records, with
@@ -40,7 +44,7 @@ def test_the_bound_printed_holds_on_real_adam_updates(beta2, scales, before_step
     v = torch.zeros_like(model.w)
     try:
         for t, s in enumerate(scales, start=1):
-            x = torch.randn(7, 5, generator=gen) * 10.0 ** s
+            x = torch.randn(7, 5, generator=gen) * 10.0**s
             opt.zero_grad()
             (model.w * x).sum().backward()  # not model(...): no forward of the monitored module
             g = model.w.grad.detach().clone()
@@ -53,7 +57,7 @@ def test_the_bound_printed_holds_on_real_adam_updates(beta2, scales, before_step
                 rec = mon.post_step(1.0).record
             if t < 2:
                 continue
-            want = torch.sqrt((g.double() ** 2 / (v.double() / (1 - beta2 ** t)).clamp_min(1e-16)).mean()).item()
+            want = torch.sqrt((g.double() ** 2 / (v.double() / (1 - beta2**t)).clamp_min(1e-16)).mean()).item()
             assert rec.adam_ratio_bound == pytest.approx(_bound(beta2, t), rel=1e-9)
             assert rec.adam_ratio_rms <= rec.adam_ratio_bound * (1 + 1e-4)
             assert rec.adam_ratio_rms == pytest.approx(want, rel=1e-3, abs=1e-6)
@@ -61,7 +65,7 @@ def test_the_bound_printed_holds_on_real_adam_updates(beta2, scales, before_step
         mon.close()
 
 
-@given(beta2=st.floats(min_value=0.5, max_value=0.99999), t=st.integers(1, 10 ** 6))
+@given(beta2=st.floats(min_value=0.5, max_value=0.99999), t=st.integers(1, 10**6))
 def test_the_bound_rises_to_one_over_sqrt_one_minus_beta2(beta2, t):
     b = ratio_bound(beta2, t)
     assert 1 - 1e-9 <= b <= 1 / math.sqrt(1 - beta2) * (1 + 1e-12)
@@ -95,9 +99,18 @@ def test_readme_lightning_example_at_lr_1_is_not_stopped(tmp_path):
     x = torch.randn(1024, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
     cb = NummonCallback(policy="default", console=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=16, gradient_clip_val=1.0, accumulate_grad_batches=2,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[cb])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=16,
+        gradient_clip_val=1.0,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[cb],
+    )
     module = Regressor()
     trainer.fit(module, data)
     assert cb.stopped_at is None and trainer.global_step == 16

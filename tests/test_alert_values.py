@@ -1,5 +1,6 @@
 """Issue 35 point 5: every value an alert prints carries its name and unit: the terminal line, the
 alert body and the incident text (Slack, webhook and Alertmanager texts are made from them)."""
+
 import re
 
 import pytest
@@ -12,14 +13,27 @@ from nummon._types import Alert
 
 #: one alert of every kind, as its detector fills it (value, threshold, details)
 EXAMPLES = {
-    AlertKind.NONFINITE: dict(metric="nonfinite", value=1626000.0, threshold=0.0, location="output of `fc1` (forward)",
-                              details={"parts": ["activation"], "elements": 1626000}),
-    AlertKind.EXPLOSION: dict(metric="grad_norm", value=3e6, threshold=1.1e6, details={"ratio": 27.3, "baseline": 1.1e5}),
-    AlertKind.RUNAWAY: dict(metric="loss", value=6.428e8, threshold=1e3,
-                            details={"growth": 1e6, "rate_per_step": 368.0, "steps_to_overflow": 3.0}),
+    AlertKind.NONFINITE: dict(
+        metric="nonfinite",
+        value=1626000.0,
+        threshold=0.0,
+        location="output of `fc1` (forward)",
+        details={"parts": ["activation"], "elements": 1626000},
+    ),
+    AlertKind.EXPLOSION: dict(
+        metric="grad_norm", value=3e6, threshold=1.1e6, details={"ratio": 27.3, "baseline": 1.1e5}
+    ),
+    AlertKind.RUNAWAY: dict(
+        metric="loss",
+        value=6.428e8,
+        threshold=1e3,
+        details={"growth": 1e6, "rate_per_step": 368.0, "steps_to_overflow": 3.0},
+    ),
     AlertKind.LOSS_SPIKE: dict(metric="loss", value=48.42, threshold=20.0, details={"ratio": 12.1, "baseline": 4.0}),
     AlertKind.DIVERGENCE: dict(metric="loss", value=16.7, threshold=4.0),
-    AlertKind.EXTREME: dict(metric="loss", value=3.743, threshold=4.0, details={"dtype": "float32", "magnitude": 6.0e34}),
+    AlertKind.EXTREME: dict(
+        metric="loss", value=3.743, threshold=4.0, details={"dtype": "float32", "magnitude": 6.0e34}
+    ),
     AlertKind.STALL: dict(metric="loss", value=0.6931, threshold=0.001),
     AlertKind.OSCILLATION: dict(metric="loss", value=0.42, threshold=0.1),
     AlertKind.VANISHING: dict(metric="layer_grad_norm", value=1e-9, threshold=1e-6),
@@ -56,13 +70,21 @@ def test_headroom_says_the_value_and_the_decades_left():
     assert a.message.startswith("loss 6.0e34: only 3.8 decades of float32 headroom left (limit 4 decades)")
     text = plain_text(got.incidents[0].summary())
     assert "- critical extreme: loss 6.0e34 (3.8 decades of float32 headroom left) (step 150)" in text
-    assert "value: loss 6.0e34 (3.8 decades of float32 headroom left)  limit: 4 decades of float32 headroom" in alert_text(a)
+    assert (
+        "value: loss 6.0e34 (3.8 decades of float32 headroom left)  limit: 4 decades of float32 headroom"
+        in alert_text(a)
+    )
 
 
 def test_non_finite_alerts_say_what_their_number_counts():
     eng = HealthEngine(Policy.load("default"))
-    rec = StepRecord(step=80, loss=1.0, nonfinite_count=1626000, nonfinite_parts=("activation",),
-                     nonfinite_location="output of `fc1` (forward)")
+    rec = StepRecord(
+        step=80,
+        loss=1.0,
+        nonfinite_count=1626000,
+        nonfinite_parts=("activation",),
+        nonfinite_location="output of `fc1` (forward)",
+    )
     got = eng.step(rec)
     text = plain_text(got.incidents[0].summary())
     assert "- critical nonfinite: 1.6e6 non-finite elements in output of fc1 (forward) (step 80)" in text

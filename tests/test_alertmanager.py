@@ -1,6 +1,7 @@
 """`--notify alertmanager:URL`: incident events as Alertmanager v2 alerts. Against a recording
 endpoint on 127.0.0.1 (the payloads, re-posting, resolution, an HA pair with a dead member), and
 against the real Alertmanager with the shipped route, forwarding to a webhook receiver."""
+
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
 
 from nummon._errors import NummonError
 from nummon._policy import load_policy
@@ -20,7 +22,6 @@ from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
 from nummon._watch.metrics import FleetMetrics
 from nummon._watch.targets import parse_target
 from nummon._watch.watcher import Watcher
-from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
 
 
 def row(s):
@@ -82,10 +83,18 @@ class Event:
     """A watcher incident event as its to_dict() gives it."""
 
     def __init__(self, level, transition, kind="runaway", run="runs/a", state=None):
-        self.title = {0: "nummon: run recovered", 1: "nummon: run unstable", 3: "nummon: run lost"}.get(level, "nummon: run critical")
-        self._d = {"run": run, "level": level, "transition": transition, "title": self.title,
-                   "state": state or {0: "resolved", 1: "open", 2: "critical", 3: "nonfinite"}[level],
-                   "summary": f"run `{run}`: incident text {level}", "contributors": [{"kind": kind, "severity": "warning"}]}
+        self.title = {0: "nummon: run recovered", 1: "nummon: run unstable", 3: "nummon: run lost"}.get(
+            level, "nummon: run critical"
+        )
+        self._d = {
+            "run": run,
+            "level": level,
+            "transition": transition,
+            "title": self.title,
+            "state": state or {0: "resolved", 1: "open", 2: "critical", 3: "nonfinite"}[level],
+            "summary": f"run `{run}`: incident text {level}",
+            "contributors": [{"kind": kind, "severity": "warning"}],
+        }
 
     def to_dict(self):
         return dict(self._d)
@@ -104,9 +113,18 @@ def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink
         t.notify(Event(1, "opened", kind="loss_spike"))
         first = wait_for(lambda: sink.alerts(), 10, "the first post")[0]
         assert sink.batches[0][0] == "/api/v2/alerts"
-        assert first["labels"] == {"alertname": ALERTNAME, "run": "runs/a", "severity": "warning", "state": "open",
-                                   "kind": "loss_spike", "host": "watch-host"}
-        assert first["annotations"] == {"summary": "nummon: run unstable", "description": "run `runs/a`: incident text 1"}
+        assert first["labels"] == {
+            "alertname": ALERTNAME,
+            "run": "runs/a",
+            "severity": "warning",
+            "state": "open",
+            "kind": "loss_spike",
+            "host": "watch-host",
+        }
+        assert first["annotations"] == {
+            "summary": "nummon: run unstable",
+            "description": "run `runs/a`: incident text 1",
+        }
         assert parse_time(first["endsAt"]) > time.time()  # firing: it ends in the future unless re-posted
         # re-posted while open, same identity and start, its end pushed forward
         wait_for(lambda: len(sink.batches) >= 3, 10, "re-posts")
@@ -124,8 +142,11 @@ def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink
         # resolved: the firing alert is posted once more, ended now; no more re-posts of it
         n = len(sink.batches)
         t.notify(Event(0, "resolved"))
-        end = wait_for(lambda: next((b for _, b in sink.batches[n:] if parse_time(b[0]["endsAt"]) <= time.time() + 1), None),
-                       10, "the resolution")
+        end = wait_for(
+            lambda: next((b for _, b in sink.batches[n:] if parse_time(b[0]["endsAt"]) <= time.time() + 1), None),
+            10,
+            "the resolution",
+        )
         assert end[0]["labels"] == new["labels"]
         assert t.active() == {}
         assert t.failed == 0
@@ -159,8 +180,12 @@ def test_bad_alertmanager_url_is_named(spec):
 def test_url_credentials_are_basic_auth_and_never_logged(sink, caplog):
     import base64
 
-    t = AlertmanagerTarget(f"http://user:s3cret@127.0.0.1:{free_port()},{sink.url.replace('//', '//am:p%40ss@')}",
-                           timeout_s=0.5, retries=0, repeat_s=0.2)
+    t = AlertmanagerTarget(
+        f"http://user:s3cret@127.0.0.1:{free_port()},{sink.url.replace('//', '//am:p%40ss@')}",
+        timeout_s=0.5,
+        retries=0,
+        repeat_s=0.2,
+    )
     try:
         t.notify(Event(1, "opened"))
         wait_for(lambda: t.failed >= 3, 20, "three failures of the dead member")  # the first post and re-posts
@@ -172,6 +197,7 @@ def test_url_credentials_are_basic_auth_and_never_logged(sink, caplog):
 
 
 # --- the real Alertmanager --------------------------------------------------------------------
+
 
 @pytest.fixture
 def alertmanager(tmp_path):
@@ -212,8 +238,11 @@ def test_runaway_reaches_the_receiver_before_its_nan_is_written_then_resolves(tm
         rows.append(row(70))
         write_state(run_dir, rows)
         # one alert per open incident: the non-finite one, the earlier states ended
-        lost = wait_for(lambda: [a for a in am_alerts(server, run) if a["labels"]["state"] == "nonfinite"], 30,
-                        "the non-finite alert in Alertmanager")
+        lost = wait_for(
+            lambda: [a for a in am_alerts(server, run) if a["labels"]["state"] == "nonfinite"],
+            30,
+            "the non-finite alert in Alertmanager",
+        )
         assert len(am_alerts(server, run)) == 1
         assert lost[0]["labels"]["severity"] == "critical" and lost[0]["labels"]["kind"] == "nonfinite"
         assert "Incident 1 escalated" in lost[0]["annotations"]["description"]
@@ -224,8 +253,11 @@ def test_runaway_reaches_the_receiver_before_its_nan_is_written_then_resolves(tm
         rows.extend(row(s) for s in range(71, 140))  # the NaN clears after 10 finite records, then 50 quiet steps
         write_state(run_dir, rows)
         wait_for(lambda: am_alerts(server, run) == [], 30, "the alert to resolve in Alertmanager")
-        wait_for(lambda: any(t.startswith("\n[RESOLVED]") and run in t for t in receiver.texts()), 30,
-                 "the resolved message at the receiver")
+        wait_for(
+            lambda: any(t.startswith("\n[RESOLVED]") and run in t for t in receiver.texts()),
+            30,
+            "the resolved message at the receiver",
+        )
         assert target.failed == 0
     finally:
         watcher.stop.set()
@@ -238,13 +270,22 @@ def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink
 
     log = tmp_path / "runs" / "a" / "events.jsonl"
     log.parent.mkdir(parents=True)
-    log.write_text("".join(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n"
-                           for s in range(66)))  # the runaway is critical, not yet lost
+    log.write_text(
+        "".join(
+            dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n" for s in range(66)
+        )
+    )  # the runaway is critical, not yet lost
     state = tmp_path / "state.json"
 
     def watcher(target):
-        return Watcher([str(tmp_path / "runs")], load_policy("default"), [target], state_path=str(state),
-                       observer=Observers([target]), errors=open(os.devnull, "w"))
+        return Watcher(
+            [str(tmp_path / "runs")],
+            load_policy("default"),
+            [target],
+            state_path=str(state),
+            observer=Observers([target]),
+            errors=open(os.devnull, "w"),
+        )
 
     first_target = AlertmanagerTarget(sink.url)
     first = watcher(first_target)
@@ -282,6 +323,7 @@ def test_two_alertmanager_targets_are_two_in_the_outbox_and_failures_count_once(
 
 
 # --- round 4: a hung member, a hung Alertmanager, redirects, a deleted run ---------------------
+
 
 class Hung:
     """An address that accepts connections (the kernel's backlog) and never answers."""
@@ -394,22 +436,38 @@ def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
 
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
-    (run_dir / "events.jsonl").write_text("".join(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}})
-                                                  + "\n" for s in range(71)))  # lost at step 70
+    (run_dir / "events.jsonl").write_text(
+        "".join(
+            dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n" for s in range(71)
+        )
+    )  # lost at step 70
     target = AlertmanagerTarget(sink.url, repeat_s=0.2)
-    watcher = Watcher([str(tmp_path / "runs")], load_policy("default"), [target], observer=Observers([target]),
-                      errors=open(os.devnull, "w"))
+    watcher = Watcher(
+        [str(tmp_path / "runs")],
+        load_policy("default"),
+        [target],
+        observer=Observers([target]),
+        errors=open(os.devnull, "w"),
+    )
     try:
         watcher.poll_once()
         run = str(run_dir / "events.jsonl")
-        wait_for(lambda: [a for a in sink.alerts() if a["labels"]["run"] == run and a["labels"]["state"] == "nonfinite"],
-                 10, "the non-finite alert")
+        wait_for(
+            lambda: [a for a in sink.alerts() if a["labels"]["run"] == run and a["labels"]["state"] == "nonfinite"],
+            10,
+            "the non-finite alert",
+        )
         shutil.rmtree(run_dir)
         deleted = time.time()
         for _ in range(15):  # the watcher goes on (1.5 s: 7 re-post intervals)
             watcher.poll_once()
             time.sleep(0.1)
-        after = [(a, t) for (_, b), t in zip(sink.batches, sink.times) for a in b if t > deleted and a["labels"]["run"] == run]
+        after = [
+            (a, t)
+            for (_, b), t in zip(sink.batches, sink.times)
+            for a in b
+            if t > deleted and a["labels"]["run"] == run
+        ]
         assert len(after) <= 2 and after, after  # at most one re-post in flight, then its end
         assert parse_time(after[-1][0]["endsAt"]) <= time.time()  # the last word is its end ...
         assert target.active() == {}  # ... and it is never re-posted
@@ -426,6 +484,7 @@ def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     alert at most (the escalation's ended alert rides in the same message), a title that is
     never blank, and Slack mrkdwn."""
     import webhook_receiver
+
     from nummon._json import dumps
 
     slack, hook = Receiver(), webhook_receiver.Receiver("/am")

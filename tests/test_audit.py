@@ -1,4 +1,5 @@
 """`nummon audit` on real checkpoints: census, comparison, and files that are not checkpoints."""
+
 import contextlib
 import fractions
 import io
@@ -8,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import nummon_cmd
 from torch import nn
 
-from conftest import nummon_cmd
 from nummon._cli import main
 
 
@@ -32,6 +33,7 @@ def run_main(*args):
 
 
 # ------------------------------------------------------------------ audit
+
 
 @pytest.fixture
 def ckpts(tmp_path):
@@ -115,6 +117,7 @@ def test_audit_safetensors(tmp_path):
 
 # ------------------------------------------------------------------ exact comparisons (issue 12, item 12)
 
+
 def compare_files(tmp_path, a, b):
     torch.save(a, tmp_path / "x.pt")
     torch.save(b, tmp_path / "y.pt")
@@ -167,14 +170,16 @@ def test_a_large_checkpoint_is_read_memory_mapped_and_in_chunks(tmp_path):
         "rc = main(sys.argv[1:]); "
         "print(rc, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)"
     )
-    p = subprocess.run([sys.executable, "-c", code, "audit", str(tmp_path / "big.pt")],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", code, "audit", str(tmp_path / "big.pt")], capture_output=True, text=True, timeout=600
+    )
     rc, grown = map(int, p.stdout.strip().splitlines()[-1].split())
     assert rc == 1, p.stderr
     assert grown < 2.0 * size * 4, f"peak grew by {grown / 2**20:.0f} MB for a 256 MB checkpoint"
 
 
 # ------------------------------------------------------------------ special tensors (issue 12, item 14)
+
 
 def test_float8_meta_sparse_and_quantized_tensors(tmp_path):
     f8 = torch.tensor([1.0, float("nan"), 300.0]).to(torch.float8_e4m3fn)
@@ -200,12 +205,20 @@ def test_float8_meta_sparse_and_quantized_tensors(tmp_path):
 
 # ------------------------------------------------------------------ files that are not checkpoints (item 15, defect 9)
 
-@pytest.mark.parametrize("name,content,needle", [
-    ("notes.pt", b"epoch 3: loss 0.25\nall good\n", "is not a PyTorch checkpoint: it is a text file"),
-    ("noise.pt", bytes((i * 97 + 13) % 256 for i in range(4096)), "is not a PyTorch checkpoint: neither a torch zip archive"),
-    ("arr.pt", b"\x93NUMPY\x01\x00" + b"\x00" * 100, "it looks like a NumPy .npy array"),
-    ("empty.pt", b"", "the file is empty"),
-])
+
+@pytest.mark.parametrize(
+    "name,content,needle",
+    [
+        ("notes.pt", b"epoch 3: loss 0.25\nall good\n", "is not a PyTorch checkpoint: it is a text file"),
+        (
+            "noise.pt",
+            bytes((i * 97 + 13) % 256 for i in range(4096)),
+            "is not a PyTorch checkpoint: neither a torch zip archive",
+        ),
+        ("arr.pt", b"\x93NUMPY\x01\x00" + b"\x00" * 100, "it looks like a NumPy .npy array"),
+        ("empty.pt", b"", "the file is empty"),
+    ],
+)
 def test_files_that_are_not_checkpoints_are_named_not_trusted(tmp_path, name, content, needle):
     (tmp_path / name).write_bytes(content)
     rc, out, err = run_main("audit", tmp_path / name)
@@ -242,8 +255,14 @@ def test_a_healthy_lightning_checkpoint_passes_and_its_metadata_is_listed(tmp_pa
 
     torch.manual_seed(0)
     x = torch.randn(64, 4)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, default_root_dir=str(tmp_path),
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Tiny(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16))
     (ckpt,) = tmp_path.rglob("*.ckpt")
     rc, out, err = run_main("audit", ckpt)

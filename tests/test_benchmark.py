@@ -1,4 +1,5 @@
 """The overhead benchmark keeps running: one tiny round of two variants on the CPU."""
+
 import json
 import math
 import sys
@@ -12,12 +13,33 @@ import overhead  # noqa: E402
 
 def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert overhead.main(["--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1",
-                          "--only", "nummon default", "--system-malloc", "--probe-hooks", "--json", str(out)]) == 0
+    assert (
+        overhead.main(
+            [
+                "--device",
+                "cpu",
+                "--rounds",
+                "2",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--only",
+                "nummon default",
+                "--system-malloc",
+                "--probe-hooks",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     for key in ("ratio_to_bare", "paired_ratio", "mean_ratio"):
         assert set(res[key]) == {"bare", "nummon default"} and res[key]["bare"] == 1.0
-        assert math.isfinite(res[key]["nummon default"]) and res[key]["nummon default"] > 0  # a ratio, not a speed claim
+        assert (
+            math.isfinite(res[key]["nummon default"]) and res[key]["nummon default"] > 0
+        )  # a ratio, not a speed claim
     assert "nummon default" in capsys.readouterr().out
     probe = res["hook_reductions"]
     assert probe["outputs"] == 4  # conv1, conv2, fc1, fc2 of the demo CNN
@@ -27,14 +49,21 @@ def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
 
 def test_overhead_benchmark_rejects_an_unknown_variant():
     with pytest.raises(SystemExit, match="unknown variant"):
-        overhead.main(["--device", "cpu", "--rounds", "1", "--steps", "1", "--warmup", "1", "--only", "nope", "--system-malloc"])
+        overhead.main(
+            ["--device", "cpu", "--rounds", "1", "--steps", "1", "--warmup", "1", "--only", "nope", "--system-malloc"]
+        )
 
 
 def test_scale_benchmark_runs_and_reports_the_ratio_per_tensor(tmp_path, capsys):
     import overhead_scale
 
     out = tmp_path / "s.json"
-    assert overhead_scale.main(["--workloads", "tiny-20", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
+    assert (
+        overhead_scale.main(
+            ["--workloads", "tiny-20", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())["workloads"]["tiny-20"]
     assert res["tensors"] == 20 and set(res["variants"]) >= {"bare", "bare (A/A)", "nummon default"}
     ratio = res["variants"]["nummon default"]["paired_ratio"]

@@ -1,4 +1,5 @@
-""""Chance level" only on grounds: a known class count (stall.chance_loss) or a loss frozen exactly on ln k."""
+""" "Chance level" only on grounds: a known class count (stall.chance_loss) or a loss frozen exactly on ln k."""
+
 import math
 import random
 
@@ -9,8 +10,12 @@ from nummon._policy import load_policy
 
 def messages(losses, policy="default"):
     engine = HealthEngine(load_policy(policy))
-    return [a.message for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts
-            if a.severity.rank >= 1]
+    return [
+        a.message
+        for i, v in enumerate(losses)
+        for a in engine.step(StepRecord(step=i, loss=v)).alerts
+        if a.severity.rank >= 1
+    ]
 
 
 def test_a_seq2seq_loss_near_ln_6_is_not_called_a_6_class_classifier():

@@ -2,15 +2,16 @@
 zero and negatives where they mean nothing, every path-like option refuses the empty string,
 seeds stay in torch's range, and a log forced into a format it is not is refused. Each case:
 exit 2, one line on stderr naming the option and the value, no traceback, nothing run."""
+
 import argparse
 import math
 import subprocess
 
 import pytest
+from conftest import nummon_cmd
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import nummon_cmd
 from nummon._cli._common import MAX_SEED, seconds, seed
 
 
@@ -34,26 +35,40 @@ def log(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("option,value", [
-    ("--interval", "nan"), ("--interval", "inf"), ("--interval", "-inf"), ("--interval", "0"), ("--interval", "-1"),
-    ("--interval", "1e-300"), ("--interval", "1e12"),
-    ("--idle-timeout", "nan"), ("--idle-timeout", "inf"), ("--idle-timeout", "0"), ("--idle-timeout", "-5"),
-])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--interval", "nan"),
+        ("--interval", "inf"),
+        ("--interval", "-inf"),
+        ("--interval", "0"),
+        ("--interval", "-1"),
+        ("--interval", "1e-300"),
+        ("--interval", "1e12"),
+        ("--idle-timeout", "nan"),
+        ("--idle-timeout", "inf"),
+        ("--idle-timeout", "0"),
+        ("--idle-timeout", "-5"),
+    ],
+)
 def test_watch_numeric_options_refuse_meaningless_seconds(log, option, value):
     p = cli("watch", "--once", log, f"{option}={value}")  # "=": argparse reads a bare -inf as an option
     assert_one_line_error(p, f"argument {option}", repr(value))
 
 
-@pytest.mark.parametrize("argv,option", [
-    (["watch", "--once", "{log}", "--state", ""], "--state"),
-    (["watch", "--once", "{log}", "--metrics", ""], "--metrics"),
-    (["watch", "--once", "{log}", "--shard", ""], "--shard"),
-    (["watch", "--once", ""], "PATH"),
-    (["replay", ""], "PATH"),  # would replay every *.jsonl of the current folder
-    (["audit", ""], "CKPT"),
-    (["demo", "--out", ""], "--out"),
-    (["demo", "--device", ""], "--device"),
-])
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["watch", "--once", "{log}", "--state", ""], "--state"),
+        (["watch", "--once", "{log}", "--metrics", ""], "--metrics"),
+        (["watch", "--once", "{log}", "--shard", ""], "--shard"),
+        (["watch", "--once", ""], "PATH"),
+        (["replay", ""], "PATH"),  # would replay every *.jsonl of the current folder
+        (["audit", ""], "CKPT"),
+        (["demo", "--out", ""], "--out"),
+        (["demo", "--device", ""], "--device"),
+    ],
+)
 def test_empty_values_are_refused_not_ignored(log, tmp_path, argv, option):
     (tmp_path / "other.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
     p = cli(*[a.format(log=log) for a in argv], cwd=tmp_path)
@@ -69,7 +84,9 @@ def test_seeds_outside_torchs_range_are_refused(tmp_path, command, value):
     assert not (tmp_path / "nummon-runs").exists()
 
 
-@given(st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(["nan", "inf", "-inf", "NaN", "1e999", "x", ""]))
+@given(
+    st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(["nan", "inf", "-inf", "NaN", "1e999", "x", ""])
+)
 def test_seconds_accepts_exactly_the_finite_values_in_its_range(value):
     parse = seconds(0.01, 86400.0)
     text = value if isinstance(value, str) else repr(value)
@@ -93,8 +110,15 @@ def test_seed_accepts_exactly_0_to_2_63_minus_1(value):
             seed(str(value))
 
 
-@pytest.mark.parametrize("fmt,needle", [
-    ("tensorboard", "not a TensorBoard event file"), ("hf", "not a hf log"), ("csv", "not a metrics CSV"), ("wandb", "")])
+@pytest.mark.parametrize(
+    "fmt,needle",
+    [
+        ("tensorboard", "not a TensorBoard event file"),
+        ("hf", "not a hf log"),
+        ("csv", "not a metrics CSV"),
+        ("wandb", ""),
+    ],
+)
 def test_replay_refuses_a_jsonl_log_forced_into_another_format(log, fmt, needle):
     """The log holds a NaN: read as what it is not, it must be refused, never "no alerts"."""
     p = cli("replay", "--input-format", fmt, log)

@@ -1,5 +1,6 @@
 """What a user sees first: --version, each command's description and argument help, the policy
 checker's suggestions, the LICENSE, and the README's chart legend."""
+
 import argparse
 import contextlib
 import io
@@ -7,8 +8,8 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import ROOT, nummon_cmd
+
 from nummon import Health, __version__
 from nummon._cli import build_parser, main
 
@@ -110,9 +111,11 @@ def test_every_command_with_a_policy_gives_the_did_you_mean_hint(tmp_path, comma
     log = tmp_path / "run.jsonl"
     log.write_text('{"step": 0, "loss": 1.0}\n')
     target = [str(tmp_path / "demo-out")] if command[0] == "demo" else [str(log)]
-    p = subprocess.run(nummon_cmd() + command + target + ["--policy", str(policy)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        nummon_cmd() + command + target + ["--policy", str(policy)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.splitlines() == [
-        f"nummon: error: invalid policy {policy}: spike.grad_factr: unknown key (did you mean grad_factor?)"]
+        f"nummon: error: invalid policy {policy}: spike.grad_factr: unknown key (did you mean grad_factor?)"
+    ]
     assert not (tmp_path / "demo-out").exists()

@@ -5,6 +5,7 @@ with no trace left on training (random generators, buffers, graphs).
 
 `aot_eager` traces and functionalises like inductor, without compiling kernels (seconds, not a
 minute per model on this CPU)."""
+
 import math
 import warnings
 
@@ -211,8 +212,9 @@ def test_a_compiled_transformer_is_probed_on_its_first_sample_and_trains_as_with
         a.keep = True
     with torch.no_grad():
         model5(idx5[:1], idx5[:1])
-    assert recs5[4].layer_attention_logit_max == pytest.approx({"attn.0": model5.attn[0].kept, "attn.1": model5.attn[1].kept},
-                                                               rel=1e-5)
+    assert recs5[4].layer_attention_logit_max == pytest.approx(
+        {"attn.0": model5.attn[0].kept, "attn.1": model5.attn[1].kept}, rel=1e-5
+    )
 
 
 def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model():
@@ -237,16 +239,17 @@ def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import Trainer
+    from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
 
     from nummon.integrations.transformers import NummonCallback
-    from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
 
     dynamo.reset()
     model = tiny_gpt2()
     cb = NummonCallback(policy=QUIET, console=False)
     args = training_args(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
-    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False),
-                      callbacks=[cb])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False), callbacks=[cb]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -294,14 +297,19 @@ def test_log_z_is_measured_only_for_a_cross_entropy_of_the_compiled_output():
     run = torch.compile(head, backend="aot_eager")
     x, y = torch.randn(3, 4, 8), torch.randint(0, 5, (3, 4))
     ce = nn.functional.cross_entropy
-    reads = [ce(run(x).view(-1, 5), y.view(-1)) / 2,  # gradient accumulation's division
-             ce(run(x).transpose(1, 2), y),
-             nn.functional.nll_loss(nn.functional.log_softmax(run(x), -1).flatten(0, 1), y.flatten()),
-             ce(run(x).view(-1, 5), y.view(-1), label_smoothing=0.1)]
-    others = [run(x).square().mean(),  # no log-softmax: not logits
-              ce(head(x).view(-1, 5), y.view(-1)),  # eager logits
-              ce((run(x) / 2.0).view(-1, 5), y.view(-1)),  # computed from the output: not what the replay returns
-              torch.tensor(1.0), 1.0]
+    reads = [
+        ce(run(x).view(-1, 5), y.view(-1)) / 2,  # gradient accumulation's division
+        ce(run(x).transpose(1, 2), y),
+        nn.functional.nll_loss(nn.functional.log_softmax(run(x), -1).flatten(0, 1), y.flatten()),
+        ce(run(x).view(-1, 5), y.view(-1), label_smoothing=0.1),
+    ]
+    others = [
+        run(x).square().mean(),  # no log-softmax: not logits
+        ce(head(x).view(-1, 5), y.view(-1)),  # eager logits
+        ce((run(x) / 2.0).view(-1, 5), y.view(-1)),  # computed from the output: not what the replay returns
+        torch.tensor(1.0),
+        1.0,
+    ]
     for loss in reads + others:
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()  # as post_step sees it: after backward
@@ -320,8 +328,11 @@ class WholeBatchOnly(Net):
 
 def test_a_model_that_cannot_be_replayed_loses_only_its_forward_probes_said_once():
     errors = []
-    with pytest.warns(UserWarning, match=r"replaying the compiled model's first sample failed 3 times in a row "
-                                         r"\(ValueError: this model takes batches of 16\)") as said:
+    with pytest.warns(
+        UserWarning,
+        match=r"replaying the compiled model's first sample failed 3 times in a row "
+        r"\(ValueError: this model takes batches of 16\)",
+    ) as said:
         recs, _ = _train("before", steps=6, net=WholeBatchOnly, errors=errors)  # forward probes every step
     assert len(_nummon_warnings(said)) == 1 and said[0].filename == __file__
     assert errors == [3]  # not replayed after the third

@@ -1,9 +1,11 @@
 """The countdown of runaway alerts: steps left before overflow that never promise time that is not there."""
+
 import math
 
-from hypothesis import given, strategies as st
-
 from conftest import CORPUS, DATA
+from hypothesis import given
+from hypothesis import strategies as st
+
 from nummon import Severity, StepRecord
 from nummon._detectors.countdown import countdown
 from nummon._engine import HealthEngine
@@ -82,7 +84,10 @@ def test_a_rising_rate_says_at_most_only_when_measured():
     quad = countdown([(t, 0.1 * t * t) for t in range(6)], F32_DECADES)
     assert quad.rising and quad.phrase("float32").startswith("at most ~")
     steady = countdown([(0, 0.0), (1, 2.0), (2, 4.0), (3, 6.0)], F32_DECADES)
-    assert not steady.rising and steady.phrase("float32") == "~17 steps left until float32 overflow at today's rate (steady)"
+    assert (
+        not steady.rising
+        and steady.phrase("float32") == "~17 steps left until float32 overflow at today's rate (steady)"
+    )
     one_jump = countdown([(0, 0.0), (1, 0.5), (2, 1.0), (3, 3.0)], F32_DECADES)  # one pair of increments rises
     assert not one_jump.rising and "rising" not in one_jump.phrase("float32") and "(~" in one_jump.phrase("float32")
 

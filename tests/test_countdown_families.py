@@ -20,22 +20,26 @@ truth = the steps until |x| first exceeds the dtype's max (float32 unless the re
 - "grew Kx over N records (M steps) (xR per step)": K, N, M and R are those of the generated
   series (the streak: the records growing by at least min_growth per step up to the finding).
 """
+
 import math
 import re
 
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from countdown_families import Family
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from nummon import StepRecord
+from nummon._detectors.runaway import RunawayDetector
 from nummon._engine import HealthEngine
 from nummon._policy import load_policy
-from nummon._detectors.runaway import RunawayDetector
 
 POLICY = load_policy("default")
 MIN_GROWTH = POLICY.runaway.min_growth
 RANGE = re.compile(r"\(~(\d+)-(\d+) steps:")
-GREW = re.compile(r"grew ([0-9.e+]+)x over (?:(\d+) consecutive steps|(one|\d+) records? \((one|\d+) steps?\)) "
-                  r"\(x([0-9.e+]+) per step\)")
+GREW = re.compile(
+    r"grew ([0-9.e+]+)x over (?:(\d+) consecutive steps|(one|\d+) records? \((one|\d+) steps?\)) "
+    r"\(x([0-9.e+]+) per step\)"
+)
 
 
 def findings(fam: Family, engine: bool = False):
@@ -107,10 +111,17 @@ SHAPES = {
 
 
 def families(noise):
-    return st.sampled_from(sorted(SHAPES)).flatmap(lambda shape: st.builds(
-        lambda p, n, every, dtype, seed, prefix: Family(shape, p[0], p[1], n, every, prefix, dtype, seed),
-        SHAPES[shape], noise, st.sampled_from([1, 10, 100]), st.sampled_from(["float32", "float16"]),
-        st.integers(0, 2**16), st.integers(10, 40)))
+    return st.sampled_from(sorted(SHAPES)).flatmap(
+        lambda shape: st.builds(
+            lambda p, n, every, dtype, seed, prefix: Family(shape, p[0], p[1], n, every, prefix, dtype, seed),
+            SHAPES[shape],
+            noise,
+            st.sampled_from([1, 10, 100]),
+            st.sampled_from(["float32", "float16"]),
+            st.integers(0, 2**16),
+            st.integers(10, 40),
+        )
+    )
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,5 @@
 """`nummon demo` end to end (real training, real sinks, a real subprocess)."""
+
 import contextlib
 import io
 import json
@@ -9,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import nummon_cmd
+
 from nummon import _demo
 from nummon._cli import main
 from nummon._demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, DemoConfig
@@ -25,8 +26,14 @@ def demo_env(wandb_env):
     return dict(os.environ)
 
 
-WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true",
-             "WANDB_DISABLE_CODE": "true", "WANDB_X_DISABLE_STATS": "true"}
+WANDB_ENV = {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "WANDB_CONSOLE": "off",
+    "WANDB_DISABLE_GIT": "true",
+    "WANDB_DISABLE_CODE": "true",
+    "WANDB_X_DISABLE_STATS": "true",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,10 @@ def demo_run(tmp_path_factory):
 
 def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     p, out = demo_run
-    m = re.search(r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning", p.stdout)
+    m = re.search(
+        r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning",
+        p.stdout,
+    )
     assert m, p.stdout[-3000:]
     warn, crit, nf, lead = map(int, m.groups())
     assert warn <= crit <= nf and lead == nf - warn and lead >= 3
@@ -61,19 +71,27 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     assert any(e["type"] == "alert" and e["severity"] == "critical" for e in events)
     assert [p.parent.name for p in (out / "tensorboard").glob("*/events.out.tfevents.*")] == ["runaway-lr0.02-seed0"]
     # why the NaN happened: the operator, the module, the demo's own line, the cause
-    assert re.search(r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M), p.stdout[-2000:]
+    assert re.search(
+        r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M
+    ), p.stdout[-2000:]
     # the explanation travels with the critical alert and the incident event (event log, W&B text)
     lost = [e for e in events if e["type"] == "incident" and e["state"] == "nonfinite"]
-    assert lost and re.search(r"overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+",
-                              lost[0].get("explanation") or ""), lost
-    assert any(e["type"] == "alert" and e["kind"] == "nonfinite" and "why: overflow in aten::" in e["message"] for e in events)
+    assert lost and re.search(
+        r"overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", lost[0].get("explanation") or ""
+    ), lost
+    assert any(
+        e["type"] == "alert" and e["kind"] == "nonfinite" and "why: overflow in aten::" in e["message"] for e in events
+    )
     # the countdown of the first critical runaway alert promises no steps that were not there (an
     # earlier critical alert of another kind, e.g. output logits, has no countdown)
-    crit_alert = next(e for e in events if e["type"] == "alert" and e["severity"] == "critical" and e["kind"] == "runaway")
+    crit_alert = next(
+        e for e in events if e["type"] == "alert" and e["severity"] == "critical" and e["kind"] == "runaway"
+    )
     left = nf - crit_alert["step"]
     assert 1 <= crit_alert["details"]["steps_to_overflow"] <= 1.5 * left + 2, (crit_alert["message"], left)
     # one notification per incident event, at most 4: opened, escalated (critical), non-finite
-    from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
+    from wandb_reader import alerts as wandb_alerts
+    from wandb_reader import find_run_file, read_records
 
     sent = wandb_alerts(read_records(find_run_file(out)))
     assert [a.level for a in sent] == ["WARN", "ERROR", "ERROR"], [(a.title, a.level) for a in sent]
@@ -89,7 +107,8 @@ def test_demo_healthy_ends_with_no_warning(tmp_path, demo_env):
     p = cli("demo", "--healthy", "--out", str(tmp_path / "h"), env=demo_env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"no warning in {DEFAULT_STEPS} steps: the run stayed healthy." in p.stdout
-    from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
+    from wandb_reader import alerts as wandb_alerts
+    from wandb_reader import find_run_file, read_records
 
     assert wandb_alerts(read_records(find_run_file(tmp_path / "h"))) == []  # no notification at all
     assert not [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
@@ -108,12 +127,15 @@ def run_main(*args):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("args,needle,in_subprocess", [
-    (["demo", "--steps", "0"], "--steps must be >= 1", False),
-    (["demo", "--lr", "-1"], "--lr must be a positive number", False),
-    (["demo", "--device", "tpu:9"], "--device 'tpu:9' is not usable", True),  # torch's own error, in a real process
-    (["demo", "--steps", "abc"], "invalid int value", False),
-])
+@pytest.mark.parametrize(
+    "args,needle,in_subprocess",
+    [
+        (["demo", "--steps", "0"], "--steps must be >= 1", False),
+        (["demo", "--lr", "-1"], "--lr must be a positive number", False),
+        (["demo", "--device", "tpu:9"], "--device 'tpu:9' is not usable", True),  # torch's own error, in a real process
+        (["demo", "--steps", "abc"], "invalid int value", False),
+    ],
+)
 def test_demo_bad_options(args, needle, in_subprocess, tmp_path):
     if in_subprocess:
         p = cli(*args, "--out", str(tmp_path / "x"))
@@ -132,10 +154,13 @@ def test_demo_help_states_the_defaults_it_runs():
     assert _demo.prepare(DemoConfig(wandb=False)).lr == RUNAWAY_LR and DemoConfig().steps == DEFAULT_STEPS
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({}, "unknown policy preset 'typo'"),
-    ({"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not a W&B mode"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({}, "unknown policy preset 'typo'"),
+        ({"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not a W&B mode"),
+    ],
+)
 def test_bad_input_creates_nothing(tmp_path, monkeypatch, env, needle):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -207,7 +232,9 @@ README_RUN = "nummon-runs/20261201-101804"  # the output folder as the README sh
 README_WANDB_RUN = "offline-run-20261201_101804-xxxxxxxx"
 WANDB_RUN = re.compile(r"offline-run-\d{8}_\d{6}-\w+")
 DEMO_MODEL_PATH = re.compile(r"\S*nummon/_demo_model\.py")
-SUMMARY_LINE = re.compile(r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning\.")
+SUMMARY_LINE = re.compile(
+    r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning\."
+)
 BULLET = re.compile(r"^    - (info|warning|critical) (\w+) (\S+) .*\(step (\d+)\)$")
 
 
@@ -266,8 +293,11 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
             assert BULLET.match(line).groups() in bullets, line
     # every other line as printed: the table (optimizer-state "—" included), the NaN's layer and
     # operator, why and what to try, the commands; the first warning up to its message
-    others = [l for l in readme if l.strip() and not l.strip().startswith("-") and l.strip() != "..."
-              and not transitions.match(l)]
+    others = [
+        l
+        for l in readme
+        if l.strip() and not l.strip().startswith("-") and l.strip() != "..." and not transitions.match(l)
+    ]
     for line in others:
         if line.startswith("First warning: "):
             line = line.split(" — ")[0]
@@ -278,7 +308,11 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     assert table and all(l in readme for l in table)  # the whole closing table
     # the prose: the model, the optimizer, the switch, the claimed time
     assert f"lr {RUNAWAY_LR:g}" in prose and f"from step {SWITCH_STEP}" in " ".join(prose.split())
-    assert f"{WIDTH} and {2 * WIDTH} channels" in prose and f"{IMAGE_SIDE}x{IMAGE_SIDE}" in prose and f"batches of {DEMO_BATCH}" in prose
+    assert (
+        f"{WIDTH} and {2 * WIDTH} channels" in prose
+        and f"{IMAGE_SIDE}x{IMAGE_SIDE}" in prose
+        and f"batches of {DEMO_BATCH}" in prose
+    )
     (seconds,) = re.findall(r"about (\d+) s on 2 CPU cores", " ".join(prose.split()))
     assert int(seconds) == DEMO_SECONDS < 10  # measured by hand (see _demo_config); tests time nothing
 
@@ -286,7 +320,9 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
 def test_readme_names_the_layer_and_operator_the_demo_names(demo_run):
     """The forensics section quotes the demo's "Why:" line: the same operator, layer and line."""
     p, _ = demo_run
-    why = re.search(r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_demo_model\.py:\d+)", p.stdout, re.M)
+    why = re.search(
+        r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_demo_model\.py:\d+)", p.stdout, re.M
+    )
     assert why, p.stdout[-2000:]
     quoted = re.search(r"`nummon demo` ends with it \(\"Why: (.+?) \.\.\.\"\)", " ".join(README.read_text().split()))
     assert quoted and quoted.group(1) == why.group(1) + why.group(2), (quoted and quoted.group(1), why.groups())
@@ -297,6 +333,10 @@ if __name__ == "__main__":  # print the README excerpt of a fresh demo run (to r
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.run(nummon_cmd() + ["demo", "--out", d, *sys.argv[1:]], capture_output=True, text=True,
-                              env={**os.environ, **WANDB_ENV})
+        proc = subprocess.run(
+            nummon_cmd() + ["demo", "--out", d, *sys.argv[1:]],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **WANDB_ENV},
+        )
         print("\n".join(demo_excerpt(proc.stdout, proc.stderr, d)))

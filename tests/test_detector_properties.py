@@ -1,12 +1,13 @@
 """Properties every detector must keep, checked by hypothesis over generated loss curves:
 a falling noisy loss never warns, LLM-style loss spikes that recover are never critical, the
 scale-free detectors ignore the loss's units, and rows without a loss change nothing."""
+
 import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import Policy, Severity, StepRecord
+from nummon import Policy, StepRecord
 from nummon._engine import HealthEngine
 
 P = Policy.load("default")

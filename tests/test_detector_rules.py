@@ -1,6 +1,7 @@
 """The stall and divergence rules that the real-log dev set asked for (issue 13, second round):
 a frozen loss, a loss pinned at a classifier's chance level, an opt-in chance loss, and a loss
 held several times above the best it reached. Each is judged through the whole engine."""
+
 import math
 import random
 import re
@@ -8,11 +9,9 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from nummon import AlertKind, Policy, Severity
-
 from loss_curves import P, loud
-from nummon import StepRecord
+
+from nummon import AlertKind, Policy, Severity, StepRecord
 from nummon._engine import HealthEngine
 
 
@@ -186,7 +185,11 @@ def _grad_alerts(norms):
     eng = HealthEngine(P)
     out = []
     for i, g in enumerate(norms):
-        out += [a for a in eng.step(StepRecord(step=2 * i, loss=5.0 * 0.97**i, grad_norm=g)).alerts if a.severity is not Severity.INFO]
+        out += [
+            a
+            for a in eng.step(StepRecord(step=2 * i, loss=5.0 * 0.97**i, grad_norm=g)).alerts
+            if a.severity is not Severity.INFO
+        ]
     return out
 
 
@@ -233,20 +236,46 @@ def test_losses_at_the_ends_of_the_float_range_do_not_break_the_rebound_rule():
 
 def _log_alerts(rows):
     eng = HealthEngine(P)
-    return [a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-            if a.severity is not Severity.INFO]
+    return [
+        a
+        for i, (loss, g) in enumerate(rows)
+        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
+        if a.severity is not Severity.INFO
+    ]
 
 
 def test_a_logs_non_finite_grad_norm_beside_a_finite_loss_is_a_scaler_skip_and_no_alarm():
     """Hugging Face fp16 logs (tests/data/real/hf_llama2_qlora_fp16_inf_gradnorm): grad_norm inf at one
     step, the loss finite, the run fine after it: the GradScaler skipped the step. Said (info), not
     alarmed: the scaler calibrates so at the start of every fp16 run."""
-    losses = [0.4066, 0.3782, 0.4529, 0.3125, 0.2993, 0.2509, 0.2642, 0.2772, 0.3605, 0.3182, 0.2712, 0.3198,
-              0.3783, 0.3391, 0.2459, 0.238, 0.252, 0.2853, 0.2753, 0.2322]  # the log's steps 20 to 39
+    losses = [
+        0.4066,
+        0.3782,
+        0.4529,
+        0.3125,
+        0.2993,
+        0.2509,
+        0.2642,
+        0.2772,
+        0.3605,
+        0.3182,
+        0.2712,
+        0.3198,
+        0.3783,
+        0.3391,
+        0.2459,
+        0.238,
+        0.252,
+        0.2853,
+        0.2753,
+        0.2322,
+    ]  # the log's steps 20 to 39
     rows = [(v, 0.7) for v in losses]
     rows[13] = (0.3391, math.inf)  # step 33 of the log: the loss within its batch-to-batch noise
     eng = HealthEngine(P)
-    said = [a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts]
+    said = [
+        a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
+    ]
     assert [(a.kind, a.severity, a.step) for a in said] == [(AlertKind.NONFINITE, Severity.INFO, 14)]
     assert "loss scaler (fp16 AMP) skipping the step" in said[0].message and "fp16" in said[0].hint
     assert "harmless" not in said[0].message
@@ -276,14 +305,18 @@ def test_a_flat_loss_that_varies_from_batch_to_batch_is_no_stall():
     step: ~1.1 for its first epoch, a 6% spread from batch to batch. A model stuck at chance predicts alike
     for every input (the synthetic stalls: 0.2-3%); one whose loss varies this much is responding to them."""
     rnd = random.Random(12)
-    assert [a for a in loud((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)) if a.kind is AlertKind.STALL] == []
+    assert [
+        a for a in loud((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)) if a.kind is AlertKind.STALL
+    ] == []
     rnd = random.Random(12)
     assert AlertKind.STALL in kinds(loud((s, 2.3 * (1 + 0.02 * rnd.uniform(-1, 1))) for s in range(300)))
 
 
 def test_a_logs_runaway_that_ends_in_an_infinite_grad_norm_is_critical_at_once():
     """Not a scaler's skip: the gradient norm had run 100x above its level before going inf."""
-    got = _log_alerts([(1.0 + 0.01 * i, 1.0) for i in range(20)] + [(1.2, 3.0**i) for i in range(1, 8)] + [(1.2, math.inf)])
+    got = _log_alerts(
+        [(1.0 + 0.01 * i, 1.0) for i in range(20)] + [(1.2, 3.0**i) for i in range(1, 8)] + [(1.2, math.inf)]
+    )
     assert got[-1].severity is Severity.CRITICAL and got[-1].kind is AlertKind.NONFINITE and got[-1].step == 28
 
 
@@ -291,7 +324,12 @@ def test_a_loss_held_five_times_its_start_is_a_divergence_warning():
     """QLoRA at lr 5 (tests/data/real/hf_qlora_lr5_collapse_ln32000): 1.64, then 11.8 and 10.3735 (ln 32000,
     a uniform guess over the vocabulary) from then on: 6.3x where it started, by the fifth record."""
     got = loud(zip(range(1, 11), [1.637, 11.8069] + [10.3735] * 8))
-    assert got and got[0].kind is AlertKind.DIVERGENCE and got[0].step == 5 and "6.34x its starting level" in got[0].message
+    assert (
+        got
+        and got[0].kind is AlertKind.DIVERGENCE
+        and got[0].step == 5
+        and "6.34x its starting level" in got[0].message
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -315,8 +353,12 @@ def _noisy(level, n, rel, seed):
 def test_a_non_finite_grad_norm_beside_a_loss_28000x_its_median_is_critical_at_that_record():
     rows = [(v, 0.7) for v in _noisy(2.0, 30, 0.05, 1)] + [(2.0 * 28_000, math.nan)] + [(2.0, 0.7)] * 3
     eng = HealthEngine(P)
-    said = [a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-            if a.kind is AlertKind.NONFINITE]
+    said = [
+        a
+        for i, (loss, g) in enumerate(rows)
+        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
+        if a.kind is AlertKind.NONFINITE
+    ]
     assert said[0].step == 31 and said[0].severity is Severity.CRITICAL, [str(a) for a in said]
     assert "beyond its noise" in said[0].message and "harmless" not in said[0].message
     assert not any(a.severity is Severity.INFO and not a.cleared for a in said)
@@ -346,10 +388,16 @@ def test_a_skip_read_within_the_noise_that_is_followed_by_a_level_shift_is_criti
 def test_ordinary_fp16_skips_amid_a_noisy_flat_or_falling_loss_stay_info(seed, rel, at, falling):
     """The skip record's loss is drawn from the same noise as its neighbours: no warning, no critical."""
     rng = random.Random(seed)
-    losses = [(2.0 * (0.995 ** i if falling else 1.0)) * math.exp(min(2.5, max(-2.5, rng.gauss(0.0, 1.0))) * rel)
-              for i in range(at + 10)]
+    losses = [
+        (2.0 * (0.995**i if falling else 1.0)) * math.exp(min(2.5, max(-2.5, rng.gauss(0.0, 1.0))) * rel)
+        for i in range(at + 10)
+    ]
     rows = [(v, math.inf if i == at else 0.8) for i, v in enumerate(losses)]
     eng = HealthEngine(P)
-    said = [a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-            if a.kind is AlertKind.NONFINITE]
+    said = [
+        a
+        for i, (loss, g) in enumerate(rows)
+        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
+        if a.kind is AlertKind.NONFINITE
+    ]
     assert [(a.severity, a.step) for a in said] == [(Severity.INFO, at + 1)], [str(a) for a in said]

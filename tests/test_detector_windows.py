@@ -1,12 +1,13 @@
 """Baselines and windows on runs shaped like the real logs of issue 13 (coarse logging, early
 blow-ups, slow fine-tunes, long stalls, plateaus), each judged through the whole engine."""
+
 import math
 import random
 
+from loss_curves import P, loud
+
 from nummon import AlertKind, StepRecord
 from nummon._engine import HealthEngine
-
-from loss_curves import P, loud
 
 
 def test_a_loss_climbing_from_its_first_record_is_warned_at_once():
@@ -87,6 +88,8 @@ def test_the_trend_window_keeps_bounded_memory_over_a_long_run():
     trend = next(d for d in eng.detectors if d.section == "stall")._trend
     stalls = []
     for s in range(10_000):
-        stalls += [a for a in eng.step(StepRecord(step=s, loss=2.0 + 0.01 * (s % 7))).alerts if a.kind is AlertKind.STALL]
+        stalls += [
+            a for a in eng.step(StepRecord(step=s, loss=2.0 + 0.01 * (s % 7))).alerts if a.kind is AlertKind.STALL
+        ]
     assert len(trend._values) <= trend.MAX_POINTS and trend._stride > 1
     assert stalls, "still judged after thinning"

@@ -1,4 +1,5 @@
 """Each detector on traces made to trigger it and on traces that must not, plus properties."""
+
 import math
 from collections import deque
 
@@ -41,9 +42,17 @@ def run(det, values, field="loss", **extra):
 def test_nonfinite_first_location_sticks_while_condition_holds():
     det = make(NonfiniteDetector)
     assert det.update(StepRecord(step=0, loss=1.0)) == []
-    f = det.update(StepRecord(step=1, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `fc2` (forward)"))
+    f = det.update(
+        StepRecord(
+            step=1, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `fc2` (forward)"
+        )
+    )
     assert f[0].severity is Severity.CRITICAL and f[0].location == "output of `fc2` (forward)"
-    f2 = det.update(StepRecord(step=2, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `conv1` (forward)"))
+    f2 = det.update(
+        StepRecord(
+            step=2, loss=math.nan, nonfinite_parts=("activations",), nonfinite_location="output of `conv1` (forward)"
+        )
+    )
     assert f2[0].location == "output of `fc2` (forward)"  # still the first one
     assert det.update(StepRecord(step=3, loss=1.0)) == []
 
@@ -136,7 +145,9 @@ def test_vanishing_layer_among_live_ones():
     det = make(VanishingDetector)
     found = []
     for i in range(65):  # b learns for 5 steps, then its gradient is gone
-        found.append(det.update(StepRecord(step=i, layer_grad_norms={"a.weight": 1.0, "b.weight": 0.5 if i < 5 else 0.0})))
+        found.append(
+            det.update(StepRecord(step=i, layer_grad_norms={"a.weight": 1.0, "b.weight": 0.5 if i < 5 else 0.0}))
+        )
     assert not any(found[:54]) and "b.weight" in found[54][0].message
     assert found[54][0].details["layers"] == {"b.weight": 0.0}
 
@@ -189,7 +200,9 @@ def test_nan_and_inf_never_poison_statistics_afterwards(rows, n_clean):
     start = len(rows)
     late = []
     for j in range(n_clean):
-        alerts = engine.step(StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0)).alerts
+        alerts = engine.step(
+            StepRecord(step=start + j, loss=1.0, grad_norm=1.0, grad_max=0.1, activation_max=2.0)
+        ).alerts
         if j >= 55:
             late += [a for a in alerts if a.severity is not Severity.INFO]
     for d in engine.detectors:  # every detector's rolling windows hold only finite values again
@@ -237,9 +250,19 @@ def test_every_detector_keeps_bounded_memory_over_a_long_run():
     for n in (3000, 12000):
         for step in range(len(sizes) and 3000, n):
             noise = 1.0 + 0.01 * ((step * 7919) % 13)
-            engine.step(StepRecord(step=step, loss=2.0 / (1 + step / 500) * noise, grad_norm=noise, grad_max=0.1 * noise,
-                                   param_norm=10.0, activation_max=3.0 * noise, update_ratio=1e-3, lr=1e-3,
-                                   layer_grad_norms={"a": noise, "b": 0.5 * noise}))
+            engine.step(
+                StepRecord(
+                    step=step,
+                    loss=2.0 / (1 + step / 500) * noise,
+                    grad_norm=noise,
+                    grad_max=0.1 * noise,
+                    param_norm=10.0,
+                    activation_max=3.0 * noise,
+                    update_ratio=1e-3,
+                    lr=1e-3,
+                    layer_grad_norms={"a": noise, "b": 0.5 * noise},
+                )
+            )
         sizes.append({type(d).__name__: _state_size(d) for d in engine.detectors})
     assert len(sizes[1]) == len(engine.detectors) == len(build_detectors(P))
     assert {k: v for k, v in sizes[1].items() if v > sizes[0][k]} == {}

@@ -1,9 +1,11 @@
 """Diagnostics on models and data made to fail the way each one detects, and on healthy ones;
 none of them may change the user's model or optimizer."""
+
 import copy
 
 import pytest
 import torch
+from models import MLP
 from torch import nn
 
 import nummon
@@ -18,7 +20,6 @@ from nummon.diagnose import (
     overfit_one_batch,
     run_all,
 )
-from models import MLP
 
 CE = nn.functional.cross_entropy
 
@@ -53,7 +54,9 @@ def user():
         assert torch.equal(v, after[0][k]), f"model tensor {k} changed"
     for pid, st in snap[1]["state"].items():
         for k, v in st.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[1]["state"][pid][k])), "optimizer state changed"
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[1]["state"][pid][k])), (
+                "optimizer state changed"
+            )
 
 
 def test_overfit_one_batch_fails_when_the_model_cannot_learn(user):
@@ -132,6 +135,7 @@ def test_lr_range_test_finds_descent_and_divergence_and_plots_the_sweep(user, tm
     mem = nummon.MemorySink()
     try:
         import matplotlib  # noqa: F401
+
         out = tmp_path / "lr.png"
     except ImportError:  # the plot needs matplotlib; the sweep does not
         out = None

@@ -2,6 +2,7 @@
 (BatchNorm) and a two-block transformer (dropout, a zero-initialised position table) on random but
 learnable data; `overfit_one_batch` still fails on planted faults (labels paired differently on
 every fetch, softmax before CrossEntropyLoss, a frozen model, a detached output)."""
+
 import copy
 
 import pytest
@@ -34,9 +35,16 @@ class MLP(nn.Sequential):
 class SmallCNN(nn.Sequential):
     def __init__(self) -> None:
         super().__init__(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, 10),
+        )
 
 
 class TinyTransformer(nn.Module):
@@ -106,8 +114,12 @@ def test_every_check_passes_a_healthy_model(kind):
     assert 1e-3 < sweep.suggested_lr < (sweep.diverged_lr or sweep.lrs[-1])
     assert "PASS" in str(reports["overfit_one_batch"])
     everything = reports["run_all"]
-    assert [r.name for r in everything.reports] == ["check loader", "overfit one batch", "check gradients",
-                                                    "check weights"]
+    assert [r.name for r in everything.reports] == [
+        "check loader",
+        "overfit one batch",
+        "check gradients",
+        "check weights",
+    ]
     assert everything.stopped_at is None
     overfit = reports["overfit_one_batch"].numbers
     assert overfit["accuracy"] == 1.0 and overfit["best_over_reference"] <= 0.01
@@ -126,7 +138,7 @@ def test_an_explicit_lr_is_tried_first_and_the_cost_is_reported():
     model, loader, _ = healthy("mlp")
     rep = overfit_one_batch(model, loader[0], CE, steps=40, lr=1e-4)
     trials = rep.numbers["trials"]
-    assert [t["lr"] for t in trials] == [1e-4, *OVERFIT_LRS][:len(trials)] and len(trials) >= 2
+    assert [t["lr"] for t in trials] == [1e-4, *OVERFIT_LRS][: len(trials)] and len(trials) >= 2
     assert trials[0]["ended"] in ("budget", "flat") and trials[-1]["ended"] == "memorised"
     assert rep.status is Status.PASS and rep.numbers["lr"] == trials[-1]["lr"]
     assert rep.numbers["steps"] == sum(t["steps"] for t in trials) <= 40 * len(trials)
@@ -209,10 +221,13 @@ def test_a_loss_with_a_known_floor_passes_with_loss_floor():
     assert overfit_one_batch(model, loader[0], smooth, loss_floor=floor).status is Status.PASS
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"lr": -1.0}, r"^overfit_one_batch needs positive learning rates, got lr=-1\.0"),
-    ({"lrs": ()}, r"^overfit_one_batch needs positive learning rates"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lr": -1.0}, r"^overfit_one_batch needs positive learning rates, got lr=-1\.0"),
+        ({"lrs": ()}, r"^overfit_one_batch needs positive learning rates"),
+    ],
+)
 def test_bad_learning_rates_are_one_line_errors(kwargs, message):
     model, loader, _ = healthy("mlp")
     with pytest.raises(NummonError, match=message):

@@ -1,10 +1,10 @@
 """Real gloo process groups on CPU: DDP, FSDP2, identical decisions, one collective per step."""
+
 import json
 import socket
 
-import pytest
-
 import dist_workers as W
+import pytest
 from conftest import start_ranks
 
 
@@ -58,7 +58,9 @@ def test_a_dead_rank_does_not_hang_the_monitor(tmp_path):
     assert "group timeout 5 s" in res[0]["error"]  # the group's own timeout, not the 1800 s default
 
 
-@pytest.mark.parametrize("variant, what", [("x_only", "a batch of 1 tensor(s) on rank 1"), ("none", "no batch on rank 1")])
+@pytest.mark.parametrize(
+    "variant, what", [("x_only", "a batch of 1 tensor(s) on rank 1"), ("none", "no batch on rank 1")]
+)
 def test_ranks_passing_different_batches_get_a_distributed_error(variant, what, tmp_path):
     res = spawn(W.mismatched_batches, 2, tmp_path, variant)
     for r in res:  # every rank sees every header: every rank raises the same error

@@ -1,5 +1,6 @@
 """The health engine owns its state: one entry point, rebaseline, mark_acted, state_dict; records
 are frozen once it has seen them."""
+
 import dataclasses
 import json
 
@@ -33,8 +34,9 @@ def test_a_restored_engine_continues_where_the_saved_one_was():
     assert cold.health is Health.HEALTHY and b.health is not Health.HEALTHY  # the saved state mattered
 
 
-@pytest.mark.parametrize("bad", [{"incident": "abc"}, {"first": [{"step": "x"}]}, {"history": 3},
-                                 {"incident": {"state": "on fire"}}])
+@pytest.mark.parametrize(
+    "bad", [{"incident": "abc"}, {"first": [{"step": "x"}]}, {"history": 3}, {"incident": {"state": "on fire"}}]
+)
 def test_a_bad_saved_state_is_a_one_line_state_error_and_changes_nothing(bad):
     engine = HealthEngine(POLICY)
     run(engine, RUNAWAY)
@@ -57,8 +59,13 @@ def test_rebaseline_starts_the_detectors_afresh_and_keeps_the_incident():
 
 def test_mark_acted_is_one_event_naming_the_action():
     engine = HealthEngine(POLICY)
-    alert = Alert(step=3, kind=AlertKind.RUNAWAY, severity=Severity.WARNING, metric="recovery",
-                  message="recovered: rolled back to step 0")
+    alert = Alert(
+        step=3,
+        kind=AlertKind.RUNAWAY,
+        severity=Severity.WARNING,
+        metric="recovery",
+        message="recovered: rolled back to step 0",
+    )
     ev = engine.mark_acted(alert)
     assert ev.action == "recovered: rolled back to step 0" and engine.incident_state is IncidentState.OPEN
 

@@ -1,10 +1,11 @@
 """Batch fingerprints: deterministic, sensitive to one changed input, carried into alerts and
 the flight recorder."""
+
 import torch
+from models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor
-from models import MLP
 
 CE = nn.functional.cross_entropy
 

@@ -1,6 +1,7 @@
 """explain_nonfinite: one planted example per cause, each asserting the exact operator, cause,
 stage and that the location is this file's own line; plus state preservation, module paths and
 no false alarm on healthy steps (including a harmless -inf attention mask)."""
+
 from __future__ import annotations
 
 import inspect
@@ -79,10 +80,12 @@ def test_inf_minus_inf_of_deliberate_infinities_is_an_invalid_operation():
     # arithmetic meets them. The NaN is made by the subtraction, so that is where the blame goes.
     x = torch.randn(6)
     mask = torch.tensor([True, False, True, False, False, False])
+
     def loss():
         padded = x.masked_fill(mask, float("inf"))
         where.append(_next_line())
         return (padded - padded).sum()
+
     where: list[str] = []
     report = explain_nonfinite(loss)
     _assert_report(report, "aten::sub", "invalid_operation", "forward", where[0])
@@ -165,9 +168,11 @@ def test_a_dict_result_is_judged_by_its_loss_not_by_masked_logits():
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
     x, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+
     def step():
         logits = model(x).masked_fill(torch.tensor([False, False, False, True]), float("-inf"))
         return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
     assert explain_nonfinite(step) is None
     x[0, 0] = float("nan")
     report = explain_nonfinite(step)
@@ -219,11 +224,17 @@ def test_backward_failures_report_the_forward_ops_module():
     class Norm(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.sqrt((x * x).sum(-1))
+
     model = nn.Sequential(nn.Linear(3, 3, bias=False), Norm())
     with torch.no_grad():
         model[0].weight.zero_()
     report = explain_nonfinite(lambda: model(torch.randn(2, 3)).sum())
-    assert (report.stage, report.forward_op, report.module, report.cause) == ("backward", "aten::sqrt", "1", "invalid_operation")
+    assert (report.stage, report.forward_op, report.module, report.cause) == (
+        "backward",
+        "aten::sqrt",
+        "1",
+        "invalid_operation",
+    )
 
 
 # -- state, healthy steps, bad input ---------------------------------------------------------------
@@ -284,9 +295,11 @@ def test_a_partial_minus_inf_attention_mask_is_not_a_false_alarm():
     torch.manual_seed(0)
     q = nn.Parameter(torch.randn(4, 8))
     causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+
     def attention_loss():
         scores = (q @ q.T).masked_fill(causal, float("-inf"))
         return (scores.softmax(-1) @ q).pow(2).mean()
+
     assert explain_nonfinite(attention_loss) is None
 
 
@@ -295,7 +308,17 @@ def test_report_serialises_and_reads_as_one_paragraph():
     report = explain_nonfinite(lambda: (x / x.sum()).sum())
     as_dict = report.to_dict()
     assert as_dict["op"] == "aten::div" and as_dict["cause"] == "division_by_zero"
-    assert set(as_dict) == {"op", "stage", "cause", "location", "module", "input_ranges", "remedy", "forward_op", "source"}
+    assert set(as_dict) == {
+        "op",
+        "stage",
+        "cause",
+        "location",
+        "module",
+        "input_ranges",
+        "remedy",
+        "forward_op",
+        "source",
+    }
     text = str(report)
     assert "\n" not in text and text.startswith("division_by_zero in aten::div during the forward at ")
     assert "Remedy: add an epsilon" in text
@@ -305,6 +328,7 @@ def test_report_serialises_and_reads_as_one_paragraph():
 
 def dataclasses_frozen_error() -> type[Exception]:
     import dataclasses
+
     return dataclasses.FrozenInstanceError
 
 

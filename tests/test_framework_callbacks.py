@@ -4,6 +4,7 @@ lightning_runs.py / transformers_runs.py (one adapter each: build the model, run
 what happened in nummon's step numbers); what only one framework has stays in test_lightning.py
 and test_transformers.py.
 """
+
 import inspect
 import logging
 import math
@@ -17,9 +18,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from nummon import MemorySink, Severity  # noqa: E402
-
 from wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
+
+from nummon import MemorySink, Severity  # noqa: E402
 
 FP16_MAX = 65504.0  # "blown up": a loss that half precision could no longer even represent
 FRAMEWORKS = ["lightning", "transformers"]
@@ -53,8 +54,9 @@ def test_runaway_without_nummon_is_lost(fw, unmonitored_runaway):
     assert first_bad >= fw.MIN_HEALTHY_STEPS, "the run must stay healthy long enough for a warning to mean something"
 
 
-def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(fw, tmp_path, wandb_env,
-                                                                           unmonitored_runaway, caplog):
+def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(
+    fw, tmp_path, wandb_env, unmonitored_runaway, caplog
+):
     import wandb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -172,11 +174,15 @@ def _claimed_count(number, unit):
     return float(number) * {"": 1, "k": 1e3, "M": 1e6, "B": 1e9}[unit]
 
 
-START = re.compile(r"nummon: watching (\w+) \(([\d.]+)([kMB]?) trainable parameters in (\d+) tensors\), policy (\w+) "
-                   r"\(stop on critical: (yes|no)\); gradients every step, parameters every (\d+) and optimizer state "
-                   r"every (\d+) steps, activations (on|off); events in (.+), flight records in (.+)$")
-SUMMARY = re.compile(r"nummon: finished watching (\d+) steps?: (?:no incident|(\d+) incidents?, worst state (\w+); the worst "
-                     r"moment: step (\d+), (.+?)); events in (.+?)(?:, flight record (.+))?$")
+START = re.compile(
+    r"nummon: watching (\w+) \(([\d.]+)([kMB]?) trainable parameters in (\d+) tensors\), policy (\w+) "
+    r"\(stop on critical: (yes|no)\); gradients every step, parameters every (\d+) and optimizer state "
+    r"every (\d+) steps, activations (on|off); events in (.+), flight records in (.+)$"
+)
+SUMMARY = re.compile(
+    r"nummon: finished watching (\d+) steps?: (?:no incident|(\d+) incidents?, worst state (\w+); the worst "
+    r"moment: step (\d+), (.+?)); events in (.+?)(?:, flight record (.+))?$"
+)
 
 
 def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path):
@@ -194,7 +200,12 @@ def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path)
     assert name == type(model).__name__ and int(tensors) == len(params)
     assert _claimed_count(number, unit) == pytest.approx(sum(p.numel() for p in params), rel=5e-3)
     assert (preset, stop, int(params_every), int(optim_every), acts) == (
-        policy.name, "no", policy.sampling.params_every, policy.sampling.optimizer_every, "on")
+        policy.name,
+        "no",
+        policy.sampling.params_every,
+        policy.sampling.optimizer_every,
+        "on",
+    )
     assert Path(events).is_file() and Path(flight_dir).is_dir()
 
     steps, count, worst_state, worst_step, what, events_again, flight = end.groups()
@@ -224,7 +235,11 @@ def test_missing_framework_gives_an_install_hint(name, tmp_path):
     stub = tmp_path / name
     stub.mkdir()
     (stub / "__init__.py").write_text(f"raise ImportError('No module named {name}')\n")
-    proc = subprocess.run([sys.executable, "-c", f"import nummon.integrations.{name}"], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import nummon.integrations.{name}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert proc.returncode != 0
     assert f"pip install 'nummon[{extra}]'" in proc.stderr.strip().splitlines()[-1]

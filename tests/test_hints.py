@@ -1,4 +1,5 @@
 """Remediation hints: one specific hint per alert kind, specialised by optimizer and dtype."""
+
 import pytest
 
 from nummon import AlertKind, Severity

@@ -1,8 +1,9 @@
 """Histograms where they matter: log-spaced early steps, the cadence, and every incident event's step."""
+
 import torch
+from models import runaway_run
 from torch import nn
 
-from models import runaway_run
 from nummon import MemorySink, Monitor
 
 

@@ -1,10 +1,11 @@
 """The hot path's contract: one host read per step on CPU, no synchronisation on CUDA."""
+
 import pytest
 import torch
+from models import CNN, data, train_step
 from torch.overrides import TorchFunctionMode
 
 from nummon import Monitor
-from models import CNN, data, train_step
 
 HOST_READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 

@@ -1,6 +1,7 @@
 """The import graph of nummon/ and integrations/, built from the source (every import statement,
 those inside functions and under TYPE_CHECKING included): no circle, and no edge from a lower
 layer to a higher one (README, "How it is built")."""
+
 from __future__ import annotations
 
 import ast
@@ -13,11 +14,40 @@ PACKAGES = {"nummon": ROOT / "nummon", "nummon.integrations": ROOT / "integratio
 
 # lowest first; a module's layer is that of its longest listed prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("_errors", "_json", "_functional", "_types", "_format", "_layout", "_lazy", "_policy_sections",
-               "_policy", "_hints", "_trace", "_demo_config")),
-    ("detectors / statistics / sinks", ("_detectors", "_stats", "_distributed", "_incidents", "_sinks", "_dispatch",
-                                        "_recorder", "_shutdown", "_forensics", "_audit_compare", "_diagnose_common",
-                                        "_demo_model")),
+    (
+        "types",
+        (
+            "_errors",
+            "_json",
+            "_functional",
+            "_types",
+            "_format",
+            "_layout",
+            "_lazy",
+            "_policy_sections",
+            "_policy",
+            "_hints",
+            "_trace",
+            "_demo_config",
+        ),
+    ),
+    (
+        "detectors / statistics / sinks",
+        (
+            "_detectors",
+            "_stats",
+            "_distributed",
+            "_incidents",
+            "_sinks",
+            "_dispatch",
+            "_recorder",
+            "_shutdown",
+            "_forensics",
+            "_audit_compare",
+            "_diagnose_common",
+            "_demo_model",
+        ),
+    ),
     ("stages and tools", ("_engine", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report")),
     ("monitor", ("_monitor", "diagnose")),
     ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command", "_watch.__main__")),
@@ -85,8 +115,12 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
-    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
-              for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
+    upward = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+        for a, targets in graph().items()
+        for b in targets
+        if layer_of(b) > layer_of(a)
+    ]
     assert upward == []
 
 
@@ -99,7 +133,7 @@ def test_the_import_graph_has_no_circle():
         state[node] = 1
         for nxt in sorted(g[node]):
             if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -117,8 +151,11 @@ def test_only_integrations_import_the_training_frameworks_and_loggers(backend):
         if name.startswith("nummon.integrations"):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            )
             offenders += [f"{name}: {n}" for n in names if n == backend or n.startswith(backend + ".")]
     assert offenders == []
 

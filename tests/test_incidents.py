@@ -1,4 +1,5 @@
 """The run-level incident state machine: opened, escalated, lost, resolved; one event each."""
+
 import math
 
 from nummon import AlertKind, Policy, Severity, StepRecord
@@ -19,16 +20,35 @@ def test_open_escalate_lose_then_resolve_after_the_quiet_period():
     script = {
         3: [alert(3), alert(3, AlertKind.LOSS_SPIKE, metric="loss")],  # opened
         4: [alert(4, metric="param_norm")],  # more of the same: no event
-        5: [alert(5, sev=Severity.CRITICAL, details={"growth": 300.0, "rate_per_step": 4.0, "steps_to_overflow": 52.0})],
-        6: [alert(6, AlertKind.NONFINITE, Severity.CRITICAL, metric="nonfinite", location="output of `fc2` (forward)",
-                  hint="use log_softmax", flight_record="runs/fr.json")],
-        8: [alert(8, cleared=True), alert(8, metric="param_norm", cleared=True), alert(8, AlertKind.LOSS_SPIKE, metric="loss", cleared=True),
-            alert(8, AlertKind.NONFINITE, metric="nonfinite", cleared=True, location="output of `fc2` (forward)")],
+        5: [
+            alert(5, sev=Severity.CRITICAL, details={"growth": 300.0, "rate_per_step": 4.0, "steps_to_overflow": 52.0})
+        ],
+        6: [
+            alert(
+                6,
+                AlertKind.NONFINITE,
+                Severity.CRITICAL,
+                metric="nonfinite",
+                location="output of `fc2` (forward)",
+                hint="use log_softmax",
+                flight_record="runs/fr.json",
+            )
+        ],
+        8: [
+            alert(8, cleared=True),
+            alert(8, metric="param_norm", cleared=True),
+            alert(8, AlertKind.LOSS_SPIKE, metric="loss", cleared=True),
+            alert(8, AlertKind.NONFINITE, metric="nonfinite", cleared=True, location="output of `fc2` (forward)"),
+        ],
     }
     for step in range(30):
         seen += tr.update(step, script.get(step, []))
     assert [(e.step, e.previous, e.state) for e in seen] == [
-        (3, S.NONE, S.OPEN), (5, S.OPEN, S.CRITICAL), (6, S.CRITICAL, S.NONFINITE), (18, S.NONFINITE, S.RESOLVED)]
+        (3, S.NONE, S.OPEN),
+        (5, S.OPEN, S.CRITICAL),
+        (6, S.CRITICAL, S.NONFINITE),
+        (18, S.NONFINITE, S.RESOLVED),
+    ]
     lost = seen[2]
     assert lost.flight_record == "runs/fr.json" and lost.hint == "use log_softmax"
     assert lost.contributors[0].severity is Severity.CRITICAL and len(lost.contributors) == 4
@@ -54,14 +74,18 @@ def test_an_open_condition_keeps_the_incident_open_and_a_new_one_is_numbered():
 
 def test_info_alerts_do_not_open_an_incident():
     tr = IncidentTracker(quiet_steps=5)
-    info = Alert(step=0, kind=AlertKind.NONFINITE, severity=Severity.INFO, message="scaler skipped", metric="scaled_gradients")
+    info = Alert(
+        step=0, kind=AlertKind.NONFINITE, severity=Severity.INFO, message="scaler skipped", metric="scaled_gradients"
+    )
     assert tr.update(0, [info]) == [] and tr.state is S.NONE
 
 
 def test_title_and_summary_fit_wandb_limits_and_serialise():
     tr = IncidentTracker(quiet_steps=5)
-    many = [alert(0, metric=f"layer_{i}_" + "x" * 60, location="l" * 80, value=1e30, rank=i,
-                  hint="h" * 300) for i in range(40)]
+    many = [
+        alert(0, metric=f"layer_{i}_" + "x" * 60, location="l" * 80, value=1e30, rank=i, hint="h" * 300)
+        for i in range(40)
+    ]
     (ev,) = tr.update(0, many)
     assert len(ev.title) < 64 and ev.title.startswith("nummon: run unstable")
     text = ev.summary()
@@ -76,7 +100,7 @@ def test_engine_reports_incident_events_for_a_run_that_blows_up():
     """A runaway that goes non-finite: one event per transition, not one per alert."""
     eng = HealthEngine(Policy.load("default"))
     events, alerts = [], []
-    values = [1.0] * 20 + [3.0 ** i for i in range(1, 12)] + [math.inf]
+    values = [1.0] * 20 + [3.0**i for i in range(1, 12)] + [math.inf]
     for step, v in enumerate(values):
         got = eng.step(StepRecord(step=step, grad_norm=v, loss=1.0))
         events += got.incidents

@@ -1,5 +1,6 @@
 """One encoding of non-finite numbers in everything nummon writes: strict JSON, the same token for
 the same value (alerts, incidents, step records, flight records), and the readers take the old forms."""
+
 import json
 import math
 
@@ -27,12 +28,28 @@ def refuse(name):
 
 
 def test_alerts_incidents_and_contributors_write_the_same_token():
-    c = Contributor(step=3, kind=AlertKind.RUNAWAY, severity=Severity.CRITICAL, metric="loss", value=math.inf,
-                    steps_to_overflow=math.inf, growth=-math.inf)
-    ev = IncidentEvent(step=3, state=IncidentState.CRITICAL, previous=IncidentState.NONE, number=1, opened_step=3,
-                       contributors=(c,))
-    alert = Alert(step=3, kind=AlertKind.RUNAWAY, severity=Severity.CRITICAL, message="m", metric="loss",
-                  value=math.inf, threshold=math.nan, details={"steps_to_overflow": math.inf})
+    c = Contributor(
+        step=3,
+        kind=AlertKind.RUNAWAY,
+        severity=Severity.CRITICAL,
+        metric="loss",
+        value=math.inf,
+        steps_to_overflow=math.inf,
+        growth=-math.inf,
+    )
+    ev = IncidentEvent(
+        step=3, state=IncidentState.CRITICAL, previous=IncidentState.NONE, number=1, opened_step=3, contributors=(c,)
+    )
+    alert = Alert(
+        step=3,
+        kind=AlertKind.RUNAWAY,
+        severity=Severity.CRITICAL,
+        message="m",
+        metric="loss",
+        value=math.inf,
+        threshold=math.nan,
+        details={"steps_to_overflow": math.inf},
+    )
     d_ev = json.loads(dumps(ev.to_dict()), parse_constant=refuse)
     d_al = json.loads(dumps(alert.to_dict()), parse_constant=refuse)
     assert d_ev["contributors"][0]["value"] == d_al["value"] == "Infinity"

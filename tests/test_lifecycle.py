@@ -1,4 +1,5 @@
 """Alert lifecycle: dedup, cooldown, escalation, clearing; transitions as data, alerts in one place."""
+
 import math
 
 from nummon import AlertKind, Policy, Severity

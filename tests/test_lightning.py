@@ -2,15 +2,16 @@
 from the trainer's checkpoint. The scenarios both framework callbacks share are in
 test_framework_callbacks.py; the tiny runs are in lightning_runs.py.
 """
+
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning.pytorch")
 
+from lightning_runs import TinyRegressor, fit, synthetic_data, trainer_for  # noqa: E402
+
 from nummon import MemorySink  # noqa: E402
 from nummon.integrations.lightning import NummonCallback  # noqa: E402
-
-from lightning_runs import TinyRegressor, fit, synthetic_data, trainer_for  # noqa: E402
 
 
 def test_bf16_mixed_precision(tmp_path):

@@ -1,6 +1,7 @@
 """The sampled mechanism probes on real models and optimizers: attention logits and entropy
 (hand-written, SDPA, nn.MultiheadAttention, a Hugging Face GPT-2 with SDPA built from a config),
 output log Z, Adam's second moment, per-sample losses, the cadence, and the JSONL round trip."""
+
 import json
 import math
 
@@ -126,7 +127,10 @@ def test_linear_output_rms_is_the_largest_over_a_shared_layers_calls():
     with torch.no_grad():
         first = model.a(x)
         second = model.a(first * 3)
-        rms = lambda t: float(t.square().mean().sqrt())
+
+        def rms(t):
+            return float(t.square().mean().sqrt())
+
         assert rec.layer_output_rms["a"] == pytest.approx(max(rms(first), rms(second)), rel=1e-5)
         assert rec.layer_output_rms["b"] == pytest.approx(rms(model.b(second)), rel=1e-5)
 
@@ -200,7 +204,7 @@ def test_adam_second_moment_matches_a_hand_computation():
         g = torch.randn(5, 3) * (10.0 if t == 21 else 1.0)  # the last gradient is 10x: v lags behind
         w.grad = g.clone()
         v = 0.99 * v + 0.01 * g * g
-        v_hat = v / (1 - 0.99 ** t)
+        v_hat = v / (1 - 0.99**t)
         opt.step()
         rec = mon.post_step(1.0).record
     mon.close()
@@ -208,7 +212,7 @@ def test_adam_second_moment_matches_a_hand_computation():
     assert rec.adam_ratio_rms == pytest.approx(want, rel=1e-4)
     assert rec.adam_ratio_rms > 3  # the spike the second moment did not see coming
     # at most sqrt((1 - 0.99^21) / (1 - 0.99)) = 4.36 at step 21 (1/sqrt(0.01) = 10 in the long run)
-    assert rec.adam_ratio_bound == pytest.approx(math.sqrt((1 - 0.99 ** 21) / 0.01))
+    assert rec.adam_ratio_bound == pytest.approx(math.sqrt((1 - 0.99**21) / 0.01))
     assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
 
 
@@ -228,8 +232,8 @@ def test_adam_statistics_skip_a_tensor_without_a_gradient_this_step_and_keep_the
     assert set(recs[2].layer_adam_ratio_rms) == {"a", "b"}
     assert set(recs[3].layer_adam_ratio_rms) == {"a"}
     st = opt.state[model.a]
-    v_hat = st["exp_avg_sq"] / (1 - 0.99 ** 4)
-    want = float(torch.sqrt((model.a.grad ** 2 / v_hat).mean()))
+    v_hat = st["exp_avg_sq"] / (1 - 0.99**4)
+    want = float(torch.sqrt((model.a.grad**2 / v_hat).mean()))
     assert recs[3].layer_adam_ratio_rms["a"] == pytest.approx(want, rel=1e-5)
     assert recs[3].adam_small_grad_fraction == 0.0  # out of `a`'s 12 elements, none below eps
 
@@ -256,10 +260,12 @@ def test_adam_statistics_of_a_large_tensor_come_from_a_sample_close_to_the_exact
     mon.close()
     for p, name, rel in ((big, "big", 0.05), (tiny, "tiny", 1e-5)):
         st = opt.state[p]
-        v_hat = st["exp_avg_sq"] / (1 - 0.99 ** 15)
-        want_rms = float(torch.sqrt((p.grad ** 2 / v_hat.clamp_min(1e-12)).mean()))
-        m_hat = st["exp_avg"] / (1 - 0.9 ** 15)
-        want_upd = float(0.1 * torch.linalg.vector_norm(m_hat / (v_hat.sqrt() + 1e-6)) / torch.linalg.vector_norm(p.detach()))
+        v_hat = st["exp_avg_sq"] / (1 - 0.99**15)
+        want_rms = float(torch.sqrt((p.grad**2 / v_hat.clamp_min(1e-12)).mean()))
+        m_hat = st["exp_avg"] / (1 - 0.9**15)
+        want_upd = float(
+            0.1 * torch.linalg.vector_norm(m_hat / (v_hat.sqrt() + 1e-6)) / torch.linalg.vector_norm(p.detach())
+        )
         assert rec.layer_adam_ratio_rms[name] == pytest.approx(want_rms, rel=rel)
         assert rec.layer_update_ratio[name] == pytest.approx(want_upd, rel=rel)
     exact_small = float(sum((p.grad.abs() < 1e-6).sum() for p in (big, tiny)) / (big.numel() + tiny.numel()))
@@ -391,8 +397,15 @@ def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(
     y[3] += 100.0  # the outlier the record must name
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
     cb = NummonCallback(policy={"mechanisms": {"every": 1}}, follow_loggers=False, run_dir=str(tmp_path))
-    trainer = pl.Trainer(max_steps=2, callbacks=[cb], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Module(), loader)
     rec = cb.last_report.record
     assert rec.sample_loss_top[0] == 3 and rec.sample_loss_ratio > 5
@@ -404,6 +417,7 @@ def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer
     from transformers_runs import RandomTokens, training_args
+
     from nummon.integrations.transformers import NummonCallback
 
     class PerSampleGPT2(GPT2LMHeadModel):

@@ -1,8 +1,8 @@
 """The mechanism detectors as pure units over host floats: property-based (hypothesis) and rules."""
+
 import math
 
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +15,14 @@ logits = st.floats(min_value=0.01, max_value=19.9, allow_nan=False)
 
 
 def _att(step, v, ent=0.9, loss=2.0):
-    return StepRecord(step=step, loss=loss, attention_logit_max=v, attention_entropy=ent,
-                      layer_attention_logit_max={"blocks.0.attn": v}, layer_attention_entropy={"blocks.0.attn": ent})
+    return StepRecord(
+        step=step,
+        loss=loss,
+        attention_logit_max=v,
+        attention_entropy=ent,
+        layer_attention_logit_max={"blocks.0.attn": v},
+        layer_attention_entropy={"blocks.0.attn": ent},
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -52,7 +58,7 @@ def test_a_slow_steady_rise_of_the_logits_never_warns_at_any_cadence(every, star
     (the recent level spans the same steps at every cadence)."""
     d = AttentionDetector(AttentionPolicy())
     rate = 1.5 ** (1 / 50)
-    assert not any(d.update(_att(step, min(start * rate ** step, 45.0))) for step in range(0, 1500, every))
+    assert not any(d.update(_att(step, min(start * rate**step, 45.0))) for step in range(0, 1500, every))
 
 
 @settings(max_examples=30, deadline=None)
@@ -62,8 +68,14 @@ def test_fast_growth_warns_at_every_cadence_before_the_critical_level(every, sta
     waits for confirmation."""
     d = AttentionDetector(AttentionPolicy())
     rate = 3.0 ** (1 / 20)  # 3x per 20 steps
-    first = next((start * rate ** step for step in range(400)
-                  if (step % every == 0 or d.wants_sample) and d.update(_att(step, start * rate ** step))), None)
+    first = next(
+        (
+            start * rate**step
+            for step in range(400)
+            if (step % every == 0 or d.wants_sample) and d.update(_att(step, start * rate**step))
+        ),
+        None,
+    )
     assert first is not None and first < 100  # before the level where QK-clip caps them
 
 
@@ -72,7 +84,9 @@ def test_attention_critical_at_the_critical_level_and_collapse_at_chance_is_name
     d = AttentionDetector(p)
     for i in range(10):
         d.update(_att(i, 5.0, ent=0.9, loss=5.5 if i < 3 else 2.0))
-    got = d.update(_att(10, 1.5 * p.critical_logit, ent=0.01, loss=5.6)) + d.update(_att(11, 1.6 * p.critical_logit, ent=0.01, loss=5.6))
+    got = d.update(_att(10, 1.5 * p.critical_logit, ent=0.01, loss=5.6)) + d.update(
+        _att(11, 1.6 * p.critical_logit, ent=0.01, loss=5.6)
+    )
     kinds = {(f.kind, f.severity) for f in got}
     assert (AlertKind.ATTENTION_LOGITS, Severity.CRITICAL) in kinds
     collapse = [f for f in got if f.kind is AlertKind.ATTENTION_COLLAPSE]
@@ -102,7 +116,9 @@ def test_output_log_z_drift_warns_then_goes_critical():
 def test_adam_ratio_below_the_warning_never_warns(values):
     d = AdamMomentDetector(AdamMomentPolicy())
     for i, v in enumerate(values):
-        assert not d.update(StepRecord(step=20 + i, adam_ratio_rms=v, adam_small_grad_fraction=0.01, update_ratio_max=0.01))
+        assert not d.update(
+            StepRecord(step=20 + i, adam_ratio_rms=v, adam_small_grad_fraction=0.01, update_ratio_max=0.01)
+        )
 
 
 def test_adam_ratio_held_warns_and_names_the_tensor():
@@ -114,7 +130,10 @@ def test_adam_ratio_held_warns_and_names_the_tensor():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([0.95, 0.98, 0.99, 0.999]), st.lists(st.floats(min_value=0.0, max_value=0.669), min_size=2, max_size=40))
+@given(
+    st.sampled_from([0.95, 0.98, 0.99, 0.999]),
+    st.lists(st.floats(min_value=0.0, max_value=0.669), min_size=2, max_size=40),
+)
 def test_adam_ratio_below_two_thirds_of_its_bound_or_the_warning_never_warns(beta2, fractions):
     """With a long second-moment memory (AdamW's default beta2 0.999: bound 31.6) ratios of 3-4
     come and go in healthy runs: the warning asks for 0.67 of the bound (and at least 3)."""
@@ -122,7 +141,9 @@ def test_adam_ratio_below_two_thirds_of_its_bound_or_the_warning_never_warns(bet
     d = AdamMomentDetector(AdamMomentPolicy())
     for i, f in enumerate(fractions):
         v = min(f * bound, 2.99) if bound * 0.67 < 3 else f * bound
-        assert not d.update(StepRecord(step=20 + i, adam_ratio_rms=v, adam_ratio_bound=bound, adam_small_grad_fraction=0.01))
+        assert not d.update(
+            StepRecord(step=20 + i, adam_ratio_rms=v, adam_ratio_bound=bound, adam_small_grad_fraction=0.01)
+        )
 
 
 @pytest.mark.parametrize("beta2,warn", [(0.95, 3.0), (0.99, 6.7), (0.999, 21.19)])
@@ -133,12 +154,19 @@ def test_adam_ratio_levels_follow_the_bound(beta2, warn, critical_rms):
 
     def first(value):
         d = AdamMomentDetector(AdamMomentPolicy(critical_rms=critical_rms))
-        got = [f for i in range(3) for f in d.update(StepRecord(step=20 + i, adam_ratio_rms=value, adam_ratio_bound=bound,
-                                                              layer_adam_ratio_rms={"w": value}))]
+        got = [
+            f
+            for i in range(3)
+            for f in d.update(
+                StepRecord(step=20 + i, adam_ratio_rms=value, adam_ratio_bound=bound, layer_adam_ratio_rms={"w": value})
+            )
+        ]
         return got[0].severity if got else None
 
     assert first(warn * 0.98) is None and first(warn * 1.02) is Severity.WARNING
-    assert first(bound) is (Severity.CRITICAL if critical_rms is not None and bound >= critical_rms else Severity.WARNING)
+    assert first(bound) is (
+        Severity.CRITICAL if critical_rms is not None and bound >= critical_rms else Severity.WARNING
+    )
 
 
 def test_unsampled_steps_keep_a_condition_open_and_raise_nothing_new():
@@ -158,6 +186,10 @@ def test_logits_past_the_qk_clip_cap_warn_but_do_not_stop_a_run():
     """A healthy Llama's copy heads reach logits of 1.6e3 while its loss keeps falling: a
     warning (the state is worth knowing), never a critical alert that stops the run."""
     d = AttentionDetector(AttentionPolicy())
-    sev = [f.severity for step in range(60) for f in d.update(_att(step, min(5.0 * 1.2 ** step, 1600.0)))
-           if f.kind is AlertKind.ATTENTION_LOGITS]
+    sev = [
+        f.severity
+        for step in range(60)
+        for f in d.update(_att(step, min(5.0 * 1.2**step, 1600.0)))
+        if f.kind is AlertKind.ATTENTION_LOGITS
+    ]
     assert Severity.WARNING in sev and Severity.CRITICAL not in sev

@@ -1,6 +1,7 @@
 """A live Monitor on a tiny Hugging Face Llama built from a config with SDPA attention (never
 downloaded): the attention probe sees every SDPA layer and the output probe sees log Z.
 (GPT-2 with SDPA: tests/test_mechanisms.py.)"""
+
 import math
 
 import pytest
@@ -13,9 +14,16 @@ import nummon
 def test_llama_with_sdpa_records_attention_logits_per_layer_and_log_z():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                                   intermediate_size=64, vocab_size=64, max_position_embeddings=16,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

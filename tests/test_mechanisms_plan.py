@@ -2,20 +2,26 @@
 attention modules and the module whose output becomes the logits; the sampled forwards after it
 hook only those. They must measure exactly what the discovery forward measured, on every kind
 of model, and pass (almost) nothing through the mode."""
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_mechanisms import Attn
 from torch import nn
 
 import nummon
 from nummon._stats import capture
 
-from test_mechanisms import Attn
-
-FIELDS = ("layer_attention_logit_max", "layer_attention_entropy", "output_logsumexp_mean", "output_logsumexp_max",
-          "output_logit_max", "layer_output_rms")
+FIELDS = (
+    "layer_attention_logit_max",
+    "layer_attention_entropy",
+    "output_logsumexp_mean",
+    "output_logsumexp_max",
+    "output_logit_max",
+    "layer_output_rms",
+)
 
 
 class MHA(nn.Module):
@@ -66,11 +72,28 @@ def _hf(kind):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # no dropout: the same forward every step
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )  # no dropout: the same forward every step
         return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=16,
+    )
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
@@ -95,12 +118,23 @@ def _model_and_loss(kind):
     def loss():
         logits = model(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
     return model, loss
 
 
-@pytest.mark.parametrize("kind,plan", [("manual", "scoped"), ("sdpa", "scoped"), ("mha-batch-first", "mha"),
-                                       ("mha-seq-first", "mha"), ("gpt2", "scoped"), ("llama", "scoped"),
-                                       ("tail", "tail"), ("whole", "whole")])
+@pytest.mark.parametrize(
+    "kind,plan",
+    [
+        ("manual", "scoped"),
+        ("sdpa", "scoped"),
+        ("mha-batch-first", "mha"),
+        ("mha-seq-first", "mha"),
+        ("gpt2", "scoped"),
+        ("llama", "scoped"),
+        ("tail", "tail"),
+        ("whole", "whole"),
+    ],
+)
 def test_a_planned_forward_measures_what_the_discovery_forward_measured(kind, plan):
     model, loss_fn = _model_and_loss(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same weights and inputs at every step
@@ -114,8 +148,12 @@ def test_a_planned_forward_measures_what_the_discovery_forward_measured(kind, pl
         recs.append(mon.post_step(loss).record)
     p = mon.stats.mechanisms.capture.plan
     mon.close()
-    got = {"whole": p.whole, "tail": p.tail and not p.whole, "mha": bool(p.mha),
-           "scoped": bool(p.attention) and bool(p.heads) and not (p.whole or p.tail)}
+    got = {
+        "whole": p.whole,
+        "tail": p.tail and not p.whole,
+        "mha": bool(p.mha),
+        "scoped": bool(p.attention) and bool(p.heads) and not (p.whole or p.tail),
+    }
     assert got[plan], p
     first = recs[0]
     assert first.layer_attention_logit_max and first.output_logsumexp_mean is not None
@@ -254,6 +292,7 @@ def test_gradient_accumulation_measures_every_micro_batch_in_discovery_and_plann
     assert p.heads and not (p.tail or p.whole)
     with torch.no_grad():
         from test_mechanisms import _reference
+
         want = max(_reference(model[1], model[0](x))[0] for x in xs)
     for rec in recs:
         assert rec.layer_attention_logit_max["1"] == pytest.approx(want, rel=1e-5)

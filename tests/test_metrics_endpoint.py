@@ -1,6 +1,7 @@
 """The /metrics endpoint under hostile conditions: a run folder whose name is not UTF-8, and a
 flood of half-open connections against a watcher whose file descriptors are few (the watcher's
 own work, reading a run's NaN and notifying it, must not starve)."""
+
 import math
 import os
 import re
@@ -15,20 +16,22 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_servers import wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import label_value, serve_metrics  # noqa: E402
-from prometheus_servers import wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def step_lines(steps, nan_at=None):
-    return "".join(dumps({"type": "step", "step": s, "loss": math.nan if s == nan_at else 2.0 - 0.01 * s,
-                          "grad_norm": 1.0}) + "\n" for s in steps)
+    return "".join(
+        dumps({"type": "step", "step": s, "loss": math.nan if s == nan_at else 2.0 - 0.01 * s, "grad_norm": 1.0}) + "\n"
+        for s in steps
+    )
 
 
 def test_a_run_folder_named_with_a_non_utf8_byte_is_served_escaped(tmp_path):
@@ -41,14 +44,21 @@ def test_a_run_folder_named_with_a_non_utf8_byte_is_served_escaped(tmp_path):
     (root / "plain" / "events.jsonl").write_text(step_lines(range(20)))
     fleet = FleetMetrics()
     server = serve_metrics(fleet, "127.0.0.1:0")
-    watcher = Watcher([str(root)], load_policy("default"), [], observer=MetricsObserver(fleet), errors=open(os.devnull, "w"))
+    watcher = Watcher(
+        [str(root)], load_policy("default"), [], observer=MetricsObserver(fleet), errors=open(os.devnull, "w")
+    )
     try:
         watcher.poll_once()
         with urllib.request.urlopen(server.url, timeout=5) as r:
             assert r.status == 200
             text = r.read().decode("utf-8")
-        runs = {s.labels["run"] for fam in text_string_to_metric_families(text) for s in fam.samples if "run" in s.labels}
-        assert runs == {str(root / "plain" / "events.jsonl"), str(root) + "/run-\\xff/events.jsonl"}  # both, the byte escaped
+        runs = {
+            s.labels["run"] for fam in text_string_to_metric_families(text) for s in fam.samples if "run" in s.labels
+        }
+        assert runs == {
+            str(root / "plain" / "events.jsonl"),
+            str(root) + "/run-\\xff/events.jsonl",
+        }  # both, the byte escaped
     finally:
         watcher.close()
         server.close()
@@ -87,8 +97,14 @@ def test_half_open_connections_never_starve_the_watcher(tmp_path):
     log.write_text(step_lines(range(40)))
     notes = tmp_path / "notes.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", WATCHER, str(tmp_path / "runs"), str(notes)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WATCHER, str(tmp_path / "runs"), str(notes)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     held = []
     try:
         url = re.search(r"serving (\S+)", proc.stdout.readline()).group(1)
@@ -101,7 +117,11 @@ def test_half_open_connections_never_starve_the_watcher(tmp_path):
         # while they are held, the run goes NaN: the watcher reads it and notifies it
         with open(log, "a") as fh:
             fh.write(step_lines([40], nan_at=40))
-        wait_for(lambda: notes.exists() and "nonfinite" in notes.read_text(), 30, "the NaN notified while connections are held")
+        wait_for(
+            lambda: notes.exists() and "nonfinite" in notes.read_text(),
+            30,
+            "the NaN notified while connections are held",
+        )
         assert proc.poll() is None
         # idle connections are timed out: a scrape gets through while the 150 clients stay connected
         body = wait_for(lambda: urllib.request.urlopen(url, timeout=2).read().decode(), 30, "a scrape to get through")

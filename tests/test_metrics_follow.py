@@ -4,6 +4,7 @@ detectors measure now, absent when nothing runs away or the record is non-finite
 and health now), never a value frozen at the alert that first reported it. Property-tested over
 generated runs; the PrometheusSink's countdown (it sees alerts, not findings) is checked to
 count down and to go away."""
+
 import math
 
 import pytest
@@ -40,7 +41,7 @@ def records(phases, every=1):
     the detectors have a level)."""
     out, level, step = [], 2.0, 0
     for name, n, factor in [("calm", 30, 1.0), *phases]:
-        for i in range(n):
+        for _i in range(n):
             wobble = 1 + 0.03 * math.sin(1.3 * step)
             if name == "grow":
                 level = min(level * factor, 1e36)
@@ -59,8 +60,11 @@ def scrape(fleet):
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(fleet))
     text = generate_latest(registry).decode()
-    return {(s.name, s.labels.get("run"), s.labels.get("kind"), s.labels.get("severity")): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, s.labels.get("run"), s.labels.get("kind"), s.labels.get("severity")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def watched(tmp_path):
@@ -85,10 +89,12 @@ def findings_of_each_record(engine):
     """Record, test-side, the findings every detector gives for the record being processed."""
     got = []
     for d in engine.detectors:
+
         def update(rec, _orig=d.update):
             out = list(_orig(rec))
             got.extend(out)
             return out
+
         d.update = update
     return got
 
@@ -109,15 +115,22 @@ def test_every_series_equals_what_the_engine_says_at_each_record(tmp_path, phase
         got = scrape(fleet)
         engine = run.engine
         # the truth, from the engine and this record's findings
-        countdown = [f.details["steps_to_overflow"] for f in found if f.kind is AlertKind.RUNAWAY
-                     and isinstance(f.details.get("steps_to_overflow"), float) and math.isfinite(f.details["steps_to_overflow"])]
+        countdown = [
+            f.details["steps_to_overflow"]
+            for f in found
+            if f.kind is AlertKind.RUNAWAY
+            and isinstance(f.details.get("steps_to_overflow"), float)
+            and math.isfinite(f.details["steps_to_overflow"])
+        ]
         want_ov = min(countdown) if countdown and rec.is_finite() else None
         assert got.get(("nummon_steps_to_overflow", rid, None, None)) == want_ov, (rec.step, rec.loss)
         assert got[("nummon_incident_state", rid, None, None)] == engine.incident_state.rank
         assert got[("nummon_health_state", rid, None, None)] == HEALTH_CODES[run.last.health]
         assert got[("nummon_last_step", rid, None, None)] == rec.step
         loss, grad = rec.loss if rec.loss is not None else loss, rec.grad_norm if rec.grad_norm is not None else grad
-        assert same(got[("nummon_loss", rid, None, None)], loss) and same(got[("nummon_grad_norm", rid, None, None)], grad)
+        assert same(got[("nummon_loss", rid, None, None)], loss) and same(
+            got[("nummon_grad_norm", rid, None, None)], grad
+        )
         for a in run.last.alerts:
             alerts[(a.kind.value, a.severity.value)] = alerts.get((a.kind.value, a.severity.value), 0) + 1
         assert {(k, s): v for (n, r, k, s), v in got.items() if n == "nummon_alerts_total"} == alerts
@@ -138,7 +151,9 @@ def test_a_x3_runaway_counts_down_and_is_gone_once_non_finite(tmp_path):
         found.clear()
         run.process(rec)
         now = [f.details["steps_to_overflow"] for f in found if f.kind is AlertKind.RUNAWAY]
-        seen.append((rec, min(now) if now else None, scrape(fleet).get(("nummon_steps_to_overflow", run.id, None, None))))
+        seen.append(
+            (rec, min(now) if now else None, scrape(fleet).get(("nummon_steps_to_overflow", run.id, None, None)))
+        )
     growing = [(want, got) for rec, want, got in seen if rec.is_finite() and want is not None]
     assert len(growing) >= 20 and all(got == want for want, got in growing)  # recomputed at each record
     assert len({want for want, _ in growing}) > 1  # the engine's countdown moves (the gauge followed it)
@@ -164,5 +179,5 @@ def test_prometheus_sink_countdown_counts_down_and_goes_away(tmp_path):
     first_nan = next(i for i, (r, _) in enumerate(seen) if not r.is_finite())
     counts = [v for _, v in seen[:first_nan] if v is not None]
     assert len(counts) >= 10 and len(set(counts)) >= 4 and counts[-1] < counts[0]  # not frozen at its first value
-    assert all(v is None for _, v in seen[first_nan:first_nan + 7])
+    assert all(v is None for _, v in seen[first_nan : first_nan + 7])
     assert seen[-1][1] is None  # the second runaway went flat: nothing runs away any more

@@ -1,6 +1,7 @@
 """MLflow as a home for nummon (issue 41), against a real `mlflow server` (SQLite backend, local
 artifacts) on 127.0.0.1: the sink's metrics, tags and artifacts read back through MlflowClient;
 a run logged with plain mlflow (no nummon) replayed; a server gone mid-run leaves training unharmed."""
+
 import math
 import subprocess
 import sys
@@ -12,10 +13,10 @@ pytest.importorskip("mlflow")
 
 import mlflow  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
-
 from mlflow_server import MlflowServer, Relay  # noqa: E402
 from models import runaway_run  # noqa: E402
-from nummon import Health, Monitor, MlflowSink  # noqa: E402
+
+from nummon import Health, MlflowSink, Monitor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +69,17 @@ def test_inside_an_active_run_the_sink_logs_into_it(server, tmp_path):
 def test_a_run_logged_with_plain_mlflow_is_replayed_with_its_warning_before_the_nan(server):
     mlflow.set_tracking_uri(server.uri)
     mlflow.set_experiment("plain")
-    losses = [2.0 * 0.98 ** i for i in range(30)] + [0.9 * 3.0 ** k for k in range(1, 30)] + [float("nan")]
+    losses = [2.0 * 0.98**i for i in range(30)] + [0.9 * 3.0**k for k in range(1, 30)] + [float("nan")]
     with mlflow.start_run() as run:
         for step, loss in enumerate(losses):
             mlflow.log_metrics({"train_loss": loss, "learning_rate": 1e-3}, step=step)
     nan_step = len(losses) - 1
-    p = subprocess.run([sys.executable, "-m", "nummon", "replay", "--format", "jsonl",
-                        f"mlflow:{server.uri}#{run.info.run_id}"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", "--format", "jsonl", f"mlflow:{server.uri}#{run.info.run_id}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     import json
 
@@ -85,12 +90,20 @@ def test_a_run_logged_with_plain_mlflow_is_replayed_with_its_warning_before_the_
 
 
 def test_replay_of_a_missing_run_or_server_is_one_line_without_secrets(server):
-    p = subprocess.run([sys.executable, "-m", "nummon", "replay", f"mlflow:{server.uri}#no-such-run"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", f"mlflow:{server.uri}#no-such-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "no run 'no-such-run'" in p.stderr and "Traceback" not in p.stderr
     dead = server.uri.replace(str(server.port), "1")
-    p = subprocess.run([sys.executable, "-m", "nummon", "replay", f"mlflow:http://me:hunter2@127.0.0.1:1#r"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", "mlflow:http://me:hunter2@127.0.0.1:1#r"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "not reachable" in p.stderr and "hunter2" not in p.stderr + p.stdout, (dead, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1
 
@@ -134,12 +147,25 @@ def test_watch_follows_a_live_plain_mlflow_run_notifies_before_its_nan_and_outli
     mlflow.set_tracking_uri(server.uri)
     mlflow.set_experiment("watched")
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "nummon", "watch", f"mlflow:{relay.uri}?experiment=watched", "--interval", "0.5",
-         "--notify", f"webhook:{receiver.url}", "--state", str(tmp_path / "state.json")],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "nummon",
+            "watch",
+            f"mlflow:{relay.uri}?experiment=watched",
+            "--interval",
+            "0.5",
+            "--notify",
+            f"webhook:{receiver.url}",
+            "--state",
+            str(tmp_path / "state.json"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with mlflow.start_run() as run:
-            losses = [2.0 * 0.98 ** i for i in range(30)] + [0.9 * 3.0 ** k for k in range(1, 30)]
+            losses = [2.0 * 0.98**i for i in range(30)] + [0.9 * 3.0**k for k in range(1, 30)]
             for step, loss in enumerate(losses):
                 mlflow.log_metric("train_loss", loss, step=step)
             deadline = time.monotonic() + 180

@@ -1,13 +1,14 @@
 """Monitor on real models and optimizers."""
+
 import json
 
 import pytest
 import torch
+from models import CNN, MLP, data, train_step
 from torch import nn
 
 import nummon
 from nummon import AlertKind, Health, MemorySink, Monitor, NummonError, Severity
-from models import CNN, MLP, data, train_step
 
 
 def overflow_fc2(model):
@@ -78,14 +79,17 @@ def test_loss_only_monitor_catches_a_runaway():
     mon.close()
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ("abc", "loss must be a float or a 0-d tensor, got str"),
-    (torch.ones(3), "scalar"),
-    (None, "got NoneType"),
-    (True, "got bool"),
-    (__import__("numpy").array([1.0, 2.0]), "single number"),
-    (torch.tensor(1.0, device="meta"), "meta device"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("abc", "loss must be a float or a 0-d tensor, got str"),
+        (torch.ones(3), "scalar"),
+        (None, "got NoneType"),
+        (True, "got bool"),
+        (__import__("numpy").array([1.0, 2.0]), "single number"),
+        (torch.tensor(1.0, device="meta"), "meta device"),
+    ],
+)
 def test_bad_loss_is_rejected_and_the_monitor_keeps_working(bad, needle):
     mon = Monitor()
     mon.post_step(1.0)
@@ -236,7 +240,9 @@ def test_statistics_are_exact_for_every_dtype_and_layout():
     torch.manual_seed(0)
     model = Mixed()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mon = Monitor(model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1}})  # every statistic, every step
+    mon = Monitor(
+        model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1}}
+    )  # every statistic, every step
     x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
     for _ in range(2):
         opt.zero_grad()
@@ -250,7 +256,9 @@ def test_statistics_are_exact_for_every_dtype_and_layout():
         ref = p.grad.double().norm().item()
         assert rec.layer_grad_norms[name] == pytest.approx(ref, rel=1e-5), name
     assert rec.grad_max == pytest.approx(max(p.grad.double().abs().max().item() for p in named.values()), rel=1e-6)
-    assert rec.param_norm == pytest.approx(sum(p.double().square().sum().item() for p in named.values()) ** 0.5, rel=1e-5)
+    assert rec.param_norm == pytest.approx(
+        sum(p.double().square().sum().item() for p in named.values()) ** 0.5, rel=1e-5
+    )
     moms = [opt.state[p]["momentum_buffer"].double() for p in named.values()]
     assert rec.optim_state_norm == pytest.approx(sum(m.square().sum().item() for m in moms) ** 0.5, rel=1e-5)
     assert set(rec.layer_activation_max) == {"conv", "wide", "lowp"}
@@ -377,7 +385,11 @@ def test_post_step_without_gradients_says_so_once_and_records_them_as_missing(ca
     for r in reports:  # missing, not zero
         assert r.record.grad_norm is None and r.record.grad_max is None and r.record.layer_grad_norms == {}
     assert with_grads.record.grad_norm > 0 and set(with_grads.record.layer_grad_norms) == {
-        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    }
     mon.close()
 
 

@@ -1,13 +1,13 @@
 """The Monitor explains its first non-finite step (operator, cause, the user's line) when the loop
 passes a way to recompute the loss, and changes nothing on healthy steps."""
+
 import inspect
 
 import torch
+from models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor
-
-from models import MLP
 
 LINE = {}
 

@@ -2,16 +2,17 @@
 `nonfinite.clear_records` finite records in a row; a return within that stretch is the same
 condition (announced again as recurring past the cooldown), a return after its clear is a new
 alert that re-opens the incident; "cleared" names the metric. Live Monitor and replay alike."""
+
 import json
 import math
 import subprocess
 
 import torch
+from conftest import nummon_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import nummon_cmd
 from nummon import AlertKind, Monitor, Policy, Severity, StepRecord
 from nummon._detectors import DETECTORS
 from nummon._engine import HealthEngine
@@ -83,7 +84,10 @@ def test_lifecycle_invariants_over_random_finite_and_non_finite_steps(bad, k, co
 def test_the_issue_sequence_is_one_condition_announced_again_as_recurring():
     steps = run(ISSUE_LOSSES, Policy.load("default"))
     said = [(s, a) for s, alerts, _ in steps for a in alerts if a.kind is AlertKind.NONFINITE]
-    assert [(s, a.severity, a.cleared) for s, a in said] == [(4, Severity.CRITICAL, False), (26, Severity.CRITICAL, False)]
+    assert [(s, a.severity, a.cleared) for s, a in said] == [
+        (4, Severity.CRITICAL, False),
+        (26, Severity.CRITICAL, False),
+    ]
     recurring = said[1][1]
     assert recurring.message.startswith("recurring: ") and recurring.details["recurring"]
     assert "non-finite again after 2 finite records (8 non-finite records since step 4)" in recurring.message
@@ -94,7 +98,8 @@ def test_a_one_off_nan_clears_naming_the_loss_and_a_return_after_it_reopens_the_
     steps = run(losses, only_nonfinite())
     said = {s: a for s, alerts, _ in steps for a in alerts}
     assert said[15].cleared and said[15].message == (
-        "cleared: loss finite again, 10 finite records in a row (non-finite at step 5)")
+        "cleared: loss finite again, 10 finite records in a row (non-finite at step 5)"
+    )
     assert said[18].severity is Severity.CRITICAL and not said[18].cleared  # within the 20-step cooldown of step 5
     (ev,) = steps[18][2]
     assert ev.state is IncidentState.NONFINITE and ev.reopened == 15
@@ -113,10 +118,14 @@ def test_a_grad_scaler_calibration_and_one_off_nan_clear_within_the_stretch():
 
 def test_replay_of_the_issue_sequence_says_the_nan_came_back(tmp_path):
     trace = tmp_path / "fp16_nan.jsonl"
-    trace.write_text("".join(json.dumps({"step": i, "loss": "NaN" if math.isnan(v) else v}) + "\n"
-                             for i, v in enumerate(ISSUE_LOSSES)))
-    p = subprocess.run(nummon_cmd() + ["replay", "--format", "jsonl", str(trace)], capture_output=True, text=True,
-                       timeout=120)
+    trace.write_text(
+        "".join(
+            json.dumps({"step": i, "loss": "NaN" if math.isnan(v) else v}) + "\n" for i, v in enumerate(ISSUE_LOSSES)
+        )
+    )
+    p = subprocess.run(
+        nummon_cmd() + ["replay", "--format", "jsonl", str(trace)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     crit = [a for a in map(json.loads, p.stdout.splitlines()) if a["severity"] == "critical"]
     assert [a["step"] for a in crit] == [4, 26] and crit[1]["message"].startswith("recurring: ")

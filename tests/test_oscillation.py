@@ -1,4 +1,5 @@
 """Oscillation means oscillation: structured swings, not minibatch noise at a plateau, and not a rise."""
+
 import json
 import math
 import random
@@ -16,8 +17,12 @@ from nummon._policy import load_policy
 
 def kinds(losses):
     engine = HealthEngine(load_policy("default"))
-    return [a.kind.value for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts
-            if a.severity.rank >= 1]
+    return [
+        a.kind.value
+        for i, v in enumerate(losses)
+        for a in engine.step(StepRecord(step=i, loss=v)).alerts
+        if a.severity.rank >= 1
+    ]
 
 
 def fall_then(plateau):
@@ -57,8 +62,13 @@ def fall_onto_floor(start, floor, tau, sigma, seed, n=300):
 
 
 @settings(max_examples=40, deadline=None)
-@given(start=st.floats(2.0, 6.0), floor_fraction=st.floats(0.26, 0.6), tau=st.floats(8.0, 60.0),
-       sigma=st.floats(0.02, 0.15), seed=st.integers(0, 10 ** 6))
+@given(
+    start=st.floats(2.0, 6.0),
+    floor_fraction=st.floats(0.26, 0.6),
+    tau=st.floats(8.0, 60.0),
+    sigma=st.floats(0.02, 0.15),
+    seed=st.integers(0, 10**6),
+)
 def test_a_loss_sitting_on_its_noise_floor_is_not_oscillation(start, floor_fraction, tau, sigma, seed):
     """The tiny LM's picture (issue 35, point 9): the loss falls, then sits on its noise floor. A
     straight line through fall + floor leaves one bend that autocorrelates like a wave; it is not
@@ -70,8 +80,10 @@ def test_a_loss_sitting_on_its_noise_floor_is_not_oscillation(start, floor_fract
 def test_waves_above_the_noise_after_a_fall_are_oscillation(period, floor):
     """The same fall, but the floor swings in waves well above its noise: still oscillation."""
     rng = random.Random(period)
-    losses = [(floor + 3.0 * math.exp(-i / 20)) * math.exp(0.4 * math.sin(2 * math.pi * i / period) + rng.gauss(0, 0.05))
-              for i in range(400)]
+    losses = [
+        (floor + 3.0 * math.exp(-i / 20)) * math.exp(0.4 * math.sin(2 * math.pi * i / period) + rng.gauss(0, 0.05))
+        for i in range(400)
+    ]
     assert "oscillation" in kinds(losses)
 
 

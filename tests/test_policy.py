@@ -1,6 +1,8 @@
 """Policy validation, presets and files."""
+
 import json
 
+import pydantic
 import pytest
 from pydantic import BaseModel
 
@@ -32,11 +34,14 @@ def test_negative_window_and_cross_field_checks():
         load_policy({"spike": {"window": 5, "min_history": 6}})
 
 
-@pytest.mark.parametrize("suffix,text", [
-    (".json", json.dumps({"spike": {"grad_factor": 20}})),
-    (".toml", "[spike]\ngrad_factor = 20\n"),
-    (".yaml", "spike: {grad_factor: 20}\n"),
-])
+@pytest.mark.parametrize(
+    "suffix,text",
+    [
+        (".json", json.dumps({"spike": {"grad_factor": 20}})),
+        (".toml", "[spike]\ngrad_factor = 20\n"),
+        (".yaml", "spike: {grad_factor: 20}\n"),
+    ],
+)
 def test_policy_files_in_each_format(tmp_path, suffix, text):
     p = tmp_path / f"p{suffix}"
     p.write_text(text)
@@ -52,12 +57,13 @@ def test_errors_are_one_line():
 
 def test_policy_is_immutable_and_every_field_described():
     p = Policy()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         p.spike = None  # frozen
     from nummon._policy import policy_yaml
 
     text = policy_yaml(load_policy("default"))
     assert "loss_factor: 8.0" in text and "(ratio)" in text
+
     # every leaf field carries a description with a unit or meaning
     def leaves(model):
         for name, info in type(model).model_fields.items():
@@ -66,5 +72,6 @@ def test_policy_is_immutable_and_every_field_described():
                 yield from leaves(v)
             else:
                 yield name, info
+
     missing = [n for n, i in leaves(p) if not i.description and n not in ("enabled", "name")]
     assert missing == []

@@ -1,5 +1,6 @@
 """Validation is the only gate (issue 12 item 10): nothing accepted can switch a detector off or
 crash later; every problem is one line."""
+
 import json
 import math
 
@@ -12,17 +13,20 @@ from nummon import Policy, PolicyError, load_policy
 from nummon._policy import MAX_POLICY_BYTES, validate_policy_file
 
 
-@pytest.mark.parametrize("bad,where", [
-    ({"headroom": {"warning_decades": {"float32": math.nan}}}, "headroom.warning_decades.float32"),
-    ({"headroom": {"critical_decades": {"float32": -1.0}}}, "headroom.critical_decades.float32"),
-    ({"spike": {"loss_factor": math.inf}}, "spike.loss_factor"),
-    ({"runaway": {"critical_total_factor": math.inf}}, "runaway.critical_total_factor"),
-    ({"divergence": {"critical_factor": math.nan}}, "divergence.critical_factor"),
-    ({"stall": {"min_improvement": math.nan}}, "stall.min_improvement"),
-    ({"spike": {"window": 1e30}}, "spike.window"),
-    ({"trend": {"min_span": 10**12}}, "trend.min_span"),
-    ({"vanishing": {"patience": 10**9}}, "vanishing.patience"),
-])
+@pytest.mark.parametrize(
+    "bad,where",
+    [
+        ({"headroom": {"warning_decades": {"float32": math.nan}}}, "headroom.warning_decades.float32"),
+        ({"headroom": {"critical_decades": {"float32": -1.0}}}, "headroom.critical_decades.float32"),
+        ({"spike": {"loss_factor": math.inf}}, "spike.loss_factor"),
+        ({"runaway": {"critical_total_factor": math.inf}}, "runaway.critical_total_factor"),
+        ({"divergence": {"critical_factor": math.nan}}, "divergence.critical_factor"),
+        ({"stall": {"min_improvement": math.nan}}, "stall.min_improvement"),
+        ({"spike": {"window": 1e30}}, "spike.window"),
+        ({"trend": {"min_span": 10**12}}, "trend.min_span"),
+        ({"vanishing": {"patience": 10**9}}, "vanishing.patience"),
+    ],
+)
 def test_values_that_switch_detectors_off_or_crash_later_are_rejected(bad, where):
     with pytest.raises(PolicyError, match=where.replace(".", r"\.")) as e:
         load_policy(bad)
@@ -88,10 +92,40 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=20,
 )
-section_keys = st.sampled_from(["spike", "runaway", "headroom", "divergence", "trend", "stall", "oscillation",
-                                "vanishing", "alerts", "sampling", "recorder", "sinks", "name", "bogus"])
-field_keys = st.sampled_from(["enabled", "window", "loss_factor", "metrics", "warning_decades", "critical_decades",
-                              "default_dtype", "min_span", "patience", "cooldown_steps", "queue_size", "x"])
+section_keys = st.sampled_from(
+    [
+        "spike",
+        "runaway",
+        "headroom",
+        "divergence",
+        "trend",
+        "stall",
+        "oscillation",
+        "vanishing",
+        "alerts",
+        "sampling",
+        "recorder",
+        "sinks",
+        "name",
+        "bogus",
+    ]
+)
+field_keys = st.sampled_from(
+    [
+        "enabled",
+        "window",
+        "loss_factor",
+        "metrics",
+        "warning_decades",
+        "critical_decades",
+        "default_dtype",
+        "min_span",
+        "patience",
+        "cooldown_steps",
+        "queue_size",
+        "x",
+    ]
+)
 mappings = st.dictionaries(section_keys, st.dictionaries(field_keys, json_values, max_size=4) | json_values, max_size=5)
 
 
@@ -107,8 +141,14 @@ def test_fuzz_mappings_give_a_policy_or_a_one_line_policy_error(data):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode),
-                 mappings.map(lambda d: yaml.safe_dump(d).encode())), st.sampled_from([".yaml", ".json", ".toml"]))
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.text(max_size=300).map(str.encode),
+        mappings.map(lambda d: yaml.safe_dump(d).encode()),
+    ),
+    st.sampled_from([".yaml", ".json", ".toml"]),
+)
 def test_fuzz_policy_files_give_a_policy_or_a_one_line_policy_error(tmp_path, raw, suffix):
     p = tmp_path / f"fuzz{suffix}"
     p.write_bytes(raw)

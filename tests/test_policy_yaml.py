@@ -1,5 +1,6 @@
 """A policy YAML with a key given twice is refused, naming the key and both lines (issue 23
 item 21): the last value used to win silently and `policy validate` said "valid"."""
+
 import subprocess
 import sys
 
@@ -30,8 +31,9 @@ def test_duplicate_keys_are_refused_naming_the_key_and_both_lines(tmp_path, text
     with pytest.raises(PolicyError) as e:
         load_policy(str(p))
     assert f"duplicate key {key!r} at line {lines[0]} (first given at line {lines[1]})" in str(e.value)
-    r = subprocess.run([sys.executable, "-m", "nummon", "policy", "validate", str(p)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "nummon", "policy", "validate", str(p)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "duplicate key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

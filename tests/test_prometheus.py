@@ -1,6 +1,7 @@
 """Prometheus metrics: `nummon watch --metrics` over watched runs, `PrometheusSink` in a real
 training loop and a real Lightning run, and the real Prometheus scraping two shard watchers,
 loading the shipped rules and firing the non-finite rule."""
+
 import math
 import os
 import re
@@ -15,13 +16,13 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
-from prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WATCH = [sys.executable, "-m", "nummon._watch"]
@@ -55,8 +56,11 @@ def scrape(url):
     """{(name, frozenset(labels)): value} of one scrape."""
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(samples, name, **labels):
@@ -73,7 +77,9 @@ def test_watch_metrics_one_series_per_run_bounded_and_retired(tmp_path):
     write_log(calm, rows(60, runaway_at=10**9, layers=40))  # 40 layers: still one series per metric
     fleet = FleetMetrics()
     server = serve_metrics(fleet, "127.0.0.1:0")
-    watcher = Watcher([str(root)], load_policy("default"), [], observer=MetricsObserver(fleet), errors=open(os.devnull, "w"))
+    watcher = Watcher(
+        [str(root)], load_policy("default"), [], observer=MetricsObserver(fleet), errors=open(os.devnull, "w")
+    )
     try:
         watcher.poll_once()
         got = scrape(server.url)
@@ -111,12 +117,20 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
     log = tmp_path / "runs" / "a" / "events.jsonl"
     write_log(log, rows(125, runaway_at=115))
     state = tmp_path / "state.json"
-    first = Watcher([str(tmp_path / "runs")], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"))
+    first = Watcher(
+        [str(tmp_path / "runs")], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w")
+    )
     first.poll_once()
     first.close()
     fleet = FleetMetrics()
-    again = Watcher([str(tmp_path / "runs")], load_policy("default"), [], state_path=str(state),
-                    observer=MetricsObserver(fleet), errors=open(os.devnull, "w"))
+    again = Watcher(
+        [str(tmp_path / "runs")],
+        load_policy("default"),
+        [],
+        state_path=str(state),
+        observer=MetricsObserver(fleet),
+        errors=open(os.devnull, "w"),
+    )
     try:
         again.poll_once()
         (s,) = fleet.snapshot().runs
@@ -205,8 +219,9 @@ def test_prometheus_sink_serves_on_rank_0_only():
 
 def test_lightning_callback_accepts_the_prometheus_sink(tmp_path):
     pytest.importorskip("lightning.pytorch")
-    from nummon.integrations.lightning import NummonCallback
     from test_lightning import fit
+
+    from nummon.integrations.lightning import NummonCallback
 
     sink = PrometheusSink("127.0.0.1:0", run="pl-run")
     fit(tmp_path, [NummonCallback(sinks=[sink])], runaway=True, steps=28)
@@ -223,12 +238,15 @@ def test_missing_prometheus_client_names_the_extra(monkeypatch):
         PrometheusSink("127.0.0.1:0")
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--metrics", "nohost"], "--metrics: 'nohost': expected HOST:PORT"),
-    (["--metrics", "127.0.0.1:99999"], "expected HOST:PORT"),
-    (["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
-    (["--shard", "x"], "--shard 'x': expected I/N"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--metrics", "nohost"], "--metrics: 'nohost': expected HOST:PORT"),
+        (["--metrics", "127.0.0.1:99999"], "expected HOST:PORT"),
+        (["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
+        (["--shard", "x"], "--shard 'x': expected I/N"),
+    ],
+)
 def test_bad_metrics_or_shard_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     from nummon._watch.command import main
 
@@ -240,10 +258,26 @@ def test_bad_metrics_or_shard_exits_2_with_one_line(tmp_path, capsys, argv, need
 
 # --- the real Prometheus -----------------------------------------------------------------------
 
+
 def start_shard(root, shard, tmp_path):
-    proc = subprocess.Popen(WATCH + [str(root), "--shard", shard, "--metrics", "127.0.0.1:0", "--interval", "0.2",
-                                     "--notify", f"jsonl:{tmp_path / ('notes-' + shard.replace('/', 'of') + '.jsonl')}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        WATCH
+        + [
+            str(root),
+            "--shard",
+            shard,
+            "--metrics",
+            "127.0.0.1:0",
+            "--interval",
+            "0.2",
+            "--notify",
+            f"jsonl:{tmp_path / ('notes-' + shard.replace('/', 'of') + '.jsonl')}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     for line in proc.stderr:  # the first line names the endpoint
         m = re.search(r"serving metrics at http://([\d.]+:\d+)/metrics", line)
         if m:
@@ -265,9 +299,14 @@ def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fire
         prom = start_prometheus(tmp_path, [addr for _, addr in shards], rules=[CONFIGS / "nummon-rules.yml"])
         try:
             # every run is scraped, and from exactly one shard
-            wait_for(lambda: prom_query(prom, "count(nummon_last_step)") and
-                     int(float(prom_query(prom, "count(nummon_last_step)")[0]["value"][1])) == n + 1, 60,
-                     "every run in Prometheus")
+            wait_for(
+                lambda: (
+                    prom_query(prom, "count(nummon_last_step)")
+                    and int(float(prom_query(prom, "count(nummon_last_step)")[0]["value"][1])) == n + 1
+                ),
+                60,
+                "every run in Prometheus",
+            )
             per_run = prom_query(prom, "count by (run) (nummon_last_step)")
             assert len(per_run) == n + 1 and {r["value"][1] for r in per_run} == {"1"}
             per_shard = prom_query(prom, "sum by (instance) (nummon_watch_runs)")

@@ -1,11 +1,11 @@
 """The shipped Prometheus configuration: promtool accepts the rules and their unit tests pass
 (configs/prometheus/nummon-rules.test.yml), amtool accepts the Alertmanager route, and every
 series the rules read is one nummon serves."""
+
 import re
 import subprocess
 
 import yaml
-
 from prometheus_servers import CONFIGS, binary
 
 RULES = CONFIGS / "nummon-rules.yml"
@@ -29,10 +29,17 @@ def test_promtool_unit_tests_of_the_rules_pass():
 
 def test_promtool_unit_tests_fail_on_a_wrong_threshold(tmp_path):
     """The unit tests can fail: the overflow threshold moved from 100 to 50 steps breaks them."""
-    (tmp_path / "nummon-rules.yml").write_text(RULES.read_text().replace("nummon_steps_to_overflow < 100", "nummon_steps_to_overflow < 50"))
+    (tmp_path / "nummon-rules.yml").write_text(
+        RULES.read_text().replace("nummon_steps_to_overflow < 100", "nummon_steps_to_overflow < 50")
+    )
     (tmp_path / "nummon-rules.test.yml").write_text((CONFIGS / "nummon-rules.test.yml").read_text())
-    p = subprocess.run([binary("promtool"), "test", "rules", "nummon-rules.test.yml"], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    p = subprocess.run(
+        [binary("promtool"), "test", "rules", "nummon-rules.test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert p.returncode != 0 and "NummonOverflowSoon" in p.stdout + p.stderr
 
 

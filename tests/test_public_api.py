@@ -1,17 +1,49 @@
 """The public surface is pinned, and importing nummon pulls in no optional backend."""
+
 import subprocess
 import sys
 
 import nummon
 
 EXPECTED = {
-    "Alert", "AlertKind", "BaseSink", "ConsoleSink", "Contributor", "DistributedError", "Health", "IncidentEvent",
-    "IncidentState", "JsonlSink", "MemorySink", "MlflowSink", "Monitor", "NummonError", "Policy", "PolicyError", "PrometheusSink", "RunContext", "Severity",
-    "Sink", "StateError", "StepRecord", "StepReport", "TensorBoardSink", "TraceError", "WandbSink",
-    "diagnose", "load_policy", "preset_names", "read_trace", "replay",
+    "Alert",
+    "AlertKind",
+    "BaseSink",
+    "ConsoleSink",
+    "Contributor",
+    "DistributedError",
+    "Health",
+    "IncidentEvent",
+    "IncidentState",
+    "JsonlSink",
+    "MemorySink",
+    "MlflowSink",
+    "Monitor",
+    "NummonError",
+    "Policy",
+    "PolicyError",
+    "PrometheusSink",
+    "RunContext",
+    "Severity",
+    "Sink",
+    "StateError",
+    "StepRecord",
+    "StepReport",
+    "TensorBoardSink",
+    "TraceError",
+    "WandbSink",
+    "diagnose",
+    "load_policy",
+    "preset_names",
+    "read_trace",
+    "replay",
 }
-INTEGRATIONS = {"TensorBoardSink": "nummon.integrations.tensorboard", "WandbSink": "nummon.integrations.wandb",
-                "PrometheusSink": "nummon.integrations.prometheus", "MlflowSink": "nummon.integrations.mlflow"}
+INTEGRATIONS = {
+    "TensorBoardSink": "nummon.integrations.tensorboard",
+    "WandbSink": "nummon.integrations.wandb",
+    "PrometheusSink": "nummon.integrations.prometheus",
+    "MlflowSink": "nummon.integrations.mlflow",
+}
 
 
 def test_all_is_pinned_and_resolves():

@@ -1,15 +1,11 @@
 """Readers of `nummon watch` / `replay`: every format gives the same alerts as the equivalent
 nummon JSONL trace; incremental polls see only new records; half-written tails are read again;
 a file that is not a log is named in one line."""
+
 import shutil
 from pathlib import Path
 
 import pytest
-
-from nummon._engine import HealthEngine
-from nummon._policy import load_policy
-from nummon._replay import replay
-from nummon._watch import KeyMap, NotALogError, make_follower, read_records
 from test_watch_logs import (
     LR,
     csv_logger,
@@ -21,6 +17,11 @@ from test_watch_logs import (
     write_tensorboard,
     write_wandb,
 )
+
+from nummon._engine import HealthEngine
+from nummon._policy import load_policy
+from nummon._replay import replay
+from nummon._watch import KeyMap, NotALogError, make_follower, read_records
 
 
 def alerts_of(records):
@@ -122,7 +123,7 @@ def test_tensorboard_position_restores_in_a_new_follower(rows, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     w = SummaryWriter(str(logdir))  # a second event file, as after a training restart
-    for s, loss, g in rows[20:]:
+    for s, loss, _g in rows[20:]:
         w.add_scalar("train/loss", loss, s)
     w.close()
     f2 = make_follower(str(logdir))

@@ -1,6 +1,7 @@
 """Fuzz: every reader over corrupted and truncated TensorBoard, W&B, Hugging Face, CSV and JSONL
 files (real files from each writer, then bytes flipped, cut, inserted and zeroed) ends in
 records or a one-line NummonError, never a traceback; in a watcher it never stops the watching."""
+
 import math
 import re
 import shutil
@@ -8,12 +9,12 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_watch_logs import runaway_rows, write_csv, write_hf_run, write_jsonl, write_tensorboard
 
 from nummon._errors import NummonError
 from nummon._policy import load_policy
 from nummon._watch import make_follower, read_records
 from nummon._watch.watcher import Watcher
-from test_watch_logs import runaway_rows, write_csv, write_hf_run, write_jsonl, write_tensorboard
 
 ROWS = runaway_rows(healthy=30, runaway=8)
 
@@ -30,22 +31,37 @@ def originals(tmp_path_factory):
     out["csv"] = write_csv(base / "csv", ROWS)
     from test_watch_corruption import write_wandb_records
 
-    items = [[("_step", str(s)), ("train/loss", repr(l) if math.isfinite(l) else "NaN"),
-              ("train/grad_norm", repr(g) if math.isfinite(g) else "Infinity")] for s, l, g in ROWS]
+    items = [
+        [
+            ("_step", str(s)),
+            ("train/loss", repr(l) if math.isfinite(l) else "NaN"),
+            ("train/grad_norm", repr(g) if math.isfinite(g) else "Infinity"),
+        ]
+        for s, l, g in ROWS
+    ]
     out["wandb"] = base / "run-fuzz.wandb"
     write_wandb_records(out["wandb"], items * 40)  # several 32 KiB blocks
     return out
 
 
-edits = st.lists(st.one_of(
-    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
-    st.tuples(st.just("cut"), st.floats(0, 1), st.just(0)),
-    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=64)),
-    st.tuples(st.just("zero"), st.floats(0, 1), st.integers(1, 4096)),
-    # a number of the file's text (a step, a value) replaced by what writers and people put there
-    st.tuples(st.just("token"), st.floats(0, 1), st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b"1e400", b"inf",
-                                                                  b"-1", b'"x"', b"{", b"2.5", b"null", b"true"])),
-), min_size=1, max_size=4)
+edits = st.lists(
+    st.one_of(
+        st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
+        st.tuples(st.just("cut"), st.floats(0, 1), st.just(0)),
+        st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=64)),
+        st.tuples(st.just("zero"), st.floats(0, 1), st.integers(1, 4096)),
+        # a number of the file's text (a step, a value) replaced by what writers and people put there
+        st.tuples(
+            st.just("token"),
+            st.floats(0, 1),
+            st.sampled_from(
+                [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"inf", b"-1", b'"x"', b"{", b"2.5", b"null", b"true"]
+            ),
+        ),
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 _NUMBER = re.compile(rb"-?\d+(\.\d+)?(e-?\d+)?")
 
@@ -126,8 +142,9 @@ def test_watcher_keeps_watching_past_every_damaged_file(originals, tmp_path):
     good = root / "good"
     good.mkdir()
     write_jsonl(good / "events.jsonl", ROWS)
-    from nummon._watch.targets import JsonlTarget
     from test_watch import read_events
+
+    from nummon._watch.targets import JsonlTarget
 
     notes = tmp_path / "notes.jsonl"
     with open(tmp_path / "err.txt", "w") as err:

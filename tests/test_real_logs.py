@@ -4,6 +4,7 @@ The scoring is the shared corpus scorer (score.py), run as a real subprocess ove
 issue 13 is one test.  One stall cannot be seen in the numbers alone (NEEDS_CLASS_COUNT): it is scored with a
 policy that names the classifier's chance loss, as its user would set it.
 """
+
 import json
 import math
 import re
@@ -11,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import DATA
 
 __all__ = []
@@ -24,10 +24,12 @@ SCORER = DATA / "score.py"
 #: ten epochs and stays: that is chance only because the task has 3 classes (ln 3 = 1.0986). Without the class
 #: count the trace is a fast fall and a plateau, the shape of a converged run, and healthy language-model
 #: runs in this set plateau at the same level (alpaca_lora_issue418_prefix ~1.04, nanogpt_colab ~1.16).
-NEEDS_CLASS_COUNT = {"era_s17_vit_chance_ln3": 3,
-                     # ten per-step batch losses 6.899..6.917 over nine steps of an ImageNet run (ln 1000 =
-                     # 6.9078): moving, and too short a stretch for any trend window; only the class count says chance
-                     "darknet_issue1400_imagenet_ln1000": 1000}
+NEEDS_CLASS_COUNT = {
+    "era_s17_vit_chance_ln3": 3,
+    # ten per-step batch losses 6.899..6.917 over nine steps of an ImageNet run (ln 1000 =
+    # 6.9078): moving, and too short a stretch for any trend window; only the class count says chance
+    "darknet_issue1400_imagenet_ln1000": 1000,
+}
 #: Failures the detectors do not catch, and why (the third, blind batch of session 8): kept in the set, so that
 #: a change that starts catching them says so (test_known_misses_are_still_missed) and a healthy run it then
 #: disturbs shows too.
@@ -55,7 +57,9 @@ def verdicts():
     """{trace name: (met, label, why)} from one scorer run over the whole directory."""
     p = subprocess.run(
         [sys.executable, str(SCORER), str(REAL), "--cmd", f"{sys.executable} -m nummon replay", "-v"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     found = {}
     for line in p.stdout.splitlines():
@@ -118,9 +122,20 @@ def test_a_stall_at_chance_needs_the_class_count_and_is_found_with_it(verdicts, 
         policy = tmp_path / f"{name}.yaml"
         policy.write_text(f"stall:\n  chance_loss: {math.log(classes)!r}\n")
         p = subprocess.run(
-            [sys.executable, "-m", "nummon", "replay", "--policy", str(policy), "--format", "jsonl",
-             str(REAL / f"{name}.jsonl")],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "nummon",
+                "replay",
+                "--policy",
+                str(policy),
+                "--format",
+                "jsonl",
+                str(REAL / f"{name}.jsonl"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert p.returncode == 0, p.stderr
         alerts = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]

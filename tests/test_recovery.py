@@ -1,4 +1,5 @@
 """Recovery (issue 17): the gradient guard skips poisoned updates, rollbacks restore exact state."""
+
 import datetime
 import json
 import math
@@ -7,10 +8,10 @@ import socket
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import start_ranks
 from models import MLP
+from torch import nn
+
 from nummon import Monitor, NummonError
 from nummon._policy import load_policy
 
@@ -34,7 +35,11 @@ def _data(seed=0, n=32):
 def _setup(seed=0, adam=False, **recovery):
     torch.manual_seed(seed)
     model = MLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-3)
+        if adam
+        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
     return model, opt
 
 
@@ -170,7 +175,9 @@ def test_rollback_restores_exact_weights_and_optimizer_state_and_lowers_lr(tmp_p
     # carries on: the detectors were re-baselined, the next steps are healthy and train
     for _ in range(3):
         r = _step(model, opt, mon, x, y)
-        assert r.health.value in ("healthy", "incident") and not r.should_stop  # the incident stays open until its quiet period
+        assert (
+            r.health.value in ("healthy", "incident") and not r.should_stop
+        )  # the incident stays open until its quiet period
     assert not torch.equal(w["fc1.weight"], model.fc1.weight)
     mon.close()
 
@@ -207,7 +214,8 @@ def test_a_second_rollback_to_the_same_snapshot_is_exact_too(tmp_path):
         assert not opt.state  # back before the first step: no optimizer state yet
     assert [r["to_step"] for r in mon.recoveries] == [-1, -1]
     assert "rolled back to the start" in mon.alerts[-1].message or any(
-        "rolled back to the start" in a.message for a in mon.alerts)
+        "rolled back to the start" in a.message for a in mon.alerts
+    )
     mon.close()
 
 
@@ -224,7 +232,9 @@ def test_spent_retry_budget_stops_the_run(tmp_path):
     second = _nan_weight(model, opt, mon, x, y)
     assert second.should_stop and mon.should_stop
     gave_up = [a for a in second.alerts if a.details.get("recovery") == "gave_up"]
-    assert gave_up and gave_up[0].severity.value == "critical" and "budget of 1 rollbacks is spent" in gave_up[0].message
+    assert (
+        gave_up and gave_up[0].severity.value == "critical" and "budget of 1 rollbacks is spent" in gave_up[0].message
+    )
     assert [r["action"] for r in mon.recoveries] == ["rollback", "gave_up"]
     mon.close()
 

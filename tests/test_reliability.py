@@ -1,6 +1,6 @@
 """The alert path under faults: stuck and failing sinks, killed processes, threads, strict JSON."""
+
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -11,11 +11,10 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 import nummon
-from nummon import AlertKind, Health, JsonlSink, MemorySink, Monitor, NummonError, Severity
+from nummon import JsonlSink, MemorySink, Monitor, NummonError, Severity
 
 RUNAWAY = [2.0] * 12 + [2.0 * 8**k for k in range(1, 6)] + [float("nan")]  # critical, then NaN
 
@@ -65,14 +64,18 @@ class GatedSink(nummon.BaseSink):
 
 def test_a_critical_alert_waits_for_the_event_log_only_not_for_slow_notifying_sinks(tmp_path, caplog):
     log, gated = tmp_path / "events.jsonl", GatedSink()
-    mon = Monitor(sinks=[gated, JsonlSink(log)],
-                  policy={"alerts": {"stop_on_critical": False}, "sinks": {"critical_timeout_s": 2.0}})
+    mon = Monitor(
+        sinks=[gated, JsonlSink(log)],
+        policy={"alerts": {"stop_on_critical": False}, "sinks": {"critical_timeout_s": 2.0}},
+    )
     report = next(r for r in map(mon.post_step, RUNAWAY) if any(a.severity is Severity.CRITICAL for a in r.alerts))
     # post_step returned while the gated sink still holds the alert: nobody waited for it ...
     assert not any("did not write within" in r.message for r in caplog.records)
     assert not gated.alerts
     # ... and the durable event log has it on disk
-    crit = [e for e in map(_strict, log.read_text().splitlines()) if e["type"] == "alert" and e["severity"] == "critical"]
+    crit = [
+        e for e in map(_strict, log.read_text().splitlines()) if e["type"] == "alert" and e["severity"] == "critical"
+    ]
     assert [e["step"] for e in crit] == [report.step]
     gated.release.set()
     mon.close()
@@ -145,8 +148,10 @@ def test_without_any_folder_the_flight_record_goes_to_a_new_run_folder(tmp_path,
     for loss in RUNAWAY:
         mon.post_step(loss)
     mon.close()
-    assert mon.flight_record.parent.parent == tmp_path / "nummon-runs" or \
-        mon.flight_record.parent.parent.resolve() == (tmp_path / "nummon-runs").resolve()
+    assert (
+        mon.flight_record.parent.parent == tmp_path / "nummon-runs"
+        or mon.flight_record.parent.parent.resolve() == (tmp_path / "nummon-runs").resolve()
+    )
     assert sum("no run folder given" in r.message for r in caplog.records) == 1
 
 
@@ -183,8 +188,10 @@ class ClosingMemorySink(MemorySink):
 def test_a_stuck_sink_bounds_block_mode_waits_and_close(caplog):
     stuck, mem = StuckSink(), ClosingMemorySink()
     # the stuck sink never makes room and never closes, so both bounded waits run out whatever the load
-    pol = {"sinks": {"queue_size": 2, "when_full": "block", "block_timeout_s": 0.2, "close_timeout_s": 0.5},
-           "alerts": {"stop_on_critical": False}}
+    pol = {
+        "sinks": {"queue_size": 2, "when_full": "block", "block_timeout_s": 0.2, "close_timeout_s": 0.5},
+        "alerts": {"stop_on_critical": False},
+    }
     mon = Monitor(sinks=[stuck, mem], policy=pol)
     for loss in RUNAWAY:
         mon.post_step(loss)

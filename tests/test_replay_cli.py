@@ -1,10 +1,10 @@
 """`nummon replay` and the CLI's error handling, through the real console entry point."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from conftest import CORPUS, DATA, ROOT, nummon_cmd
 
 
@@ -18,7 +18,9 @@ def test_dev_corpus_scores_clean():
     script = shared if shared.exists() else DATA / "score.py"  # a copy, for checkouts without shared/
     p = subprocess.run(
         [sys.executable, str(script), str(CORPUS), "--cmd", f"{sys.executable} -m nummon replay"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "19/19 expectations met" in p.stdout
@@ -58,11 +60,14 @@ def test_nan_tokens_in_both_spellings(tmp_path):
     assert "nonfinite" in kinds
 
 
-@pytest.mark.parametrize("content,needle", [
-    ('{"step": 0, "loss": 1.0, "x": \n{"step": 2, "loss": 1.0}\n', ":1: not valid JSON"),
-    ('[1, 2]\n', ":1: expected a JSON object"),
-    ('{"step": 0, "loss": "abc"}\n', ":1: loss must be a number"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"step": 0, "loss": 1.0, "x": \n{"step": 2, "loss": 1.0}\n', ":1: not valid JSON"),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+        ('{"step": 0, "loss": "abc"}\n', ":1: loss must be a number"),
+    ],
+)
 def test_broken_trace_names_the_line(tmp_path, content, needle):
     t = tmp_path / "bad.jsonl"
     t.write_text(content)
@@ -72,12 +77,15 @@ def test_broken_trace_names_the_line(tmp_path, content, needle):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["replay", "/no/such/trace.jsonl"], "trace not found"),
-    (["replay", "--policy", "nope", str(DATA / "batch39_46.jsonl")], "unknown policy preset 'nope'"),
-    (["replay", "--format", "xml", "x"], "invalid choice"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["replay", "/no/such/trace.jsonl"], "trace not found"),
+        (["replay", "--policy", "nope", str(DATA / "batch39_46.jsonl")], "unknown policy preset 'nope'"),
+        (["replay", "--format", "xml", "x"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_cli_errors_exit_2_with_one_line(args, needle):
     p = cli(*args)
     assert p.returncode == 2
@@ -116,8 +124,8 @@ def test_the_readme_lists_every_field_of_the_default_policy_as_policy_show_print
     from conftest import ROOT
 
     readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("<summary>Every field of the <code>default</code> policy"):]
-    block = block[block.index("```yaml\n") + len("```yaml\n"):]
+    block = readme[readme.index("<summary>Every field of the <code>default</code> policy") :]
+    block = block[block.index("```yaml\n") + len("```yaml\n") :]
     assert block[: block.index("```")] == cli("policy", "show", "default").stdout
 
 

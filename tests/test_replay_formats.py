@@ -1,4 +1,5 @@
 """`nummon replay` reads every log format `watch` reads, with the alerts of the same JSONL trace."""
+
 import json
 
 from nummon._cli import main
@@ -15,7 +16,9 @@ def test_tensorboard_hf_and_csv_logs_give_the_jsonl_alerts(tmp_path, capsys):
     from torch.utils.tensorboard import SummaryWriter
 
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES)))
+    trace.write_text(
+        "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))
+    )
     want = _alerts(capsys, str(trace))
     assert any(a["severity"] == "warning" for a in want) and any(a["kind"] == "nonfinite" for a in want)
 
@@ -49,7 +52,9 @@ def test_a_tensorboard_logdir_of_run_folders_replays_each_run(tmp_path, capsys):
     from torch.utils.tensorboard import SummaryWriter
 
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES)))
+    trace.write_text(
+        "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))
+    )
     want = _alerts(capsys, str(trace))
     for run in ("run-a", "run-b"):
         w = SummaryWriter(str(tmp_path / "tb" / run))

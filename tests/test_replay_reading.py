@@ -1,15 +1,16 @@
 """`nummon replay` on damaged, foreign and hostile inputs: streaming, forgiving at the tail,
 one-line errors (exit 2) and never a traceback."""
+
 import contextlib
 import io
 import json
 import subprocess
 
 import pytest
+from conftest import CORPUS, nummon_cmd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CORPUS, DATA, nummon_cmd
 from nummon import JsonlSink, load_policy, replay
 from nummon._cli import main
 from nummon._engine import HealthEngine
@@ -63,13 +64,20 @@ def test_broken_middle_lines_are_skipped_with_one_warning_and_every_alert_kept(t
     assert [(a["step"], a["kind"], a["severity"]) for a in alert_lines(p.stdout)] == expected
     assert p.stderr.strip().splitlines() == [
         f"nummon: warning: {bad}:101: line skipped, not valid JSON (Expecting value at column 23); "
-        "3 unreadable lines skipped in all, the last at line 111"]
+        "3 unreadable lines skipped in all, the last at line 111"
+    ]
 
 
-@pytest.mark.parametrize("content,needle", [
-    ('{"step": 0, "loss": "abc"}\n{"step": 1, "loss": \n', ":1: loss must be a number, got 'abc' (no readable step record in the file)"),
-    ('[1, 2]\n{"step": 1}\n', ":1: expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (
+            '{"step": 0, "loss": "abc"}\n{"step": 1, "loss": \n',
+            ":1: loss must be a number, got 'abc' (no readable step record in the file)",
+        ),
+        ('[1, 2]\n{"step": 1}\n', ":1: expected a JSON object, got list"),
+    ],
+)
 def test_a_file_with_no_readable_record_is_an_error(tmp_path, content, needle):
     path = tmp_path / "none.jsonl"
     path.write_text(content)
@@ -95,7 +103,9 @@ def test_replay_of_nummons_own_event_log_skips_alert_lines(tmp_path):
     sink.close()
     assert sum('"type": "alert"' in l for l in events.read_text().splitlines()) == len(run_alerts) > 0
     got = replay(events)
-    assert [(a.step, a.kind, a.severity, a.cleared) for a in got] == [(a.step, a.kind, a.severity, a.cleared) for a in run_alerts]
+    assert [(a.step, a.kind, a.severity, a.cleared) for a in got] == [
+        (a.step, a.kind, a.severity, a.cleared) for a in run_alerts
+    ]
 
 
 def test_steps_going_backwards_start_a_new_segment(tmp_path):
@@ -108,7 +118,9 @@ def test_steps_going_backwards_start_a_new_segment(tmp_path):
     assert rc == 0
     alone = [(a.step, a.kind.value, a.severity.value) for a in replay(TRACE)]
     assert [(a["step"], a["kind"], a["severity"]) for a in alert_lines(out)] == alone + alone
-    assert err.strip().splitlines() == [f"nummon: warning: {both}:337: step 0 after step 335: a new segment, detectors restarted"]
+    assert err.strip().splitlines() == [
+        f"nummon: warning: {both}:337: step 0 after step 335: a new segment, detectors restarted"
+    ]
 
 
 def _tensorboard_event_file(tmp_path):
@@ -124,12 +136,37 @@ def test_a_tensorboard_event_file_is_replayed_not_refused(tmp_path):
     assert p.returncode == 0 and "no alerts" in p.stdout and not p.stderr
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda d: d.joinpath("latin1.jsonl").write_bytes('{"step": 0, "loss": 1.0, "run": "café"}\n{"step": 1}\n'.encode("latin-1")) and d / "latin1.jsonl", ":1: not UTF-8 text"),
-    (lambda d: d.joinpath("big.jsonl").write_text('{"step": 0, "loss": ' + "7" * 5000 + "}\n{}\n") and d / "big.jsonl", ":1: not a usable JSON line"),
-    (lambda d: d.joinpath("deep.jsonl").write_text('{"step": 0, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n{}\n") and d / "deep.jsonl", ":1: not a usable JSON line (nested too deeply)"),
-    (lambda d: d.joinpath("rand.bin").write_bytes(bytes(range(256)) * 40) and d / "rand.bin", "rand.bin: not a log nummon reads"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (
+            lambda d: (
+                d.joinpath("latin1.jsonl").write_bytes(
+                    '{"step": 0, "loss": 1.0, "run": "café"}\n{"step": 1}\n'.encode("latin-1")
+                )
+                and d / "latin1.jsonl"
+            ),
+            ":1: not UTF-8 text",
+        ),
+        (
+            lambda d: (
+                d.joinpath("big.jsonl").write_text('{"step": 0, "loss": ' + "7" * 5000 + "}\n{}\n") and d / "big.jsonl"
+            ),
+            ":1: not a usable JSON line",
+        ),
+        (
+            lambda d: (
+                d.joinpath("deep.jsonl").write_text('{"step": 0, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n{}\n")
+                and d / "deep.jsonl"
+            ),
+            ":1: not a usable JSON line (nested too deeply)",
+        ),
+        (
+            lambda d: d.joinpath("rand.bin").write_bytes(bytes(range(256)) * 40) and d / "rand.bin",
+            "rand.bin: not a log nummon reads",
+        ),
+    ],
+)
 def test_foreign_files_give_one_line_errors(tmp_path, make, needle):
     path = make(tmp_path)
     p = cli("replay", str(path))
@@ -141,14 +178,24 @@ def test_foreign_files_give_one_line_errors(tmp_path, make, needle):
 def test_strict_json_strings_and_bare_literals_read_alike(tmp_path):
     strict = tmp_path / "strict.jsonl"
     bare = tmp_path / "bare.jsonl"
-    strict.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": "NaN", "grad_norm": "Infinity", "grad_max": "-Infinity"}\n')
-    bare.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": NaN, "grad_norm": Infinity, "grad_max": -Infinity}\n')
+    strict.write_text(
+        '{"step": 0, "loss": 1.0}\n{"step": 1, "loss": "NaN", "grad_norm": "Infinity", "grad_max": "-Infinity"}\n'
+    )
+    bare.write_text(
+        '{"step": 0, "loss": 1.0}\n{"step": 1, "loss": NaN, "grad_norm": Infinity, "grad_max": -Infinity}\n'
+    )
     a, b = list(read_trace(strict)), list(read_trace(bare))
-    assert repr(a) == repr(b) and str(a[1].loss) == "nan" and a[1].grad_norm == float("inf") and a[1].grad_max == -float("inf")
+    assert (
+        repr(a) == repr(b)
+        and str(a[1].loss) == "nan"
+        and a[1].grad_norm == float("inf")
+        and a[1].grad_max == -float("inf")
+    )
     assert [x.kind.value for x in replay(strict)] == [x.kind.value for x in replay(bare)] and replay(strict)
 
 
 # ------------------------------------------------------------------ fuzz
+
 
 def _assert_clean(rc, out, err):
     assert rc in (0, 2), (rc, err)
@@ -159,7 +206,9 @@ def _assert_clean(rc, out, err):
     assert all(l.startswith(("nummon: warning: ", "nummon: error: ")) for l in lines), err
 
 
-_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @_FUZZ
@@ -170,10 +219,29 @@ def test_fuzz_arbitrary_bytes_never_give_a_traceback(tmp_path, data):
     _assert_clean(*run_main("replay", str(path)))
 
 
-_KEYS = st.sampled_from(["step", "loss", "grad_norm", "grad_max", "activation_max", "param_norm", "lr", "headroom",
-                         "type", "dtype", "layer_grad_norms", "layer_activation_max", "nonfinite_location"])
+_KEYS = st.sampled_from(
+    [
+        "step",
+        "loss",
+        "grad_norm",
+        "grad_max",
+        "activation_max",
+        "param_norm",
+        "lr",
+        "headroom",
+        "type",
+        "dtype",
+        "layer_grad_norms",
+        "layer_activation_max",
+        "nonfinite_location",
+    ]
+)
 _VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=8)
     | st.sampled_from(["NaN", "Infinity", "-Infinity", "step", "alert", "\x1b[31m"]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
@@ -196,11 +264,14 @@ def test_fuzz_arbitrary_json_lines_never_give_a_traceback(tmp_path, lines, fmt):
 
 def test_hostile_trace_through_the_real_console_entry(tmp_path):
     path = tmp_path / "hostile.jsonl"
-    path.write_bytes(b'{"step": 0, "loss": 1e999, "nonfinite_location": "\\u001b[2J\\ud800"}\n\xff\xfe{"step": 1}\n{"step": 2}\n')
+    path.write_bytes(
+        b'{"step": 0, "loss": 1e999, "nonfinite_location": "\\u001b[2J\\ud800"}\n\xff\xfe{"step": 1}\n{"step": 2}\n'
+    )
     p = cli("replay", str(path))
     assert p.returncode == 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
-        f"nummon: warning: {path}:2: line skipped, not UTF-8 text (a binary file, or another encoding?); 1 unreadable line skipped in all"]
+        f"nummon: warning: {path}:2: line skipped, not UTF-8 text (a binary file, or another encoding?); 1 unreadable line skipped in all"
+    ]
     assert "\x1b" not in p.stdout and "nonfinite" in p.stdout
 
 

@@ -1,5 +1,6 @@
 """`nummon report`: a self-contained HTML page per run, from a real Monitor run folder and from
 every log format replay reads; nothing in it is fetched; headless Chromium draws it."""
+
 import json
 import math
 import re
@@ -7,12 +8,13 @@ import shutil
 import subprocess
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import runaway_run
 
 from nummon._cli import main
 from nummon._report import build_report, incidents_of, load_run
 from nummon._report.svg import thin
-from models import runaway_run
 
 LOSSES = [2.0 * 0.99**i for i in range(30)] + [2.0 * 6**k for k in range(1, 7)] + [float("nan")]
 
@@ -20,8 +22,17 @@ LOSSES = [2.0 * 0.99**i for i in range(30)] + [2.0 * 6**k for k in range(1, 7)] 
 def external_refs(html):
     """Every way a page could fetch something: the list must stay empty."""
     bad = []
-    for pat in (r"https?://(?!www\.w3\.org/2000/svg\")", r"<script", r"@import", r"<link", r"<iframe", r"<img",
-                r"""src\s*=\s*["']?(?!data:)""", r"""url\(\s*["']?(?!data:)""", r"""href\s*=\s*["']?(?!#)"""):
+    for pat in (
+        r"https?://(?!www\.w3\.org/2000/svg\")",
+        r"<script",
+        r"@import",
+        r"<link",
+        r"<iframe",
+        r"<img",
+        r"""src\s*=\s*["']?(?!data:)""",
+        r"""url\(\s*["']?(?!data:)""",
+        r"""href\s*=\s*["']?(?!#)""",
+    ):
         bad += re.findall(pat, html, flags=re.I)
     return bad
 
@@ -89,10 +100,14 @@ def _tb(path, losses):
 def _logs(tmp_path):
     """The same run as every log format replay reads (as tests/test_replay_formats.py writes them)."""
     jsonl = tmp_path / "trace.jsonl"
-    jsonl.write_text("".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES)))
+    jsonl.write_text(
+        "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))
+    )
     hf = tmp_path / "hf" / "trainer_state.json"
     hf.parent.mkdir()
-    hf.write_text(json.dumps({"global_step": len(LOSSES), "log_history": [{"step": i, "loss": v} for i, v in enumerate(LOSSES)]}))
+    hf.write_text(
+        json.dumps({"global_step": len(LOSSES), "log_history": [{"step": i, "loss": v} for i, v in enumerate(LOSSES)]})
+    )
     csv = tmp_path / "csv" / "metrics.csv"
     csv.parent.mkdir()
     csv.write_text("step,train_loss\n" + "".join(f"{i},{v}\n" for i, v in enumerate(LOSSES)))
@@ -125,20 +140,27 @@ def test_wandb_offline_run_gives_a_page(wandb_env, tmp_path, capsys):
 
 def test_a_healthy_run_says_so_on_one_screen(tmp_path, capsys):
     log = tmp_path / "events.jsonl"
-    log.write_text("".join(json.dumps({"type": "step", "step": i, "loss": 2.0 * 0.99**i, "grad_norm": 1.0 + 0.01 * (i % 7)}) + "\n"
-                           for i in range(300)))
+    log.write_text(
+        "".join(
+            json.dumps({"type": "step", "step": i, "loss": 2.0 * 0.99**i, "grad_norm": 1.0 + 0.01 * (i % 7)}) + "\n"
+            for i in range(300)
+        )
+    )
     assert main(["report", str(tmp_path)]) == 0
     html = (tmp_path / "nummon-report.html").read_text()
     assert "Healthy: no warning in 300 records (steps 0–299)" in html
     assert "Incident" not in html and html.count("<svg") == 1  # the curves, nothing else
 
 
-@pytest.mark.parametrize("args, names", [
-    (["{tmp}/missing"], "missing"),
-    (["{tmp}/notes.txt"], "notes.txt"),
-    (["{tmp}/trace.jsonl", "-o", "{tmp}/no/such/dir/r.html"], "no/such/dir"),
-    (["{tmp}/trace.jsonl", "-o", "{tmp}"], str("{tmp}")),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["{tmp}/missing"], "missing"),
+        (["{tmp}/notes.txt"], "notes.txt"),
+        (["{tmp}/trace.jsonl", "-o", "{tmp}/no/such/dir/r.html"], "no/such/dir"),
+        (["{tmp}/trace.jsonl", "-o", "{tmp}"], "{tmp}"),
+    ],
+)
 def test_bad_paths_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, args, names):
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "trace.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
@@ -150,8 +172,12 @@ def test_bad_paths_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, args,
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-1e30, 1e30, allow_nan=False), min_size=1, max_size=3000),
-       st.integers(0, 3000), st.integers(0, 200), st.integers(1, 50))
+@given(
+    st.lists(st.floats(-1e30, 1e30, allow_nan=False), min_size=1, max_size=3000),
+    st.integers(0, 3000),
+    st.integers(0, 200),
+    st.integers(1, 50),
+)
 def test_thin_keeps_every_point_near_the_incident_and_each_buckets_extremes(ys, at, radius, budget):
     pts = [(float(i), y) for i, y in enumerate(ys)]
     keep = [(at - radius, at + radius)]
@@ -170,7 +196,9 @@ def test_the_lead_and_steps_on_the_page_are_those_of_the_log(tmp_path_factory, h
 
     losses = [2.0 * 0.99**i for i in range(healthy)] + [2.0 * rate**k for k in range(1, grow + 1)] + [math.nan]
     log = tmp_path_factory.mktemp("p") / "trace.jsonl"
-    log.write_text("".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(losses)))
+    log.write_text(
+        "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(losses))
+    )
     alerts = replay(log)
     loud = [a for a in alerts if a.severity.value in ("warning", "critical") and not a.cleared]
     html = build_report(log)
@@ -190,14 +218,27 @@ def test_headless_chromium_draws_the_page(monitor_run, tmp_path):
     page = tmp_path / "r.html"
     page.write_text(build_report(folder))
     png = tmp_path / "r.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1040,1400",
-                    f"--screenshot={png}", page.as_uri()], capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1040,1400",
+            f"--screenshot={png}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     img = Image.open(png).convert("RGB")
     assert img.size == (1040, 1400)
     colors = img.getcolors(maxcolors=1 << 20) or []
     assert len(colors) > 200  # text, curves and marks, not a blank or one-colour page
     # the verdict banner of a lost run is drawn (violet), and so are the curves' colours
-    assert any(abs(r - 0x6d) < 12 and abs(g - 0x28) < 12 and abs(b - 0xd9) < 12 for _, (r, g, b) in colors)
+    assert any(abs(r - 0x6D) < 12 and abs(g - 0x28) < 12 and abs(b - 0xD9) < 12 for _, (r, g, b) in colors)
 
 
 def test_the_monitor_writes_the_report_on_critical_and_at_close_and_names_it(tmp_path, caplog):
@@ -224,7 +265,9 @@ def test_the_monitor_writes_the_report_on_critical_and_at_close_and_names_it(tmp
 def test_report_enabled_false_writes_none(tmp_path):
     from nummon import JsonlSink, Policy
 
-    policy = Policy.load("default").model_copy(update={"report": Policy.load("default").report.model_copy(update={"enabled": False})})
+    policy = Policy.load("default").model_copy(
+        update={"report": Policy.load("default").report.model_copy(update={"enabled": False})}
+    )
     mon, _ = runaway_run([JsonlSink(tmp_path / "events.jsonl")], tmp_path, steps=120, policy=policy)
     assert mon.report_path is None and not (tmp_path / "nummon-report.html").exists()
     assert all(e.report is None for e in mon.incidents)
@@ -253,10 +296,18 @@ def test_a_healthy_monitor_run_with_no_folder_makes_none(tmp_path, monkeypatch):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.dictionaries(st.sampled_from(["loss", "grad_norm", "activation_max", "headroom", "adam_ratio_rms", "lr"]),
-                       st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6),
-                                 st.sampled_from(["nan", "inf", "-inf", "NaN", "Infinity"])), max_size=6),
-       st.integers(0, 10**6))
+@given(
+    st.dictionaries(
+        st.sampled_from(["loss", "grad_norm", "activation_max", "headroom", "adam_ratio_rms", "lr"]),
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.integers(-(10**6), 10**6),
+            st.sampled_from(["nan", "inf", "-inf", "NaN", "Infinity"]),
+        ),
+        max_size=6,
+    ),
+    st.integers(0, 10**6),
+)
 def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
     """The report's lenient reader gives the values `replay`'s reader gives, for every line the
     latter accepts."""
@@ -269,7 +320,9 @@ def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
     except TraceError:
         return
     got = _lean_record(obj, 0)
-    same = lambda a, b: (a is None and b is None) or (a is not None and b is not None and (a == b or (a != a and b != b)))  # noqa: E731
+    same = lambda a, b: (
+        (a is None and b is None) or (a is not None and b is not None and (a == b or (a != a and b != b)))
+    )  # noqa: E731
     for k in list(values) + ["loss", "grad_norm"]:
         assert same(getattr(got, k), getattr(want, k)), k
     assert got.step == want.step and got.is_finite() == want.is_finite()

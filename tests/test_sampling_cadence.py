@@ -2,6 +2,7 @@
 the clip ratio every step; parameter and optimizer-state norms and max |g| every
 `sampling.params_every` steps, every step while the run is watched closely, and max |g| every
 step for float16 gradients."""
+
 import math
 
 import pytest
@@ -96,7 +97,9 @@ def test_a_large_output_is_read_in_part_until_a_non_finite_value_asks_for_all_of
     mon.close()
     with torch.no_grad():
         first = model[0](x)
-    assert recs[0].layer_activation_max["0"] == pytest.approx(float(first.reshape(-1)[:ACT_BUDGET].abs().max()), rel=1e-6)
+    assert recs[0].layer_activation_max["0"] == pytest.approx(
+        float(first.reshape(-1)[:ACT_BUDGET].abs().max()), rel=1e-6
+    )
     assert recs[0].layer_activation_max["0"] < float(first.abs().max())
     assert recs[1].nonfinite_location == "output of `1` (forward)"  # the NaN sat outside the part read
     assert recs[2].nonfinite_location == "output of `0` (forward)"  # read whole: the first module

@@ -1,10 +1,12 @@
 """`nummon watch --shard I/N`: a stable partition of the runs under a root, whatever path the
 root is mounted at; N watchers cover every run exactly once; a restarted shard resumes."""
+
 import json
 import math
 import os
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nummon._json import dumps
 from nummon._policy import load_policy
@@ -39,8 +41,10 @@ def test_parse_shard():
 
 
 def healthy(n, start=0):
-    return [{"type": "step", "step": s, "loss": 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s)), "grad_norm": 1.0}
-            for s in range(start, n)]
+    return [
+        {"type": "step", "step": s, "loss": 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s)), "grad_norm": 1.0}
+        for s in range(start, n)
+    ]
 
 
 def lost(n):
@@ -64,21 +68,29 @@ def test_shards_watch_every_run_exactly_once_and_resume_after_a_restart(tmp_path
 
     def watcher(i, k=3):
         notes = JsonlTarget(str(tmp_path / f"notes-{i}.jsonl"))
-        return Watcher([str(root)], load_policy("default"), [notes], state_path=str(tmp_path / f"state-{i}.json"),
-                       shard=Shard(i, k), errors=quiet)
+        return Watcher(
+            [str(root)],
+            load_policy("default"),
+            [notes],
+            state_path=str(tmp_path / f"state-{i}.json"),
+            shard=Shard(i, k),
+            errors=quiet,
+        )
 
     shards = [watcher(i) for i in range(3)]
     for w in shards:
         w.poll_once()
     watched = [set(w.runs) for w in shards]
     assert sum(len(s) for s in watched) == n and set().union(*watched) == {
-        str(root / f"group-{i % 4}" / f"run-{i}" / "events.jsonl") for i in range(n)}
+        str(root / f"group-{i % 4}" / f"run-{i}" / "events.jsonl") for i in range(n)
+    }
     assert all(watched)  # each shard holds some
     for w in shards:
         w.close()
     notified = [json.loads(line)["run"] for i in range(3) for line in open(tmp_path / f"notes-{i}.jsonl")]
-    assert sorted(set(notified)) == sorted(str(root / f"group-{i % 4}" / f"run-{i}" / "events.jsonl")
-                                           for i in range(0, n, 5))
+    assert sorted(set(notified)) == sorted(
+        str(root / f"group-{i % 4}" / f"run-{i}" / "events.jsonl") for i in range(0, n, 5)
+    )
     # a restart of shard 1 resumes from its state file: nothing is read or notified again;
     # records written since are read once
     before = (tmp_path / "notes-1.jsonl").read_text()

@@ -1,6 +1,7 @@
 """Issue 35 point 7: a loss that doubles within three records of a smooth run, with the gradient
 norm ten times its level or more, is at least a warning however short the history; a short
 healthy start (warm-up, a Hugging Face log's grad_norm 28 at step 0) is not."""
+
 import math
 import random
 
@@ -16,9 +17,12 @@ LOUD = {AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION, AlertKind.DIVERGENCE, AlertKi
 
 def warnings(losses, norms, every=100):
     eng = HealthEngine(P)
-    return [a for i, (l, g) in enumerate(zip(losses, norms))
-            for a in eng.step(StepRecord(step=every * i, loss=l, grad_norm=g)).alerts
-            if a.kind in LOUD and a.severity.rank >= Severity.WARNING.rank]
+    return [
+        a
+        for i, (l, g) in enumerate(zip(losses, norms))
+        for a in eng.step(StepRecord(step=every * i, loss=l, grad_norm=g)).alerts
+        if a.kind in LOUD and a.severity.rank >= Severity.WARNING.rank
+    ]
 
 
 def test_the_pretraining_stretch_of_the_issue_warns_at_the_first_jump():
@@ -30,11 +34,19 @@ def test_the_pretraining_stretch_of_the_issue_warns_at_the_first_jump():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), run=st.integers(3, 7), level=st.floats(0.5, 10.0), noise=st.floats(0.0, 0.03),
-       rise_records=st.integers(1, 3), jump=st.floats(2.2, 6.0), grad_up=st.floats(10.5, 19.0),
-       grad_level=st.floats(1e-2, 1e6))
+@given(
+    seed=st.integers(0, 10_000),
+    run=st.integers(3, 7),
+    level=st.floats(0.5, 10.0),
+    noise=st.floats(0.0, 0.03),
+    rise_records=st.integers(1, 3),
+    jump=st.floats(2.2, 6.0),
+    grad_up=st.floats(10.5, 19.0),
+    grad_level=st.floats(1e-2, 1e6),
+)
 def test_a_smooth_run_whose_loss_doubles_with_the_gradients_ten_times_up_is_a_warning(
-        seed, run, level, noise, rise_records, jump, grad_up, grad_level):
+    seed, run, level, noise, rise_records, jump, grad_up, grad_level
+):
     rng = random.Random(seed)
     losses = [level * math.exp(noise * rng.uniform(-1, 1)) for _ in range(run)]
     norms = [grad_level * math.exp(0.1 * rng.uniform(-1, 1)) for _ in range(run)]
@@ -46,13 +58,18 @@ def test_a_smooth_run_whose_loss_doubles_with_the_gradients_ten_times_up_is_a_wa
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(2, 8), start=st.floats(0.5, 11.0), grad0=st.floats(5.0, 50.0),
-       warm=st.floats(1.0, 12.0))
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(2, 8),
+    start=st.floats(0.5, 11.0),
+    grad0=st.floats(5.0, 50.0),
+    warm=st.floats(1.0, 12.0),
+)
 def test_short_healthy_starts_do_not_warn(seed, n, start, grad0, warm):
     """Warm-ups: the loss falls (or wobbles) while the gradient norm settles from a large first
     value (a Hugging Face log's grad_norm 28 at step 0) or grows as the learning rate ramps up."""
     rng = random.Random(seed)
-    losses = [start * (0.93 ** i) * math.exp(0.05 * rng.uniform(-1, 1)) for i in range(n)]
+    losses = [start * (0.93**i) * math.exp(0.05 * rng.uniform(-1, 1)) for i in range(n)]
     settle = [grad0] + [grad0 / 10 * math.exp(0.2 * rng.uniform(-1, 1)) for _ in range(n - 1)]
     ramp = [0.5 * warm ** (i / max(1, n - 1)) for i in range(n)]  # up to 12x over the warm-up, loss falling
     assert warnings(losses, settle, every=10) == []

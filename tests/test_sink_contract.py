@@ -2,24 +2,42 @@
 whole `Sink` protocol, takes every method in the Monitor's order (bind, steps with non-finite
 values, histograms, alerts of every kind and severity, an incident event, flush, close), closes
 twice without harm, and delivers the incident event where its user looks for it."""
+
 import json
 import logging
 
 import numpy as np
 import pytest
+from wandb_reader import alerts as wandb_alerts
+from wandb_reader import find_run_file, read_records
 
 import nummon
-from nummon import (Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity,
-                    StepRecord)
+from nummon import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity, StepRecord
 from nummon._layout import INCIDENTS_GROUP
-from wandb_reader import alerts as wandb_alerts, find_run_file, read_records
 
-INCIDENT = IncidentEvent(step=7, state=IncidentState.CRITICAL, previous=IncidentState.OPEN, number=1, opened_step=5,
-                         contributors=(Contributor(step=7, kind=AlertKind.RUNAWAY, severity=Severity.CRITICAL,
-                                                   metric="loss", value=float("inf")),))
-HIST = {"grads/fc.weight": {"min": -1.0, "max": 1.0, "sum": 0.0, "sum_squares": 2.0, "num": 4.0,
-                            "counts": np.array([2.0, 2.0]), "edges": np.array([-1.0, 0.0, 1.0]),
-                            "log10_counts": np.array([0.0, 4.0]), "log10_edges": np.array([-30.0, 0.0, 39.0])}}
+INCIDENT = IncidentEvent(
+    step=7,
+    state=IncidentState.CRITICAL,
+    previous=IncidentState.OPEN,
+    number=1,
+    opened_step=5,
+    contributors=(
+        Contributor(step=7, kind=AlertKind.RUNAWAY, severity=Severity.CRITICAL, metric="loss", value=float("inf")),
+    ),
+)
+HIST = {
+    "grads/fc.weight": {
+        "min": -1.0,
+        "max": 1.0,
+        "sum": 0.0,
+        "sum_squares": 2.0,
+        "num": 4.0,
+        "counts": np.array([2.0, 2.0]),
+        "edges": np.array([-1.0, 0.0, 1.0]),
+        "log10_counts": np.array([0.0, 4.0]),
+        "log10_edges": np.array([-30.0, 0.0, 39.0]),
+    }
+}
 
 
 def jsonl_delivered(sink, tmp_path, caplog, wandb_env):
@@ -94,9 +112,15 @@ def make(name, tmp_path):
     return PrometheusSink(listen="127.0.0.1:0", run="contract")
 
 
-DELIVERED = {"jsonl": jsonl_delivered, "memory": memory_delivered, "console": console_delivered,
-             "tensorboard": tensorboard_delivered, "wandb": wandb_delivered, "prometheus": prometheus_delivered,
-             "mlflow": mlflow_delivered}
+DELIVERED = {
+    "jsonl": jsonl_delivered,
+    "memory": memory_delivered,
+    "console": console_delivered,
+    "tensorboard": tensorboard_delivered,
+    "wandb": wandb_delivered,
+    "prometheus": prometheus_delivered,
+    "mlflow": mlflow_delivered,
+}
 
 
 @pytest.mark.parametrize("name", sorted(DELIVERED))
@@ -106,14 +130,25 @@ def test_every_sink_keeps_the_contract(name, tmp_path, caplog, wandb_env):
     assert isinstance(sink, nummon.Sink)  # the whole protocol: every method and attribute
     assert sink.durable is (name == "jsonl")  # only the event log is waited for on a critical alert
     sink.bind(RunContext(rank=0, world_size=1, run_dir=tmp_path, flush_every_steps=1))
-    rec = StepRecord(step=0, loss=1.0, grad_norm=float("nan"), grad_max=float("inf"), layer_grad_norms={"fc.weight": 1.0})
+    rec = StepRecord(
+        step=0, loss=1.0, grad_norm=float("nan"), grad_max=float("inf"), layer_grad_norms={"fc.weight": 1.0}
+    )
     sink.on_step(rec.freeze(), Health.NONFINITE)
     if sink.wants_histograms:
         sink.on_histograms(0, HIST)
     for i, kind in enumerate(AlertKind):
         for sev in Severity:
-            sink.on_alert(Alert(step=i + 1, kind=kind, severity=sev, message="m", metric="loss", value=float("nan"),
-                                details={"recent": [rec.to_dict()]}))
+            sink.on_alert(
+                Alert(
+                    step=i + 1,
+                    kind=kind,
+                    severity=sev,
+                    message="m",
+                    metric="loss",
+                    value=float("nan"),
+                    details={"recent": [rec.to_dict()]},
+                )
+            )
     sink.on_incident(INCIDENT)
     sink.on_step(StepRecord(step=100, loss=0.5).freeze(), Health.HEALTHY)
     sink.flush()

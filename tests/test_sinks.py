@@ -1,5 +1,6 @@
 """Sinks with the real libraries: TensorBoard event files and server, W&B offline run files,
 failure isolation, install hints. One contract suite runs over every sink."""
+
 import json
 import os
 import socket
@@ -12,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import runaway_run
 from torch import nn
+from wandb_reader import alerts as wb_alerts
+from wandb_reader import find_run_file, history_rows, read_records
 
 import nummon
 from nummon import AlertKind, Health, JsonlSink, Monitor, Severity
 from nummon._types import Alert
-
-from models import runaway_run
-from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
 
 HIST_EVERY = 10
 POLICY = {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}
@@ -46,9 +47,17 @@ def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, w
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()
-    for tag in ("nummon/loss", "nummon/grad_norm", "nummon/grad_max", "nummon/param_norm",
-                "nummon/optim_state_norm", "nummon/update_ratio", "nummon/activation_max", "nummon/headroom",
-                "nummon_layers_grad_norm/0.weight"):
+    for tag in (
+        "nummon/loss",
+        "nummon/grad_norm",
+        "nummon/grad_max",
+        "nummon/param_norm",
+        "nummon/optim_state_norm",
+        "nummon/update_ratio",
+        "nummon/activation_max",
+        "nummon/headroom",
+        "nummon_layers_grad_norm/0.weight",
+    ):
         assert tag in tags["scalars"], tag
     assert [e.step for e in acc.Scalars("nummon/loss")] == steps
     assert acc.Scalars("nummon/loss")[0].value == pytest.approx(reports[0].record.loss, rel=1e-6)
@@ -58,8 +67,12 @@ def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, w
     assert hist_steps == [s for s in steps if s % HIST_EVERY == 0 or s in incident_steps]
     assert "nummon_hist_grads_log10abs/0.weight" in tags["histograms"]
     assert "nummon_hist_activations/1" in tags["histograms"]
-    texts = [e.tensor_proto.string_val[0].decode() for t in tags["tensors"] if t.startswith("nummon_2_alerts/")
-             for e in acc.Tensors(t)]
+    texts = [
+        e.tensor_proto.string_val[0].decode()
+        for t in tags["tensors"]
+        if t.startswith("nummon_2_alerts/")
+        for e in acc.Tensors(t)
+    ]
     assert any("CRITICAL runaway" in t and "flight recorder" in t for t in texts)
 
     records = read_records(find_run_file(wandb_env / "wandb_dir"))
@@ -87,7 +100,10 @@ def test_wandb_client_side_throttle(wandb_env):
     from nummon.integrations.wandb import WandbSink
 
     wb = WandbSink(project="nummon-test", wait_duration=3600, per_alert=True)
-    mk = lambda step, sev: Alert(step=step, kind=AlertKind.EXPLOSION, severity=sev, message="m", metric="grad_norm")
+
+    def mk(step, sev):
+        return Alert(step=step, kind=AlertKind.EXPLOSION, severity=sev, message="m", metric="grad_norm")
+
     wb.on_alert(mk(1, Severity.WARNING))
     wb.on_alert(mk(2, Severity.WARNING))  # throttled
     wb.on_alert(mk(3, Severity.CRITICAL))  # escalation goes through
@@ -113,7 +129,8 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     exe = Path(sys.executable).with_name("tensorboard")
     proc = subprocess.Popen(
         [str(exe), "--logdir", str(tb_dir), "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         base = f"http://127.0.0.1:{port}/data/plugin"
@@ -121,7 +138,11 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
         for _ in range(120):  # the server needs a moment to start and load the run
             try:
                 scalars = json.load(urllib.request.urlopen(f"{base}/scalars/scalars?run=.&tag=nummon/loss", timeout=2))
-                hists = json.load(urllib.request.urlopen(f"{base}/histograms/histograms?run=.&tag=nummon_hist_grads/0.weight", timeout=2))
+                hists = json.load(
+                    urllib.request.urlopen(
+                        f"{base}/histograms/histograms?run=.&tag=nummon_hist_grads/0.weight", timeout=2
+                    )
+                )
                 if len(scalars) == 25 and len(hists) == 3:
                     break
             except Exception:
@@ -205,14 +226,17 @@ def test_install_hints_without_extras(tmp_path):
 
 # ------------------------------------------------------------------ contract suite over every sink
 
+
 def test_tensorboard_sink_histogram_every_alone_drives_histograms(tmp_path):
     """TensorBoardSink(histogram_every=N) needs no policy setting to get histograms."""
-    from nummon.integrations.tensorboard import TensorBoardSink
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from nummon.integrations.tensorboard import TensorBoardSink
+
     tb_dir = tmp_path / "tb"
-    runaway_run([TensorBoardSink(tb_dir, histogram_every=7)], tmp_path, steps=20,
-                 policy={"alerts": {"stop_on_critical": False}})
+    runaway_run(
+        [TensorBoardSink(tb_dir, histogram_every=7)], tmp_path, steps=20, policy={"alerts": {"stop_on_critical": False}}
+    )
     acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})
     acc.Reload()
     assert [e.step for e in acc.Histograms("nummon_hist_grads/0.weight")] == [0, 7, 14]

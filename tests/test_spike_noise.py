@@ -1,5 +1,6 @@
 """The loss-spike threshold scales with the run's own noise: a smooth loss that doubles has spiked,
 a noisy one that doubles may not have (synthetic curves; the real-log set keeps its own verdicts)."""
+
 import math
 import random
 
@@ -10,8 +11,12 @@ from nummon._policy import load_policy
 
 def spikes(losses):
     engine = HealthEngine(load_policy("default"))
-    return [i for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts
-            if a.kind.value == "loss_spike"]
+    return [
+        i
+        for i, v in enumerate(losses)
+        for a in engine.step(StepRecord(step=i, loss=v)).alerts
+        if a.kind.value == "loss_spike"
+    ]
 
 
 def test_a_smooth_large_model_loss_jumping_2_3x_is_a_spike():

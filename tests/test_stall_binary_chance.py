@@ -1,15 +1,16 @@
 """A loss that came down to ln 2 and stays there: a binary classifier at chance, however short the
 run (issue 35, point 8: a 21-step stall at ln 2 of a from-scratch classifier was missed once the
 trend stall needed its loss within 10% of the start and a 100-step window)."""
+
 import math
 import random
 import re
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from loss_curves import loud
 
 from nummon import AlertKind
-
-from loss_curves import loud
 
 LN2 = math.log(2)
 
@@ -38,7 +39,8 @@ def test_a_classifier_stuck_at_ln2_for_21_steps_is_a_stall_and_says_how_long(sta
     # the claim "stayed within 1% of ln 2 for N records" (or, frozen exactly, "stayed at X for N
     # records") holds on the records before the alert
     m = re.search(r"within 1% of ln 2 = 0\.6931 for (\d+) records", first.message) or re.search(
-        r"has stayed at \S+ for (\d+) records", first.message)
+        r"has stayed at \S+ for (\d+) records", first.message
+    )
     assert m, first.message
     n = int(m.group(1))
     before = [loss for step, loss in pts if step <= first.step]
@@ -47,8 +49,9 @@ def test_a_classifier_stuck_at_ln2_for_21_steps_is_a_stall_and_says_how_long(sta
 
 def test_the_ln2_message_names_the_start_and_the_records():
     got = stalls(classifier(0.9, 21, 0.003, 1))
-    assert got and re.search(r"came down from 0\.9 to 0\.69\d* and has stayed within 1% of ln 2 = 0\.6931 for 2\d records",
-                             got[0].message), got
+    assert got and re.search(
+        r"came down from 0\.9 to 0\.69\d* and has stayed within 1% of ln 2 = 0\.6931 for 2\d records", got[0].message
+    ), got
 
 
 def test_a_language_model_coming_down_to_0p69_from_far_above_is_not_at_chance():

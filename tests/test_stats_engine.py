@@ -1,5 +1,6 @@
 """The statistics engine on real models: late-added parameters, dtypes, complex parameters,
 argument checks."""
+
 import math
 
 import pytest
@@ -10,8 +11,11 @@ from torch import nn
 from nummon import AlertKind, Health, Monitor, NummonError
 
 # every statistic every step: these tests pin what is measured, not the cadence (test_sampling_cadence)
-QUIET = {"recorder": {"write": False}, "alerts": {"stop_on_critical": False},
-         "sampling": {"params_every": 1, "optimizer_every": 1}}
+QUIET = {
+    "recorder": {"write": False},
+    "alerts": {"stop_on_critical": False},
+    "sampling": {"params_every": 1, "optimizer_every": 1},
+}
 
 
 def _step(model, opt, x):
@@ -90,7 +94,9 @@ def test_complex_parameters_are_measured():
     mon.close()
     assert rec.grad_norm == pytest.approx(torch.linalg.vector_norm(w.grad).item(), rel=1e-5)
     assert rec.param_norm == pytest.approx(torch.linalg.vector_norm(w.detach()).item(), rel=1e-5)
-    assert rec.optim_state_norm == pytest.approx(torch.linalg.vector_norm(opt.state[w]["momentum_buffer"]).item(), rel=1e-5)
+    assert rec.optim_state_norm == pytest.approx(
+        torch.linalg.vector_norm(opt.state[w]["momentum_buffer"]).item(), rel=1e-5
+    )
     assert rec.grad_max == pytest.approx(torch.view_as_real(w.grad).abs().max().item(), rel=1e-6)
 
 
@@ -104,7 +110,12 @@ def test_dtype_name_is_the_one_table():
     from nummon._stats import dtype_name
 
     assert [dtype_name(d) for d in (torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.int8)] == [
-        "float64", "bfloat16", "float16", "float32", "float32"]
+        "float64",
+        "bfloat16",
+        "float16",
+        "float32",
+        "float32",
+    ]
 
 
 def test_a_model_on_the_meta_device_is_a_one_line_error():
@@ -117,16 +128,27 @@ def test_a_model_on_the_meta_device_is_a_one_line_error():
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("fused,device", [(False, "cpu"), (True, "cpu"), pytest.param(None, "cuda", marks=CUDA)],
-                         ids=["grouped (CPU)", "fused foreach on CPU", "fused foreach on CUDA"])
+@pytest.mark.parametrize(
+    "fused,device",
+    [(False, "cpu"), (True, "cpu"), pytest.param(None, "cuda", marks=CUDA)],
+    ids=["grouped (CPU)", "fused foreach on CPU", "fused foreach on CUDA"],
+)
 def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
     # shapes that share a group, 0-d and empty tensors, a half tensor, one large enough to be
     # measured alone, a non-contiguous view, and NaN in one of a group
     from nummon._stats.kernels import SMALL_NUMEL, NormKernels
 
     torch.manual_seed(0)
-    ts = [torch.randn(3, 4), torch.randn(3, 4) * 5, torch.randn(()), torch.randn(0), torch.randn(7).half(),
-          torch.randn(SMALL_NUMEL + 1), torch.randn(4, 3).t(), torch.randn(3, 4)]
+    ts = [
+        torch.randn(3, 4),
+        torch.randn(3, 4) * 5,
+        torch.randn(()),
+        torch.randn(0),
+        torch.randn(7).half(),
+        torch.randn(SMALL_NUMEL + 1),
+        torch.randn(4, 3).t(),
+        torch.randn(3, 4),
+    ]
     ts[7][1, 2] = float("nan")
     ts = [t.to(device) for t in ts]
     k = NormKernels(fused=fused)

@@ -1,4 +1,5 @@
 """Batch fingerprints: every bit of every element counts, 64-bit dtypes included."""
+
 import pytest
 import torch
 from torch import nn
@@ -14,14 +15,17 @@ def fingerprint(batch):
         mon.close()
 
 
-@pytest.mark.parametrize("a, b", [
-    # these two hashed alike when only the low 31 bits of each element were kept
-    (torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([4.0, 0.5, -7.0], dtype=torch.float64)),
-    # an exponent-only change (the high word) must show
-    (torch.tensor([1.5, 3.0], dtype=torch.float64), torch.tensor([3.0, 3.0], dtype=torch.float64)),
-    (torch.tensor([1, 2], dtype=torch.int64), torch.tensor([1 + 2**40, 2], dtype=torch.int64)),
-    (torch.tensor([-1], dtype=torch.int64), torch.tensor([2**31 - 1], dtype=torch.int64)),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        # these two hashed alike when only the low 31 bits of each element were kept
+        (torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([4.0, 0.5, -7.0], dtype=torch.float64)),
+        # an exponent-only change (the high word) must show
+        (torch.tensor([1.5, 3.0], dtype=torch.float64), torch.tensor([3.0, 3.0], dtype=torch.float64)),
+        (torch.tensor([1, 2], dtype=torch.int64), torch.tensor([1 + 2**40, 2], dtype=torch.int64)),
+        (torch.tensor([-1], dtype=torch.int64), torch.tensor([2**31 - 1], dtype=torch.int64)),
+    ],
+)
 def test_64_bit_values_that_differ_anywhere_hash_differently(a, b):
     assert fingerprint(a) != fingerprint(b)
 

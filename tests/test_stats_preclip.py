@@ -1,11 +1,12 @@
 """Gradient statistics before clipping: a plain loop with clip_grad_norm_ reports the norm
 clip_grad_norm_ saw, and how much it clipped."""
+
 import pytest
 import torch
+from models import CNN, data
 from torch import nn
 
 from nummon import Monitor
-from models import CNN, data
 
 
 @pytest.mark.parametrize("accumulate", [1, 4])
@@ -26,7 +27,9 @@ def test_grad_norm_is_the_unclipped_norm_clip_grad_norm_returned(accumulate):
         assert rec.grad_norm == pytest.approx(total, rel=1e-5)
         assert rec.clip_ratio == pytest.approx(1.0 / total, rel=1e-4)
         if rec.step % 10 == 0:  # max |g| on the parameters' cadence (sampling.params_every)
-            assert rec.grad_max == pytest.approx(max(float(p.grad.abs().max()) for p in model.parameters()) * total, rel=1e-4)
+            assert rec.grad_max == pytest.approx(
+                max(float(p.grad.abs().max()) for p in model.parameters()) * total, rel=1e-4
+            )
         else:
             assert rec.grad_max is None
     mon.close()
@@ -78,8 +81,9 @@ def test_readme_loop_with_clipping_warns_of_the_gradient_explosion_before_the_na
         opt.step()
         sched.step()
         report = mon.post_step(loss)
-        if grad_warning is None and any(a.metric in ("grad_norm", "grad_max") and a.severity.rank >= Severity.WARNING.rank
-                                        for a in report.alerts):
+        if grad_warning is None and any(
+            a.metric in ("grad_norm", "grad_max") and a.severity.rank >= Severity.WARNING.rank for a in report.alerts
+        ):
             grad_warning = step
         value = loss.item()
         if not math.isfinite(value) or value > 65504:

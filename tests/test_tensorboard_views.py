@@ -2,13 +2,14 @@
 charts whose range shows every state with "ignore outliers" on, per-layer charts that name
 their layers (one custom-scalars chart per layer group), no linear histogram whose axis would
 be an unreadable string of digits. Read back from the real event files of a real runaway."""
+
 import math
 import re
 
 import pytest
+from models import runaway_run
 
 from nummon._layout import HIST_LINEAR_MAX_ABS, custom_scalars_layout, layer_groups
-from models import runaway_run
 
 pytest.importorskip("tensorboard")
 
@@ -20,8 +21,12 @@ def tb_run(tmp_path_factory):
     from nummon.integrations.tensorboard import TensorBoardSink
 
     folder = tmp_path_factory.mktemp("tb")
-    mon, reports = runaway_run([TensorBoardSink(folder / "tb", histogram_every=1)], folder, steps=120,
-                               policy={"alerts": {"stop_on_critical": False}})
+    mon, reports = runaway_run(
+        [TensorBoardSink(folder / "tb", histogram_every=1)],
+        folder,
+        steps=120,
+        policy={"alerts": {"stop_on_critical": False}},
+    )
     acc = EventAccumulator(str(folder / "tb"), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     return mon, reports, acc
@@ -44,8 +49,16 @@ def _tb_domain(values, ignore_outliers=True):
     v = sorted(values)
     if not ignore_outliers:
         return v[0], v[-1]
-    q = lambda p: v[0] if len(v) == 1 else v[int(math.floor(p * (len(v) - 1)))] + (p * (len(v) - 1) % 1) * (
-        v[min(len(v) - 1, int(math.floor(p * (len(v) - 1))) + 1)] - v[int(math.floor(p * (len(v) - 1)))])  # noqa: E731
+
+    def q(p):
+        return (
+            v[0]
+            if len(v) == 1
+            else v[int(math.floor(p * (len(v) - 1)))]
+            + (p * (len(v) - 1) % 1)
+            * (v[min(len(v) - 1, int(math.floor(p * (len(v) - 1))) + 1)] - v[int(math.floor(p * (len(v) - 1)))])
+        )  # noqa: E731
+
     return q(0.05), q(0.95)
 
 
@@ -82,7 +95,9 @@ def test_per_layer_charts_name_their_layers(tb_run):
     layouts = _layouts(acc)
     assert "nummon: layers by group" not in layouts[0]  # written before any layer was seen
     by_group = layouts[-1]["nummon: layers by group"]
-    layer_tags = [t for t in acc.Tags()["scalars"] if t.startswith(("nummon_layers_grad_norm/", "nummon_layers_activation_max/"))]
+    layer_tags = [
+        t for t in acc.Tags()["scalars"] if t.startswith(("nummon_layers_grad_norm/", "nummon_layers_activation_max/"))
+    ]
     assert layer_tags
     for tag in layer_tags:  # every layer series is drawn in exactly one named chart, its group's
         charts = [title for title, pats in by_group.items() if any(re.search(p, tag) for p in pats)]
@@ -93,7 +108,10 @@ def test_per_layer_charts_name_their_layers(tb_run):
 
 
 def test_layer_groups_fit_and_cover():
-    names = [f"model.blocks.{i}.attn.{p}.weight" for i in range(6) for p in "qkv"] + ["model.embed.weight", "lm_head.weight"]
+    names = [f"model.blocks.{i}.attn.{p}.weight" for i in range(6) for p in "qkv"] + [
+        "model.embed.weight",
+        "lm_head.weight",
+    ]
     groups = layer_groups(names)
     assert 4 <= len(groups) <= 16 and "model.blocks.3" in groups
     chart = custom_scalars_layout(5, {"grad_norm": names})["nummon: layers by group"]

@@ -1,6 +1,7 @@
 """State shared between the training thread and the sink threads: records are deeply read-only,
 the dispatcher's per-sink counters and flags are written under a lock, and a SIGTERM that lands
 in the middle of a Monitor call is acted on once that call is over."""
+
 import json
 import signal
 import subprocess
@@ -103,8 +104,14 @@ def test_sink_threads_and_a_scraper_under_a_tiny_switch_interval(caplog):
 def test_a_frozen_record_is_read_only_all_the_way_down():
     rec = StepRecord(step=0, loss=1.0, layer_grad_norms={"fc1.weight": 2.0})
     HealthEngine(load_policy("default")).step(rec)
-    for change in (lambda d: d.__setitem__("x", 1.0), lambda d: d.pop("fc1.weight"), lambda d: d.update(x=1.0),
-                   lambda d: d.clear(), lambda d: d.setdefault("x", 1.0), lambda d: d.__delitem__("fc1.weight")):
+    for change in (
+        lambda d: d.__setitem__("x", 1.0),
+        lambda d: d.pop("fc1.weight"),
+        lambda d: d.update(x=1.0),
+        lambda d: d.clear(),
+        lambda d: d.setdefault("x", 1.0),
+        lambda d: d.__delitem__("fc1.weight"),
+    ):
         with pytest.raises(TypeError):
             change(rec.layer_grad_norms)
         with pytest.raises(TypeError):

@@ -10,6 +10,7 @@ and grad norms of real runs are recorded once in tests/data/tiny_lm/seed*.jsonl
 (`python tests/test_tiny_lm_quiet.py SEED...` records them again) and replayed through the health
 engine here; the end-to-end run under `nummon.Monitor` runs where NUMMON_SLOW_TESTS=1.
 """
+
 import json
 import os
 import sys
@@ -108,8 +109,12 @@ def recorded(seed):
 
 def replay(rows, policy):
     engine = HealthEngine(policy)
-    return [a for r in rows for a in engine.step(StepRecord(step=r["step"], loss=r["loss"], grad_norm=r["grad_norm"])).alerts
-            if a.severity.rank >= 1]
+    return [
+        a
+        for r in rows
+        for a in engine.step(StepRecord(step=r["step"], loss=r["loss"], grad_norm=r["grad_norm"])).alerts
+        if a.severity.rank >= 1
+    ]
 
 
 def test_there_are_at_least_three_recorded_seeds_of_the_recipe():
@@ -137,7 +142,9 @@ def test_its_noise_floor_is_no_oscillation_even_without_the_level_gate(seed):
     assert "oscillation" not in {a.kind.value for a in replay(rows, policy)}
 
 
-@pytest.mark.skipif(os.environ.get("NUMMON_SLOW_TESTS") != "1", reason="a real 300-step run: minutes on 2 cores (NUMMON_SLOW_TESTS=1)")
+@pytest.mark.skipif(
+    os.environ.get("NUMMON_SLOW_TESTS") != "1", reason="a real 300-step run: minutes on 2 cores (NUMMON_SLOW_TESTS=1)"
+)
 def test_a_real_run_under_the_monitor_gets_no_warning(tmp_path):
     rows, alerts = train(SEEDS[0], monitor_dir=tmp_path)
     assert [a for a in alerts if a.severity.rank >= 1] == []

@@ -6,6 +6,7 @@ CPU, trained on synthetic token sequences with learnable structure (arithmetic p
 (no clipping, lr 1 and 3): a warning before the first non-finite loss or the first loss at >= 10x
 its start. One thread: tiny matrices gain nothing from more, and the CI box is shared.
 """
+
 import math
 
 import pytest

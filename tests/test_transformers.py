@@ -3,6 +3,7 @@ config): its health engine's state saved in the Trainer's checkpoints (trainer_s
 restored on resume, and a classifier's chance level. The scenarios both framework callbacks share are in
 test_framework_callbacks.py; the tiny runs are in transformers_runs.py.
 """
+
 import json
 import math
 
@@ -13,17 +14,21 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import Trainer  # noqa: E402
+from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
 from nummon.integrations.transformers import NummonCallback  # noqa: E402
-
-from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
 
 def resumable_trainer(out_dir, cb, steps, save_steps=6):
     model = tiny_gpt2()
     args = training_args(out_dir, steps=steps, save_strategy="steps", save_steps=save_steps)
-    return Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False),
-                   callbacks=[cb] if cb is not None else [])
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(),
+        optimizers=optimizers(model, False),
+        callbacks=[cb] if cb is not None else [],
+    )
 
 
 def saved_nummon_state(ckpt):
@@ -56,21 +61,27 @@ CORRUPTIONS = {
     "a string": lambda engine: "garbage",
     "nummon a string": lambda engine: {"args": {}, "attributes": {}, "nummon": "garbage"},
     "engine a string": lambda engine: {"args": {}, "attributes": {}, "nummon": {"engine": "garbage", "step": 6}},
-    "records broken": lambda engine: {"args": {}, "attributes": {},
-                                      "nummon": {"engine": {**engine, "first": [{"step": "x"}]}, "step": 6}},
-    "incident broken": lambda engine: {"args": {}, "attributes": {},
-                                       "nummon": {"engine": {**engine, "incident": {"state": "on fire"}}, "step": 6}},
+    "records broken": lambda engine: {
+        "args": {},
+        "attributes": {},
+        "nummon": {"engine": {**engine, "first": [{"step": "x"}]}, "step": 6},
+    },
+    "incident broken": lambda engine: {
+        "args": {},
+        "attributes": {},
+        "nummon": {"engine": {**engine, "incident": {"state": "on fire"}}, "step": 6},
+    },
     "step a string": lambda engine: {"args": {}, "attributes": {}, "nummon": {"engine": engine, "step": "six"}},
 }
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
-def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(tmp_path, nummon_checkpoint, corruption,
-                                                                              caplog):
+def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
+    tmp_path, nummon_checkpoint, corruption, caplog
+):
     """Issue 36 item 17: a checkpoint whose nummon entry is not a saved state (edited, truncated, or
     from another tool) used to kill the resume with AttributeError / StateError."""
     import logging
-
     import shutil
 
     ckpt = tmp_path / "checkpoint-6"
@@ -134,8 +145,16 @@ def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():
     from nummon.integrations._callback_common import with_class_count
     from nummon.integrations.transformers import classification_classes
 
-    clf = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                                                   num_attention_heads=2, intermediate_size=32, num_labels=6))
+    clf = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=6,
+        )
+    )
     assert classification_classes(clf) == 6
     assert classification_classes(tiny_gpt2()) is None
     policy = with_class_count(load_policy("default"), 6)
@@ -149,7 +168,7 @@ def screen_lines(raw):
     for line in raw.split("\n"):
         shown = ""
         for part in line.split("\r"):
-            shown = part + shown[len(part):]
+            shown = part + shown[len(part) :]
         shown_lines.append(shown.rstrip())
     return shown_lines
 
@@ -164,8 +183,13 @@ def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(
 
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(here / "transformers_runs.py"), "progress-bar", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(here / "transformers_runs.py"), "progress-bar", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "it/s]" in proc.stderr or "s/it]" in proc.stderr, proc.stderr[-2000:]  # the bar was drawn
     screen = screen_lines(proc.stderr)

@@ -1,5 +1,6 @@
 """The vanishing-gradient detector: a gradient that fell to ~0 warns; one that was ~0 from its
 first step on (structurally zero: a key LayerNorm's bias, an unused parameter) never does."""
+
 import math
 
 import torch
@@ -19,8 +20,13 @@ def _run(det, steps):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(live_norm, live_norm, st.floats(min_value=0, max_value=0.999 * P.ratio)),
-                min_size=P.patience, max_size=3 * P.patience))
+@given(
+    st.lists(
+        st.tuples(live_norm, live_norm, st.floats(min_value=0, max_value=0.999 * P.ratio)),
+        min_size=P.patience,
+        max_size=3 * P.patience,
+    )
+)
 def test_a_gradient_zero_from_its_first_step_never_warns(rows):
     # "k_ln.bias" stays below ratio x the largest layer's norm on every step, from the first
     steps = [{"w.weight": a, "k_ln.weight": b, "k_ln.bias": z * max(a, b)} for a, b, z in rows]
@@ -28,8 +34,12 @@ def test_a_gradient_zero_from_its_first_step_never_warns(rows):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(min_value=1, max_value=20), live_norm, st.floats(min_value=0, max_value=0.999 * P.ratio),
-       st.integers(min_value=0, max_value=20))
+@given(
+    st.integers(min_value=1, max_value=20),
+    live_norm,
+    st.floats(min_value=0, max_value=0.999 * P.ratio),
+    st.integers(min_value=0, max_value=20),
+)
 def test_a_gradient_that_falls_to_zero_warns_after_patience_steps(live_steps, top, z, extra):
     steps = [{"w.weight": top, "fc.weight": top / 2}] * live_steps
     steps += [{"w.weight": top, "fc.weight": z * top}] * (P.patience + extra)

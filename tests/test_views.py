@@ -2,6 +2,7 @@
 on by default, at most 12 run-level charts whatever the model, per-layer groups, log10
 companions, a custom-scalars layout, every alert and incident event as text, W&B sections and
 summary fields. Read back from real event files, a real TensorBoard server and a real W&B run file."""
+
 import json
 import math
 import os
@@ -14,21 +15,21 @@ import urllib.request
 
 import pytest
 import torch
+from models import runaway_run
 from torch import nn
+from wandb_reader import alerts as wb_alerts
+from wandb_reader import find_run_file, history_rows, read_records
 
 from nummon import Health, IncidentEvent, IncidentState, Monitor, StepRecord
-from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
-
-from models import runaway_run
-from wandb_reader import alerts as wb_alerts, find_run_file, history_rows, read_records
-
 from nummon._demo_model import DemoCNN
+from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
 
 NO_STOP = {"alerts": {"stop_on_critical": False}}
 
 
-CRITICAL_INCIDENT = IncidentEvent(step=2, state=IncidentState.CRITICAL, previous=IncidentState.OPEN, number=1,
-                                  opened_step=1)
+CRITICAL_INCIDENT = IncidentEvent(
+    step=2, state=IncidentState.CRITICAL, previous=IncidentState.OPEN, number=1, opened_step=1
+)
 
 
 class TwoBlockTransformer(nn.Module):
@@ -91,6 +92,7 @@ def groups(tags):
 
 # ---------------------------------------------------------------- histograms on by default
 
+
 def test_default_tensorboard_sink_writes_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -115,11 +117,15 @@ def test_histograms_off_for_a_sink_that_says_so(tmp_path):
 
 # ---------------------------------------------------------------- layout
 
+
 def test_demo_cnn_and_two_block_transformer_have_the_same_main_group(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
     main = {}
-    for name, model, batch in (("cnn", DemoCNN(), cnn_batch()), ("transformer", TwoBlockTransformer(), transformer_batch())):
+    for name, model, batch in (
+        ("cnn", DemoCNN(), cnn_batch()),
+        ("transformer", TwoBlockTransformer(), transformer_batch()),
+    ):
         train(model, batch, [TensorBoardSink(tmp_path / name)], tmp_path / name, steps=3)
         by_group = groups(event_tags(tmp_path / name).Tags()["scalars"])
         main[name] = sorted(by_group["nummon"])
@@ -128,8 +134,11 @@ def test_demo_cnn_and_two_block_transformer_have_the_same_main_group(tmp_path):
         # per-layer series live in groups of their own, one line per layer
         assert len(by_group["nummon_layers_grad_norm"]) == sum(1 for p in model.parameters() if p.requires_grad)
         assert by_group["nummon_layers_activation_max"]
-        assert sorted(by_group["nummon_log10"]) == ["nummon_log10/activation_max", "nummon_log10/grad_norm",
-                                                     "nummon_log10/loss"]
+        assert sorted(by_group["nummon_log10"]) == [
+            "nummon_log10/activation_max",
+            "nummon_log10/grad_norm",
+            "nummon_log10/loss",
+        ]
     assert main["cnn"] == main["transformer"]
     assert len(groups(event_tags(tmp_path / "transformer").Tags()["scalars"])["nummon_layers_grad_norm"]) > 20
 
@@ -143,7 +152,8 @@ def test_log10_companions_and_health_series():
     assert tags["nummon/incident_state"] == 2.0
     assert tags["nummon/health"] == float(Health.EXTREME.code)
     assert {t: v for t, v in tags.items() if t.startswith("nummon_health/")} == {
-        f"nummon_health/{h.value}": float(h is Health.EXTREME) for h in Health}
+        f"nummon_health/{h.value}": float(h is Health.EXTREME) for h in Health
+    }
     nan = step_scalars(StepRecord(step=4, loss=float("nan"), grad_norm=float("inf")), Health.NONFINITE)
     assert math.isnan(nan["nummon_log10/loss"]) and nan["nummon_log10/grad_norm"] == math.inf
 
@@ -159,6 +169,7 @@ def test_top_offenders_keep_the_k_largest_layers_so_far():
 
 
 # ---------------------------------------------------------------- text entries
+
 
 def test_every_alert_of_a_step_is_its_own_text_entry(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
@@ -177,6 +188,7 @@ def test_every_alert_of_a_step_is_its_own_text_entry(tmp_path):
 
 
 # ---------------------------------------------------------------- a real TensorBoard server
+
 
 def _free_port():
     with socket.socket() as s:
@@ -199,9 +211,21 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
 
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tb_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(tb_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--reload_interval",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     want_texts = len([a for a in mon.alerts if not a.cleared]) + len(events)
@@ -221,10 +245,17 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
             time.sleep(0.5)
         by_group = groups(scalars)
         assert 8 <= len(by_group["nummon"]) <= 12, by_group["nummon"]
-        assert {"nummon/loss", "nummon/grad_norm", "nummon/health", "nummon/incident_state",
-                "nummon/headroom"} <= set(by_group["nummon"])
-        assert {"nummon_log10", "nummon_health", "nummon_layers_grad_norm", "nummon_layers_activation_max",
-                "nummon_top_grad_norm", "nummon_top_activation_max"} <= set(by_group)
+        assert {"nummon/loss", "nummon/grad_norm", "nummon/health", "nummon/incident_state", "nummon/headroom"} <= set(
+            by_group["nummon"]
+        )
+        assert {
+            "nummon_log10",
+            "nummon_health",
+            "nummon_layers_grad_norm",
+            "nummon_layers_activation_max",
+            "nummon_top_grad_norm",
+            "nummon_top_activation_max",
+        } <= set(by_group)
         # the custom-scalars layout: one multiline chart per per-layer metric and the top offenders
         charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"] for c in cat["chart"]}
         regexes = [r for tags in charts.values() for r in tags]
@@ -232,13 +263,18 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
         assert any(t.startswith("grad norm: the 5 largest") for t in charts)
         assert "nummon_hist_grads/0.weight" in hists and "nummon_hist_grads_log10abs/0.weight" in hists
         assert "nummon_hist_activations_log10abs/1" in hists
-        assert len([t for t in texts if t.startswith("nummon_2_alerts/")]) == len([a for a in mon.alerts if not a.cleared])
+        assert len([t for t in texts if t.startswith("nummon_2_alerts/")]) == len(
+            [a for a in mon.alerts if not a.cleared]
+        )
         # incidents first: the Text tab lists the groups alphabetically
         groups_listed = [t.split("/")[0] for t in sorted(texts)]
         assert groups_listed.index("nummon_1_incidents") < groups_listed.index("nummon_2_alerts")
         incident_tags = sorted(t for t in texts if t.startswith("nummon_1_incidents/"))
-        assert [t.split("/")[1].split("_", 1)[-1] + "/" + t.split("/")[2] for t in incident_tags] == ["open/text_summary", "critical/text_summary",
-                                                               "nonfinite/text_summary"], incident_tags
+        assert [t.split("/")[1].split("_", 1)[-1] + "/" + t.split("/")[2] for t in incident_tags] == [
+            "open/text_summary",
+            "critical/text_summary",
+            "nonfinite/text_summary",
+        ], incident_tags
         body = _get(base, "text/text", run=".", tag=incident_tags[1])
         assert [row["step"] for row in body] == [events[1].step] and "critical" in body[0]["text"]
         assert "nummon/legend/text_summary" in texts
@@ -248,6 +284,7 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
 
 
 # ---------------------------------------------------------------- W&B
+
 
 def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb_env):
     from nummon.integrations.wandb import STEP_METRIC, WandbSink
@@ -271,8 +308,15 @@ def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb
     records = read_records(find_run_file(wandb_env / "wandb_dir"))
     metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
     globs = {m.glob_name: m.step_metric for m in metrics if m.glob_name}
-    for section in ("nummon/*", "nummon_log10/*", "nummon_health/*", "nummon_layers_grad_norm/*",
-                    "nummon_layers_activation_max/*", "nummon_top_grad_norm/*", "nummon_hist_*"):
+    for section in (
+        "nummon/*",
+        "nummon_log10/*",
+        "nummon_health/*",
+        "nummon_layers_grad_norm/*",
+        "nummon_layers_activation_max/*",
+        "nummon_top_grad_norm/*",
+        "nummon_hist_*",
+    ):
         assert globs.get(section) == STEP_METRIC, (section, globs)
     rows = {row["_step"]: row for row in history_rows(records)}
     assert sorted(rows) == [0, 1, 2]
@@ -280,7 +324,9 @@ def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb
     assert len(main) <= 12 and "nummon/loss" in main
     assert rows[0]["nummon_hist_grads/0.weight/_type"] == "histogram"
     assert sum(rows[0]["nummon_hist_grads_log10abs/0.weight/values"]) == 16 * 8
-    assert rows[1]["nummon_hist_grads/0.weight/_type"] == "histogram"  # the default cadence: 0, 1, 2, 5, ... then every 500
+    assert (
+        rows[1]["nummon_hist_grads/0.weight/_type"] == "histogram"
+    )  # the default cadence: 0, 1, 2, 5, ... then every 500
     assert rows[2]["nummon_layers_grad_norm/2.weight"] > 0
     summary = {}
     for r in records:

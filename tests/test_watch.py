@@ -1,5 +1,6 @@
 """`nummon watch` end to end: real writer processes, a real watcher process, a webhook receiver
 on 127.0.0.1, SIGKILL and restart with the same state file."""
+
 import json
 import math
 import signal
@@ -10,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import webhook_receiver
 
 from nummon._json import dumps
@@ -79,8 +79,9 @@ def receiver():
 
 
 def start_watch(*args, cwd=None):
-    return subprocess.Popen(WATCH + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=cwd or ROOT)
+    return subprocess.Popen(
+        WATCH + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd or ROOT
+    )
 
 
 def stop(proc, sig=signal.SIGTERM):
@@ -93,12 +94,22 @@ def test_webhook_gets_exactly_one_message_per_incident_event(tmp_path, receiver)
     log = tmp_path / "events.jsonl"
     write_lines(log, two_incident_rows())
     notes = tmp_path / "notes.jsonl"
-    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"webhook:{receiver.url}", "--notify", f"jsonl:{notes}"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        WATCH + [str(log), "--once", "--notify", f"webhook:{receiver.url}", "--notify", f"jsonl:{notes}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     expect = reference_ids(log)
     assert [e.split(":", 1)[1] for e in expect] == [
-        "opened:1", "escalated:2", "resolved:0", "opened:1", "escalated:2", "escalated:3"]
+        "opened:1",
+        "escalated:2",
+        "resolved:0",
+        "opened:1",
+        "escalated:2",
+        "escalated:3",
+    ]
     assert receiver.ids() == expect  # one message per event, no more, none lost
     for b in receiver.bodies:  # Slack mrkdwn in the block, plain text in the fallback, the same id
         rich = b["blocks"][0]["text"]["text"]
@@ -136,16 +147,34 @@ def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     log = tmp_path / "run" / "events.jsonl"
     log.parent.mkdir()
     log.touch()
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "src, dst = sys.argv[1:3]\n"
-        "with open(dst, 'a') as out:\n"
-        "    for line in open(src):\n"
-        "        out.write(line); out.flush(); time.sleep(0.05)\n"), str(full), str(log)])
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "src, dst = sys.argv[1:3]\n"
+                "with open(dst, 'a') as out:\n"
+                "    for line in open(src):\n"
+                "        out.write(line); out.flush(); time.sleep(0.05)\n"
+            ),
+            str(full),
+            str(log),
+        ]
+    )
     state = tmp_path / "watch-state.json"
     notes = tmp_path / "notes.jsonl"
-    args = (tmp_path / "run", "--interval", "0.1", "--state", state,
-            "--notify", f"webhook:{receiver.url}", "--notify", f"jsonl:{notes}")
+    args = (
+        tmp_path / "run",
+        "--interval",
+        "0.1",
+        "--state",
+        state,
+        "--notify",
+        f"webhook:{receiver.url}",
+        "--notify",
+        f"jsonl:{notes}",
+    )
     watcher = start_watch(*args)
     try:
         wait_for(lambda: len(receiver.bodies) >= 3, what="incident 1 resolved at the receiver")
@@ -166,7 +195,7 @@ def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     assert saved["records"] == len(rows) and saved["last_step"] == rows[-1]["step"]
 
 
-TRAINER = r'''
+TRAINER = r"""
 import json, math, shutil, sys, time
 from pathlib import Path
 import torch
@@ -233,7 +262,7 @@ for step in range(400):
     if bad_step is not None and step >= bad_step + 4:
         break
 json.dump({"notified_before_nonfinite": before, "nonfinite_step": bad_step}, open(marker, "w"))
-'''
+"""
 
 
 @pytest.mark.parametrize("fmt", ["tensorboard", "csv", "hf"])
@@ -270,8 +299,14 @@ def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
     bad_tb.write_text("not an event file, just text that is long enough")
     p = subprocess.run(WATCH + [str(tmp_path), "--once"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    lines = [l for l in p.stderr.splitlines() if l.strip() and "watching" not in l
-             and not l.startswith("nummon watch:   run ") and not l.startswith("nummon watch: stopped (")]
+    lines = [
+        l
+        for l in p.stderr.splitlines()
+        if l.strip()
+        and "watching" not in l
+        and not l.startswith("nummon watch:   run ")
+        and not l.startswith("nummon watch: stopped (")
+    ]
     assert len(lines) == 1 and str(bad_tb) in lines[0] and "Traceback" not in p.stderr
     assert p.stdout.count("nummon: run unstable") == 2
 
@@ -306,8 +341,9 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     a.parent.mkdir()
     write_lines(a, rows[:60])
     notes = tmp_path / "notes.jsonl"
-    w = Watcher([str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=60,
-                exclude={str(notes)})
+    w = Watcher(
+        [str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=60, exclude={str(notes)}
+    )
     w.poll_once()
     assert list(w.runs) == [str(a)]
     b = tmp_path / "b" / "events.jsonl"
@@ -325,8 +361,9 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
 
 
 def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
-    from nummon._watch.command import main
     from wandb_reader import alerts, find_run_file, read_records
+
+    from nummon._watch.command import main
 
     log = tmp_path / "events.jsonl"
     write_lines(log, two_incident_rows())

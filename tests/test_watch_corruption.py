@@ -1,6 +1,7 @@
 """What `nummon watch` / `replay` read from damaged, rewritten, rotated and re-run logs (issue 23
 items 2, 8-14): real TensorBoard event files and W&B offline runs written by their own packages,
 real trainer_state.json and metrics.csv, each damaged as disks, killed writers and people do."""
+
 import json
 import math
 import os
@@ -10,20 +11,27 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_watch import read_events, two_incident_rows, write_lines
+from test_watch_logs import hf_history, write_hf_run, write_tensorboard
 
 from nummon._policy import load_policy
 from nummon._watch import read_records
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
-from test_watch import read_events, two_incident_rows, write_lines
-from test_watch_logs import hf_history, write_hf_run, write_tensorboard
 
 CLI = [sys.executable, "-m", "nummon"]
 
 
 def healthy(n, start=0):
-    return [{"type": "step", "step": s, "loss": 2.0 * 0.99 ** s * (1 + 0.03 * math.sin(1.3 * s)),
-             "grad_norm": 1 + 0.1 * math.sin(s)} for s in range(start, start + n)]
+    return [
+        {
+            "type": "step",
+            "step": s,
+            "loss": 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s)),
+            "grad_norm": 1 + 0.1 * math.sin(s),
+        }
+        for s in range(start, start + n)
+    ]
 
 
 def nan_at(rows, step):
@@ -36,8 +44,9 @@ def nan_at(rows, step):
 def watcher(root, tmp_path, **kw):
     notes = tmp_path / "notes.jsonl"
     errors = open(tmp_path / "watch.err", "a")
-    return Watcher([str(root)], load_policy("default"), [JsonlTarget(str(notes))], errors=errors,
-                   exclude={str(notes)}, **kw), notes
+    return Watcher(
+        [str(root)], load_policy("default"), [JsonlTarget(str(notes))], errors=errors, exclude={str(notes)}, **kw
+    ), notes
 
 
 def nonfinite_events(notes):
@@ -49,6 +58,7 @@ def stderr_of(tmp_path):
 
 
 # --- item 2: a step that is not an integer is that row's problem, never the watcher's exit ----
+
 
 def _hf_state(rows_extra):
     rows = [(s, 1.0, 1.0) for s in range(30)]
@@ -78,12 +88,15 @@ def test_csv_step_inf_and_wandb_bad_step_do_not_stop_the_other_runs(tmp_path):
     good.parent.mkdir()
     write_lines(good, two_incident_rows())
     (root / "wb").mkdir()
-    write_wandb_records(root / "wb" / "run-bad.wandb", [
-        [("_step", "0"), ("train/loss", "1.0")],
-        [("_step", '"NaN"'), ("train/loss", "1.0")],
-        [("_step", "2"), ("train/loss", "{not json")],
-        [("_step", "3"), ("train/loss", "NaN")],
-    ])
+    write_wandb_records(
+        root / "wb" / "run-bad.wandb",
+        [
+            [("_step", "0"), ("train/loss", "1.0")],
+            [("_step", '"NaN"'), ("train/loss", "1.0")],
+            [("_step", "2"), ("train/loss", "{not json")],
+            [("_step", "3"), ("train/loss", "NaN")],
+        ],
+    )
     w, notes = watcher(root, tmp_path)
     w.poll_once(final=True)
     w.close()
@@ -95,6 +108,7 @@ def test_csv_step_inf_and_wandb_bad_step_do_not_stop_the_other_runs(tmp_path):
 
 
 # --- a minimal LevelDB-log writer for crafted W&B records (real files come from wandb itself) ---
+
 
 def write_wandb_records(path, rows):
     import zlib
@@ -117,6 +131,7 @@ def write_wandb_records(path, rows):
 
 
 # --- item 8: a JSONL log rewritten in place or rotated ------------------------------------
+
 
 def test_jsonl_rewritten_in_place_is_read_again(tmp_path):
     log = tmp_path / "run" / "events.jsonl"
@@ -149,13 +164,14 @@ def test_jsonl_rotated_is_read_from_the_new_file_start(tmp_path):
 
 # --- item 9: a Hugging Face run re-run into the same output_dir ----------------------------
 
+
 def test_hf_rerun_into_the_same_output_dir_is_watched(tmp_path):
     out = tmp_path / "out"
-    old = [(s, 2.0 * 0.99 ** s, 1.0) for s in range(501)]
+    old = [(s, 2.0 * 0.99**s, 1.0) for s in range(501)]
     write_hf_run(out, old, save_every=100)
     w, notes = watcher(out, tmp_path)
     w.poll_once()
-    new = [(s, 2.0 * 0.99 ** s, 1.0) for s in range(100)] + [(100, math.nan, math.inf)]
+    new = [(s, 2.0 * 0.99**s, 1.0) for s in range(100)] + [(100, math.nan, math.inf)]
     (out / "trainer_state.json").write_text(json.dumps({"log_history": hf_history(new), "global_step": 100}))
     w.poll_once()
     w.poll_once()
@@ -166,12 +182,13 @@ def test_hf_rerun_into_the_same_output_dir_is_watched(tmp_path):
 
 # --- item 10: a second TensorBoard run written into the same logdir -------------------------
 
+
 def test_second_tensorboard_run_in_the_same_logdir_is_watched(tmp_path):
     logdir = tmp_path / "tb"
-    write_tensorboard(logdir, [(s, 2.0 * 0.99 ** s, 1.0) for s in range(200)])
+    write_tensorboard(logdir, [(s, 2.0 * 0.99**s, 1.0) for s in range(200)])
     w, notes = watcher(logdir, tmp_path)
     w.poll_once()
-    write_tensorboard(logdir, [(s, 2.0 * 0.99 ** s, 1.0) for s in range(50)] + [(50, math.nan, math.inf)])
+    write_tensorboard(logdir, [(s, 2.0 * 0.99**s, 1.0) for s in range(50)] + [(50, math.nan, math.inf)])
     w.poll_once()
     w.poll_once()
     w.close()
@@ -181,11 +198,12 @@ def test_second_tensorboard_run_in_the_same_logdir_is_watched(tmp_path):
 
 # --- item 11 and 13: TensorBoard records flipped and cut -----------------------------------
 
+
 @pytest.fixture(scope="module")
 def long_tb(tmp_path_factory):
     """A real event file: 2500 healthy steps, then NaN at step 2500."""
     logdir = tmp_path_factory.mktemp("tb") / "run"
-    rows = [(s, 2.0 * 0.999 ** s * (1 + 0.02 * math.sin(s)), 1.0 + 0.1 * math.sin(s)) for s in range(2500)]
+    rows = [(s, 2.0 * 0.999**s * (1 + 0.02 * math.sin(s)), 1.0 + 0.1 * math.sin(s)) for s in range(2500)]
     write_tensorboard(logdir, rows + [(2500, math.nan, math.inf)])
     return next(logdir.glob("events.out.tfevents.*"))
 
@@ -226,22 +244,31 @@ def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path)
 
 # --- items 12 and 13: W&B blocks ----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
     """A real offline W&B run of more than 4 blocks (32 KiB each), NaN in the last block."""
     from test_watch_logs import write_wandb
 
     base = tmp_path_factory.mktemp("wandb")
-    env = {v: str(base / v.lower()) for v in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
-                                               "WANDB_ARTIFACT_DIR")}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off", WANDB_DISABLE_GIT="true",
-               WANDB_DISABLE_CODE="true", WANDB_X_DISABLE_STATS="true")
+    env = {
+        v: str(base / v.lower())
+        for v in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")
+    }
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONSOLE="off",
+        WANDB_DISABLE_GIT="true",
+        WANDB_DISABLE_CODE="true",
+        WANDB_X_DISABLE_STATS="true",
+    )
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             os.makedirs(v, exist_ok=True) if k != "WANDB_MODE" and "/" in v else None
             mp.setenv(k, v)
         mp.delenv("WANDB_API_KEY", raising=False)
-        rows = [(s, 2.0 * 0.999 ** s, 1.0) for s in range(900)] + [(900, math.nan, math.inf)]
+        rows = [(s, 2.0 * 0.999**s, 1.0) for s in range(900)] + [(900, math.nan, math.inf)]
         f = write_wandb(rows)
     assert f.stat().st_size > 4 * 32768
     return f
@@ -267,10 +294,11 @@ def test_wandb_file_cut_mid_record_warns_of_a_torn_tail(wandb_run, tmp_path):
 
 # --- item 14: a trainer_state.json caught half-written ------------------------------------
 
+
 def test_half_written_trainer_state_is_read_once_complete(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    rows = [(s, 2.0 * 0.99 ** s, 1.0) for s in range(60)] + [(60, math.nan, math.inf)]
+    rows = [(s, 2.0 * 0.99**s, 1.0) for s in range(60)] + [(60, math.nan, math.inf)]
     text = json.dumps({"log_history": hf_history(rows), "global_step": 60})
     (out / "trainer_state.json").write_text(text[: len(text) // 2])
     w, notes = watcher(out, tmp_path)
@@ -284,17 +312,21 @@ def test_half_written_trainer_state_is_read_once_complete(tmp_path):
 
 # --- item 19: a long backlog streams in bounded memory ------------------------------------
 
-PEAK = r'''
+PEAK = r"""
 import resource, subprocess, sys
 subprocess.run([sys.executable, "-m", "nummon._watch", sys.argv[1], "--once", "--notify", "jsonl:" + sys.argv[2]],
                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB on Linux
-'''
+"""
 
 
 def _peak_kib(tmp_path, log):
-    p = subprocess.run([sys.executable, "-c", PEAK, str(log), str(tmp_path / f"{log.stem}.notes.jsonl")],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", PEAK, str(log), str(tmp_path / f"{log.stem}.notes.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     return int(p.stdout.strip())
 
@@ -321,13 +353,13 @@ def test_csv_replaced_while_the_watcher_was_down_is_read_again(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     csv_path = d / "metrics.csv"
-    csv_path.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99 ** s}\n" for s in range(100)))
+    csv_path.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99**s}\n" for s in range(100)))
     state = tmp_path / "s.json"
     w, notes = watcher(d, tmp_path, state_path=str(state))
     w.poll_once(final=True)
     w.close()
     new = d / "metrics.csv.new"
-    new.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99 ** s if s != 20 else 'nan'}\n" for s in range(150)))
+    new.write_text("step,train_loss\n" + "".join(f"{s},{2.0 * 0.99**s if s != 20 else 'nan'}\n" for s in range(150)))
     os.replace(new, csv_path)
     w, notes = watcher(d, tmp_path, state_path=str(state))
     w.poll_once(final=True)

@@ -1,6 +1,7 @@
 """`nummon watch` as an unattended process: FIFOs in the tree, unwritable and broken state files,
 bad targets, endpoints that hang, redirect, answer slowly or refuse, two watchers on one state
 file (issue 23 items 1, 3-7, 15-18) and what the watcher says where people look (issue 24)."""
+
 import json
 import os
 import socket
@@ -12,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
 from nummon._watch.watcher import Watcher
 from nummon._watch.webhook import WebhookTarget
-from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
 
 
 class Endpoint:
@@ -94,6 +95,7 @@ def run_once(*args):
 
 # --- item 1: a FIFO under the root ---------------------------------------------------------
 
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_fifo_in_the_tree_never_blocks_and_sigterm_stops_the_watcher(tmp_path):
     log = run_log(tmp_path)
@@ -112,20 +114,34 @@ def test_fifo_in_the_tree_never_blocks_and_sigterm_stops_the_watcher(tmp_path):
 
 # --- item 3: a state file that cannot be written -----------------------------------------
 
-LIMITED = r'''
+LIMITED = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # the state file is larger: EFBIG
 from nummon._watch.command import main
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_unwritable_state_file_still_sends_every_notification(tmp_path, endpoints):
     ep = endpoints()
     log = run_log(tmp_path)
-    p = subprocess.run([sys.executable, "-c", LIMITED, str(log), "--once", "--state", str(tmp_path / "s.json"),
-                        "--notify", f"webhook:{ep.url}"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LIMITED,
+            str(log),
+            "--once",
+            "--state",
+            str(tmp_path / "s.json"),
+            "--notify",
+            f"webhook:{ep.url}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert len(ep.ids()) == len(reference_ids(log)) == 6
     assert p.stderr.count("cannot write the state file") == 1 and "Traceback" not in p.stderr
@@ -133,12 +149,19 @@ def test_unwritable_state_file_still_sends_every_notification(tmp_path, endpoint
 
 # --- items 4 and 5: broken state files, paths under a regular file -------------------------
 
-@pytest.mark.parametrize("state,needle", [
-    ({"version": 1, "runs": {"r": {"position": {"offset": "abc"}}}, "outbox": []}, "offset must be a non-negative integer"),
-    ({"version": 1, "runs": {}, "outbox": [1, 2]}, "outbox[0]"),
-    ({"version": 1, "runs": {"r": []}, "outbox": []}, "must be a mapping"),
-    ({"version": 1, "runs": {"r": {"history": "x"}}, "outbox": []}, "history must be a list"),
-])
+
+@pytest.mark.parametrize(
+    "state,needle",
+    [
+        (
+            {"version": 1, "runs": {"r": {"position": {"offset": "abc"}}}, "outbox": []},
+            "offset must be a non-negative integer",
+        ),
+        ({"version": 1, "runs": {}, "outbox": [1, 2]}, "outbox[0]"),
+        ({"version": 1, "runs": {"r": []}, "outbox": []}, "must be a mapping"),
+        ({"version": 1, "runs": {"r": {"history": "x"}}, "outbox": []}, "history must be a list"),
+    ],
+)
 def test_state_file_with_wrong_field_types_is_one_line_exit_2(tmp_path, capsys, state, needle):
     log = run_log(tmp_path)
     s = tmp_path / "s.json"
@@ -160,6 +183,7 @@ def test_target_or_state_under_a_regular_file_is_one_line_exit_2(tmp_path, capsy
 
 # --- item 6: malformed webhook URLs refused at start ---------------------------------------
 
+
 @pytest.mark.parametrize("url", ["http://[::1", "http://a b/", "http://:80/x", "http://h:99999/", "https://"])
 def test_malformed_webhook_url_exits_2_at_start(tmp_path, capsys, url):
     log = run_log(tmp_path)
@@ -169,6 +193,7 @@ def test_malformed_webhook_url_exits_2_at_start(tmp_path, capsys, url):
 
 
 # --- item 7: SIGTERM with an endpoint that never answers ----------------------------------
+
 
 def test_sigterm_with_a_hanging_endpoint_keeps_the_events_for_the_next_start(tmp_path, endpoints):
     hang = threading.Event()
@@ -194,6 +219,7 @@ def test_sigterm_with_a_hanging_endpoint_keeps_the_events_for_the_next_start(tmp
 
 # --- items 15, 16 and issue 24's failure line: no secret, the reason, the event --------------
 
+
 def test_failure_line_names_reason_and_event_and_never_the_secret(tmp_path):
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
@@ -209,7 +235,7 @@ def test_failure_line_names_reason_and_event_and_never_the_secret(tmp_path):
         w.close()
     err = errors.read_text()
     assert "XOXB-SECRET" not in err and "pw0rd" not in err and "user" not in err
-    assert f"webhook http://127.0.0.1:{port}/…: could not deliver \"nummon: run unstable" in err
+    assert f'webhook http://127.0.0.1:{port}/…: could not deliver "nummon: run unstable' in err
     assert "connection refused; 2 tries)" in err and w.lost == 2
 
 
@@ -228,10 +254,15 @@ def test_refused_notifications_make_once_exit_non_zero_with_plural_right(tmp_pat
     log = run_log(tmp_path, two_incident_rows()[:50])
     p = run_once(log, "--notify", f"webhook:{ep.url}")
     assert p.returncode == 1
-    assert "HTTP 403" in p.stderr and "HTTP 403 Forbidden: the endpoint refuses the message; 1 try)" in p.stderr and "1 tries" not in p.stderr
+    assert (
+        "HTTP 403" in p.stderr
+        and "HTTP 403 Forbidden: the endpoint refuses the message; 1 try)" in p.stderr
+        and "1 tries" not in p.stderr
+    )
 
 
 # --- item 17: a slow receiver gets each event once, nothing delivered is called lost ---------
+
 
 def test_slow_receiver_gets_each_event_once_and_close_keeps_the_last(tmp_path, endpoints):
     ep = endpoints(slow_s=0.6)
@@ -249,6 +280,7 @@ def test_slow_receiver_gets_each_event_once_and_close_keeps_the_last(tmp_path, e
 
 # --- item 18: one watcher per state file ---------------------------------------------------
 
+
 def test_second_watcher_on_the_same_state_exits_2_naming_the_first(tmp_path):
     log = run_log(tmp_path)
     state = tmp_path / "s.json"
@@ -265,6 +297,7 @@ def test_second_watcher_on_the_same_state_exits_2_naming_the_first(tmp_path):
 
 # --- issue 24: what the watcher says -------------------------------------------------------
 
+
 def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
     run_log(tmp_path)
     (tmp_path / "empty").mkdir()
@@ -280,13 +313,22 @@ def test_title_cut_at_a_word():
     from nummon._types import AlertKind, Severity
     from nummon._watch.incidents import RunIncident
 
-    c = Contributor(kind=AlertKind.RUNAWAY, metric="layer_grad_norms.encoder.blocks.11.attention.output_projection",
-                    severity=Severity.WARNING, step=3, value=1.0)
-    ev = IncidentEvent(step=3, state=IncidentState.OPEN, previous=IncidentState.NONE, number=1, opened_step=3,
-                       contributors=(c,))
+    c = Contributor(
+        kind=AlertKind.RUNAWAY,
+        metric="layer_grad_norms.encoder.blocks.11.attention.output_projection",
+        severity=Severity.WARNING,
+        step=3,
+        value=1.0,
+    )
+    ev = IncidentEvent(
+        step=3, state=IncidentState.OPEN, previous=IncidentState.NONE, number=1, opened_step=3, contributors=(c,)
+    )
     title = RunIncident("r", ev).title
-    assert len(title) <= 63 and title.endswith("…") and title[:-1].rstrip() in ("nummon: run unstable: runaway in",
-                                                                              "nummon: run unstable: runaway")
+    assert (
+        len(title) <= 63
+        and title.endswith("…")
+        and title[:-1].rstrip() in ("nummon: run unstable: runaway in", "nummon: run unstable: runaway")
+    )
 
 
 def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
@@ -296,9 +338,13 @@ def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
     wb = tmp_path / "run-x.wandb"
     wb.write_bytes(b":W&B" + b"\xe1\xbe\x01")
     for path, extra in ((tb, "tensorboard"), (wb, "wandb")):
-        code = ("import sys; sys.modules['tensorboard'] = None; sys.modules['wandb'] = None\n"
-                "from nummon._cli import main; sys.exit(main(sys.argv[1:]))")
-        p = subprocess.run([sys.executable, "-c", code, "replay", str(path)], capture_output=True, text=True, timeout=120)
+        code = (
+            "import sys; sys.modules['tensorboard'] = None; sys.modules['wandb'] = None\n"
+            "from nummon._cli import main; sys.exit(main(sys.argv[1:]))"
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", code, "replay", str(path)], capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert f"pip install 'nummon[{extra}]'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
@@ -310,7 +356,9 @@ def test_webhook_goes_through_the_environments_http_proxy(tmp_path, endpoints, m
     monkeypatch.delenv("NO_PROXY", raising=False)
     log = run_log(tmp_path, two_incident_rows()[:50])
     with open(tmp_path / "err.txt", "w") as fh:
-        w = Watcher([str(log)], load_policy("default"), [WebhookTarget("http://hooks.example.invalid/services/X")], errors=fh)
+        w = Watcher(
+            [str(log)], load_policy("default"), [WebhookTarget("http://hooks.example.invalid/services/X")], errors=fh
+        )
         w.poll_once(final=True)
         w.close(timeout_s=60)
     assert w.lost == 0 and [p for _, p, _ in proxy.requests] == ["http://hooks.example.invalid/services/X"] * 2

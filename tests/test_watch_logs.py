@@ -1,5 +1,6 @@
 """Writers of one synthetic run in every format `nummon watch` reads (real writer packages:
 torch's SummaryWriter, Lightning's CSVLogger, transformers' TrainerState, wandb offline)."""
+
 import json
 import math
 from pathlib import Path
@@ -34,7 +35,19 @@ def write_jsonl(path, rows, with_alert_lines=True):
         for s, loss, g in rows:
             fh.write(dumps({"type": "step", "step": s, "loss": loss, "grad_norm": g, "lr": LR}) + "\n")
             if with_alert_lines and s % 10 == 9:
-                fh.write(dumps({"type": "alert", "step": s, "kind": "stall", "severity": "warning", "metric": "loss", "value": 1e9}) + "\n")
+                fh.write(
+                    dumps(
+                        {
+                            "type": "alert",
+                            "step": s,
+                            "kind": "stall",
+                            "severity": "warning",
+                            "metric": "loss",
+                            "value": 1e9,
+                        }
+                    )
+                    + "\n"
+                )
     return path
 
 
@@ -66,7 +79,9 @@ def write_hf_checkpoint(output_dir, rows, upto):
 
     folder = Path(output_dir) / f"checkpoint-{upto}"
     folder.mkdir(parents=True, exist_ok=True)
-    state = TrainerState(global_step=upto, max_steps=len(rows), log_history=hf_history([r for r in rows if r[0] <= upto]))
+    state = TrainerState(
+        global_step=upto, max_steps=len(rows), log_history=hf_history([r for r in rows if r[0] <= upto])
+    )
     state.save_to_json(str(folder / "trainer_state.json"))
     return folder / "trainer_state.json"
 

@@ -1,6 +1,7 @@
 """`nummon watch` under the fourth round of attacks (issue 36 items 8-12, 20-22, the webhook
 target's counters shared with the metrics thread) and what it says of the runs it picks up
 (issue 35 point 10): real files, real watcher processes and signals, real HTTP receivers."""
+
 import json
 import os
 import subprocess
@@ -8,22 +9,25 @@ import sys
 import threading
 
 import pytest
+from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
-from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
-
 
 # --- 36.22: a misspelled target kind never prints the URL's secrets ------------------------
 
-@pytest.mark.parametrize("spec", [
-    "slack:https://hooks.slack.com/services/T0SECRET/B0SECRET/tok3nSECRET",
-    "Webhook:https://user:pa55SECRET@example.com/hook?token=SECRET",
-    "alertmanger:http://admin:SECRETpw@am-0:9093,http://admin:SECRETpw@am-1:9093/SECRET",
-    "webhok:user:SECRET@host/x",
-])
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "slack:https://hooks.slack.com/services/T0SECRET/B0SECRET/tok3nSECRET",
+        "Webhook:https://user:pa55SECRET@example.com/hook?token=SECRET",
+        "alertmanger:http://admin:SECRETpw@am-0:9093,http://admin:SECRETpw@am-1:9093/SECRET",
+        "webhok:user:SECRET@host/x",
+    ],
+)
 def test_a_misspelled_target_kind_names_scheme_and_host_only(tmp_path, capsys, spec):
     assert main([str(tmp_path), "--once", "--notify", spec]) == 2
     err = capsys.readouterr().err
@@ -42,8 +46,10 @@ def test_a_near_miss_kind_gets_a_hint(tmp_path, capsys):
 
 # --- 36.11 (round 3) and 36.12: run names that are not UTF-8 and hold a newline -----------
 
+
 def _strict_lines(path):
     """Each line of a JSONL file as strict JSON from valid UTF-8 (no bare NaN, no lone surrogate)."""
+
     def refuse(name):
         raise ValueError(f"bare {name}")
 
@@ -69,8 +75,21 @@ def test_a_run_folder_named_with_a_newline_and_a_non_utf8_byte_gives_strict_json
     plain = tmp_path / "plain.jsonl"
     write_lines(plain, _runaway_rows())
     notes = tmp_path / "notes.jsonl"
-    p = subprocess.run(WATCH + [os.fsdecode(root), "--once", "--notify", f"jsonl:{notes}", "--notify", "console",
-                                "--state", str(tmp_path / "s.json")], capture_output=True, timeout=300)
+    p = subprocess.run(
+        WATCH
+        + [
+            os.fsdecode(root),
+            "--once",
+            "--notify",
+            f"jsonl:{notes}",
+            "--notify",
+            "console",
+            "--state",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode(errors="replace")[-800:]
     events = _strict_lines(notes)
     assert len(events) == len(reference_ids(plain)) == 3
@@ -98,14 +117,18 @@ def test_a_non_utf8_run_name_has_a_shard_and_the_other_runs_nan_is_notified(tmp_
     got = {}
     for k in range(2):
         notes = tmp_path / f"notes-{k}.jsonl"
-        p = subprocess.run(WATCH + [str(root), "--once", "--shard", f"{k}/2", "--notify", f"jsonl:{notes}"],
-                           capture_output=True, timeout=300)
+        p = subprocess.run(
+            WATCH + [str(root), "--once", "--shard", f"{k}/2", "--notify", f"jsonl:{notes}"],
+            capture_output=True,
+            timeout=300,
+        )
         assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode(errors="replace")[-800:]
         got[k] = {e["run"].rsplit("/", 2)[-2] for e in _strict_lines(notes) if e["level"] == 3}
     assert got[odd_shard] == {"bad-\\xff"} and got[1 - odd_shard] == {f"ok-{i}"}
 
 
 # --- 36.10: a symlinked state.json.lock is refused, its target untouched --------------------
+
 
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, capsys):
     log = tmp_path / "events.jsonl"
@@ -133,13 +156,13 @@ def test_a_dangling_lock_link_is_refused_and_nothing_is_created(tmp_path, capsys
 
 # --- 36.8: the JSONL event record on a full disk ----------------------------------------------
 
-FSIZE_LIMITED = r'''
+FSIZE_LIMITED = r"""
 import resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail with EFBIG, as on a full disk
 from nummon._watch.command import main
 sys.exit(main(sys.argv[2:]))
-'''
+"""
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
@@ -147,14 +170,20 @@ def test_event_record_on_a_full_disk_never_tears_a_line_and_reports_each_event_n
     log = tmp_path / "run.jsonl"
     write_lines(log, _runaway_rows())
     full = tmp_path / "full.jsonl"  # what the three events take without a limit
-    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{full}"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        WATCH + [str(log), "--once", "--notify", f"jsonl:{full}"], capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     sizes = [len(line) for line in full.read_bytes().splitlines(keepends=True)]
     assert len(sizes) == 3
     limit = sizes[0] + sizes[1] // 2  # the first event fits, the second is cut halfway, the third has no room
     notes = tmp_path / "notes.jsonl"
-    p = subprocess.run([sys.executable, "-c", FSIZE_LIMITED, str(limit), str(log), "--once", "--notify", f"jsonl:{notes}"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", FSIZE_LIMITED, str(limit), str(log), "--once", "--notify", f"jsonl:{notes}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "Traceback" not in p.stderr
     events = _strict_lines(notes)  # every line whole: no torn one
     assert notes.read_bytes().endswith(b"\n") and [e["transition"] for e in events] == ["opened"]
@@ -164,6 +193,7 @@ def test_event_record_on_a_full_disk_never_tears_a_line_and_reports_each_event_n
 
 
 # --- thread safety: the webhook target's counters, read by the metrics scrape thread --------
+
 
 class _CountingEndpoint:
     """127.0.0.1: holds every request until `release` is set, then answers 200, and 400 to every
@@ -253,6 +283,7 @@ def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switchin
 
 # --- 35.10: watch names each run it picks up and says when it stops ---------------------------
 
+
 def test_watch_names_each_run_it_picks_up_and_its_stop_with_true_numbers(tmp_path):
     root = tmp_path / "root"
     (root / "first").mkdir(parents=True)
@@ -267,27 +298,36 @@ def test_watch_names_each_run_it_picks_up_and_its_stop_with_true_numbers(tmp_pat
         wait_for(lambda: len(read_events(notes)) == 8, what="the later run's events")
     finally:
         rc, out, err = stop(proc)
-    lines = [line[len("nummon watch: "):] for line in err.splitlines()]
+    lines = [line[len("nummon watch: ") :] for line in err.splitlines()]
     assert rc == 0 and lines[0].startswith("watching 1 run under ")
     assert lines[1] == "  run first/events.jsonl (jsonl)"
     assert lines.count("new run later/events.jsonl (jsonl): watched from now on") == 1
     n_events = len(reference_ids(root / "first" / "events.jsonl")) + len(reference_ids(root / "later" / "events.jsonl"))
-    assert lines[-1] == (f"stopped (SIGTERM): 2 runs watched, {len(rows) + 50} records read, "
-                         f"{n_events} incident events notified ({n_events} delivered)")
+    assert lines[-1] == (
+        f"stopped (SIGTERM): 2 runs watched, {len(rows) + 50} records read, "
+        f"{n_events} incident events notified ({n_events} delivered)"
+    )
 
 
 def test_watch_once_ends_with_its_summary_and_counts_what_was_lost(tmp_path):
     log = tmp_path / "run.jsonl"
     write_lines(log, _runaway_rows())
-    p = subprocess.run(WATCH + [str(log), "--once", "--notify", "webhook:http://127.0.0.1:9/hook"],
-                       capture_output=True, text=True, timeout=300)  # port 9: nothing listens, every post refused
+    p = subprocess.run(
+        WATCH + [str(log), "--once", "--notify", "webhook:http://127.0.0.1:9/hook"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # port 9: nothing listens, every post refused
     last = p.stderr.splitlines()[-1]
     assert p.returncode == 1
-    assert last == (f"nummon watch: stopped (the --once pass is done): 1 run watched, {len(_runaway_rows())} records read, "
-                    "3 incident events notified (0 delivered, 3 notifications lost)")
+    assert last == (
+        f"nummon watch: stopped (the --once pass is done): 1 run watched, {len(_runaway_rows())} records read, "
+        "3 incident events notified (0 delivered, 3 notifications lost)"
+    )
 
 
 # --- 36.20: one unreadable JSONL in the root is that run's problem only ----------------------
+
 
 def _without_file_capabilities():
     """preexec_fn: as root, drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set,
@@ -312,15 +352,23 @@ def test_an_unreadable_jsonl_is_that_runs_problem_and_the_other_runs_nan_is_noti
     write_lines(root / "readable" / "events.jsonl", _runaway_rows())
     os.chmod(root / "secret" / "events.jsonl", 0)
     notes = tmp_path / "notes.jsonl"
-    proc = subprocess.Popen(WATCH + [str(root), "--interval", "0.2", "--notify", f"jsonl:{notes}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_without_file_capabilities)
+    proc = subprocess.Popen(
+        WATCH + [str(root), "--interval", "0.2", "--notify", f"jsonl:{notes}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_without_file_capabilities,
+    )
     try:
-        wait_for(lambda: proc.poll() is not None or any(e["level"] == 3 for e in read_events(notes)),
-                 what="the readable run's NaN")
+        wait_for(
+            lambda: proc.poll() is not None or any(e["level"] == 3 for e in read_events(notes)),
+            what="the readable run's NaN",
+        )
         if proc.poll() == 97:
             pytest.skip("cannot drop root's file capabilities here")
         wait_for(lambda: proc.poll() is not None or len(read_events(notes)) >= 3, timeout=5, what="a few polls more")
         import time
+
         time.sleep(1.0)  # five more polls: the problem is not said again
     finally:
         rc, out, err = stop(proc)
@@ -333,11 +381,20 @@ def test_an_unreadable_jsonl_is_that_runs_problem_and_the_other_runs_nan_is_noti
 
 # --- 36.21: a run whose log grows by a lot is read in bounded chunks, fairly ---------------
 
+
 def _healthy(n, start=0):
     import math
 
-    return [{"type": "step", "step": s, "loss": 2.0 * 0.999**s * (1 + 0.03 * math.sin(1.3 * s)),
-             "grad_norm": 1 + 0.1 * math.sin(s), "pad": "x" * 200} for s in range(start, start + n)]
+    return [
+        {
+            "type": "step",
+            "step": s,
+            "loss": 2.0 * 0.999**s * (1 + 0.03 * math.sin(1.3 * s)),
+            "grad_norm": 1 + 0.1 * math.sin(s),
+            "pad": "x" * 200,
+        }
+        for s in range(start, start + n)
+    ]
 
 
 def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
@@ -351,8 +408,14 @@ def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
         import nummon._watch.read_jsonl as rj
 
         monkeypatch.setattr(rj, "POLL_BYTES", poll_bytes)
-    w = Watcher([str(root)], load_policy("default"), [JsonlTarget(str(notes))], errors=open(tmp_path / "err", "a"),
-                exclude={str(notes)}, **kw)
+    w = Watcher(
+        [str(root)],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        errors=open(tmp_path / "err", "a"),
+        exclude={str(notes)},
+        **kw,
+    )
     return w, notes
 
 
@@ -373,12 +436,14 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
         write_lines(root / "small" / "events.jsonl", rows, mode="a")
         size = (root / "big" / "events.jsonl").stat().st_size
         assert size > 40 * bound
-        passes, nonfinite_at, third_at = 0, {}, None
+        passes, nonfinite_at, _third_at = 0, {}, None
         while True:
             before = big.follower.offset
             w.poll_once()
             passes += 1
-            assert big.follower.offset - before <= bound, f"pass {passes} read {big.follower.offset - before} bytes of one run"
+            assert big.follower.offset - before <= bound, (
+                f"pass {passes} read {big.follower.offset - before} bytes of one run"
+            )
             for e in read_events(notes):
                 if e["level"] == 3:
                     nonfinite_at.setdefault(e["run_name"], passes)
@@ -399,6 +464,7 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
 
 # --- 36.11 (round 3): SIGKILL every second while the run writes: every event exactly once ----
 
+
 def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_event_exactly_once(tmp_path):
     import signal
     import time
@@ -411,16 +477,34 @@ def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_eve
     log = tmp_path / "run" / "events.jsonl"
     log.parent.mkdir()
     log.touch()
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "src, dst = sys.argv[1:3]\n"
-        "with open(dst, 'a') as out:\n"
-        "    for line in open(src):\n"
-        "        out.write(line); out.flush(); time.sleep(0.06)\n"), str(full), str(log)])
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "src, dst = sys.argv[1:3]\n"
+                "with open(dst, 'a') as out:\n"
+                "    for line in open(src):\n"
+                "        out.write(line); out.flush(); time.sleep(0.06)\n"
+            ),
+            str(full),
+            str(log),
+        ]
+    )
     receiver = webhook_receiver.Receiver()
     state, notes = tmp_path / "state.json", tmp_path / "notes.jsonl"
-    args = (tmp_path / "run", "--interval", "0.1", "--state", state, "--notify", f"jsonl:{notes}",
-            "--notify", f"webhook:{receiver.url}")
+    args = (
+        tmp_path / "run",
+        "--interval",
+        "0.1",
+        "--state",
+        state,
+        "--notify",
+        f"jsonl:{notes}",
+        "--notify",
+        f"webhook:{receiver.url}",
+    )
     kills, progress = 0, []
     delays = iter([0.4, 1.0, 0.2, 0.7, 0.5, 0.9, 0.3, 0.6] * 10)  # within a second of its start, at varied points
     try:
@@ -436,8 +520,10 @@ def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_eve
         watcher = start_watch(*args)
         watcher.stderr.readline()  # its signal handlers are in place
         expect = reference_ids(log)
-        wait_for(lambda: len(read_events(notes)) >= len(expect) and len(receiver.bodies) >= len(expect),
-                 what="every event after the last restart")
+        wait_for(
+            lambda: len(read_events(notes)) >= len(expect) and len(receiver.bodies) >= len(expect),
+            what="every event after the last restart",
+        )
         rc, out, err = stop(watcher)
     finally:
         writer.kill()
@@ -445,7 +531,9 @@ def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_eve
     assert kills >= 3 and rc == 0, err
     assert len(set(progress)) >= 2 and 0 < min(progress) < len(rows)  # killed watchers had read part of the run
     once = tmp_path / "once.jsonl"
-    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{once}"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        WATCH + [str(log), "--once", "--notify", f"jsonl:{once}"], capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     reference = [e["id"] for e in read_events(once)]
     assert [e["id"] for e in read_events(notes)] == reference == expect  # none lost, none twice
@@ -459,7 +547,9 @@ def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_
     write_lines(log, _runaway_rows())
     notes = tmp_path / "notes.jsonl"
     notes.write_bytes(b'{"type": "incident", "id": "torn by a crash')  # no newline: a writer killed mid-line
-    p = subprocess.run(WATCH + [str(log), "--once", "--notify", f"jsonl:{notes}"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        WATCH + [str(log), "--once", "--notify", f"jsonl:{notes}"], capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     lines = notes.read_bytes().splitlines()
     assert lines[0].startswith(b'{"type": "incident", "id": "torn') and len(lines) == 4
@@ -467,6 +557,7 @@ def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_
 
 
 # --- 36.9: runs deleted from the root are forgotten after a grace period ---------------------
+
 
 def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_restarts(tmp_path):
     import inspect
@@ -505,8 +596,10 @@ def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_
     assert list(runs) == [str(root / "alive" / "events.jsonl")]
     assert state.stat().st_size < size_before / 20
     said = [line for line in (tmp_path / "err").read_text().splitlines() if "forgot" in line]
-    assert said == ["nummon watch: forgot 100 runs whose files are gone for 1 h or more (e.g. run-0/events.jsonl); "
-                    "read from the start if they come back"]
+    assert said == [
+        "nummon watch: forgot 100 runs whose files are gone for 1 h or more (e.g. run-0/events.jsonl); "
+        "read from the start if they come back"
+    ]
 
 
 def test_runs_under_a_root_that_is_away_are_never_forgotten(tmp_path):
@@ -514,15 +607,17 @@ def test_runs_under_a_root_that_is_away_are_never_forgotten(tmp_path):
     (root / "run").mkdir(parents=True)
     write_lines(root / "run" / "events.jsonl", _healthy(20))
     state = tmp_path / "state.json"
-    w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"),
-                forget_after_s=0.0)
+    w = Watcher(
+        [str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"), forget_after_s=0.0
+    )
     w.poll_once()
     w.close()
     (root / "run" / "events.jsonl").rename(tmp_path / "away.jsonl")
     os.rmdir(root / "run")
     os.rmdir(root)  # the whole share unmounted
-    w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"),
-                forget_after_s=0.0)
+    w = Watcher(
+        [str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"), forget_after_s=0.0
+    )
     w.poll_once()
     w.close()
     assert list(json.loads(state.read_text())["runs"]) == [str(root / "run" / "events.jsonl")]

@@ -4,17 +4,17 @@ test_transformers.py): a GPT-2 built from a config (never downloaded), random to
 The runaway: SGD whose learning rate doubles every step (a warmup to a peak far too high), with
 the Trainer clipping gradients at 1.0. Without nummon the loss is lost (NaN or past 1e15) within 32 steps.
 """
+
 import logging
 import os
 
+import accelerate  # noqa: F401  (the Trainer needs it)
 import torch
 import transformers
+from framework_run import Run
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-import accelerate  # noqa: F401  (the Trainer needs it)
 from nummon.integrations.transformers import NummonCallback
-
-from framework_run import Run
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -55,13 +55,34 @@ def tiny_gpt2():
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
 
 
-def training_args(out_dir, *, steps, report_to=(), batch=8, accumulation=1, max_grad_norm=1.0, save_strategy="no",
-                  disable_tqdm=True, **kwargs):
+def training_args(
+    out_dir,
+    *,
+    steps,
+    report_to=(),
+    batch=8,
+    accumulation=1,
+    max_grad_norm=1.0,
+    save_strategy="no",
+    disable_tqdm=True,
+    **kwargs,
+):
     return TrainingArguments(
-        output_dir=str(out_dir), report_to=list(report_to), use_cpu=True, save_strategy=save_strategy, max_steps=steps,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm,
-        logging_steps=1, logging_nan_inf_filter=False, disable_tqdm=disable_tqdm, seed=0, data_seed=0,
-        dataloader_num_workers=0, **kwargs,
+        output_dir=str(out_dir),
+        report_to=list(report_to),
+        use_cpu=True,
+        save_strategy=save_strategy,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_grad_norm=max_grad_norm,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        disable_tqdm=disable_tqdm,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        **kwargs,
     )
 
 
@@ -78,10 +99,16 @@ def run_trainer(out_dir, callbacks, *, runaway, steps, report_to=(), batch=8, ac
     """Train; returns (trainer, LogRecorder)."""
     model = tiny_gpt2()
     recorder = LogRecorder()
-    args = training_args(out_dir, steps=steps, report_to=report_to, batch=batch, accumulation=accumulation,
-                         max_grad_norm=max_grad_norm)
-    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, runaway),
-                      callbacks=[recorder, *callbacks])
+    args = training_args(
+        out_dir, steps=steps, report_to=report_to, batch=batch, accumulation=accumulation, max_grad_norm=max_grad_norm
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(),
+        optimizers=optimizers(model, runaway),
+        callbacks=[recorder, *callbacks],
+    )
     trainer.train()
     return trainer, recorder
 
@@ -94,8 +121,13 @@ def _logged(recorder, key):
 
 def runaway(root, cb=None, *, loggers=False):
     out = root / "out"
-    trainer, recorder = run_trainer(out, [cb] if cb else [], runaway=True, steps=RUNAWAY_STEPS,
-                                    report_to=["tensorboard", "wandb"] if loggers else ())
+    trainer, recorder = run_trainer(
+        out,
+        [cb] if cb else [],
+        runaway=True,
+        steps=RUNAWAY_STEPS,
+        report_to=["tensorboard", "wandb"] if loggers else (),
+    )
     run = Run(trainer_steps=trainer.state.global_step, losses=_logged(recorder, "loss"))
     if loggers:
         run.events_dir = out
@@ -112,8 +144,11 @@ def healthy(root, cb):
 def accumulated_and_clipped(root, cb):
     """6 steps of 4 micro-batches of 2, clipping at CLIP: the loss and the pre-clip norm the Trainer logs."""
     trainer, recorder = run_trainer(root, [cb], runaway=False, steps=6, batch=2, accumulation=4, max_grad_norm=CLIP)
-    return Run(trainer_steps=trainer.state.global_step, losses=_logged(recorder, "loss"),
-               grad_norms=_logged(recorder, "grad_norm"))
+    return Run(
+        trainer_steps=trainer.state.global_step,
+        losses=_logged(recorder, "loss"),
+        grad_norms=_logged(recorder, "grad_norm"),
+    )
 
 
 class PlantedLogOfZero(torch.nn.Module):
@@ -143,8 +178,18 @@ class PlantAt(TrainerCallback):
 def planted_log_of_zero(root, cb):
     """40 healthy steps whose loss becomes a log of 0 at step 30; returns the planted class."""
     model = PlantedLogOfZero()
-    args = TrainingArguments(output_dir=str(root), report_to=[], use_cpu=True, save_strategy="no", max_steps=40,
-                             per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True, seed=0, learning_rate=1e-3)
+    args = TrainingArguments(
+        output_dir=str(root),
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=40,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+    )
     Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[PlantAt(model, 30), cb]).train()
     return PlantedLogOfZero
 
@@ -175,9 +220,18 @@ def readme_blow_up(root, cb):
     opt = torch.optim.SGD(model.parameters(), lr=20.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     steplog = StepLog()
-    args = TrainingArguments(output_dir=str(root), report_to=[], max_steps=10, use_cpu=True, save_strategy="no",
-                             per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.0,
-                             logging_steps=1, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(root),
+        report_to=[],
+        max_steps=10,
+        use_cpu=True,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     logging.getLogger("nummon").addHandler(steplog.handler)
     try:
         Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched), callbacks=[steplog, cb]).train()
@@ -194,8 +248,13 @@ def runaway_with_progress_bar(root):
     """The runaway as a user runs it: the Trainer's own tqdm bar on stderr, nummon's console on."""
     model = tiny_gpt2()
     args = training_args(root, steps=RUNAWAY_STEPS, disable_tqdm=False)
-    Trainer(model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, True),
-            callbacks=[NummonCallback(follow_report_to=False)]).train()
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(),
+        optimizers=optimizers(model, True),
+        callbacks=[NummonCallback(follow_report_to=False)],
+    ).train()
 
 
 if __name__ == "__main__":  # python transformers_runs.py progress-bar DIR (a real process: its stderr is read)

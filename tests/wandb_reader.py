@@ -1,4 +1,5 @@
 """Read a W&B offline run file (`run-<id>.wandb`) back: LevelDB-log framing of protobuf Records."""
+
 import struct
 import zlib
 from pathlib import Path
@@ -75,4 +76,3 @@ def nummon_alert_titles_and_steps(records):
     titles = [a.title for a in alerts(records)]
     steps = [row.get("nummon/step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
     return titles, steps
-

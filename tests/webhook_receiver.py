@@ -1,5 +1,6 @@
 """A webhook endpoint on 127.0.0.1 recording every JSON body posted to it (the watcher's webhook
 tests and Alertmanager's Slack receiver use the same one)."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ the probes: the probes do not change the training).
 
     .venv/bin/python -m benchmarks.proxies.collect OUT_DIR [name-substring ...]
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ __all__ = ["ALL", "CONFIGS", "HF_CONFIGS", "OUTPUT_LOGIT_CONFIGS", "collect"]
 CONFIGS = tuple(
     [ProxyConfig(lr=lr, seed=s, d=d) for lr in (0.01, 0.1, 0.3) for d in (64, 128) for s in (0, 1)]
     + [ProxyConfig(lr=0.3, seed=s, qk_layernorm=True) for s in (0, 1)]
-    + [ProxyConfig(lr=0.3, seed=0, z_loss=1e-4), ProxyConfig(lr=0.3, seed=0, attention="sdpa"),
-       ProxyConfig(lr=0.01, seed=0, qk_layernorm=True)]
+    + [
+        ProxyConfig(lr=0.3, seed=0, z_loss=1e-4),
+        ProxyConfig(lr=0.3, seed=0, attention="sdpa"),
+        ProxyConfig(lr=0.01, seed=0, qk_layernorm=True),
+    ]
 )
 
 #: Wortsman et al.'s recipe for output-logit divergence (section 3.2): qk-layernorm on (no
@@ -33,13 +37,23 @@ CONFIGS = tuple(
 #: other 768 are never a target, so Adam pushes their logits down every step); and 3000 steps
 #: with the forward under bfloat16 autocast.
 OUTPUT_LOGIT_CONFIGS = tuple(
-    [ProxyConfig(lr=lr, seed=0, qk_layernorm=True, weight_decay=0.0, z_loss=z) for lr in (0.3, 1.0) for z in (0.0, 1e-4)]
+    [
+        ProxyConfig(lr=lr, seed=0, qk_layernorm=True, weight_decay=0.0, z_loss=z)
+        for lr in (0.3, 1.0)
+        for z in (0.0, 1e-4)
+    ]
     + [ProxyConfig(lr=0.3, seed=s, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False) for s in (0, 1)]
     + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, z_loss=1e-4)]
-    + [ProxyConfig(lr=0.1, seed=0, qk_layernorm=True, weight_decay=0.0, vocab=1024, data_vocab=256, z_loss=z)
-       for z in (0.0, 1e-4)]
-    + [ProxyConfig(lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, bf16=True, steps=3000,
-                   z_loss=z) for z in (0.0, 1e-4)]  # bfloat16 logits, 3000 steps: where log Z drifts
+    + [
+        ProxyConfig(lr=0.1, seed=0, qk_layernorm=True, weight_decay=0.0, vocab=1024, data_vocab=256, z_loss=z)
+        for z in (0.0, 1e-4)
+    ]
+    + [
+        ProxyConfig(
+            lr=0.3, seed=0, qk_layernorm=True, weight_decay=0.0, ln_f_affine=False, bf16=True, steps=3000, z_loss=z
+        )
+        for z in (0.0, 1e-4)
+    ]  # bfloat16 logits, 3000 steps: where log Z drifts
 )
 
 #: Hugging Face GPT-2 and Llama of the same shape, built from a config with SDPA attention.
@@ -49,12 +63,15 @@ ALL = CONFIGS + OUTPUT_LOGIT_CONFIGS + HF_CONFIGS
 
 
 def collect(c: ProxyConfig, out: Path) -> Path:
-    policy = nummon.Policy.model_validate({"mechanisms": {"every": 1}, "alerts": {"stop_on_critical": False},
-                                           "recorder": {"write": False}})
+    policy = nummon.Policy.model_validate(
+        {"mechanisms": {"every": 1}, "alerts": {"stop_on_critical": False}, "recorder": {"write": False}}
+    )
     path = out / f"{c.name}.jsonl"
     with path.open("w") as fh:
+
         def factory(model, opt):
             return nummon.Monitor(model, opt, policy=policy)
+
         t0 = time.perf_counter()
         tr = train(c, monitor_factory=factory)
         for r in tr["reports"]:

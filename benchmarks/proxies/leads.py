@@ -4,6 +4,7 @@ open, exactly as the live Monitor samples), the kind it names, and the peers' ru
 
     .venv/bin/python -m benchmarks.proxies.leads TRACE_DIR [--every N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def first_warnings(records: list[StepRecord], every: int | None, policy: Policy 
     return first
 
 
-def first_warning(records: list[StepRecord], every: int | None, policy: Policy | None = None) -> tuple[int | None, str | None]:
+def first_warning(
+    records: list[StepRecord], every: int | None, policy: Policy | None = None
+) -> tuple[int | None, str | None]:
     """(step, kinds) of the first warning or critical alert (every kind raised at that step,
     joined by "+"); `every=None`: without the probes."""
     return _first(first_warnings(records, every, policy))
@@ -67,8 +70,16 @@ def score_trace(path: Path, every: int) -> dict:
     without_step, without_kind = first_warning(recs, None)
     mechanism = _first({k: v for k, v in with_all.items() if k in MECHANISM_KINDS})
     peers = {name: rule(loss, gn) for name, rule in PEERS.items()}
-    return {"run": path.stem, "exit": exit_, "with": (with_step, with_kind), "without": (without_step, without_kind), "mechanism": mechanism,
-            "peers": peers, "peak_logit": max((r.attention_logit_max or 0) for r in recs), "log_z": _log_z(recs, exit_)}
+    return {
+        "run": path.stem,
+        "exit": exit_,
+        "with": (with_step, with_kind),
+        "without": (without_step, without_kind),
+        "mechanism": mechanism,
+        "peers": peers,
+        "peak_logit": max((r.attention_logit_max or 0) for r in recs),
+        "log_z": _log_z(recs, exit_),
+    }
 
 
 def _log_z(recs: list[StepRecord], exit_: int | None) -> str:
@@ -95,8 +106,11 @@ def main() -> None:
     args = ap.parse_args()
     rows = [r for p in sorted(Path(args.traces).glob("*.jsonl")) if (r := score_trace(p, args.every))]
     names = list(PEERS)
-    print(f"| run | loss leaves band | peak attention logit | log Z | nummon with probes (kind) | first mechanism warning | nummon without | "
-          + " | ".join(names) + " |")
+    print(
+        "| run | loss leaves band | peak attention logit | log Z | nummon with probes (kind) | first mechanism warning | nummon without | "
+        + " | ".join(names)
+        + " |"
+    )
     print("|---" * (7 + len(names)) + "|")
     for r in rows:
         e = r["exit"]
@@ -104,7 +118,9 @@ def main() -> None:
         m = _lead(e, r["mechanism"][0]) + (f" ({r['mechanism'][1]})" if r["mechanism"][1] else "")
         wo = _lead(e, r["without"][0]) + (f" ({r['without'][1]})" if r["without"][1] else "")
         peers = " | ".join(_lead(e, r["peers"][n]) for n in names)
-        print(f"| {r['run']} | {e if e is not None else '—'} | {r['peak_logit']:.3g} | {r['log_z']} | {w} | {m} | {wo} | {peers} |")
+        print(
+            f"| {r['run']} | {e if e is not None else '—'} | {r['peak_logit']:.3g} | {r['log_z']} | {w} | {m} | {wo} | {peers} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ The corpus: a seeded order-1 Markov chain over 256 tokens with 5 successors per 
 possible loss is about ln 5 = 1.61; chance is ln 256 = 5.55), whose second half of every
 sequence repeats the first (so attention has something to learn: copying).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,14 +115,30 @@ def hf_model(c: ProxyConfig) -> nn.Module:
     import transformers
 
     if c.arch == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=c.layers, n_embd=c.d, n_head=c.heads, vocab_size=c.vocab,
-                                      n_positions=c.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            n_layer=c.layers,
+            n_embd=c.d,
+            n_head=c.heads,
+            vocab_size=c.vocab,
+            n_positions=c.seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = transformers.GPT2LMHeadModel
     elif c.arch == "llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=c.layers, hidden_size=c.d, num_attention_heads=c.heads,
-                                       num_key_value_heads=c.heads, intermediate_size=4 * c.d, vocab_size=c.vocab,
-                                       max_position_embeddings=c.seq, tie_word_embeddings=False)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=c.layers,
+            hidden_size=c.d,
+            num_attention_heads=c.heads,
+            num_key_value_heads=c.heads,
+            intermediate_size=4 * c.d,
+            vocab_size=c.vocab,
+            max_position_embeddings=c.seq,
+            tie_word_embeddings=False,
+        )
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"unknown proxy arch {c.arch!r}")
@@ -180,8 +197,12 @@ def train(c: ProxyConfig, on_step: Callable[..., None] | None = None, monitor_fa
     model = build(c)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=c.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=c.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     data = Corpus(c)
     mon = monitor_factory(model, opt) if monitor_factory else None
     trace = {"loss": [], "grad_norm": [], "lr": [], "logz": [], "logit_mean": [], "reports": []}

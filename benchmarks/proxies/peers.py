@@ -1,17 +1,19 @@
 """The peers' documented spike rules, as pure functions over per-step traces: each returns the
 first step it fires at (None: never). Same traces, same steps as nummon's."""
+
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["PEERS", "lightning_spike", "olmo_6sigma", "zclip", "wandb_zscore", "loss_band_exit"]
 
 
-def lightning_spike(loss: Sequence[float], grad_norm: Sequence[float], window: int = 10, warmup: int = 1,
-                    rtol: float = 2.0) -> int | None:
+def lightning_spike(
+    loss: Sequence[float], grad_norm: Sequence[float], window: int = 10, warmup: int = 1, rtol: float = 2.0
+) -> int | None:
     """Lightning `SpikeDetection` defaults: a loss above its running mean (window 10) by rtol x the mean."""
     run: deque[float] = deque(maxlen=window)
     for i, v in enumerate(loss):
@@ -23,8 +25,9 @@ def lightning_spike(loss: Sequence[float], grad_norm: Sequence[float], window: i
     return None
 
 
-def olmo_6sigma(loss: Sequence[float], grad_norm: Sequence[float], window: int = 128, min_history: int = 20,
-                sigmas: float = 6.0) -> int | None:
+def olmo_6sigma(
+    loss: Sequence[float], grad_norm: Sequence[float], window: int = 128, min_history: int = 20, sigmas: float = 6.0
+) -> int | None:
     """OLMo's rule: a loss or grad norm more than 6 standard deviations above its recent mean."""
     first = None
     for series in (loss, grad_norm):
@@ -39,8 +42,9 @@ def olmo_6sigma(loss: Sequence[float], grad_norm: Sequence[float], window: int =
     return first
 
 
-def zclip(loss: Sequence[float], grad_norm: Sequence[float], alpha: float = 0.97, z_thresh: float = 2.5,
-          warmup: int = 25) -> int | None:
+def zclip(
+    loss: Sequence[float], grad_norm: Sequence[float], alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25
+) -> int | None:
     """ZClip (arXiv 2504.02507): EMA mean and variance of the grad norm; a spike when z > 2.5."""
     mu = var = None
     for i, g in enumerate(grad_norm):
@@ -81,8 +85,9 @@ PEERS = {
 }
 
 
-def loss_band_exit(loss: Sequence[float], start: int = 20, factor: float = 1.2, smooth: int = 5,
-                   confirm: int = 10) -> int | None:
+def loss_band_exit(
+    loss: Sequence[float], start: int = 20, factor: float = 1.2, smooth: int = 5, confirm: int = 10
+) -> int | None:
     """The step where the loss leaves its band: above `factor` x the best running median (of
     `smooth` steps) so far, and still above it in at least half of the next `confirm` steps."""
     best = math.inf

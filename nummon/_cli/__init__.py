@@ -4,11 +4,12 @@ Commands parse arguments, call the library (which returns data) and print. Bad i
 with one line on stderr and no traceback. Commands that need torch import it only when they
 run, so `nummon replay` works without torch.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .._errors import NummonError
 from . import audit, demo, diagnose, policy, replay, report, watch

@@ -1,11 +1,12 @@
 """What every command shares: the argument parser that fails in one line, and stderr output
 with control characters escaped (a message may quote a file's bytes)."""
+
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from .._format import clean_text
 

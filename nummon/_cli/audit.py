@@ -2,6 +2,7 @@
 
 Exit 1 when any tensor holds NaN/Inf, 0 otherwise, 2 on unreadable input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,29 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    a = sub.add_parser("audit", help="check checkpoints for NaN/Inf and compare two",
-                       description="NaN/Inf census of a checkpoint's weights, buffers and optimizer state (exit 1 when "
-                                   "any holds NaN/Inf; non-finite trainer metadata is listed and does not fail it), "
-                                   "or of two checkpoints and what changed between them.")
-    a.add_argument("ckpt", metavar="CKPT", type=non_empty("a checkpoint path"), help="a checkpoint (.pt/.pth/.ckpt/.bin, .safetensors, or a folder of shards)")
-    a.add_argument("ckpt2", metavar="CKPT2", nargs="?", type=non_empty("a checkpoint path"), help="a second checkpoint to compare with the first")
-    a.add_argument("--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON report")
+    a = sub.add_parser(
+        "audit",
+        help="check checkpoints for NaN/Inf and compare two",
+        description="NaN/Inf census of a checkpoint's weights, buffers and optimizer state (exit 1 when "
+        "any holds NaN/Inf; non-finite trainer metadata is listed and does not fail it), "
+        "or of two checkpoints and what changed between them.",
+    )
+    a.add_argument(
+        "ckpt",
+        metavar="CKPT",
+        type=non_empty("a checkpoint path"),
+        help="a checkpoint (.pt/.pth/.ckpt/.bin, .safetensors, or a folder of shards)",
+    )
+    a.add_argument(
+        "ckpt2",
+        metavar="CKPT2",
+        nargs="?",
+        type=non_empty("a checkpoint path"),
+        help="a second checkpoint to compare with the first",
+    )
+    a.add_argument(
+        "--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON report"
+    )
     a.add_argument("--trust", action="store_true", help="allow pickled code (only for checkpoints you trust)")
     a.set_defaults(run=run)
 
@@ -40,11 +57,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _print_table(ck.tensors)
         s = ck.summary
         meta = s.get("nonfinite_metadata", 0)
-        extra = (f"; {meta} non-finite in trainer metadata (callback or loop state: listed, not failing the audit)"
-                 if meta else "")
-        print(f"  {s['tensors']} tensors, {s['elements']} elements; {s['nonfinite_tensors']} with non-finite values "
-              f"({s['nan']} NaN, {s['posinf']} +Inf, {s['neginf']} -Inf){extra}; "
-              f"min headroom {fmt_num(s['min_headroom'])} decades")
+        extra = (
+            f"; {meta} non-finite in trainer metadata (callback or loop state: listed, not failing the audit)"
+            if meta
+            else ""
+        )
+        print(
+            f"  {s['tensors']} tensors, {s['elements']} elements; {s['nonfinite_tensors']} with non-finite values "
+            f"({s['nan']} NaN, {s['posinf']} +Inf, {s['neginf']} -Inf){extra}; "
+            f"min headroom {fmt_num(s['min_headroom'])} decades"
+        )
         for r in ck.tensors:
             if r.note:
                 print(clean_text(f"  note: {r.key}: {r.note}"))
@@ -65,7 +87,9 @@ def _print_comparison(cmp: dict[str, Any], a: str, b: str) -> None:
     for d in cmp["different"]:
         extra = f"; {d['nonfinite_mismatch']} positions finite in one only" if d.get("nonfinite_mismatch") else ""
         lines.append(f"  {d['key']}: max |difference| {fmt_num(d['max_abs_diff'])} over finite values{extra}")
-    lines += [f"  {n['key']}: non-finite only in {a if n['nonfinite_in'] == 'a' else b}" for n in cmp["nonfinite_in_one_only"]]
+    lines += [
+        f"  {n['key']}: non-finite only in {a if n['nonfinite_in'] == 'a' else b}" for n in cmp["nonfinite_in_one_only"]
+    ]
     lines += [f"  {s['key']}: not compared ({s['reason']})" for s in cmp.get("not_compared", [])]
     print("\n".join(clean_text(line) for line in lines))
 
@@ -78,13 +102,24 @@ def short_key(key: str, width: int = KEY_WIDTH) -> str:
     if len(key) <= width:
         return key
     head = (width - 1) // 3
-    return key[:head] + "…" + key[len(key) - (width - 1 - head):]
+    return key[:head] + "…" + key[len(key) - (width - 1 - head) :]
 
 
 def _print_table(rows: list) -> None:
     head = ("tensor", "shape", "dtype", "NaN", "+Inf", "-Inf", "max|x|", "headroom")
-    cells = [(short_key(clean_text(r.key)), "x".join(map(str, r.shape)) or "scalar", r.dtype, str(r.nan), str(r.posinf),
-              str(r.neginf), fmt_num(r.max_abs), fmt_num(r.headroom)) for r in rows]
+    cells = [
+        (
+            short_key(clean_text(r.key)),
+            "x".join(map(str, r.shape)) or "scalar",
+            r.dtype,
+            str(r.nan),
+            str(r.posinf),
+            str(r.neginf),
+            fmt_num(r.max_abs),
+            fmt_num(r.headroom),
+        )
+        for r in rows
+    ]
     marks = [" (metadata)" if r.metadata else " !" for r in rows]  # metadata: listed, does not fail the audit
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
     print("  " + "  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))

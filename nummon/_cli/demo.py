@@ -1,5 +1,6 @@
 """`nummon demo`: reproduce a runaway on synthetic data with every sink, then print the closing
 table and the commands to look further. Every option is checked before anything is created."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,20 +19,43 @@ PROGRESS_EVERY = 20  # steps between progress lines when stderr is not a termina
 
 def add_parser(sub: Any) -> None:
     d = sub.add_parser("demo", help="reproduce a runaway on synthetic data, with every sink")
-    d.add_argument("--out", default=None, type=non_empty("a folder path"), help="output folder (default: ./nummon-runs/<timestamp>)")
+    d.add_argument(
+        "--out",
+        default=None,
+        type=non_empty("a folder path"),
+        help="output folder (default: ./nummon-runs/<timestamp>)",
+    )
     d.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
-    d.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate (default: runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g})")
-    d.add_argument("--seed", type=seed, default=0,
-                   help="seed of the model, the data and the batches, from 0 to 2**63 - 1 (default: 0)")
-    d.add_argument("--device", default="cpu", type=non_empty("a torch device"), help="torch device to train on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    d.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"learning rate (default: runaway {RUNAWAY_LR:g}, --healthy {HEALTHY_LR:g})",
+    )
+    d.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of the model, the data and the batches, from 0 to 2**63 - 1 (default: 0)",
+    )
+    d.add_argument(
+        "--device",
+        default="cpu",
+        type=non_empty("a torch device"),
+        help="torch device to train on, e.g. cpu, cuda, cuda:1 (default: cpu)",
+    )
     d.add_argument("--healthy", action="store_true", help="a safe learning rate: must end with no warning")
     d.add_argument("--stop-at-critical", action="store_true", help="stop at the first critical alert")
     d.add_argument("--no-wandb", action="store_true", help="skip the W&B sink")
     d.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard sink")
-    d.add_argument("--policy", default="default", help="a preset (default, strict, recover) or a policy file (default: default)")
-    d.add_argument("--recover", action="store_true",
-                   help="opt-in recovery: skip poisoned updates, roll back a runaway and lower the LR")
+    d.add_argument(
+        "--policy", default="default", help="a preset (default, strict, recover) or a policy file (default: default)"
+    )
+    d.add_argument(
+        "--recover",
+        action="store_true",
+        help="opt-in recovery: skip poisoned updates, roll back a runaway and lower the LR",
+    )
     d.set_defaults(run=run)
 
 
@@ -47,7 +71,9 @@ class Progress:
     def line(self, step: int, loss: float, health: str) -> str:
         width = 30
         done = int(width * (step + 1) / self.total)
-        return f"[{'#' * done}{'.' * (width - done)}] step {step:4d} (last {self.total - 1})  loss {loss:10.4g}  {health}"
+        return (
+            f"[{'#' * done}{'.' * (width - done)}] step {step:4d} (last {self.total - 1})  loss {loss:10.4g}  {health}"
+        )
 
     def update(self, step: int, loss: float, health: str) -> None:
         line = self.line(step, loss, health)
@@ -71,17 +97,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     load_policy_with_hints(args.policy)  # an invalid file's error carries the "did you mean" hints
 
     config = DemoConfig(
-        out=args.out, steps=args.steps, lr=args.lr, seed=args.seed, device=args.device, healthy=args.healthy,
-        stop_at_critical=args.stop_at_critical, wandb=not args.no_wandb, tensorboard=not args.no_tensorboard,
-        policy=args.policy, recover=args.recover,
+        out=args.out,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        device=args.device,
+        healthy=args.healthy,
+        stop_at_critical=args.stop_at_critical,
+        wandb=not args.no_wandb,
+        tensorboard=not args.no_tensorboard,
+        policy=args.policy,
+        recover=args.recover,
     )
     plan = _demo.prepare(config)  # every check first: bad input creates nothing
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     mode = ("healthy" if args.healthy else "runaway") + (", with recovery" if plan.policy.recovery.enabled else "")
-    story = ("all 10 classes, no switch" if args.healthy
-             else f"classes 0-4, then 5-9 at {DOMAIN_B_GAIN:g}x contrast from step {SWITCH_STEP}")
-    print(f"nummon demo ({mode}): DemoCNN, SGD lr={plan.lr:g} momentum=0.9, {story}, steps 0-{config.steps - 1} "
-          f"on {plan.device}; output in {plan.out}", flush=True)
+    story = (
+        "all 10 classes, no switch"
+        if args.healthy
+        else f"classes 0-4, then 5-9 at {DOMAIN_B_GAIN:g}x contrast from step {SWITCH_STEP}"
+    )
+    print(
+        f"nummon demo ({mode}): DemoCNN, SGD lr={plan.lr:g} momentum=0.9, {story}, steps 0-{config.steps - 1} "
+        f"on {plan.device}; output in {plan.out}",
+        flush=True,
+    )
     bar = Progress(config.steps)
     try:
         result = _demo.run(plan, on_step=bar.update)
@@ -101,7 +141,9 @@ def _print_summary(result: Any) -> None:
         print(f"no warning in {result.steps_run} steps: the run stayed healthy.")
     else:
         parts = [f"warned at step {result.first_warning}"]
-        parts.append(f"critical at step {result.first_critical}" if result.first_critical is not None else "no critical alert")
+        parts.append(
+            f"critical at step {result.first_critical}" if result.first_critical is not None else "no critical alert"
+        )
         if result.first_nonfinite is not None:
             parts.append(f"first non-finite at step {result.first_nonfinite}")
             print(", ".join(parts) + f" — {result.first_nonfinite - result.first_warning} steps of warning.")
@@ -118,13 +160,24 @@ def _print_summary(result: Any) -> None:
             print(clean_text(f"First warning: {first.kind.value} — {first.message}"))
     for r in result.recoveries:
         if r.get("action") in ("rollback", "gave_up"):
-            print(clean_text(f"Recovery at step {r['step']}: {r.get('action')}"
-                             + (f" to step {r['to_step']}, lr {r['lr_before'][0]:.4g} -> {r['lr_after'][0]:.4g}" if r.get("action") == "rollback" else "")))
+            print(
+                clean_text(
+                    f"Recovery at step {r['step']}: {r.get('action')}"
+                    + (
+                        f" to step {r['to_step']}, lr {r['lr_before'][0]:.4g} -> {r['lr_after'][0]:.4g}"
+                        if r.get("action") == "rollback"
+                        else ""
+                    )
+                )
+            )
     skips = sum(1 for r in result.recoveries if r.get("action") == "skip")
     if skips:
         print(f"Recovery skipped {skips} poisoned update(s).")
-    print(f"({result.elapsed_s:.1f} s; events: {result.events_path}"
-          + (f"; flight record: {result.flight_record}" if result.flight_record else "") + ")")
+    print(
+        f"({result.elapsed_s:.1f} s; events: {result.events_path}"
+        + (f"; flight record: {result.flight_record}" if result.flight_record else "")
+        + ")"
+    )
     if result.tensorboard_dir is not None:
         print(f"View in TensorBoard:  tensorboard --logdir {result.tensorboard_dir}")
     if result.wandb_run_dir:

@@ -1,5 +1,6 @@
 """`nummon diagnose`: the debugging checklist (`nummon.diagnose.run_all`) on the demo model and
 data, to show the report format. Exit 1 when a diagnostic fails."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,12 @@ OVERFIT_STEPS = 60
 
 def add_parser(sub: Any) -> None:
     dg = sub.add_parser("diagnose", help="run the debugging checklist on the demo model and data")
-    dg.add_argument("--seed", type=seed, default=0,
-                    help="seed of the model's initialisation and the data, from 0 to 2**63 - 1 (default: 0)")
+    dg.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of the model's initialisation and the data, from 0 to 2**63 - 1 (default: 0)",
+    )
     dg.set_defaults(run=run)
 
 

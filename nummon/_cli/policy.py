@@ -1,4 +1,5 @@
 """`nummon policy show|validate`: print a policy as commented YAML, or check a policy file."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,19 @@ __all__ = ["add_parser", "load_policy_with_hints", "run", "with_suggestion"]
 
 
 def add_parser(sub: Any) -> None:
-    po = sub.add_parser("policy", help="show or validate a policy",
-                        description="Print a policy (a preset or a file) as commented YAML, or check a policy file: "
-                                    "every error names its field, exit 2 when there is one.")
+    po = sub.add_parser(
+        "policy",
+        help="show or validate a policy",
+        description="Print a policy (a preset or a file) as commented YAML, or check a policy file: "
+        "every error names its field, exit 2 when there is one.",
+    )
     po.add_argument("action", choices=("show", "validate"), help="show: print as YAML; validate: check a file")
-    po.add_argument("source", nargs="?", metavar="NAME|FILE",
-                    help="a preset (default, strict, recover) or a YAML/TOML/JSON file (show: default when left out)")
+    po.add_argument(
+        "source",
+        nargs="?",
+        metavar="NAME|FILE",
+        help="a preset (default, strict, recover) or a YAML/TOML/JSON file (show: default when left out)",
+    )
     po.set_defaults(run=run)
 
 

@@ -7,6 +7,7 @@ Unreadable lines (a torn line, a corrupt record) are skipped as the watcher skip
 one warning per file naming the first one's file:line and the count; a step that goes
 backwards (a new segment) is a one-line warning. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,18 +21,37 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    r = sub.add_parser("replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)")
-    r.add_argument("paths", nargs="+", metavar="PATH", type=non_empty("a log file or run folder"),
-                   help="log files or run folders (a folder of *.jsonl means each of them), or an MLflow run: "
-                        "mlflow:<tracking-uri>#<run-id>")
-    r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"), default=None,
-                   help="force the log format, one of %(choices)s (default: detected from the name and first bytes)")
+    r = sub.add_parser(
+        "replay", help="run the detectors over recorded logs (JSONL, TensorBoard, HF, Lightning CSV, W&B)"
+    )
+    r.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        type=non_empty("a log file or run folder"),
+        help="log files or run folders (a folder of *.jsonl means each of them), or an MLflow run: "
+        "mlflow:<tracking-uri>#<run-id>",
+    )
+    r.add_argument(
+        "--input-format",
+        choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"),
+        default=None,
+        help="force the log format, one of %(choices)s (default: detected from the name and first bytes)",
+    )
     r.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
-    r.add_argument("--format", choices=("text", "jsonl"), default="text",
-                   help="how alerts are printed: text (one line per alert, then a count; the default) or jsonl "
-                        "(one JSON object per alert: source, step, kind, severity, message)")
-    r.add_argument("--min-severity", choices=("info", "warning", "critical"), default="info",
-                   help="print only alerts at or above this severity, one of %(choices)s (default: info)")
+    r.add_argument(
+        "--format",
+        choices=("text", "jsonl"),
+        default="text",
+        help="how alerts are printed: text (one line per alert, then a count; the default) or jsonl "
+        "(one JSON object per alert: source, step, kind, severity, message)",
+    )
+    r.add_argument(
+        "--min-severity",
+        choices=("info", "warning", "critical"),
+        default="info",
+        help="print only alerts at or above this severity, one of %(choices)s (default: info)",
+    )
     r.set_defaults(run=run)
 
 
@@ -48,8 +68,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for path in paths:
         shown = 0
         fmt = args.input_format or _format_of(path)
-        alerts = iter_replay(path, policy, warn=warn) if fmt == "jsonl" else \
-            iter_replay_records(read_records(str(path), fmt, warn=warn), policy, warn=warn, source=str(path))
+        alerts = (
+            iter_replay(path, policy, warn=warn)
+            if fmt == "jsonl"
+            else iter_replay_records(read_records(str(path), fmt, warn=warn), policy, warn=warn, source=str(path))
+        )
         for a in alerts:
             if a.severity.rank < floor:
                 continue
@@ -88,8 +111,16 @@ def _expand(paths: list[str], forced: str | None) -> list[Any]:
         path = Path(p)
         if path.is_dir() and forced in (None, "jsonl") and any(path.glob("*.jsonl")):
             out.extend(expand_paths([p]))
-        elif path.is_dir() and forced in (None, "tensorboard") and not any(is_event_file(str(f)) for f in path.iterdir()) \
-                and (runs := sorted(d for d in path.iterdir() if d.is_dir() and any(is_event_file(str(f)) for f in d.iterdir()))):
+        elif (
+            path.is_dir()
+            and forced in (None, "tensorboard")
+            and not any(is_event_file(str(f)) for f in path.iterdir())
+            and (
+                runs := sorted(
+                    d for d in path.iterdir() if d.is_dir() and any(is_event_file(str(f)) for f in d.iterdir())
+                )
+            )
+        ):
             out.extend(runs)
         elif path.exists():
             out.append(path)

@@ -5,6 +5,7 @@ what to do, the layers that left the pack), or saying that the run was healthy.
 PATH is a Monitor run folder (events.jsonl, flight records) or any log `replay` reads. The
 page's path is printed; bad input is one line, exit 2. No torch, no plotting extra needed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,24 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("report", help="write a self-contained HTML incident report of a run folder or log")
-    r.add_argument("path", metavar="PATH", help="a Monitor run folder (events.jsonl, flight records) or any log replay reads")
-    r.add_argument("-o", "--out", default=None,
-                   help="the HTML file to write (default: nummon-report.html in the run folder, or next to the log)")
-    r.add_argument("--input-format", choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"), default=None,
-                   help="force the log format (default: detected from the name and first bytes)")
-    r.add_argument("--policy", default="default", help="preset name or policy file, for logs without alerts (default: default)")
+    r.add_argument(
+        "path", metavar="PATH", help="a Monitor run folder (events.jsonl, flight records) or any log replay reads"
+    )
+    r.add_argument(
+        "-o",
+        "--out",
+        default=None,
+        help="the HTML file to write (default: nummon-report.html in the run folder, or next to the log)",
+    )
+    r.add_argument(
+        "--input-format",
+        choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"),
+        default=None,
+        help="force the log format (default: detected from the name and first bytes)",
+    )
+    r.add_argument(
+        "--policy", default="default", help="preset name or policy file, for logs without alerts (default: default)"
+    )
     r.set_defaults(run=run)
 
 

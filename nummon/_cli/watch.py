@@ -1,5 +1,6 @@
 """`nummon watch PATH...`: follow runs' logs from outside the training process and notify
 incidents (the command itself lives in nummon._watch.command)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,9 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     from .._watch.command import add_arguments
 
-    w = sub.add_parser("watch", help="follow TensorBoard / HF / Lightning / W&B / nummon logs and notify incidents live")
+    w = sub.add_parser(
+        "watch", help="follow TensorBoard / HF / Lightning / W&B / nummon logs and notify incidents live"
+    )
     add_arguments(w)
     w.set_defaults(run=run)
 

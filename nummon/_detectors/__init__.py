@@ -4,6 +4,7 @@ Each detector declares the policy section it reads and the alert kinds it owns, 
 `StepRecord` per step and returns the `Finding`s active at that step. Deduplication, cooldown
 and routing are the lifecycle's and the monitor's business, not a detector's.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,7 @@
 """Adam's second moment out of step with the gradients (Wortsman et al. 2023, arXiv 2304.13013:
 loss spikes follow 1-8 steps after v underestimates g²; arXiv 2506.04805: and when g² << v with
 most |g| below eps, the update is eps-dominated)."""
+
 from __future__ import annotations
 
 import math
@@ -66,14 +67,25 @@ class AdamMomentDetector:
             name = max(layers, key=layers.__getitem__) if layers else None
             sev = Severity.CRITICAL if rms >= crit else Severity.WARNING
             where = f" in `{name}`" if name else ""
-            of_bound = (f", {rms / bound:.0%} of the most it can be at this step ({bound:.3g}, when g_t dwarfs "
-                        f"everything v remembers)" if bound and F.is_finite(bound) else "")
-            out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, sev, "adam_ratio_rms", rms,
-                               crit if sev is Severity.CRITICAL else warn,
-                               f"Adam's second moment underestimates the gradient{where}: RMS(g_t/sqrt(v_hat_t)) is "
-                               f"{rms:.3g}{of_bound}; about 1 when v tracks g² (v_t includes g_t, bias-corrected): "
-                               f"the gradient jumped far above what v has seen",
-                               details={"tensor": name, "bound": bound}))
+            of_bound = (
+                f", {rms / bound:.0%} of the most it can be at this step ({bound:.3g}, when g_t dwarfs "
+                f"everything v remembers)"
+                if bound and F.is_finite(bound)
+                else ""
+            )
+            out.append(
+                Finding(
+                    AlertKind.ADAM_SECOND_MOMENT,
+                    sev,
+                    "adam_ratio_rms",
+                    rms,
+                    crit if sev is Severity.CRITICAL else warn,
+                    f"Adam's second moment underestimates the gradient{where}: RMS(g_t/sqrt(v_hat_t)) is "
+                    f"{rms:.3g}{of_bound}; about 1 when v tracks g² (v_t includes g_t, bias-corrected): "
+                    f"the gradient jumped far above what v has seen",
+                    details={"tensor": name, "bound": bound},
+                )
+            )
         small = rec.adam_small_grad_fraction
         if F.is_finite(small):
             base_q = self._small_base
@@ -82,18 +94,33 @@ class AdamMomentDetector:
             base = min(base_q)  # the lowest: the fraction can take off within the first samples
             high = small >= p.small_fraction and small >= p.small_growth * base and len(base_q) >= 2
             if self._hold("small", high) >= p.patience:
-                out.append(Finding(
-                    AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "adam_small_grad_fraction", small, p.small_fraction,
-                    f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
-                    f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
-                    f"(g² << v), the state that comes before a loss spike",
-                    details={"baseline_fraction": base}))
+                out.append(
+                    Finding(
+                        AlertKind.ADAM_SECOND_MOMENT,
+                        Severity.WARNING,
+                        "adam_small_grad_fraction",
+                        small,
+                        p.small_fraction,
+                        f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
+                        f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
+                        f"(g² << v), the state that comes before a loss spike",
+                        details={"baseline_fraction": base},
+                    )
+                )
         upd = rec.update_ratio_max
         if F.is_finite(upd) and self._hold("update", upd >= p.warning_update_ratio) >= p.patience:
             lu = rec.layer_update_ratio
             name = max(lu, key=lu.__getitem__) if lu else None
             where = f"`{name}`" if name else "one tensor"
-            out.append(Finding(AlertKind.ADAM_SECOND_MOMENT, Severity.WARNING, "update_ratio_max", upd,
-                               p.warning_update_ratio,
-                               f"one Adam step moved {where} by {upd:.3g} of its norm", details={"tensor": name}))
+            out.append(
+                Finding(
+                    AlertKind.ADAM_SECOND_MOMENT,
+                    Severity.WARNING,
+                    "update_ratio_max",
+                    upd,
+                    p.warning_update_ratio,
+                    f"one Adam step moved {where} by {upd:.3g} of its norm",
+                    details={"tensor": name},
+                )
+            )
         return out

@@ -1,6 +1,7 @@
 """Attention-logit growth and attention-entropy collapse (Dehghani et al. 2023; Wortsman et al.
 2023, arXiv 2309.14322): the max pre-softmax logit of a layer grows, its attention entropy
 collapses, the loss jumps and can stay at chance while every value is still finite."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -50,7 +51,8 @@ class AttentionDetector:
     def update(self, rec: StepRecord) -> list[Finding]:
         start = self._level.observe(rec)
         layers = rec.layer_attention_logit_max or (
-            {"attention": rec.attention_logit_max} if rec.attention_logit_max is not None else {})
+            {"attention": rec.attention_logit_max} if rec.attention_logit_max is not None else {}
+        )
         if not layers:
             return []
         p = self._p
@@ -72,25 +74,40 @@ class AttentionDetector:
             elif self._hold(("warn", name), grown or v >= p.warning_logit) >= p.patience:
                 sev = Severity.WARNING
             if sev is not None and (worst is None or (sev.rank, v) > (worst[1].rank, worst[0])):
-                thr = p.critical_logit if sev is Severity.CRITICAL else (p.warning_logit if v >= p.warning_logit else p.warning_growth * base)
+                thr = (
+                    p.critical_logit
+                    if sev is Severity.CRITICAL
+                    else (p.warning_logit if v >= p.warning_logit else p.warning_growth * base)
+                )
                 worst = (v, sev, name, base if base is not None else v, thr)
         if worst is not None:
             v, sev, name, base, thr = worst
-            out.append(Finding(
-                AlertKind.ATTENTION_LOGITS, sev, "attention_logit_max", v, thr,
-                f"attention logits are growing: max pre-softmax logit {v:.3g} in `{name}` "
-                f"({v / base:.3g}x its recent level {base:.3g}); the softmax is saturating and a loss spike "
-                f"usually follows",
-                details={"layer": name, "recent_level": base, "growth": v / base if base else None,
-                         "layers": {k: x for k, x in layers.items() if F.is_finite(x)}},
-            ))
+            out.append(
+                Finding(
+                    AlertKind.ATTENTION_LOGITS,
+                    sev,
+                    "attention_logit_max",
+                    v,
+                    thr,
+                    f"attention logits are growing: max pre-softmax logit {v:.3g} in `{name}` "
+                    f"({v / base:.3g}x its recent level {base:.3g}); the softmax is saturating and a loss spike "
+                    f"usually follows",
+                    details={
+                        "layer": name,
+                        "recent_level": base,
+                        "growth": v / base if base else None,
+                        "layers": {k: x for k, x in layers.items() if F.is_finite(x)},
+                    },
+                )
+            )
         out.extend(self._collapse(rec, start))
         return out
 
     def _collapse(self, rec: StepRecord, start: float | None) -> list[Finding]:
         p = self._p
         ent = rec.layer_attention_entropy or (
-            {"attention": rec.attention_entropy} if rec.attention_entropy is not None else {})
+            {"attention": rec.attention_entropy} if rec.attention_entropy is not None else {}
+        )
         worst: tuple[float, str, float] | None = None
         for name, e in ent.items():
             if not F.is_finite(e):
@@ -105,17 +122,29 @@ class AttentionDetector:
         if worst is None:
             return []
         e, name, base = worst
-        at_chance = (start is not None and F.is_finite(rec.loss) and start > 0
-                     and rec.loss >= (1 - p.chance_match) * start)
+        at_chance = (
+            start is not None and F.is_finite(rec.loss) and start > 0 and rec.loss >= (1 - p.chance_match) * start
+        )
         if at_chance:
-            msg = (f"attention collapsed in `{name}` (entropy {e:.2g} of its maximum, was {base:.2g}) and the loss "
-                   f"{rec.loss:.4g} is back at{' or above' if rec.loss > (1 + p.chance_match) * start else ''} its "
-                   f"starting level {start:.4g}: the model has lost what it learned "
-                   f"and is predicting at chance; this is not a stall")
+            msg = (
+                f"attention collapsed in `{name}` (entropy {e:.2g} of its maximum, was {base:.2g}) and the loss "
+                f"{rec.loss:.4g} is back at{' or above' if rec.loss > (1 + p.chance_match) * start else ''} its "
+                f"starting level {start:.4g}: the model has lost what it learned "
+                f"and is predicting at chance; this is not a stall"
+            )
         else:
-            msg = (f"attention collapsed in `{name}`: entropy {e:.2g} of its maximum (was {base:.2g}); each query "
-                   f"attends to one key")
-        return [Finding(AlertKind.ATTENTION_COLLAPSE, Severity.CRITICAL if at_chance else Severity.WARNING,
-                        "attention_entropy", e, p.collapse_entropy, msg,
-                        details={"layer": name, "baseline_entropy": base, "at_chance": at_chance,
-                                 "start_loss": start})]
+            msg = (
+                f"attention collapsed in `{name}`: entropy {e:.2g} of its maximum (was {base:.2g}); each query "
+                f"attends to one key"
+            )
+        return [
+            Finding(
+                AlertKind.ATTENTION_COLLAPSE,
+                Severity.CRITICAL if at_chance else Severity.WARNING,
+                "attention_entropy",
+                e,
+                p.collapse_entropy,
+                msg,
+                details={"layer": name, "baseline_entropy": base, "at_chance": at_chance, "start_loss": start},
+            )
+        ]

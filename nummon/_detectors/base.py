@@ -1,4 +1,5 @@
 """What every detector is: a small pure unit over host-side step records (no torch)."""
+
 from __future__ import annotations
 
 from typing import ClassVar, Protocol

@@ -23,11 +23,12 @@ The headline (`Countdown.steps`) is what a person and `details["steps_to_overflo
 property tests in tests/test_countdown_families.py hold it within [truth/1.5 - 2, 1.5 truth + 2]
 on generated families of runaways. Pure maths over host floats.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["Countdown", "MIN_ACCELERATION", "MIN_POINTS", "NOISE_FLOOR", "SIGNIFICANCE", "countdown", "noise_of"]
 
@@ -45,7 +46,7 @@ NOISE_FLOOR = 0.001
 MIN_ACCELERATION = 2.0
 _MAX_STEPS = 10_000.0
 # log-rate growth per step (ln g) tried by the double-exponential fit
-_LAMBDAS = tuple(0.002 * 1.25 ** k for k in range(33))  # 0.002 .. ~2.5
+_LAMBDAS = tuple(0.002 * 1.25**k for k in range(33))  # 0.002 .. ~2.5
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ class Countdown:
         low = _n(self.if_faster) if _finite(self.if_faster) else n
         if low >= flat:
             return f"{steps} left until {dtype} overflow at today's rate"
-        return (f"{steps} left until {dtype} overflow (~{low}-{flat} steps: ~{flat} at today's rate, "
-                f"~{low} if it keeps speeding up)")
+        return (
+            f"{steps} left until {dtype} overflow (~{low}-{flat} steps: ~{flat} at today's rate, "
+            f"~{low} if it keeps speeding up)"
+        )
 
 
 def countdown(points: Sequence[tuple[int, float]], log10_max: float, noise: float = 0.0) -> Countdown:
@@ -165,16 +168,18 @@ def noise_of(history: Sequence[float]) -> float:
     return 1.4826 * mad / math.sqrt(6.0)
 
 
-def _made(steps: float, trend: str, rate: float, spacing: float, at_rate: float | None,
-          if_faster: float | None) -> Countdown:
+def _made(
+    steps: float, trend: str, rate: float, spacing: float, at_rate: float | None, if_faster: float | None
+) -> Countdown:
     records = None
     if spacing > 1 and math.isfinite(steps):
         records = max(steps / spacing, 1.0)
     return Countdown(steps, trend, rate, records, at_rate, if_faster)
 
 
-def _best_accelerating(points: Sequence[tuple[int, float]], left: float, slope: float, curv: float,
-                       sigma: float) -> float:
+def _best_accelerating(
+    points: Sequence[tuple[int, float]], left: float, slope: float, curv: float, sigma: float
+) -> float:
     """Steps left under the accelerating form that fits the streak clearly better: a rate growing
     linearly (log|x| quadratic) or geometrically (|x| double-exponential); the geometric mean of
     the two when the fits are within the noise (`sigma`, decades) of each other (always with
@@ -310,11 +315,13 @@ def _inverse3(m: list[list[float]]) -> list[list[float]] | None:
     (a, b, c), (d, e, f), (g, h, i) = m
     det = a * (e * i - f * h) - b * (d * i - f * g) + c * (d * h - e * g)
     scale = max(abs(x) for row in m for x in row)
-    if abs(det) <= 1e-12 * scale ** 3:
+    if abs(det) <= 1e-12 * scale**3:
         return None
-    return [[(e * i - f * h) / det, (c * h - b * i) / det, (b * f - c * e) / det],
-            [(f * g - d * i) / det, (a * i - c * g) / det, (c * d - a * f) / det],
-            [(d * h - e * g) / det, (b * g - a * h) / det, (a * e - b * d) / det]]
+    return [
+        [(e * i - f * h) / det, (c * h - b * i) / det, (b * f - c * e) / det],
+        [(f * g - d * i) / det, (a * i - c * g) / det, (c * d - a * f) / det],
+        [(d * h - e * g) / det, (b * g - a * h) / det, (a * e - b * d) / det],
+    ]
 
 
 def _spacing(points: Sequence[tuple[int, float]]) -> float:

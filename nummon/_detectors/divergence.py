@@ -1,4 +1,5 @@
 """The loss held far above where it started."""
+
 from __future__ import annotations
 
 import math

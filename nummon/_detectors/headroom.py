@@ -1,4 +1,5 @@
 """Finite but extreme: few decades left before the dtype overflows."""
+
 from __future__ import annotations
 
 import math

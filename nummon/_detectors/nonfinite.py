@@ -1,4 +1,5 @@
 """Non-finite values anywhere: critical, with the first place they appeared."""
+
 from __future__ import annotations
 
 import math
@@ -129,11 +130,15 @@ class NonfiniteDetector:
         named = list(dict.fromkeys(parts))
         again = ""
         if jump is not None:
-            again += (f"; beside it the loss is {jump[0]:.3g}x its recent median {fmt_num(jump[1])}, beyond its noise "
-                      "(a loss scaler's skipped step leaves the loss as it was)")
+            again += (
+                f"; beside it the loss is {jump[0]:.3g}x its recent median {fmt_num(jump[1])}, beyond its noise "
+                "(a loss scaler's skipped step leaves the loss as it was)"
+            )
         if gap:
-            again = (f"; non-finite again after {gap} finite record{'' if gap == 1 else 's'} "
-                     f"({self._records} non-finite records since step {self._since})")
+            again = (
+                f"; non-finite again after {gap} finite record{'' if gap == 1 else 's'} "
+                f"({self._records} non-finite records since step {self._since})"
+            )
         out.append(
             Finding(
                 kind,
@@ -143,8 +148,13 @@ class NonfiniteDetector:
                 0.0,
                 f"non-finite values in {', '.join(named)}{count}; {where}{again}",
                 location=location,
-                details={"parts": named, "since": self._since, "last": rec.step, "records": self._records,
-                         **({"elements": int(n)} if n else {})},
+                details={
+                    "parts": named,
+                    "since": self._since,
+                    "last": rec.step,
+                    "records": self._records,
+                    **({"elements": int(n)} if n else {}),
+                },
             )
         )
         return out
@@ -163,7 +173,7 @@ class NonfiniteDetector:
         else:
             m, band = self._band()
         up = math.log10(loss) - m
-        return (10.0 ** up, 10.0 ** m) if up > band else None
+        return (10.0**up, 10.0**m) if up > band else None
 
     def _level_shift(self, rec: StepRecord) -> Finding | None:
         """Critical when the loss has stayed above its band over the records after a skip reading."""
@@ -178,29 +188,43 @@ class NonfiniteDetector:
         if up <= band or self._first is None:
             return None
         metric, location = self._first
-        ratio = 10.0 ** up
+        ratio = 10.0**up
         return Finding(
             AlertKind.NONFINITE,
             Severity.CRITICAL,
             "nonfinite",
             ratio,
-            10.0 ** band,
+            10.0**band,
             f"non-finite {metric} at step {at}, and the loss has stayed {ratio:.3g}x its median before it "
-            f"({fmt_num(10.0 ** m)}) over the {len(since)} records since: a level shift, not a loss scaler's skipped step",
+            f"({fmt_num(10.0**m)}) over the {len(since)} records since: a level shift, not a loss scaler's skipped step",
             location=location,
-            details={"parts": [metric], "since": self._since, "last": at, "records": self._records,
-                     "ratio": ratio, "rule": "log_skip_level_shift"},
+            details={
+                "parts": [metric],
+                "since": self._since,
+                "last": at,
+                "records": self._records,
+                "ratio": ratio,
+                "rule": "log_skip_level_shift",
+            },
         )
 
-    def _skipped_in_log(self, rec: StepRecord, parts: list[str], from_log: bool,
-                        jump: tuple[float, float] | None = None) -> Finding | None:
+    def _skipped_in_log(
+        self, rec: StepRecord, parts: list[str], from_log: bool, jump: tuple[float, float] | None = None
+    ) -> Finding | None:
         """A log's non-finite gradient norm beside a finite loss, with no word of a scaler: what
         an fp16 loss scaler's skipped step looks like (Hugging Face logs its grad_norm as inf or
         nan). Info, a warning from `log_skip_warning` records in a row, and from `log_skip_records`
         None: critical."""
         grads_only = all(p in _GRAD_PARTS or p.startswith("grad of ") for p in parts)
-        if not (from_log and rec.scaler_skipped is None and grads_only and rec.loss is not None
-                and math.isfinite(rec.loss) and jump is None and not self._running_away()):
+        if not (
+            from_log
+            and rec.scaler_skipped is None
+            and grads_only
+            and rec.loss is not None
+            and math.isfinite(rec.loss)
+            and jump is None
+            and not self._running_away()
+        ):
             self._skips = 0
             return None
         self._skips += 1

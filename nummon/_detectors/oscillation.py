@@ -1,10 +1,11 @@
 """Loss oscillation: swings (autocorrelated or alternating) wider than minibatch noise, with no
 downward trend and no rise, while still far from converged."""
+
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import _functional as F
 from .._policy import OscillationPolicy
@@ -56,7 +57,7 @@ def wave_crossings(resid: Sequence[float]) -> int:
     band = BAND_SIGMAS * noise_sigma(resid) / math.sqrt(SMOOTH)
     side, count = 0, 0
     for i in range(n):
-        part = resid[max(0, i - half): i + half + 1]
+        part = resid[max(0, i - half) : i + half + 1]
         v = sum(part) / len(part)
         now = 1 if v > band else -1 if v < -band else 0
         if now and now != side:
@@ -127,7 +128,13 @@ class OscillationDetector:
                 p.min_spread,
                 f"loss {swings} (relative spread {t.spread:.2f} over {t.span} steps, autocorrelation {corr:+.2f}) "
                 f"without a downward trend (change {t.change * 100:+.1f}%)",
-                details={"change": t.change, "spread": t.spread, "level": t.level, "span": t.span,
-                         "shape": shape, "autocorrelation": corr},
+                details={
+                    "change": t.change,
+                    "spread": t.spread,
+                    "level": t.level,
+                    "span": t.span,
+                    "shape": shape,
+                    "autocorrelation": corr,
+                },
             )
         ]

@@ -1,5 +1,6 @@
 """Output-logit divergence (PaLM; Wortsman et al. 2023, arXiv 2309.14322): the log-partition
 log Z of the output softmax drifts away from where it started; z-loss holds it near 0."""
+
 from __future__ import annotations
 
 from .. import _functional as F
@@ -48,7 +49,14 @@ class OutputLogitsDetector:
         why = f"log Z (mean log-sum-exp of the output logits) is {z:.4g}, {drift:.3g} nats from where it started ({base:.4g})"
         if big:
             why += f"; the largest output logit is {top:.4g}"
-        return [Finding(AlertKind.OUTPUT_LOGITS, sev, "output_logsumexp_mean", float(z), thr,
-                        f"output logits are diverging: {why}",
-                        details={"drift": drift, "baseline": base, "logit_max": top,
-                                 "logsumexp_max": rec.output_logsumexp_max})]
+        return [
+            Finding(
+                AlertKind.OUTPUT_LOGITS,
+                sev,
+                "output_logsumexp_mean",
+                float(z),
+                thr,
+                f"output logits are diverging: {why}",
+                details={"drift": drift, "baseline": base, "logit_max": top, "logsumexp_max": rec.output_logsumexp_max},
+            )
+        ]

@@ -1,4 +1,5 @@
 """Sustained geometric growth over consecutive records, with steps left until overflow."""
+
 from __future__ import annotations
 
 import math
@@ -85,7 +86,12 @@ class RunawayDetector:
         above = v / F.pow10(F.median(earlier)) if earlier else math.inf
         # critical needs `critical_steps` growth observations too: with logs every N steps a
         # noise blip followed by one spike would otherwise look sustained
-        if streak >= p.critical_steps and self._records[metric] >= p.critical_steps and total >= crit_f and above >= crit_f:
+        if (
+            streak >= p.critical_steps
+            and self._records[metric] >= p.critical_steps
+            and total >= crit_f
+            and above >= crit_f
+        ):
             severity, threshold = Severity.CRITICAL, crit_f
         elif total >= warn_f and above >= warn_f:
             severity, threshold = Severity.WARNING, warn_f
@@ -98,8 +104,11 @@ class RunawayDetector:
         before = list(hist)[: max(len(hist) - self._records[metric] - 1, 0)]
         left = countdown(points, math.log10(top), noise_of(before))
         records = self._records[metric]
-        over = (f"over {streak} consecutive steps" if records == streak else
-                f"over {_count(records, 'record')} ({_count(streak, 'step')})")
+        over = (
+            f"over {streak} consecutive steps"
+            if records == streak
+            else f"over {_count(records, 'record')} ({_count(streak, 'step')})"
+        )
         return Finding(
             AlertKind.RUNAWAY,
             severity,
@@ -107,11 +116,17 @@ class RunawayDetector:
             v,
             threshold,
             f"{metric} grew {total:.3g}x {over} (x{mean_rate:.3g} per step); {left.phrase(dtype)}",
-            details={"growth": total, "rate_per_step": mean_rate, "steps_to_overflow": left.steps, "streak": streak,
-                     "records": records, "overflow_bound": left.rising},
+            details={
+                "growth": total,
+                "rate_per_step": mean_rate,
+                "steps_to_overflow": left.steps,
+                "streak": streak,
+                "records": records,
+                "overflow_bound": left.rising,
+            },
         )
 
 
 def _count(n: int, word: str) -> str:
-    """"one record", "3 records"."""
+    """ "one record", "3 records"."""
     return f"one {word}" if n == 1 else f"{n} {word}s"

@@ -1,4 +1,5 @@
 """Sudden jumps against the run's own recent history: loss spikes and gradient explosions."""
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,7 @@ class SpikeDetector:
 
     def __init__(self, p: SpikePolicy) -> None:
         self._p = p
-        self._hist: dict[str, deque[float]] = {
-            m: deque(maxlen=p.window) for m in self.LOSS_METRICS + self.GRAD_METRICS
-        }
+        self._hist: dict[str, deque[float]] = {m: deque(maxlen=p.window) for m in self.LOSS_METRICS + self.GRAD_METRICS}
         # grad_norm / its recent median at the last records (1.0 where not measured)
         self._grad_ratios: deque[float] = deque(maxlen=GRAD_WITNESS_RECORDS + 1)
 
@@ -89,8 +88,10 @@ class SpikeDetector:
                     base = F.pow10(m_log)
                     why = ""
                     if borne_out:
-                        why = (f", with grad_norm {witness:.3g}x its level within the last {GRAD_WITNESS_RECORDS} "
-                               f"records (a short history, {len(hist)} records, borne out by the gradients)")
+                        why = (
+                            f", with grad_norm {witness:.3g}x its level within the last {GRAD_WITNESS_RECORDS} "
+                            f"records (a short history, {len(hist)} records, borne out by the gradients)"
+                        )
                     out.append(
                         Finding(
                             AlertKind.LOSS_SPIKE if is_loss else AlertKind.EXPLOSION,
@@ -99,8 +100,11 @@ class SpikeDetector:
                             v,
                             base * F.pow10(need),
                             f"{metric} jumped to {F.fmt_num(v)}, {F.pow10(up):.3g}x its recent median {F.fmt_num(base)}{why}",
-                            details={"ratio": F.pow10(up), "baseline": base,
-                                     **({"grad_ratio": witness, "rule": "short_history_grad"} if borne_out else {})},
+                            details={
+                                "ratio": F.pow10(up),
+                                "baseline": base,
+                                **({"grad_ratio": witness, "rule": "short_history_grad"} if borne_out else {}),
+                            },
                         )
                     )
             hist.append(lv)

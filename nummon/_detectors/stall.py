@@ -1,5 +1,6 @@
 """No meaningful improvement while the loss is still high: a flat trend window, a frozen loss, or
 a loss stuck at a classifier's chance level."""
+
 from __future__ import annotations
 
 import math
@@ -131,7 +132,9 @@ class StallDetector:
         if k is None or self._pinned_records < n or not self._near_ln_k(held, k):
             k = None  # frozen, but not on ln k: say frozen, not "at chance"
         records = max(n, self._pinned_records) if k is not None else n
-        why = f"loss has stayed at {F.fmt_num(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
+        why = (
+            f"loss has stayed at {F.fmt_num(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
+        )
         if k is not None:
             why += f": ln {k} = {math.log(k):.4f}, the chance level of a {k}-class classifier (it predicts the same for every input)"
         else:
@@ -158,8 +161,12 @@ class StallDetector:
         p, ln2 = self._p, math.log(2)
         n = p.min_records
         first = self._first_loss
-        if (self._pinned_k != 2 or self._pinned_records < n or first is None
-                or not BINARY_START[0] * ln2 <= first <= BINARY_START[1] * ln2):
+        if (
+            self._pinned_k != 2
+            or self._pinned_records < n
+            or first is None
+            or not BINARY_START[0] * ln2 <= first <= BINARY_START[1] * ln2
+        ):
             return None
         last = list(self._recent)[-n:] if len(self._recent) >= n else None
         if last is None:

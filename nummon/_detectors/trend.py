@@ -1,5 +1,6 @@
 """The loss's starting level and its trend window: computed once per record, shared by the
 divergence, stall and oscillation detectors."""
+
 from __future__ import annotations
 
 import math
@@ -124,7 +125,12 @@ class LossTrend:
         span = self.span(step)
         while self._values and self._values[0][0] <= step - span:
             self._values.popleft()
-        if base is None or base <= 0 or step - self._first_step < self._p.min_span - 1 or len(self._values) < self._p.min_records:
+        if (
+            base is None
+            or base <= 0
+            or step - self._first_step < self._p.min_span - 1
+            or len(self._values) < self._p.min_records
+        ):
             self._judged_at, self._stats = None, None
             return None
         if self._stats is not None and self._judged_at is not None and step - self._judged_at < max(1, span // 20):
@@ -139,6 +145,12 @@ class LossTrend:
         elapsed = max(step - self._first_step, 1)
         rate = math.log(now / base) / elapsed if now > 0 else 0.0  # average log-change per step so far
         expected = 1.0 - math.exp(rate * span / 2) if rate < 0 else 0.0
-        self._stats = TrendStats(F.relative_change(first, second), F.relative_spread(first + second), now / base, span,
-                                 len(first) + len(second), expected)
+        self._stats = TrendStats(
+            F.relative_change(first, second),
+            F.relative_spread(first + second),
+            now / base,
+            span,
+            len(first) + len(second),
+            expected,
+        )
         return self._stats

@@ -3,6 +3,7 @@
 A tensor whose gradient has been ~0 from its first step on has not vanished: its gradient is
 structurally zero (a LayerNorm bias on the keys, which shifts every logit of a query alike so
 softmax ignores it; a parameter the loss does not use) and only a change in it is news."""
+
 from __future__ import annotations
 
 import math

@@ -1,9 +1,11 @@
 """Putting an explanation into the alerts of the step it explains."""
+
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._types import Alert, AlertKind
 from ._explain import explain_nonfinite
@@ -27,7 +29,11 @@ def explain_into(recompute: Callable[[], Any], alerts: list[Alert]) -> tuple[Non
     out = []
     for a in alerts:
         if a.kind is AlertKind.NONFINITE and not a.cleared:
-            a = dataclasses.replace(a, message=f"{a.message}; why: {report}", hint=report.remedy,
-                                    details={**a.details, "cause": report.to_dict(), "why": report.headline()})
+            a = dataclasses.replace(
+                a,
+                message=f"{a.message}; why: {report}",
+                hint=report.remedy,
+                details={**a.details, "cause": report.to_dict(), "why": report.headline()},
+            )
         out.append(a)
     return report, out

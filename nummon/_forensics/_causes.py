@@ -1,9 +1,11 @@
 """The mathematical cause of a non-finite result, from the operator and its (finite) inputs, with
 the numbers that show it and a one-line remedy. Runs only on the few ops that failed."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -101,33 +103,61 @@ def classify(op: str, operands: Sequence[Any], out: torch.Tensor) -> Cause:
         pole = -1.0 if name == "log1p" else 0.0
         at_pole, below = _count(x == pole), _count(x < pole)
         if at_pole:
-            return ("log_of_zero", f"{at_pole} of {x.numel()} inputs to {name} are exactly {_num(pole)} (min input {_num(float(x.min()))})", _REMEDIES["log_of_zero"])
+            return (
+                "log_of_zero",
+                f"{at_pole} of {x.numel()} inputs to {name} are exactly {_num(pole)} (min input {_num(float(x.min()))})",
+                _REMEDIES["log_of_zero"],
+            )
         if below:
-            return ("invalid_operation", f"{below} of {x.numel()} inputs to {name} are below {_num(pole)} (min {_num(float(x.min()))})", _REMEDIES["log_domain"])
+            return (
+                "invalid_operation",
+                f"{below} of {x.numel()} inputs to {name} are below {_num(pole)} (min {_num(float(x.min()))})",
+                _REMEDIES["log_domain"],
+            )
     if name in _DIVISIONS and len(operands) > 1:
         denominator = operands[1]
         zeros = _count(denominator == 0)
         if zeros:
             numerator = _span([x]) if isinstance(x, torch.Tensor) else (float(x), float(x))
             around = f" (numerator in [{_num(numerator[0])}, {_num(numerator[1])}])" if numerator else ""
-            return ("division_by_zero", f"{zeros} zero(s) in the denominator of {name}{around}", _REMEDIES["division_by_zero"])
+            return (
+                "division_by_zero",
+                f"{zeros} zero(s) in the denominator of {name}{around}",
+                _REMEDIES["division_by_zero"],
+            )
         return ("overflow", _overflow_text(name, operands, dtype), _REMEDIES["overflow"])
     if name in {"reciprocal", "rsqrt"} and isinstance(x, torch.Tensor):
         zeros = _count(x == 0)
         if zeros:
-            return ("division_by_zero", f"{zeros} of {x.numel()} inputs to {name} are exactly 0", _REMEDIES["division_by_zero"])
+            return (
+                "division_by_zero",
+                f"{zeros} of {x.numel()} inputs to {name} are exactly 0",
+                _REMEDIES["division_by_zero"],
+            )
     if name in {"sqrt", "rsqrt"} and isinstance(x, torch.Tensor) and _count(x < 0):
-        return ("invalid_operation", f"{_count(x < 0)} of {x.numel()} inputs to {name} are negative (min {_num(float(x.min()))})", _REMEDIES["sqrt_domain"])
+        return (
+            "invalid_operation",
+            f"{_count(x < 0)} of {x.numel()} inputs to {name} are negative (min {_num(float(x.min()))})",
+            _REMEDIES["sqrt_domain"],
+        )
     if name == "pow" and len(operands) > 1:
         return _classify_pow(operands[0], operands[1], dtype)
     if name in {"acos", "asin"} and isinstance(x, torch.Tensor) and _count(x.abs() > 1):
-        return ("invalid_operation", f"{_count(x.abs() > 1)} inputs to {name} lie outside [-1, 1]", _REMEDIES["invalid_operation"])
+        return (
+            "invalid_operation",
+            f"{_count(x.abs() > 1)} inputs to {name} lie outside [-1, 1]",
+            _REMEDIES["invalid_operation"],
+        )
     if name in _EXPONENTIALS or name in _HYPERBOLIC:
         log_of = _EXPONENTIALS.get(name, math.log)
         threshold = log_of(torch.finfo(dtype).max) + (math.log(2) if name in _HYPERBOLIC else 0.0)
         span = _span(operands)
         top = _num(span[1]) if span else "?"
-        return ("overflow", f"max input {top} to {name}; {_dtype(dtype)} overflows above {threshold:.1f}", _REMEDIES["exp_overflow"])
+        return (
+            "overflow",
+            f"max input {top} to {name}; {_dtype(dtype)} overflows above {threshold:.1f}",
+            _REMEDIES["exp_overflow"],
+        )
     if name in _CASTS:
         return ("overflow", _overflow_text(f"the cast to {_dtype(dtype)}", operands, dtype), _REMEDIES["cast_overflow"])
     nan_only = not bool(torch.isinf(out).any())
@@ -143,11 +173,23 @@ def _classify_pow(base: Any, exponent: Any, dtype: torch.dtype) -> Cause:
     exp_t = torch.as_tensor(exponent, dtype=torch.float64)
     zero_to_negative = _count((base_t == 0) & (exp_t < 0))
     if zero_to_negative:
-        return ("division_by_zero", f"{zero_to_negative} zero base(s) raised to a negative power", _REMEDIES["division_by_zero"])
+        return (
+            "division_by_zero",
+            f"{zero_to_negative} zero base(s) raised to a negative power",
+            _REMEDIES["division_by_zero"],
+        )
     negative_fractional = _count((base_t < 0) & (exp_t != torch.round(exp_t)))
     if negative_fractional:
-        return ("invalid_operation", f"{negative_fractional} negative base(s) raised to a fractional power", _REMEDIES["invalid_operation"])
-    return ("overflow", _overflow_text("pow", [b for b in (base, exponent) if isinstance(b, torch.Tensor)], dtype), _REMEDIES["overflow"])
+        return (
+            "invalid_operation",
+            f"{negative_fractional} negative base(s) raised to a fractional power",
+            _REMEDIES["invalid_operation"],
+        )
+    return (
+        "overflow",
+        _overflow_text("pow", [b for b in (base, exponent) if isinstance(b, torch.Tensor)], dtype),
+        _REMEDIES["overflow"],
+    )
 
 
 def classify_backward(op: str, forward_op: str | None, operands: Sequence[Any], out: torch.Tensor) -> Cause:

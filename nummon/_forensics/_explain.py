@@ -4,11 +4,13 @@ Meant for the failing step only: nothing is installed before or after the call, 
 steps pay nothing. The user's parameters, `.grad` fields, buffers and RNG states come out as
 they went in (the backward uses torch.autograd.grad, which never writes `.grad`).
 """
+
 from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -31,7 +33,9 @@ def explain_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Nonf
     failing step, call this with the RNG state that step started from; the state is restored after.
     """
     if not callable(fn):
-        raise NummonError(f"explain_nonfinite: fn must be callable (a forward returning a loss), got {type(fn).__name__}")
+        raise NummonError(
+            f"explain_nonfinite: fn must be callable (a forward returning a loss), got {type(fn).__name__}"
+        )
     rng = _RngState()
     scope = ModuleScope()
     for index, value in enumerate(tree_leaves((args, kwargs))):
@@ -76,7 +80,15 @@ def _first_nonfinite(interceptor: NonfiniteInterceptor, values: list[Any]) -> Or
         if _checked(value) and not _finite(value):
             origin = interceptor.origin_of(value)
             if origin is None:  # fn returned a tensor that no traced op produced
-                origin = Origin(0, "outside", "(none)", interceptor.stage, describe_outside("the value fn returned", value), None, None)
+                origin = Origin(
+                    0,
+                    "outside",
+                    "(none)",
+                    interceptor.stage,
+                    describe_outside("the value fn returned", value),
+                    None,
+                    None,
+                )
             origins.append(origin)
     return min(origins, key=lambda o: o.order) if origins else None
 
@@ -118,7 +130,9 @@ class _RngState:
 
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.cuda = (
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         self.python = random.getstate()
         numpy = sys.modules.get("numpy")
         self.numpy = numpy.random.get_state() if numpy is not None else None

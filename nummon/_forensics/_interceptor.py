@@ -8,6 +8,7 @@ failures until arithmetic turns their infinities into NaN (inf - inf in a fully 
 row). Propagating origins, instead of stopping at the first non-finite op, keeps a harmless
 -inf mask from being blamed for a NaN that a later log(0) produced.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,30 @@ __all__ = ["NonfiniteInterceptor", "Origin"]
 Location = tuple[str, int]
 _LIFTS = {"lift_fresh", "lift_fresh_copy", "lift"}  # torch.tensor(float("-inf")) in the user's code
 # Outputs that hold whatever was in memory: garbage NaNs there are nobody's cause.
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize", "set"}
+_UNINITIALISED = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "empty_permuted",
+    "resize",
+    "set",
+}
 # In-place ops that overwrite their first argument whole: its old value is not an input.
-_OVERWRITES = {"copy", "fill", "zero", "uniform", "normal", "bernoulli", "random", "exponential", "geometric", "cauchy", "log_normal"}
+_OVERWRITES = {
+    "copy",
+    "fill",
+    "zero",
+    "uniform",
+    "normal",
+    "bernoulli",
+    "random",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "log_normal",
+}
 
 _OUTSIDE_REMEDIES = {
     "parameter": "the weights are already non-finite, so an earlier update broke them: lower the LR, clip gradients, restore a checkpoint",
@@ -125,13 +147,19 @@ class NonfiniteInterceptor(TorchDispatchMode):
             if ptr is not None:
                 self._by_storage[ptr] = origin
 
-    def _trace(self, func: Any, op: str, operands: list[Any], before: dict[int, torch.Tensor], bad: list[torch.Tensor]) -> None:
+    def _trace(
+        self, func: Any, op: str, operands: list[Any], before: dict[int, torch.Tensor], bad: list[torch.Tensor]
+    ) -> None:
         values = [before.get(id(a), a) for a in operands]
         nonfinite = [(a, v) for a, v in zip(operands, values) if _checked(v) and not _finite(v)]
         scalar_nonfinite = [a for a in operands if isinstance(a, float) and not math.isfinite(a)]
         if op_base(op) in _LIFTS or (scalar_nonfinite and not nonfinite):
             shown = scalar_nonfinite[0] if scalar_nonfinite else "a literal"
-            cause = ("nonfinite_input", f"a non-finite constant ({shown}) enters the computation in {op}", _inf_remedy())
+            cause = (
+                "nonfinite_input",
+                f"a non-finite constant ({shown}) enters the computation in {op}",
+                _inf_remedy(),
+            )
             origin = self._new("constant", op, cause)
         elif not nonfinite:
             origin = self._failure(op, values, bad[0])
@@ -146,7 +174,9 @@ class NonfiniteInterceptor(TorchDispatchMode):
                 self._register([unknown[0][0]], origin)
             elif roots:
                 origin = min(roots, key=lambda o: o.order)
-            elif any(bool(torch.isnan(t).any()) for t in bad) and not any(bool(torch.isnan(v).any()) for _, v in nonfinite):
+            elif any(bool(torch.isnan(t).any()) for t in bad) and not any(
+                bool(torch.isnan(v).any()) for _, v in nonfinite
+            ):
                 origin = self._new("failure", op, classify_inf_arithmetic(op, values))
             else:
                 origin = min((o for o in known if o is not None), key=lambda o: o.order)

@@ -1,4 +1,5 @@
 """The answer to "why did it go non-finite?": one frozen record, printable as one paragraph."""
+
 from __future__ import annotations
 
 import os

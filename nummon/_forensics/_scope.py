@@ -1,6 +1,7 @@
 """Where an operator runs: the user's source line (a cheap frame walk) and the module path
 (global forward hooks, installed only while the explanation runs). Also keeps the modules'
 buffers as they were, because a forward in train mode updates BatchNorm's running statistics."""
+
 from __future__ import annotations
 
 import linecache

@@ -7,13 +7,15 @@ its robust recent range (log10 median + k * 1.4826 * MAD over the last accepted 
 Megatron skip), skips the update: the wrapped `step` is not called, so parameters and optimizer
 state are untouched, and the gradients are zeroed.
 """
+
 from __future__ import annotations
 
 import math
 import types
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +43,10 @@ class SkipDecision:
     def reason(self) -> str:
         if self.nonfinite:
             return f"non-finite gradient (total grad norm {self.grad_norm})"
-        return (f"total grad norm {self.grad_norm:.4g} is {self.grad_norm / self.median:.3g}x its recent median "
-                f"{self.median:.4g} (limit {self.limit:.4g})")
+        return (
+            f"total grad norm {self.grad_norm:.4g} is {self.grad_norm / self.median:.3g}x its recent median "
+            f"{self.median:.4g} (limit {self.limit:.4g})"
+        )
 
 
 class GradientGuard:
@@ -53,8 +57,9 @@ class GradientGuard:
     so every rank skips the same steps.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, policy: RecoveryPolicy, step_of: Callable[[], int],
-                 dist: Any = None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, policy: RecoveryPolicy, step_of: Callable[[], int], dist: Any = None
+    ) -> None:
         self.optimizer = optimizer
         self.policy = policy
         self.step_of = step_of
@@ -86,8 +91,12 @@ class GradientGuard:
 
     # ------------------------------------------------------------------ the check
     def _grads(self) -> list[torch.Tensor]:
-        return [local_tensor(p.grad) for g in self.optimizer.param_groups for p in g["params"]
-                if p.grad is not None and not p.grad.is_sparse]
+        return [
+            local_tensor(p.grad)
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and not p.grad.is_sparse
+        ]
 
     def total_norm(self, grads: list[torch.Tensor]) -> float:
         """The total L2 norm of `grads` (maxed over ranks): the one host read per step."""
@@ -117,7 +126,7 @@ class GradientGuard:
             return None
         med, sigma = robust_center([v for _, v in self.history])
         need = max(math.log10(self.policy.guard_factor), self.policy.guard_mad * sigma)
-        return 10.0 ** (med + need), 10.0 ** med
+        return 10.0 ** (med + need), 10.0**med
 
     def decide(self, step: int, norm: float) -> SkipDecision | None:
         """A skip decision for this norm, or None (accepted, and added to the history)."""

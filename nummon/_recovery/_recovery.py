@@ -4,13 +4,15 @@ Every decision is made from the records the Monitor evaluates, which are identic
 under torch.distributed (the guard's norm is maxed over ranks too), so every rank skips the same
 updates, snapshots at the same steps and restores the same one.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,8 +62,16 @@ class Recovery:
     the rollback to it (fingerprints exist when the loop passes `batch=` to post_step).
     """
 
-    def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None, policy: RecoveryPolicy, dist: Any,
-                 flight_records: FlightRecords, *, step_of: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: torch.optim.Optimizer | None,
+        policy: RecoveryPolicy,
+        dist: Any,
+        flight_records: FlightRecords,
+        *,
+        step_of: Callable[[], int],
+    ) -> None:
         if model is None or optimizer is None:
             raise NummonError("policy.recovery.enabled needs Monitor(model, optimizer): it restores both")
         opt = optimizer
@@ -124,7 +134,9 @@ class Recovery:
         self._maybe_snapshot(rec)
         return out, handled, False
 
-    def _trigger(self, rec: StepRecord, health: Health, alerts: list[Alert], skipped: bool) -> tuple[AlertKind, str] | None:
+    def _trigger(
+        self, rec: StepRecord, health: Health, alerts: list[Alert], skipped: bool
+    ) -> tuple[AlertKind, str] | None:
         if health is Health.NONFINITE and not skipped:
             where = rec.nonfinite_location or ", ".join(rec.nonfinite_parts) or "a statistic"
             return AlertKind.NONFINITE, f"non-finite values in {where}"
@@ -140,15 +152,28 @@ class Recovery:
         if rec.fingerprint:
             self.skipped_batches.append(rec.fingerprint)
         self._skip_steps.append(rec.step)
-        entry = {"action": "skip", "step": rec.step, "grad_norm": skip.grad_norm, "reason": skip.reason,
-                 "batch_fingerprint": rec.fingerprint}
+        entry = {
+            "action": "skip",
+            "step": rec.step,
+            "grad_norm": skip.grad_norm,
+            "reason": skip.reason,
+            "batch_fingerprint": rec.fingerprint,
+        }
         self.log.append(entry)
-        return [Alert(step=rec.step, kind=AlertKind.NONFINITE if skip.nonfinite else AlertKind.EXPLOSION,
-                      severity=Severity.INFO, metric="grad_norm", value=skip.grad_norm, threshold=skip.limit,
-                      location="optimizer.step",
-                      message=f"recovered: skipped the update of step {rec.step}: {skip.reason}; "
-                              "weights and optimizer state untouched, gradients zeroed",
-                      details={"recovery": "skip", "skips": len(self._skip_steps)})]
+        return [
+            Alert(
+                step=rec.step,
+                kind=AlertKind.NONFINITE if skip.nonfinite else AlertKind.EXPLOSION,
+                severity=Severity.INFO,
+                metric="grad_norm",
+                value=skip.grad_norm,
+                threshold=skip.limit,
+                location="optimizer.step",
+                message=f"recovered: skipped the update of step {rec.step}: {skip.reason}; "
+                "weights and optimizer state untouched, gradients zeroed",
+                details={"recovery": "skip", "skips": len(self._skip_steps)},
+            )
+        ]
 
     def _escalate(self, rec: StepRecord, skip: SkipDecision, out: list[Alert]) -> tuple[AlertKind, str] | None:
         p = self.policy
@@ -160,11 +185,20 @@ class Recovery:
             return kind, f"{n} updates skipped in the last {p.skip_window} steps"
         if n > p.max_skips and (self._skip_warned_at is None or rec.step - self._skip_warned_at >= p.skip_window):
             self._skip_warned_at = rec.step
-            out.append(Alert(step=rec.step, kind=kind, severity=Severity.WARNING, metric="grad_norm",
-                             value=float(n), threshold=float(p.max_skips), location="optimizer.step",
-                             message=f"{n} updates skipped in the last {p.skip_window} steps (recovery.max_skips "
-                                     f"{p.max_skips}): the gradients keep going bad",
-                             details={"recovery": "skip"}))
+            out.append(
+                Alert(
+                    step=rec.step,
+                    kind=kind,
+                    severity=Severity.WARNING,
+                    metric="grad_norm",
+                    value=float(n),
+                    threshold=float(p.max_skips),
+                    location="optimizer.step",
+                    message=f"{n} updates skipped in the last {p.skip_window} steps (recovery.max_skips "
+                    f"{p.max_skips}): the gradients keep going bad",
+                    details={"recovery": "skip"},
+                )
+            )
         return None
 
     @staticmethod
@@ -172,9 +206,11 @@ class Recovery:
         if a.kind is not AlertKind.NONFINITE or a.severity is not Severity.CRITICAL:
             return a
         return dataclasses.replace(
-            a, severity=Severity.INFO,
+            a,
+            severity=Severity.INFO,
             message=a.message + " (this step's update was skipped: weights and optimizer state untouched)",
-            details={**a.details, "recovery": "skip", "original_severity": "critical"})
+            details={**a.details, "recovery": "skip", "original_severity": "critical"},
+        )
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _maybe_snapshot(self, rec: StepRecord) -> None:
@@ -205,13 +241,30 @@ class Recovery:
         self._last_unhealthy = rec.step
         to = "the start (before step 0)" if snap.step < 0 else f"step {snap.step}"
         left = self.policy.max_rollbacks - self.rollbacks
-        msg = (f"recovered: rolled back to {to}, lr {before[0]:.4g} -> {after[0]:.4g} "
-               f"(cause: {cause}; {left} rollback{'s' if left != 1 else ''} left)")
-        entry = {"action": "rollback", "step": rec.step, "to_step": snap.step, "cause": cause,
-                 "lr_before": before, "lr_after": after, "suspect_batches": suspects, "rollbacks_left": left}
-        alert = Alert(step=rec.step, kind=kind, severity=Severity.WARNING, metric="recovery",
-                      value=float(snap.step), message=msg, location="model and optimizer state",
-                      details={"recovery": "rollback", **{k: v for k, v in entry.items() if k not in ("action", "step")}})
+        msg = (
+            f"recovered: rolled back to {to}, lr {before[0]:.4g} -> {after[0]:.4g} "
+            f"(cause: {cause}; {left} rollback{'s' if left != 1 else ''} left)"
+        )
+        entry = {
+            "action": "rollback",
+            "step": rec.step,
+            "to_step": snap.step,
+            "cause": cause,
+            "lr_before": before,
+            "lr_after": after,
+            "suspect_batches": suspects,
+            "rollbacks_left": left,
+        }
+        alert = Alert(
+            step=rec.step,
+            kind=kind,
+            severity=Severity.WARNING,
+            metric="recovery",
+            value=float(snap.step),
+            message=msg,
+            location="model and optimizer state",
+            details={"recovery": "rollback", **{k: v for k, v in entry.items() if k not in ("action", "step")}},
+        )
         path = self.flight_records.write(alert, rollback=self.rollbacks)  # every rollback gets its own
         entry["flight_record"] = str(path) if path is not None else None
         self.log.append(entry)
@@ -219,10 +272,19 @@ class Recovery:
         return dataclasses.replace(alert, flight_record=entry["flight_record"]) if entry["flight_record"] else alert
 
     def _budget_spent(self, rec: StepRecord, kind: AlertKind, cause: str) -> Alert:
-        why = ("recovery.rollback is off" if not self.policy.rollback
-               else f"the retry budget of {self.policy.max_rollbacks} rollbacks is spent")
+        why = (
+            "recovery.rollback is off"
+            if not self.policy.rollback
+            else f"the retry budget of {self.policy.max_rollbacks} rollbacks is spent"
+        )
         self.log.append({"action": "gave_up", "step": rec.step, "cause": cause})
         # critical: the run stops as it would without recovery (even if a cooldown kept other alerts quiet)
-        return Alert(step=rec.step, kind=kind, severity=Severity.CRITICAL, metric="recovery",
-                     message=f"not recovered: {cause}, and {why}", location="model and optimizer state",
-                     details={"recovery": "gave_up", "rollbacks": self.rollbacks})
+        return Alert(
+            step=rec.step,
+            kind=kind,
+            severity=Severity.CRITICAL,
+            metric="recovery",
+            message=f"not recovered: {cause}, and {why}",
+            location="model and optimizer state",
+            details={"recovery": "gave_up", "rollbacks": self.rollbacks},
+        )

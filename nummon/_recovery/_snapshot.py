@@ -5,6 +5,7 @@ into pinned memory, waited for only when restored). Restoring loads a fresh copy
 state, since `Optimizer.load_state_dict` may alias the tensors it is given and the next steps would
 then change the snapshot in place.
 """
+
 from __future__ import annotations
 
 import copy
@@ -65,7 +66,7 @@ class Snapshot:
     event: Any = None  # a torch.cuda.Event when the copies are still in flight
 
     @classmethod
-    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> "Snapshot":
+    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Snapshot:
         pending: list = []
         model_state = _to_host(model.state_dict(), pending)
         optim_state = _to_host(optimizer.state_dict(), pending)

@@ -9,24 +9,39 @@ no extra, imports in milliseconds, keeps the page small (a 100,000-step run well
 and fast to make (a 10,000-record log in a few seconds), and draws exactly the few chart kinds a
 report needs (log-scale panels on one step axis, marked steps, small multiples). No torch.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from .load import EVENT_LOG, FLIGHT_GLOB, ReportError, RunData, from_monitor, load_run
 from .page import render
 from .story import IncidentView, incidents_of
 
-__all__ = ["REPORT_NAME", "ReportError", "RunData", "IncidentView", "build_report", "incidents_of", "load_run",
-           "from_monitor", "render", "write_report", "write_html", "EVENT_LOG", "FLIGHT_GLOB"]
+__all__ = [
+    "REPORT_NAME",
+    "ReportError",
+    "RunData",
+    "IncidentView",
+    "build_report",
+    "incidents_of",
+    "load_run",
+    "from_monitor",
+    "render",
+    "write_report",
+    "write_html",
+    "EVENT_LOG",
+    "FLIGHT_GLOB",
+]
 
 REPORT_NAME = "nummon-report.html"  # the report's name in a run folder
 
 
-def build_report(path: str | os.PathLike[str], format: Optional[str] = None, policy=None,
-                 warn: Optional[Callable[[str], None]] = None) -> str:
+def build_report(
+    path: str | os.PathLike[str], format: str | None = None, policy=None, warn: Callable[[str], None] | None = None
+) -> str:
     """The HTML report of the run at `path` (a Monitor run folder or any log replay reads)."""
     return render(load_run(path, format, policy, warn), version=_version())
 
@@ -44,8 +59,13 @@ def write_html(html: str, out: str | os.PathLike[str]) -> Path:
     return out
 
 
-def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
-                 format: Optional[str] = None, policy=None, warn: Optional[Callable[[str], None]] = None) -> Path:
+def write_report(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    format: str | None = None,
+    policy=None,
+    warn: Callable[[str], None] | None = None,
+) -> Path:
     """Write the report of the run at `path` to `out` (default: nummon-report.html in the run
     folder, or next to the log); returns its path."""
     html = build_report(path, format, policy, warn)
@@ -56,7 +76,7 @@ def write_report(path: str | os.PathLike[str], out: str | os.PathLike[str] | Non
 
 
 def _version() -> str:
-    """"nummon X.Y.Z" as installed (the package root is not imported: it sits above this layer)."""
+    """ "nummon X.Y.Z" as installed (the package root is not imported: it sits above this layer)."""
     from importlib import metadata
 
     try:

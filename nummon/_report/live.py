@@ -3,12 +3,14 @@ critical (and goes non-finite), from what the Monitor holds in memory (its fligh
 last steps, every alert and incident event: bounded, whatever the run's length), and at close
 from the whole event log when the folder has one. Never on a healthy step; a failure to write
 is a warning, never an error in training."""
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from . import _version
 from .load import EVENT_LOG, from_monitor, load_run, read_flight_records
@@ -22,8 +24,10 @@ NAME = "nummon-report.html"
 
 def escalated_to_critical(events: Iterable[Any]) -> bool:
     """Whether one of these incident events takes an incident to critical or non-finite."""
-    return any(getattr(e.state, "rank", 0) >= 2 and e.state.rank > getattr(e.previous, "rank", 0) and not e.action
-               for e in events)
+    return any(
+        getattr(e.state, "rank", 0) >= 2 and e.state.rank > getattr(e.previous, "rank", 0) and not e.action
+        for e in events
+    )
 
 
 class LiveReport:
@@ -32,27 +36,36 @@ class LiveReport:
     def __init__(self, folder: Callable[[], Path], version: str = "") -> None:
         self._folder = folder
         self._version = version or _version()
-        self.path: Optional[Path] = None
-        self.last_s: Optional[float] = None
+        self.path: Path | None = None
+        self.last_s: float | None = None
         self._failed = False
 
-    def from_memory(self, records: list[dict[str, Any]], alerts: Iterable[Any], incidents: Iterable[Any]) -> Optional[Path]:
+    def from_memory(
+        self, records: list[dict[str, Any]], alerts: Iterable[Any], incidents: Iterable[Any]
+    ) -> Path | None:
         """The report of what the Monitor holds now (Alert / IncidentEvent objects or dicts)."""
+
         def write() -> str:
             folder = self._folder()
-            run = from_monitor(str(folder), records, [_dict(a) for a in alerts], [_dict(e) for e in incidents],
-                               read_flight_records(folder) if folder.is_dir() else [])
+            run = from_monitor(
+                str(folder),
+                records,
+                [_dict(a) for a in alerts],
+                [_dict(e) for e in incidents],
+                read_flight_records(folder) if folder.is_dir() else [],
+            )
             return render(run, self._version)
+
         return self._write(write)
 
-    def from_folder(self, fallback: Callable[[], Optional[Path]]) -> Optional[Path]:
+    def from_folder(self, fallback: Callable[[], Path | None]) -> Path | None:
         """The report of the whole event log in the run folder; `fallback()` when it has none."""
         folder = self._folder()
         if not (folder / EVENT_LOG).is_file():
             return fallback()
         return self._write(lambda: render(load_run(folder, detect=False), self._version))
 
-    def _write(self, make: Callable[[], str]) -> Optional[Path]:
+    def _write(self, make: Callable[[], str]) -> Path | None:
         from . import write_html
 
         t0 = time.perf_counter()

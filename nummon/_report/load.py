@@ -5,13 +5,15 @@ A Monitor's event log (`events.jsonl`: typed `step` / `alert` / `incident` lines
 alerts and incident events as they were raised live (with the forensic cause of the first
 non-finite value); any other log is run through the same detectors as `replay` to get them.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from .._engine import HealthEngine
 from .._errors import NummonError
@@ -46,8 +48,13 @@ class RunData:
     segments: int = 1  # > 1: the steps went backwards (a resumed run appended to the log)
 
 
-def load_run(path: str | os.PathLike[str], format: Optional[str] = None, policy: PolicyLike = None,
-             warn: Optional[Warn] = None, detect: Optional[bool] = None) -> RunData:
+def load_run(
+    path: str | os.PathLike[str],
+    format: str | None = None,
+    policy: PolicyLike = None,
+    warn: Warn | None = None,
+    detect: bool | None = None,
+) -> RunData:
     """The run at `path`: a Monitor run folder or event log, or any log `replay` reads
     (`format` forces one). ReportError (a NummonError naming the path) when it is none.
     `detect`: run the detectors over a nummon JSONL log (None: when it holds no incident
@@ -74,16 +81,26 @@ def load_run(path: str | os.PathLike[str], format: Optional[str] = None, policy:
     return _replayed(text, format, policy, warn)
 
 
-def from_monitor(source: str, records: Iterable[dict[str, Any]], alerts: Iterable[dict[str, Any]],
-                 incidents: Iterable[dict[str, Any]], flight_records: list[dict[str, Any]]) -> RunData:
+def from_monitor(
+    source: str,
+    records: Iterable[dict[str, Any]],
+    alerts: Iterable[dict[str, Any]],
+    incidents: Iterable[dict[str, Any]],
+    flight_records: list[dict[str, Any]],
+) -> RunData:
     """A run from a Monitor's memory (its flight recorder's records, alerts, incident events),
     for a run folder with no event log."""
     recs = [_record(r, source, i) for i, r in enumerate(records)]
-    return RunData(source=source, records=_in_step_order(recs), alerts=list(alerts), incidents=list(incidents),
-                   flight_records=flight_records)
+    return RunData(
+        source=source,
+        records=_in_step_order(recs),
+        alerts=list(alerts),
+        incidents=list(incidents),
+        flight_records=flight_records,
+    )
 
 
-def read_flight_records(folder: Path, warn: Optional[Warn] = None) -> list[dict[str, Any]]:
+def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str, Any]]:
     """The flight records in `folder` (oldest step first); unreadable ones are named to `warn`."""
     out = []
     for f in sorted(folder.glob(FLIGHT_GLOB), key=_flight_order)[:_MAX_FLIGHT_RECORDS]:
@@ -94,8 +111,13 @@ def read_flight_records(folder: Path, warn: Optional[Warn] = None) -> list[dict[
                 warn(f"{f}: flight record skipped ({type(e).__name__})")
             continue
         if isinstance(data, dict):
-            out.append({"path": str(f), "alert": data.get("alert") if isinstance(data.get("alert"), dict) else None,
-                        "records": [r for r in data.get("records") or [] if isinstance(r, dict)]})
+            out.append(
+                {
+                    "path": str(f),
+                    "alert": data.get("alert") if isinstance(data.get("alert"), dict) else None,
+                    "records": [r for r in data.get("records") or [] if isinstance(r, dict)],
+                }
+            )
     return out
 
 
@@ -104,7 +126,7 @@ def _flight_order(f: Path) -> tuple[int, str]:
     return (int(digits) if digits else 0, f.name)
 
 
-def _event_log(p: Path) -> Optional[Path]:
+def _event_log(p: Path) -> Path | None:
     """The Monitor event log `p` is or holds (None: not a Monitor folder or nummon JSONL)."""
     if p.is_dir():
         if (p / EVENT_LOG).is_file():
@@ -126,7 +148,7 @@ def _any_log(folder: Path) -> bool:
     return True
 
 
-def _from_event_log(path: Path, source: str, warn: Optional[Warn]) -> RunData:
+def _from_event_log(path: Path, source: str, warn: Warn | None) -> RunData:
     """Records, alerts and incident events of one nummon JSONL log. A broken line is skipped
     and named (a report is best effort: the rest of the run is still worth seeing)."""
     run = RunData(source=source, format="jsonl")
@@ -172,7 +194,7 @@ _FIELDS = frozenset(SCALAR_FIELDS + MECHANISM_FIELDS)
 _LAYER_FIELDS = ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_FIELDS
 
 
-def _num(v: Any) -> Optional[float]:
+def _num(v: Any) -> float | None:
     """A number of a JSONL line (strict JSON writes NaN/Inf as strings); None for anything else."""
     if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
         return float(v)
@@ -184,7 +206,7 @@ def _num(v: Any) -> Optional[float]:
     return None
 
 
-def _lean_record(obj: dict[str, Any], default_step: int) -> Optional[StepRecord]:
+def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     """A StepRecord of the values a report draws, read leniently (a bad value is left out) and
     several times faster than the full check of `record_from_dict` (a 100,000-line log at close);
     None when the line has no usable step."""
@@ -234,7 +256,7 @@ def _record(obj: dict[str, Any], where: str, default_step: int) -> StepRecord:
     return rec
 
 
-def _replayed(path: str, format: Optional[str], policy: PolicyLike, warn: Optional[Warn]) -> RunData:
+def _replayed(path: str, format: str | None, policy: PolicyLike, warn: Warn | None) -> RunData:
     from .._watch.readers import detect_format, read_records
 
     fmt = format or detect_format(path)
@@ -247,15 +269,16 @@ def _replayed(path: str, format: Optional[str], policy: PolicyLike, warn: Option
     return run
 
 
-def _detect(records: list[StepRecord], policy: PolicyLike, warn: Optional[Warn],
-            source: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+def _detect(
+    records: list[StepRecord], policy: PolicyLike, warn: Warn | None, source: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """Alerts and incident events of the detectors over `records` (as `replay` raises them; a
     step that goes backwards starts a new segment)."""
     pol = load_policy(policy)
     engine = HealthEngine(pol)
     alerts: list[dict[str, Any]] = []
     incidents: list[dict[str, Any]] = []
-    prev: Optional[int] = None
+    prev: int | None = None
     segments = 1
     for rec in records:
         if prev is not None and rec.step <= prev:
@@ -266,7 +289,9 @@ def _detect(records: list[StepRecord], policy: PolicyLike, warn: Optional[Warn],
         alerts.extend(a.to_dict() for a in got.alerts)
         incidents.extend(e.to_dict() for e in got.incidents)
     if segments > 1 and warn:
-        warn(f"{source}: the steps go backwards {segments - 1} time(s) (a resumed run): the report draws the last value of each step")
+        warn(
+            f"{source}: the steps go backwards {segments - 1} time(s) (a resumed run): the report draws the last value of each step"
+        )
     return alerts, incidents, segments
 
 

@@ -1,12 +1,13 @@
 """The report page: one self-contained HTML document (inline CSS and SVG, no script, nothing
 fetched), built from a run's data and its incidents."""
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from html import escape
-from typing import Any, Optional, Sequence
 
-from .._functional import fmt_num, median
+from .._functional import fmt_num
 from .._types import StepRecord
 from .load import RunData
 from .story import LAYER_FAMILIES, IncidentView, incidents_of
@@ -60,21 +61,25 @@ def render(run: RunData, version: str = "") -> str:
     """The report of `run` as one HTML document."""
     incidents = incidents_of(run)
     title = _verdict(run, incidents)
-    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-             f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
-             f"<title>{escape(title[1])}</title><style>{_CSS}</style></head><body><main>",
-             f"<h1>nummon incident report</h1><div class=\"src\">{escape(run.source)} · {_span_text(run)}"
-             f"{' · ' + escape(run.format) if run.format else ''}</div>",
-             f"<div class=\"verdict v-{title[0]}\">{escape(title[1])}</div>"]
+    parts = [
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>{escape(title[1])}</title><style>{_CSS}</style></head><body><main>",
+        f'<h1>nummon incident report</h1><div class="src">{escape(run.source)} · {_span_text(run)}'
+        f"{' · ' + escape(run.format) if run.format else ''}</div>",
+        f'<div class="verdict v-{title[0]}">{escape(title[1])}</div>',
+    ]
     for v in _worst_first(incidents)[:_FULL_INCIDENTS]:
         parts.append(_incident_section(v, run))
     if len(incidents) > _FULL_INCIDENTS:
         parts.append(_more_incidents(_worst_first(incidents)[_FULL_INCIDENTS:]))
     parts.append(_overview(run, incidents))
-    parts.append(f"<footer>Made by <code>nummon report</code>{' ' + escape(version) if version else ''}: "
-                 "one page, no script, nothing fetched; it opens offline and can be attached to a ticket. "
-                 "Curves are drawn on log scales where a quantity spans decades; far from an incident each "
-                 "stretch of steps keeps its lowest and highest value, near it every step is drawn.</footer>")
+    parts.append(
+        f"<footer>Made by <code>nummon report</code>{' ' + escape(version) if version else ''}: "
+        "one page, no script, nothing fetched; it opens offline and can be attached to a ticket. "
+        "Curves are drawn on log scales where a quantity spans decades; far from an incident each "
+        "stretch of steps keeps its lowest and highest value, near it every step is drawn.</footer>"
+    )
     parts.append("</main></body></html>\n")
     return "\n".join(parts)
 
@@ -97,20 +102,25 @@ def _verdict(run: RunData, incidents: list[IncidentView]) -> tuple[str, str]:
     if not run.records:
         return "open", "No step records: nothing to report."
     if not incidents:
-        return "ok", (f"Healthy: no warning in {len(run.records):,} records "
-                      f"(steps {run.records[0].step}–{run.records[-1].step}).")
+        return "ok", (
+            f"Healthy: no warning in {len(run.records):,} records (steps {run.records[0].step}–{run.records[-1].step})."
+        )
     lost = next((v for v in incidents if v.nonfinite is not None), None)
     if lost is not None:
         where = f" in {lost.nonfinite_location}" if lost.nonfinite_location else ""
-        return "nonfinite", (f"Run lost at step {lost.nonfinite}: first non-finite value{where}, "
-                             f"{lost.lead} steps after the first warning (step {lost.opened}).")
+        return "nonfinite", (
+            f"Run lost at step {lost.nonfinite}: first non-finite value{where}, "
+            f"{lost.lead} steps after the first warning (step {lost.opened})."
+        )
     worst = max(incidents, key=lambda v: ("open", "critical").index(v.worst) if v.worst in ("open", "critical") else 0)
     n = len(incidents)
     state = "still open" if worst.resolved is None else f"resolved at step {worst.resolved}"
     word = "critical" if worst.worst == "critical" else "warning"
     cls = "critical" if worst.worst == "critical" else ("resolved" if worst.resolved is not None else "open")
-    return cls, (f"{n} incident{'s' if n > 1 else ''}, no non-finite value; the worst reached {word} at step "
-                 f"{worst.critical if worst.critical is not None else worst.opened} ({state}).")
+    return cls, (
+        f"{n} incident{'s' if n > 1 else ''}, no non-finite value; the worst reached {word} at step "
+        f"{worst.critical if worst.critical is not None else worst.opened} ({state})."
+    )
 
 
 def _series(records: Sequence[StepRecord], field: str) -> list[tuple[float, float]]:
@@ -142,8 +152,14 @@ def _panels(records: Sequence[StepRecord], keep: list[tuple[float, float]]) -> l
         dtype = next((r.headroom_dtype for r in records if r.headroom_dtype), None)
         if field == "headroom" and dtype:
             note = f"decades left below {dtype}'s max"
-        panels.append(Panel(title, [Series(title, color, thin(pts, keep, _BUDGET), dots=field in _SAMPLED and len(pts) < 300)],
-                            log=log, note=note))
+        panels.append(
+            Panel(
+                title,
+                [Series(title, color, thin(pts, keep, _BUDGET), dots=field in _SAMPLED and len(pts) < 300)],
+                log=log,
+                note=note,
+            )
+        )
     return panels
 
 
@@ -160,14 +176,25 @@ def _incident_section(v: IncidentView, run: RunData) -> str:
     keep = [(m - 60.0, m + 60.0) for m, _ in v.marks]
     marks = [Mark(s, k) for s, k in v.marks]
     lead = (v.opened, v.nonfinite, f"lead: {v.lead} steps") if v.nonfinite is not None and (v.lead or 0) > 0 else None
-    chart = stacked_chart(_panels(recs, keep), x0, x1, marks, lead) if recs else "<p class=muted>No records in this window.</p>"
+    chart = (
+        stacked_chart(_panels(recs, keep), x0, x1, marks, lead)
+        if recs
+        else "<p class=muted>No records in this window.</p>"
+    )
     state = {"nonfinite": "lost (non-finite)", "critical": "critical", "open": "warning"}.get(v.worst, v.worst)
     end = v.nonfinite if v.nonfinite is not None else (v.resolved if v.resolved is not None else v.end)
-    out = [f"<section><h2>Incident {v.number} · steps {v.opened}–{end} · {escape(state)}"
-           f"{' · resolved' if v.resolved is not None else ''}</h2>", _facts(v), chart,
-           "<div class=cols><div>", "<h3>What happened</h3>",
-           "".join(f"<p style=\"margin:4px 0\">{escape(s)}</p>" for s in v.sentences), "</div><div>",
-           _first_nonfinite(v), "</div></div>"]
+    out = [
+        f"<section><h2>Incident {v.number} · steps {v.opened}–{end} · {escape(state)}"
+        f"{' · resolved' if v.resolved is not None else ''}</h2>",
+        _facts(v),
+        chart,
+        "<div class=cols><div>",
+        "<h3>What happened</h3>",
+        "".join(f'<p style="margin:4px 0">{escape(s)}</p>' for s in v.sentences),
+        "</div><div>",
+        _first_nonfinite(v),
+        "</div></div>",
+    ]
     if v.countdowns:
         out.append(_countdown_table(v))
     if v.hints:
@@ -186,11 +213,15 @@ def _facts(v: IncidentView) -> str:
         items.append(("nonfinite", "first NaN/Inf", v.nonfinite))
     if v.resolved is not None:
         items.append(("resolved", "resolved", v.resolved))
-    cells = [f"<div class=fact style=\"border-left-color:{MARK_COLORS[k]}\"><span>{w}</span><b>step {s}</b></div>"
-             for k, w, s in items]
+    cells = [
+        f'<div class=fact style="border-left-color:{MARK_COLORS[k]}"><span>{w}</span><b>step {s}</b></div>'
+        for k, w, s in items
+    ]
     if v.lead is not None:
-        cells.append(f"<div class=fact style=\"border-left-color:#111827\"><span>lead (warning → NaN)</span>"
-                     f"<b>{v.lead} steps</b></div>")
+        cells.append(
+            f'<div class=fact style="border-left-color:#111827"><span>lead (warning → NaN)</span>'
+            f"<b>{v.lead} steps</b></div>"
+        )
     return "<div class=facts>" + "".join(cells) + "</div>"
 
 
@@ -205,8 +236,13 @@ def _first_nonfinite(v: IncidentView) -> str:
             op += f" during the {c['stage']}"
         rows.append(("cause", escape(op)))
         if c.get("location"):
-            rows.append(("line", f"<code>{escape(str(c['location']))}</code>"
-                         + (f" in <code>{escape(str(c['module']))}</code>" if c.get("module") else "")))
+            rows.append(
+                (
+                    "line",
+                    f"<code>{escape(str(c['location']))}</code>"
+                    + (f" in <code>{escape(str(c['module']))}</code>" if c.get("module") else ""),
+                )
+            )
         if c.get("source"):
             rows.append(("source", f"<code>{escape(str(c['source']))}</code>"))
         if c.get("input_ranges"):
@@ -232,8 +268,10 @@ def _countdown_table(v: IncidentView) -> str:
         said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} steps"
         left = "—" if c.left is None else f"{c.left} steps"
         verdict = "" if c.left is None else ("early (safe side)" if c.said <= c.left else "late: fewer were left")
-        rows.append(f"<tr><td>step {c.step}</td><td><code>{escape(c.metric)}</code></td><td>{said}</td>"
-                    f"<td>{left}</td><td class=muted>{verdict}</td></tr>")
+        rows.append(
+            f"<tr><td>step {c.step}</td><td><code>{escape(c.metric)}</code></td><td>{said}</td>"
+            f"<td>{left}</td><td class=muted>{verdict}</td></tr>"
+        )
     more = f"<p class=muted>… and {len(v.countdowns) - 10} more forecasts.</p>" if len(v.countdowns) > 10 else ""
     head = "<tr><th>said at</th><th>metric</th><th>steps to overflow said</th><th>steps left to the first NaN/Inf</th><th></th></tr>"
     return f"<h3>Countdown: said vs left</h3><table>{head}{''.join(rows)}</table>{more}"
@@ -243,35 +281,53 @@ def _layers(v: IncidentView, x0: float, x1: float) -> str:
     if not v.layers:
         return ""
     left = any(t.left_pack for t in v.layers)
-    head = ("Layers that left the pack" if left else
-            "No layer left the pack: they grew together (the four that grew most)")
+    head = (
+        "Layers that left the pack" if left else "No layer left the pack: they grew together (the four that grew most)"
+    )
     marks = [Mark(s, k) for s, k in v.marks]
     charts = []
     for i, t in enumerate(v.layers):
         pts = [(float(s), y) for s, y in t.points if x0 <= s <= x1]
         color = _LAYER_COLORS[i % len(_LAYER_COLORS)] if t.left_pack else "#2563eb"
         sub = f"{LAYER_FAMILIES[t.family]}: grew ×{fmt_num(t.growth)}, median layer ×{fmt_num(t.pack_growth)}"
-        charts.append(small_chart(t.layer, sub, Series(t.layer, color, pts),
-                                  [(float(s), y) for s, y in t.pack if x0 <= s <= x1], x0, x1, marks))
-    key = "<p class=muted style=\"margin:0 0 6px\">Colour: the layer; grey: the median layer of the same metric.</p>"
+        charts.append(
+            small_chart(
+                t.layer,
+                sub,
+                Series(t.layer, color, pts),
+                [(float(s), y) for s, y in t.pack if x0 <= s <= x1],
+                x0,
+                x1,
+                marks,
+            )
+        )
+    key = '<p class=muted style="margin:0 0 6px">Colour: the layer; grey: the median layer of the same metric.</p>'
     return f"<h3>{escape(head)}</h3>{key}<div class=grid>{''.join(charts)}</div>"
 
 
 def _alert_list(v: IncidentView) -> str:
     if not v.alerts:
         return ""
-    rows = "".join(f"<tr><td>{a.get('step')}</td><td style=\"color:{MARK_COLORS['critical'] if a.get('severity') == 'critical' else MARK_COLORS['warning']}\">"
-                   f"{escape(str(a.get('severity')))}</td><td>{escape(str(a.get('kind')))}</td>"
-                   f"<td>{escape(str(a.get('message'))[:300])}</td></tr>" for a in v.alerts[:200])
+    rows = "".join(
+        f'<tr><td>{a.get("step")}</td><td style="color:{MARK_COLORS["critical"] if a.get("severity") == "critical" else MARK_COLORS["warning"]}">'
+        f"{escape(str(a.get('severity')))}</td><td>{escape(str(a.get('kind')))}</td>"
+        f"<td>{escape(str(a.get('message'))[:300])}</td></tr>"
+        for a in v.alerts[:200]
+    )
     return f"<details><summary>All {len(v.alerts)} alerts of this incident</summary><table>{rows}</table></details>"
 
 
 def _more_incidents(rest: list[IncidentView]) -> str:
-    rows = "".join(f"<tr><td>{v.number}</td><td>{v.opened}</td><td>{escape(v.worst)}</td>"
-                   f"<td>{'' if v.nonfinite is None else v.nonfinite}</td>"
-                   f"<td>{'' if v.resolved is None else v.resolved}</td></tr>" for v in rest[:500])
-    return (f"<section><h2>{len(rest)} more incidents</h2><table><tr><th>incident</th><th>opened</th><th>worst</th>"
-            f"<th>first NaN/Inf</th><th>resolved</th></tr>{rows}</table></section>")
+    rows = "".join(
+        f"<tr><td>{v.number}</td><td>{v.opened}</td><td>{escape(v.worst)}</td>"
+        f"<td>{'' if v.nonfinite is None else v.nonfinite}</td>"
+        f"<td>{'' if v.resolved is None else v.resolved}</td></tr>"
+        for v in rest[:500]
+    )
+    return (
+        f"<section><h2>{len(rest)} more incidents</h2><table><tr><th>incident</th><th>opened</th><th>worst</th>"
+        f"<th>first NaN/Inf</th><th>resolved</th></tr>{rows}</table></section>"
+    )
 
 
 def _overview(run: RunData, incidents: list[IncidentView]) -> str:
@@ -279,9 +335,15 @@ def _overview(run: RunData, incidents: list[IncidentView]) -> str:
         return ""
     x0, x1 = run.records[0].step, run.records[-1].step
     keep = [(m - 60.0, m + 60.0) for v in incidents for m, _ in v.marks]
-    marks = [Mark(s, k, " ") for v in incidents[:_FULL_INCIDENTS] for s, k in v.marks]
-    bands = [(v.opened, v.nonfinite if v.nonfinite is not None else (v.resolved or v.end),
-              MARK_COLORS["critical" if v.worst in ("critical", "nonfinite") else "warning"]) for v in incidents]
+    [Mark(s, k, " ") for v in incidents[:_FULL_INCIDENTS] for s, k in v.marks]
+    bands = [
+        (
+            v.opened,
+            v.nonfinite if v.nonfinite is not None else (v.resolved or v.end),
+            MARK_COLORS["critical" if v.worst in ("critical", "nonfinite") else "warning"],
+        )
+        for v in incidents
+    ]
     chart = stacked_chart(_panels(run.records, keep), x0, x1, [], None, bands=bands, panel_h=90)
     head = "The whole run" if incidents else "The run's curves"
     note = " (incidents shaded)" if incidents else ""

@@ -2,11 +2,12 @@
 its warning / critical / first non-finite steps, what happened in sentences, the first
 non-finite tensor and its cause, the countdown said vs what was left, what to do, and the
 layers that left the pack."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from .._functional import fmt_num, median
 from .._types import StepRecord
@@ -37,7 +38,7 @@ class Countdown:
     step: int
     metric: str
     said: float
-    left: Optional[int]
+    left: int | None
     bound: bool = False  # `said` is an upper bound (the growth rate was rising)
 
 
@@ -61,14 +62,14 @@ class IncidentView:
     number: int
     opened: int  # first warning step
     end: int  # last step that belongs to it (resolution, the next incident, or the log's end)
-    critical: Optional[int] = None
-    nonfinite: Optional[int] = None  # the first non-finite step
-    resolved: Optional[int] = None
+    critical: int | None = None
+    nonfinite: int | None = None  # the first non-finite step
+    resolved: int | None = None
     worst: str = "open"
     events: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)  # raised (not cleared) alerts, in order
-    nonfinite_alert: Optional[dict[str, Any]] = None
-    nonfinite_location: Optional[str] = None
+    nonfinite_alert: dict[str, Any] | None = None
+    nonfinite_location: str | None = None
     countdowns: list[Countdown] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     layers: list[LayerTrack] = field(default_factory=list)
@@ -76,7 +77,7 @@ class IncidentView:
     actions: list[str] = field(default_factory=list)
 
     @property
-    def lead(self) -> Optional[int]:
+    def lead(self) -> int | None:
         """Steps from the first warning to the first non-finite value."""
         return None if self.nonfinite is None else self.nonfinite - self.opened
 
@@ -97,7 +98,7 @@ class IncidentView:
         d = (self.nonfinite_alert or {}).get("details") or {}
         return d.get("cause") if isinstance(d.get("cause"), dict) else {}
 
-    def why(self) -> Optional[str]:
+    def why(self) -> str | None:
         d = (self.nonfinite_alert or {}).get("details") or {}
         why = d.get("why") if isinstance(d.get("why"), str) else None
         return why or next((e.get("explanation") for e in self.events if e.get("explanation")), None)
@@ -109,8 +110,11 @@ def incidents_of(run: RunData) -> list[IncidentView]:
     views = _group(run.incidents, last_step)
     nonfinite_steps = [r.step for r in run.records if not r.is_finite()]
     for v in views:
-        v.alerts = [a for a in run.alerts if v.opened <= _step(a) <= v.end and not a.get("cleared")
-                    and a.get("severity") in ("warning", "critical")]
+        v.alerts = [
+            a
+            for a in run.alerts
+            if v.opened <= _step(a) <= v.end and not a.get("cleared") and a.get("severity") in ("warning", "critical")
+        ]
         _fill_nonfinite(v, run, nonfinite_steps)
         v.countdowns = _countdowns(v)
         v.hints = _hints(v)
@@ -159,10 +163,20 @@ def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int]) -
     if in_window and (v.nonfinite is None or in_window[0] < v.nonfinite):
         v.nonfinite = in_window[0]
         v.worst = "nonfinite"
-    v.nonfinite_alert = next((a for a in v.alerts if a.get("kind") == "nonfinite" and a.get("severity") == "critical"), None)
+    v.nonfinite_alert = next(
+        (a for a in v.alerts if a.get("kind") == "nonfinite" and a.get("severity") == "critical"), None
+    )
     if v.nonfinite_alert is None:  # a live run's flight record may hold it
-        v.nonfinite_alert = next((fr["alert"] for fr in run.flight_records if isinstance(fr.get("alert"), dict)
-                                  and fr["alert"].get("kind") == "nonfinite" and v.opened <= _step(fr["alert"]) <= v.end), None)
+        v.nonfinite_alert = next(
+            (
+                fr["alert"]
+                for fr in run.flight_records
+                if isinstance(fr.get("alert"), dict)
+                and fr["alert"].get("kind") == "nonfinite"
+                and v.opened <= _step(fr["alert"]) <= v.end
+            ),
+            None,
+        )
     loc = (v.nonfinite_alert or {}).get("location")
     if not loc and v.nonfinite is not None:
         rec = next((r for r in run.records if r.step == v.nonfinite), None)
@@ -271,8 +285,10 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
     if v.nonfinite is not None:
         where = f" in {v.nonfinite_location}" if v.nonfinite_location else ""
         lead = v.lead or 0
-        out.append(f"The first non-finite value appeared at step {v.nonfinite}{where}: "
-                   f"{lead} step{'s' if lead != 1 else ''} after the first warning.")
+        out.append(
+            f"The first non-finite value appeared at step {v.nonfinite}{where}: "
+            f"{lead} step{'s' if lead != 1 else ''} after the first warning."
+        )
     for act in v.actions:
         out.append(f"nummon acted: {act}.")
     if v.resolved is not None:

@@ -6,12 +6,13 @@ Non-finite values are drawn as crosses at the top of their panel (a NaN has no h
 steps and the lowest and highest of each bucket elsewhere, so a spike far from the incident
 stays visible while a 100,000-step run stays small.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import Optional, Sequence
 
 __all__ = ["Series", "Panel", "Mark", "thin", "stacked_chart", "small_chart", "MARK_COLORS"]
 
@@ -123,7 +124,7 @@ def tick_text(v: float, log: bool) -> str:
     """A short tick label: 0.01 .. 1000 written out, else 1e5 / 1e-5 (log) or %g (linear)."""
     if log:
         k = int(round(v))
-        return f"{10.0 ** k:g}" if -2 <= k <= 3 else f"1e{k}"
+        return f"{10.0**k:g}" if -2 <= k <= 3 else f"1e{k}"
     if v == 0:
         return "0"
     a = abs(v)
@@ -140,27 +141,46 @@ def _path(points: list[tuple[float, float]]) -> str:
     return "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in points)
 
 
-def _panel_svg(p: Panel, x0: float, x1: float, left: float, top: float, w: float, h: float,
-               marks: Sequence[Mark], legend: bool = True) -> list[str]:
+def _panel_svg(
+    p: Panel,
+    x0: float,
+    x1: float,
+    left: float,
+    top: float,
+    w: float,
+    h: float,
+    marks: Sequence[Mark],
+    legend: bool = True,
+) -> list[str]:
     """One panel's SVG elements: frame, y ticks, mark lines, the series, non-finite crosses."""
     out: list[str] = []
     finite = [y for s in p.series for _, y in s.points if math.isfinite(y) and (y > 0 or not p.log)]
-    sx = (lambda x: left + (x - x0) / (x1 - x0 or 1) * w)
+
+    def sx(x):
+        return left + (x - x0) / (x1 - x0 or 1) * w
+
     out.append(f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fff" stroke="#d1d5db"/>')
     if finite:
         ax = _log_axis(finite) if p.log else _linear_axis(finite)
         span = (ax.hi - ax.lo) or 1.0
         to_y = (lambda v: math.log10(v)) if p.log else (lambda v: v)
-        sy = (lambda v: top + h - (to_y(v) - ax.lo) / span * h)
+
+        def sy(v):
+            return top + h - (to_y(v) - ax.lo) / span * h
+
         for t in ax.ticks:
             ty = top + h - (t - ax.lo) / span * h
             out.append(f'<line x1="{left}" x2="{left + w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#eef0f3"/>')
-            out.append(f'<text x="{left - 6}" y="{ty + 4:.1f}" text-anchor="end" class="t">{escape(tick_text(t, ax.log))}</text>')
+            out.append(
+                f'<text x="{left - 6}" y="{ty + 4:.1f}" text-anchor="end" class="t">{escape(tick_text(t, ax.log))}</text>'
+            )
     for m in marks:
         mx = sx(m.step)
         if left <= mx <= left + w:
-            out.append(f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{top}" y2="{top + h}" stroke="{MARK_COLORS.get(m.kind, "#888")}" '
-                       'stroke-width="1.5" stroke-dasharray="4 3"/>')
+            out.append(
+                f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{top}" y2="{top + h}" stroke="{MARK_COLORS.get(m.kind, "#888")}" '
+                'stroke-width="1.5" stroke-dasharray="4 3"/>'
+            )
     for s in p.series:
         segs: list[list[tuple[float, float]]] = [[]]
         crosses = []
@@ -174,31 +194,47 @@ def _panel_svg(p: Panel, x0: float, x1: float, left: float, top: float, w: float
                 segs[-1].append((sx(x), sy(y)))
         for seg in segs:
             if len(seg) > 1:
-                out.append(f'<path d="{_path(seg)}" fill="none" stroke="{s.color}" stroke-width="1.6" stroke-linejoin="round"/>')
+                out.append(
+                    f'<path d="{_path(seg)}" fill="none" stroke="{s.color}" stroke-width="1.6" stroke-linejoin="round"/>'
+                )
             if s.dots or len(seg) == 1:
                 out.extend(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2" fill="{s.color}"/>' for cx, cy in seg)
         for cx in crosses[:200]:
             cy = top + 7
-            out.append(f'<path d="M{cx - 4:.1f},{cy - 4:.1f}l8,8m0,-8l-8,8" stroke="{MARK_COLORS["nonfinite"]}" stroke-width="2"/>')
+            out.append(
+                f'<path d="M{cx - 4:.1f},{cy - 4:.1f}l8,8m0,-8l-8,8" stroke="{MARK_COLORS["nonfinite"]}" stroke-width="2"/>'
+            )
     # the title and legend inside the panel, top-left, on a white plate so curves do not hide it
     if not legend:
         return out
     label = escape(p.title) + (f' <tspan class="n">{escape(p.note)}</tspan>' if p.note else "")
-    out.append(f'<text x="{left + 8}" y="{top + 15}" class="pt" paint-order="stroke" stroke="#fff" stroke-width="4">{label}</text>')
+    out.append(
+        f'<text x="{left + 8}" y="{top + 15}" class="pt" paint-order="stroke" stroke="#fff" stroke-width="4">{label}</text>'
+    )
     if len(p.series) > 1:
         lx = left + w - 8
         for s in reversed(p.series):
-            out.append(f'<text x="{lx:.1f}" y="{top + 15}" text-anchor="end" class="t" fill="{s.color}" '
-                       f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(s.label)}</text>')
+            out.append(
+                f'<text x="{lx:.1f}" y="{top + 15}" text-anchor="end" class="t" fill="{s.color}" '
+                f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(s.label)}</text>'
+            )
             lx -= 8 + 6.5 * len(s.label)
     if not finite and not any(not math.isfinite(y) for s in p.series for _, y in s.points):
         out.append(f'<text x="{left + w / 2}" y="{top + h / 2}" text-anchor="middle" class="n">not recorded</text>')
     return out
 
 
-def stacked_chart(panels: Sequence[Panel], x0: float, x1: float, marks: Sequence[Mark] = (),
-                  lead: Optional[tuple[float, float, str]] = None, width: int = 960, panel_h: int = 104,
-                  band: Optional[tuple[float, float]] = None, bands: Sequence[tuple[float, float, str]] = ()) -> str:
+def stacked_chart(
+    panels: Sequence[Panel],
+    x0: float,
+    x1: float,
+    marks: Sequence[Mark] = (),
+    lead: tuple[float, float, str] | None = None,
+    width: int = 960,
+    panel_h: int = 104,
+    band: tuple[float, float] | None = None,
+    bands: Sequence[tuple[float, float, str]] = (),
+) -> str:
     """Panels stacked on one step axis [x0, x1]; `marks` drawn across all of them and labelled
     on top; `lead` = (from, to, text) drawn as a bracket above; `bands` shade step ranges."""
     left, right, gap = 66, 14, 16
@@ -206,11 +242,16 @@ def stacked_chart(panels: Sequence[Panel], x0: float, x1: float, marks: Sequence
     w = width - left - right
     height = head + len(panels) * (panel_h + gap) + 24
     x1 = x1 if x1 > x0 else x0 + 1
-    sx = (lambda x: left + (x - x0) / (x1 - x0) * w)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-           f'role="img" style="{_FONT};max-width:100%;height:auto">',
-           '<style>.t{font-size:11px;fill:#4b5563}.pt{font-size:12.5px;font-weight:600;fill:#111827}'
-           '.n{font-size:11px;fill:#6b7280;font-weight:400}.m{font-size:12px;font-weight:700}</style>']
+
+    def sx(x):
+        return left + (x - x0) / (x1 - x0) * w
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'role="img" style="{_FONT};max-width:100%;height:auto">',
+        "<style>.t{font-size:11px;fill:#4b5563}.pt{font-size:12.5px;font-weight:600;fill:#111827}"
+        ".n{font-size:11px;fill:#6b7280;font-weight:400}.m{font-size:12px;font-weight:700}</style>",
+    ]
     body_top, body_h = head, len(panels) * (panel_h + gap) - gap
     for i, p in enumerate(panels):
         out.extend(_panel_svg(p, x0, x1, left, head + i * (panel_h + gap), w, panel_h, marks))
@@ -218,8 +259,10 @@ def stacked_chart(panels: Sequence[Panel], x0: float, x1: float, marks: Sequence
         for a, b, color in bands:
             a, b = max(a, x0), min(b, x1)
             if b >= a:
-                out.append(f'<rect x="{sx(a):.1f}" y="{body_top}" width="{max(2.0, sx(b) - sx(a)):.1f}" '
-                           f'height="{body_h}" fill="{color}" opacity="0.12"/>')
+                out.append(
+                    f'<rect x="{sx(a):.1f}" y="{body_top}" width="{max(2.0, sx(b) - sx(a)):.1f}" '
+                    f'height="{body_h}" fill="{color}" opacity="0.12"/>'
+                )
     bottom = head + body_h
     for t in _step_ticks(x0, x1, 8):
         tx = sx(t)
@@ -230,8 +273,9 @@ def stacked_chart(panels: Sequence[Panel], x0: float, x1: float, marks: Sequence
     return "\n".join(out)
 
 
-def _mark_labels(marks: Sequence[Mark], sx, xmin: float, xmax: float,
-                 lead: Optional[tuple[float, float, str]]) -> list[str]:
+def _mark_labels(
+    marks: Sequence[Mark], sx, xmin: float, xmax: float, lead: tuple[float, float, str] | None
+) -> list[str]:
     out = []
     placed: list[tuple[float, float, int]] = []  # (x from, x to, row) of labels drawn
     for m in sorted(marks, key=lambda m: m.step):
@@ -246,30 +290,48 @@ def _mark_labels(marks: Sequence[Mark], sx, xmin: float, xmax: float,
             row += 1
         placed.append((anchor_x - 4, anchor_x + wtext + 4, row))
         y = 14 + 14 * min(row, 1)
-        out.append(f'<text x="{anchor_x:.1f}" y="{y}" class="m" fill="{MARK_COLORS.get(m.kind, "#333")}">{escape(text)}</text>')
+        out.append(
+            f'<text x="{anchor_x:.1f}" y="{y}" class="m" fill="{MARK_COLORS.get(m.kind, "#333")}">{escape(text)}</text>'
+        )
     if lead is not None:
         a, b, text = sx(lead[0]), sx(lead[1]), lead[2]
         if b > a:
             y = 48  # below the two rows of mark labels
             out.append(f'<path d="M{a:.1f},{y - 4}v4H{b:.1f}v-4" fill="none" stroke="#111827" stroke-width="1.2"/>')
-            out.append(f'<text x="{(a + b) / 2:.1f}" y="{y - 3}" text-anchor="middle" class="m" fill="#111827" '
-                       f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(text)}</text>')
+            out.append(
+                f'<text x="{(a + b) / 2:.1f}" y="{y - 3}" text-anchor="middle" class="m" fill="#111827" '
+                f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(text)}</text>'
+            )
     return out
 
 
-def small_chart(title: str, subtitle: str, main: Series, pack: Sequence[Point], x0: float, x1: float,
-                marks: Sequence[Mark] = (), width: int = 302, height: int = 128) -> str:
+def small_chart(
+    title: str,
+    subtitle: str,
+    main: Series,
+    pack: Sequence[Point],
+    x0: float,
+    x1: float,
+    marks: Sequence[Mark] = (),
+    width: int = 302,
+    height: int = 128,
+) -> str:
     """One layer's series (colour) over the pack's median (grey), log scale, marks dashed."""
     left, top, w, h = 40, 30, width - 48, height - 48
     panel = Panel("", [Series("pack", "#9ca3af", list(pack)), main], log=True)
     body = _panel_svg(panel, x0, x1 if x1 > x0 else x0 + 1, left, top, w, h, marks, legend=False)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-           f'role="img" style="{_FONT}">',
-           '<style>.t{font-size:10px;fill:#4b5563}.n{font-size:10px;fill:#6b7280}</style>',
-           f'<text x="4" y="13" style="font-size:12.5px;font-weight:700" fill="{main.color}">{escape(title)}</text>',
-           f'<text x="4" y="26" class="n">{escape(subtitle)}</text>', *body]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'role="img" style="{_FONT}">',
+        "<style>.t{font-size:10px;fill:#4b5563}.n{font-size:10px;fill:#6b7280}</style>",
+        f'<text x="4" y="13" style="font-size:12.5px;font-weight:700" fill="{main.color}">{escape(title)}</text>',
+        f'<text x="4" y="26" class="n">{escape(subtitle)}</text>',
+        *body,
+    ]
     for t in (x0, x1):
-        out.append(f'<text x="{left + (t - x0) / ((x1 - x0) or 1) * w:.1f}" y="{top + h + 13}" text-anchor="middle" '
-                   f'class="t">{tick_text(t, False)}</text>')
+        out.append(
+            f'<text x="{left + (t - x0) / ((x1 - x0) or 1) * w:.1f}" y="{top + h + 13}" text-anchor="middle" '
+            f'class="t">{tick_text(t, False)}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out)

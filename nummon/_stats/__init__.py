@@ -8,6 +8,7 @@ output's dtype). It packs every scalar into one vector, copies that to the host 
 (non-blocking into pinned memory on CUDA, read one step later) and turns it into plain floats,
 the only thing that leaves here.
 """
+
 from .dtypes import dtype_name
 from .engine import StatsEngine
 from .pending import Pending

@@ -15,11 +15,13 @@ elements is read at fixed random runs of `SAMPLE_RUN` consecutive elements, smal
 the four quantities (parameter, gradient, both moments) of a parameter group are read by one
 concatenation, and every per-tensor mean of the group is one reduction.
 """
+
 from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,8 +73,9 @@ class _Sample:
         for i in self.big:  # runs at fixed random offsets: few cache lines, and no stride that
             n = tensors[i].numel()  # could alias with a row length
             g = torch.Generator().manual_seed(n)
-            starts = (torch.randperm(n // SAMPLE_RUN, generator=g)[: ADAM_SAMPLE // SAMPLE_RUN].sort().values
-                      * SAMPLE_RUN)
+            starts = (
+                torch.randperm(n // SAMPLE_RUN, generator=g)[: ADAM_SAMPLE // SAMPLE_RUN].sort().values * SAMPLE_RUN
+            )
             self.starts.append(starts.tolist())
             self.index.append((starts[:, None] + torch.arange(SAMPLE_RUN)).reshape(-1).to(dev))
         sizes = [tensors[i].numel() for i in self.small]
@@ -138,11 +141,25 @@ class AdamStatistics:
         since the last backward: the first trainable parameter's post-accumulate-grad hook (one
         Python call per backward) and the optimizer's step post-hook."""
         opt = self.optimizer
-        p = next((p for g in getattr(opt, "param_groups", ()) for p in g["params"]
-                  if isinstance(p, torch.Tensor) and p.requires_grad), None)
-        if p is None or not hasattr(p, "register_post_accumulate_grad_hook") or not hasattr(opt, "register_step_post_hook"):
+        p = next(
+            (
+                p
+                for g in getattr(opt, "param_groups", ())
+                for p in g["params"]
+                if isinstance(p, torch.Tensor) and p.requires_grad
+            ),
+            None,
+        )
+        if (
+            p is None
+            or not hasattr(p, "register_post_accumulate_grad_hook")
+            or not hasattr(opt, "register_step_post_hook")
+        ):
             return
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_arrived), opt.register_step_post_hook(self._step_done)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_arrived),
+            opt.register_step_post_hook(self._step_done),
+        ]
 
     def _grad_arrived(self, _p: Any) -> None:
         self._grad_at = self._steps
@@ -186,7 +203,9 @@ class AdamStatistics:
             self._groups.pop(gi, None)
             return None
         names = self._names_of()
-        out = self._groups[gi] = _Group(key, ps, ms, vs, first, [names.get(id(p), f"param{k}") for k, p in enumerate(ps)])
+        out = self._groups[gi] = _Group(
+            key, ps, ms, vs, first, [names.get(id(p), f"param{k}") for k, p in enumerate(ps)]
+        )
         return out
 
     def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float, float]:
@@ -241,16 +260,23 @@ class AdamStatistics:
             # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
             ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
             # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
-            step = M / ((V / (1.0 - b2 ** t)).sqrt() + eps)
+            step = M / ((V / (1.0 - b2**t)).sqrt() + eps)
             mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
             sizes = s.sizes
             if missing:
                 mean, sizes = mean[:, present], sizes[present]
             rms.append(mean[0].sqrt())
             small.append(mean[1] * sizes)  # (estimated) count of |g| < eps
-            upd.append(mean[2].sqrt() * (lr / (1.0 - b1 ** t)) / mean[3].sqrt().clamp(min=1e-30))
+            upd.append(mean[2].sqrt() * (lr / (1.0 - b1**t)) / mean[3].sqrt().clamp(min=1e-30))
         if not names:
             return [], [], 0.0, 0.0
-        return names, [Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
-                       Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
-                       Segment("mech_adam_update", torch.cat(upd), Reduce.MAX)], elements, bound
+        return (
+            names,
+            [
+                Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
+                Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
+                Segment("mech_adam_update", torch.cat(upd), Reduce.MAX),
+            ],
+            elements,
+            bound,
+        )

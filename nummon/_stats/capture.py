@@ -20,6 +20,7 @@ mode is on only inside the attention modules, log Z is read from the head's outp
 Linear outputs from their own forward hooks. What no module holds falls back to the mode: after
 the forward (a loss computed from the model's output) or over the whole forward.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,8 +40,16 @@ from torch.overrides import TorchFunctionMode
 
 from .._functional import spaced
 
-__all__ = ["ENTROPY_BUDGET", "LINEAR_LIMIT", "OUTPUT_BUDGET", "PLAN_EVERY", "RMS_BUDGET", "SAME_VALUES",
-           "SDPA_QUERY_BUDGET", "ForwardCapture"]
+__all__ = [
+    "ENTROPY_BUDGET",
+    "LINEAR_LIMIT",
+    "OUTPUT_BUDGET",
+    "PLAN_EVERY",
+    "RMS_BUDGET",
+    "SAME_VALUES",
+    "SDPA_QUERY_BUDGET",
+    "ForwardCapture",
+]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -69,8 +78,17 @@ _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _SDPA = F.scaled_dot_product_attention
 # autograd nodes that move or cast values without computing new ones: logits that reach the
 # loss through them are a module's output (HF's `.float()`, a shift by one token, a reshape)
-SAME_VALUES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0",
-                "TransposeBackward0", "PermuteBackward0", "SliceBackward0", "ExpandBackward0"}
+SAME_VALUES = {
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "ToCopyBackward0",
+    "CloneBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "SliceBackward0",
+    "ExpandBackward0",
+}
 _MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 
 
@@ -95,7 +113,7 @@ def _is_linear(m: nn.Module) -> bool:
 class _Capture(TorchFunctionMode):
     """Sees the attention and output-logit calls made while it is on."""
 
-    def __init__(self, capture: "ForwardCapture") -> None:
+    def __init__(self, capture: ForwardCapture) -> None:
         super().__init__()
         self.c = capture
 
@@ -158,7 +176,9 @@ class ForwardCapture:
         self._hooks: list[Any] = []
         self._names: dict[int, tuple[nn.Module, str]] = {}  # discovery: id(module) -> (module, name)
         self._stack: list[tuple[nn.Module, str]] = []
-        self._outputs: dict[tuple[str, int], tuple] = {}  # discovery: output storage / autograd node -> (module, its last dim, the output)
+        self._outputs: dict[
+            tuple[str, int], tuple
+        ] = {}  # discovery: output storage / autograd node -> (module, its last dim, the output)
         self._linear_ids: set[int] = set()
         self._last_out: Any = None
         self._recent: deque = deque(maxlen=RECENT_OUTPUTS)  # discovery: the last module outputs, held
@@ -199,8 +219,10 @@ class ForwardCapture:
         self._linear_ids = {id(m) for m, _ in self.plan.linear}
         self._outputs = {}
         self._recent.clear()
-        self._hooks = [_module.register_module_forward_pre_hook(self._push),
-                       _module.register_module_forward_hook(self._pop, always_call=True)]
+        self._hooks = [
+            _module.register_module_forward_pre_hook(self._push),
+            _module.register_module_forward_hook(self._pop, always_call=True),
+        ]
         self._enter_mode()
 
     def _scoped(self, plan: _Plan) -> None:
@@ -208,7 +230,7 @@ class ForwardCapture:
         for mod, name in plan.linear:
             hooks.append(mod.register_forward_hook(partial(self._linear_out, name)))
         if not plan.tail:
-            for mod, name in plan.heads.values():
+            for mod, _name in plan.heads.values():
                 hooks.append(mod.register_forward_hook(self._head_out))
         # the mode is on while an attention module's own code runs (the softmax / SDPA call is
         # there), and off while its children run: their calls, and the hooks on them (the
@@ -248,7 +270,7 @@ class ForwardCapture:
             self._names, self._outputs = {}, {}
             self._recent.clear()
             plan = self.plan
-            for key, (mod, name) in list(plan.attention.items()):
+            for key, (mod, _name) in list(plan.attention.items()):
                 if isinstance(mod, nn.MultiheadAttention) and type(mod).forward is nn.MultiheadAttention.forward:
                     plan.mha[key] = plan.attention.pop(key)  # its logits come from its inputs: no mode needed
 
@@ -263,7 +285,7 @@ class ForwardCapture:
             try:
                 mode.__exit__(None, None, None)
             except RuntimeError:  # closed from inside a torch call (a SIGTERM handler mid-forward):
-                pass               # the mode is off the stack while its handler runs, and ends with it
+                pass  # the mode is off the stack while its handler runs, and ends with it
 
     # ------------------------------------------------------------------ discovery hooks
     def _push(self, mod: nn.Module, _inp: Any) -> None:
@@ -310,8 +332,16 @@ class ForwardCapture:
         if self._depth == 0:
             self._leave_mode()
 
-    _MHA_FORWARD = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-                    "is_causal")
+    _MHA_FORWARD = (
+        "query",
+        "key",
+        "value",
+        "key_padding_mask",
+        "need_weights",
+        "attn_mask",
+        "average_attn_weights",
+        "is_causal",
+    )
 
     def _mha_in(self, name: str, mod: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
         """nn.MultiheadAttention's forward arguments, as F.multi_head_attention_forward gets them."""
@@ -324,12 +354,26 @@ class ForwardCapture:
             q, k = q.transpose(0, 1), k.transpose(0, 1)
         try:  # the projections now (the weights the forward used); the logits of all layers at take, batched
             with torch.no_grad():
-                self._pending.append((name, self._mha_qk(
-                    {"query": q, "key": k, "num_heads": mod.num_heads, "in_proj_weight": mod.in_proj_weight,
-                     "in_proj_bias": mod.in_proj_bias, "use_separate_proj_weight": not mod._qkv_same_embed_dim,
-                     "q_proj_weight": mod.q_proj_weight, "k_proj_weight": mod.k_proj_weight,
-                     "attn_mask": a.get("attn_mask"), "key_padding_mask": a.get("key_padding_mask"),
-                     "is_causal": a.get("is_causal", False)})))
+                self._pending.append(
+                    (
+                        name,
+                        self._mha_qk(
+                            {
+                                "query": q,
+                                "key": k,
+                                "num_heads": mod.num_heads,
+                                "in_proj_weight": mod.in_proj_weight,
+                                "in_proj_bias": mod.in_proj_bias,
+                                "use_separate_proj_weight": not mod._qkv_same_embed_dim,
+                                "q_proj_weight": mod.q_proj_weight,
+                                "k_proj_weight": mod.k_proj_weight,
+                                "attn_mask": a.get("attn_mask"),
+                                "key_padding_mask": a.get("key_padding_mask"),
+                                "is_causal": a.get("is_causal", False),
+                            }
+                        ),
+                    )
+                )
         except Exception:  # a probe must never break the user's forward
             self.errors += 1
 
@@ -343,7 +387,12 @@ class ForwardCapture:
             self._enter_mode()
 
     def _head_out(self, _m: nn.Module, _inp: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.ndim and threading.get_ident() == self._thread:
+        if (
+            isinstance(out, torch.Tensor)
+            and out.is_floating_point()
+            and out.ndim
+            and threading.get_ident() == self._thread
+        ):
             try:
                 self._output(out, -1)
             except Exception:  # a probe must never break the user's forward
@@ -355,7 +404,11 @@ class ForwardCapture:
         try:  # the mean square of the output's first RMS_BUDGET elements (the first tokens); sqrt at take
             with torch.no_grad():
                 o = out.detach().reshape(-1)[:RMS_BUDGET]
-                ss = torch.dot(o, o) if o.dtype == torch.float32 else torch.linalg.vector_norm(o, dtype=torch.float32).square()
+                ss = (
+                    torch.dot(o, o)
+                    if o.dtype == torch.float32
+                    else torch.linalg.vector_norm(o, dtype=torch.float32).square()
+                )
             self.rms.setdefault(name, []).append((ss, o.numel()))
         except Exception:  # a probe must never break the user's forward
             self.errors += 1
@@ -416,7 +469,6 @@ class ForwardCapture:
             return  # the head's forward hook measured these logits
         self._output(logits, dim)
 
-
     @torch.no_grad()
     def _attention(self, scores: torch.Tensor) -> None:
         """The max over every score now; a copy of the first slices' scores for the entropy,
@@ -460,7 +512,9 @@ class ForwardCapture:
             per = torch.stack([norm.sum(-1), live.sum(-1).float()])  # per slice: summed entropy, live rows
             sizes = [calls[j][1].shape[0] for j in idx]
             if max(sizes) > 1:  # slices -> calls
-                slice_owner = torch.repeat_interleave(torch.arange(len(idx), device=x.device), torch.tensor(sizes, device=x.device))
+                slice_owner = torch.repeat_interleave(
+                    torch.arange(len(idx), device=x.device), torch.tensor(sizes, device=x.device)
+                )
                 per = torch.zeros(2, len(idx), device=x.device).index_add_(1, slice_owner, per)
             parts.append(per[0] / per[1].clamp(min=1))
             order += idx
@@ -574,8 +628,14 @@ class ForwardCapture:
         groups: dict[tuple, tuple[list[str], list[tuple]]] = {}
         for name, qk in self._pending:
             q, k, mask, causal, kpm = qk
-            key = (q.shape, k.shape, q.device, id(mask) if mask is not None else None, causal,
-                   None if kpm is None else kpm.dtype)
+            key = (
+                q.shape,
+                k.shape,
+                q.device,
+                id(mask) if mask is not None else None,
+                causal,
+                None if kpm is None else kpm.dtype,
+            )
             names, qks = groups.setdefault(key, ([], []))
             names.append(name)
             qks.append(qk)

@@ -9,6 +9,7 @@ effect that traces cleanly) and replay its first sample eagerly when the step is
 (`first_sample`, `replayed`). The activation probes' hook traces into the graph as it is (no
 break, no recompile per step).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,8 @@ import itertools
 import os
 import sys
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,12 +26,25 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .capture import SAME_VALUES
 
-__all__ = ["autocast_state", "can_replay", "first_sample", "has_batch_norm", "loss_reads_compiled_output", "has_compiled_parts", "is_compile_wrapper", "replayed", "tracing",
-           "unwrap_compiled", "warn_at_user_line"]
+__all__ = [
+    "autocast_state",
+    "can_replay",
+    "first_sample",
+    "has_batch_norm",
+    "loss_reads_compiled_output",
+    "has_compiled_parts",
+    "is_compile_wrapper",
+    "replayed",
+    "tracing",
+    "unwrap_compiled",
+    "warn_at_user_line",
+]
 
 # frames in these folders are not the user's: nummon's own and torch's (module calls, hooks)
-_NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_NOT_USER = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
 
 
 def is_compile_wrapper(m: nn.Module) -> bool:
@@ -125,8 +140,16 @@ def replayed(model: nn.Module, autocast: tuple[tuple[str, torch.dtype], ...] = (
 
 # between a loss and its log-softmax: reductions and scalings of the loss (a mean, a division
 # for gradient accumulation, label smoothing's sum)
-_LOSS_SIDE = {"NllLossBackward0", "NllLoss2DBackward0", "MeanBackward0", "SumBackward0", "DivBackward0", "MulBackward0",
-              "MulBackward1", "AddBackward0"}
+_LOSS_SIDE = {
+    "NllLossBackward0",
+    "NllLoss2DBackward0",
+    "MeanBackward0",
+    "SumBackward0",
+    "DivBackward0",
+    "MulBackward0",
+    "MulBackward1",
+    "AddBackward0",
+}
 
 
 def _first_input(node: Any) -> Any:

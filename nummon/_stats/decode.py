@@ -1,11 +1,13 @@
 """Host side: turn one step's combined values into a StepRecord, and say where the first
 non-finite value appeared (and on which rank)."""
+
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -77,7 +79,7 @@ class _Build:
     """One record while the family decoders fill it in, and what localisation will need."""
 
     pending: Pending
-    get: Callable[[str], "list[float] | None"]
+    get: Callable[[str], list[float] | None]
     rec: StepRecord
     local: bool  # this rank's own values (single process): overflowed norms may be recomputed
     parts: list[str] = field(default_factory=list)  # the families that went non-finite
@@ -181,8 +183,13 @@ def _decode_inputs(b: _Build) -> None:
 #: one decoder per statistic family, in the order the step computed them (later families may
 #: read what earlier ones set: the clip ratio needs the gradient norm, the update ratio both)
 FAMILIES: tuple[Callable[[_Build], None], ...] = (
-    _decode_loss, _decode_grads, _decode_clip_ratio, _decode_params, _decode_state,
-    _decode_activations, _decode_inputs,
+    _decode_loss,
+    _decode_grads,
+    _decode_clip_ratio,
+    _decode_params,
+    _decode_state,
+    _decode_activations,
+    _decode_inputs,
 )
 
 
@@ -208,8 +215,9 @@ class Decoder:
             return None if s is None else vals[s.start : s.stop]
 
         lr = get("lr")
-        b = _Build(pending, get, StepRecord(step=pending.step, lr=pending.lr if lr is None else lr[0]),
-                   local=self.dist is None)
+        b = _Build(
+            pending, get, StepRecord(step=pending.step, lr=pending.lr if lr is None else lr[0]), local=self.dist is None
+        )
         for decode in self.families:
             decode(b)
         rec = b.rec
@@ -244,7 +252,11 @@ class Decoder:
         gradients' max |g|, or its bound (the largest L2 norm) on steps that did not measure it."""
         best = None
         loss_mag = abs(rec.loss) if rec.loss is not None else None
-        for mag, dt in ((grad_bound, pending.grad_dtype), (rec.activation_max, pending.acts.dtype), (loss_mag, pending.loss_dtype)):
+        for mag, dt in (
+            (grad_bound, pending.grad_dtype),
+            (rec.activation_max, pending.acts.dtype),
+            (loss_mag, pending.loss_dtype),
+        ):
             if mag is None or dt is None or not math.isfinite(mag):
                 continue
             h = headroom_decades(mag, dt)
@@ -314,4 +326,3 @@ def locate(rec: StepRecord, origin: _Origin) -> str:
     if "optimizer state" in rec.nonfinite_parts:
         return "optimizer state"
     return "loss"
-

@@ -1,4 +1,5 @@
 """One table of dtype names: torch dtypes as the plain strings detectors and records use."""
+
 from __future__ import annotations
 
 import torch

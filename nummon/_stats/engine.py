@@ -5,14 +5,16 @@ The parts: `watch` (which parameters), `optim` (state tensors, LR, kind), `kerne
 extremes), `probes` (activation hooks), `fingerprints`, `transport` (segments, packing, the
 lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
 import operator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +23,10 @@ from .._distributed import LayoutHeader, Reduce
 from .._errors import NummonError
 from .._policy import Policy
 from .._types import StepRecord
+from .compiled import has_compiled_parts, unwrap_compiled
 from .decode import Decoder, exact_where_overflowed
 from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
-from .compiled import has_compiled_parts, unwrap_compiled
 from .histograms import histograms
 from .kernels import NormKernels, as_real
 from .mechanisms import MechanismProbes
@@ -94,8 +96,14 @@ def check_grad_scaler(scaler: Any) -> None:
 class StatsEngine:
     """Computes one step's health statistics for a model and optimizer."""
 
-    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, policy: Policy,
-                 dist: Any = None, grad_scaler: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        policy: Policy,
+        dist: Any = None,
+        grad_scaler: Any = None,
+    ) -> None:
         check_grad_scaler(grad_scaler)
         # a torch.compile wrapper: its module is watched (names without `_orig_mod.`), and the
         # forward probes replay the sampled step's first sample eagerly (see compiled.py)
@@ -117,8 +125,10 @@ class StatsEngine:
             )
         if self.watched.lazy and dist is not None:  # every rank sizes its buffers from the model now
             self.watched.close()
-            raise NummonError(f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
-                              "torch.distributed run one forward before Monitor(...)")
+            raise NummonError(
+                f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
+                "torch.distributed run one forward before Monitor(...)"
+            )
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
@@ -130,12 +140,29 @@ class StatsEngine:
         # the segment families of a step, in order (a new statistic adds its function here and
         # its decoder to `decoder.families`)
         self.families: list[Callable[[LaunchStep], list[Segment]]] = [
-            self._loss_segments, self._grad_segments, self._param_segments, self._state_segments,
-            self._lr_segments, self._activation_segments, self._mechanism_segments, self._batch_segments,
+            self._loss_segments,
+            self._grad_segments,
+            self._param_segments,
+            self._state_segments,
+            self._lr_segments,
+            self._activation_segments,
+            self._mechanism_segments,
+            self._batch_segments,
         ]
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
-        self.mechanisms = MechanismProbes(model, optimizer, adam=mp.adam, attention=mp.attention, output=mp.output,
-                                          linear_rms=mp.linear_rms, compiled=compiled) if mp.enabled else None
+        self.mechanisms = (
+            MechanismProbes(
+                model,
+                optimizer,
+                adam=mp.adam,
+                attention=mp.attention,
+                output=mp.output,
+                linear_rms=mp.linear_rms,
+                compiled=compiled,
+            )
+            if mp.enabled
+            else None
+        )
         if self.mechanisms is not None and self.mechanisms.replay is not None:  # a replayed forward is no training step
             self.mechanisms.replay.others_paused = self._activations_paused
         self._incident_open = False
@@ -152,7 +179,9 @@ class StatsEngine:
             dist.capacity = max(dist.capacity, 4 * n + 4 * a + 32)
 
     # ------------------------------------------------------------------ the step
-    def launch(self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True) -> Pending:
+    def launch(
+        self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True
+    ) -> Pending:
         """Launch this step's reductions and start the single device->host copy."""
         with torch.no_grad():  # out= reductions over parameters; and nothing here is for autograd
             return self._launch(step, loss, batch, params_due, optim_due)
@@ -164,8 +193,16 @@ class StatsEngine:
         if isinstance(loss, torch.Tensor):
             dev = loss.device
         close = self._watch_closely(step)  # while an incident is open or after a non-finite step
-        s = LaunchStep(step, loss, batch, params_due or close, optim_due or close, self._extremes_due(step, params_due),
-                       dev, self.dist is not None)
+        s = LaunchStep(
+            step,
+            loss,
+            batch,
+            params_due or close,
+            optim_due or close,
+            self._extremes_due(step, params_due),
+            dev,
+            self.dist is not None,
+        )
         for family in self.families:
             s.segments += family(s)
         self._narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
@@ -173,9 +210,13 @@ class StatsEngine:
         ticket = None
         if s.distributed:
             header = LayoutHeader(
-                statistics=packed.numel(), layout=signature(layout),
-                batch_tensors=-1 if s.batch_tensors is None else len(s.batch_tensors), gradients=len(s.grads),
-                parameters=len(s.params), optimizer_state=len(s.state), activations=len(s.acts.names),
+                statistics=packed.numel(),
+                layout=signature(layout),
+                batch_tensors=-1 if s.batch_tensors is None else len(s.batch_tensors),
+                gradients=len(s.grads),
+                parameters=len(s.params),
+                optimizer_state=len(s.state),
+                activations=len(s.acts.names),
             )
             packed, local, capacity = self.dist.gather(packed, header)
             ticket = GatherTicket(local, capacity)
@@ -184,9 +225,21 @@ class StatsEngine:
         if self.preclip is not None:  # what the next backward measures
             self.preclip.absmax = self._extremes_due(step + 1, self.policy.sampling.params_due(step + 1))
         return Pending(
-            step=step, packed=host, event=event, layout=layout, grad_names=s.grad_names, acts=s.acts,
-            grad_dtype=s.grad_dtype, loss_host=s.loss_host, loss_dtype=s.loss_dtype, lr=s.lr,
-            grads=s.grads, params=params if s.params else [], state=s.state, gather=ticket, mech=s.mech,
+            step=step,
+            packed=host,
+            event=event,
+            layout=layout,
+            grad_names=s.grad_names,
+            acts=s.acts,
+            grad_dtype=s.grad_dtype,
+            loss_host=s.loss_host,
+            loss_dtype=s.loss_dtype,
+            lr=s.lr,
+            grads=s.grads,
+            params=params if s.params else [],
+            state=s.state,
+            gather=ticket,
+            mech=s.mech,
             clip_anchors=s.clip_anchors,
         )
 
@@ -250,10 +303,17 @@ class StatsEngine:
                 idx, pick = self._clip_anchors(grads)
                 picked = pick(grads)
                 s.clip_anchors = idx
-                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(
-                    list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"), Reduce.LOCAL))
+                segs.append(
+                    Segment(
+                        "grad_norms_post",
+                        self.kernels.l2_norms(list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"),
+                        Reduce.LOCAL,
+                    )
+                )
             elif grads:  # other gradients than the backward left (replaced, or more): all of them
-                segs.append(Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL))
+                segs.append(
+                    Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL)
+                )
             s.grads, s.grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
         else:
             if grads and s.extremes_due:
@@ -272,10 +332,14 @@ class StatsEngine:
         """Once per run: no watched parameter has a gradient (post_step before any backward, or
         after zero_grad); the record then shows the gradient statistics as missing (None)."""
         self._said_no_grads = True
-        log.warning("nummon: no gradients at step %d on any of the %d watched parameters (first: %s): post_step ran "
-                    "before backward or after optimizer.zero_grad(); call it after optimizer.step() and before "
-                    "zero_grad(). Gradient statistics are missing from the record (grad_norm None) while this lasts",
-                    step, len(self.watched.params), self.watched.names[0])
+        log.warning(
+            "nummon: no gradients at step %d on any of the %d watched parameters (first: %s): post_step ran "
+            "before backward or after optimizer.zero_grad(); call it after optimizer.step() and before "
+            "zero_grad(). Gradient statistics are missing from the record (grad_norm None) while this lasts",
+            step,
+            len(self.watched.params),
+            self.watched.names[0],
+        )
 
     def _param_segments(self, s: LaunchStep) -> list[Segment]:
         watched = self.watched
@@ -325,8 +389,9 @@ class StatsEngine:
         the cadence, while an incident is open, after a non-finite step, or for histograms:
         decided from the step number and the (rank-identical) records, so alike on every rank."""
         every = self.policy.sampling.activations_all_every
-        self.probes.set_detail(self.probes.want_tensors or self._incident_open
-                               or next_step <= self._detail_until or next_step % every == 0)
+        self.probes.set_detail(
+            self.probes.want_tensors or self._incident_open or next_step <= self._detail_until or next_step % every == 0
+        )
 
     def watch_all_modules(self, on: bool) -> None:
         """Hook every watched module's output, and measure everything every step, while `on`

@@ -1,5 +1,6 @@
 """Batch fingerprints: an exact, order-independent hash of every bit of each input tensor,
 computed on the device (so a step that fails again on identical inputs can be recognised)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,7 +1,9 @@
 """Histograms of gradients, parameters and activations, computed on the device, copied once."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

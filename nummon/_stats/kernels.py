@@ -9,11 +9,12 @@ preallocated buffer (their own kernel dwarfs the launch). Other devices: one fus
 `torch._foreach_norm` per dtype. The per-group results are put back in the list's order with
 one `index_select`.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -63,7 +64,7 @@ class _Plan:
     pick_big: object
 
     @staticmethod
-    def make(tensors: Sequence[torch.Tensor], fused: bool) -> "_Plan":
+    def make(tensors: Sequence[torch.Tensor], fused: bool) -> _Plan:
         dev = tensors[0].device
         by_key: dict[tuple, list[int]] = {}
         big: list[int] = []
@@ -77,7 +78,7 @@ class _Plan:
                 by_key.setdefault((t.dtype, tuple(t.shape)) if cpu else (t.dtype, t.device), []).append(i)
         groups = []
         for idx in by_key.values():  # chunks below torch's parallel grain: a multi-threaded
-            chunk, size = [], 0       # reduction of a small matrix costs ms on a busy CPU
+            chunk, size = [], 0  # reduction of a small matrix costs ms on a busy CPU
             for i in idx:
                 n = tensors[i].numel()
                 if chunk and cpu and size + n > GRAIN:
@@ -94,8 +95,17 @@ class _Plan:
                 inv[i] = pos
             inverse = torch.tensor(inv, dtype=torch.long, device=dev)
         totals = [sum(tensors[i].numel() for i in g) for g in groups]
-        return _Plan(len(tensors), totals, groups, big, inverse, dev, fused,
-                     [_picker(g) for g in groups], _picker(big) if big else None)
+        return _Plan(
+            len(tensors),
+            totals,
+            groups,
+            big,
+            inverse,
+            dev,
+            fused,
+            [_picker(g) for g in groups],
+            _picker(big) if big else None,
+        )
 
 
 class _Stale(Exception):
@@ -131,7 +141,9 @@ class NormKernels:
         """float32 L2 norm of each tensor (float32 overflow past ~1e19 is recomputed later)."""
         return self._measure(tensors, key, norms=True, absmax=False)[0]
 
-    def extremes(self, grads: list[torch.Tensor], distributed: bool = False, key: str = "grad_absmax") -> tuple[str, torch.Tensor]:
+    def extremes(
+        self, grads: list[torch.Tensor], distributed: bool = False, key: str = "grad_absmax"
+    ) -> tuple[str, torch.Tensor]:
         """("grad_absmax", max |g| of each tensor), NaN where a tensor holds NaN. `key` names
         the buffer (callers whose results must outlive another caller's use their own).
         `distributed` is kept for callers: the maxima combine across ranks as they are."""
@@ -193,8 +205,10 @@ class NormKernels:
                 nparts.append(self._big_norms(big, key))
             if absmax:
                 mparts.append(self._big_absmax(big, key))
-        return (self._in_order(nparts, plan, key + ":n", len(tensors)) if norms else None,
-                self._in_order(mparts, plan, key + ":m", len(tensors)) if absmax else None)
+        return (
+            self._in_order(nparts, plan, key + ":n", len(tensors)) if norms else None,
+            self._in_order(mparts, plan, key + ":m", len(tensors)) if absmax else None,
+        )
 
     def _in_order(self, parts: list[torch.Tensor], plan: _Plan, key: str, n: int) -> torch.Tensor:
         buf = self._buffer(key, n, 1, plan.device, views=False).view(-1)
@@ -219,8 +233,11 @@ class NormKernels:
             parts = []
             for pick in plan.pick:
                 ts = pick(tensors)
-                parts.append(torch.zeros(len(ts), device=plan.device) if ts[0].numel() == 0
-                             else _stack_float(torch._foreach_norm(ts, order)))
+                parts.append(
+                    torch.zeros(len(ts), device=plan.device)
+                    if ts[0].numel() == 0
+                    else _stack_float(torch._foreach_norm(ts, order))
+                )
             res = torch.cat(parts) if len(parts) > 1 else parts[0]
             out.append(res if plan.inverse is None else res.index_select(0, plan.inverse))
         return tuple(out)
@@ -234,7 +251,11 @@ class NormKernels:
                 f = t.view(-1)
                 torch.dot(f, f, out=v)
             else:  # other dtypes, layouts, devices (rare)
-                n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in HALF_DTYPES else torch.linalg.vector_norm(t)
+                n = (
+                    torch.linalg.vector_norm(t, dtype=torch.float32)
+                    if t.dtype in HALF_DTYPES
+                    else torch.linalg.vector_norm(t)
+                )
                 v.copy_(n.square())
         return buf.view(-1).sqrt()
 

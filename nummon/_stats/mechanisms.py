@@ -17,6 +17,7 @@ A compiled model (compiled.py, replay.py) cannot run the capture inside its grap
 only keeps the armed forward's inputs, and `take` replays the first sample eagerly under the
 capture, leaving no trace (random generators, buffers, activation probes).
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,16 @@ class MechanismStep:
 class MechanismProbes:
     """The sampled probes of one model and optimizer; `arm(True)` before a forward to sample it."""
 
-    def __init__(self, model: nn.Module | None, optimizer: Any, adam: bool = True, attention: bool = True,
-                 output: bool = True, linear_rms: bool = True, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer: Any,
+        adam: bool = True,
+        attention: bool = True,
+        output: bool = True,
+        linear_rms: bool = True,
+        compiled: bool = False,
+    ) -> None:
         self.model = model
         self.forward_off = False  # the forward's probes: off on a compiled model torch cannot run eagerly
         self._traced = False  # a forward hook of ours ran inside torch.compile's tracing
@@ -80,21 +89,30 @@ class MechanismProbes:
         self._steps_seen = 0  # optimizer steps since attaching (a host count: no device read)
         self._hooks_opt = []
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self._hooks_opt = [optimizer.register_step_pre_hook(self._before_step),
-                               optimizer.register_step_post_hook(self._after_step)]
+            self._hooks_opt = [
+                optimizer.register_step_pre_hook(self._before_step),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
         self._hooks = []
         if model is not None and (attention or output or linear_rms):
-            self._hooks = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
-                           model.register_forward_hook(self._leave, always_call=True)]
+            self._hooks = [
+                model.register_forward_pre_hook(self._enter, with_kwargs=True),
+                model.register_forward_hook(self._leave, always_call=True),
+            ]
 
     @property
     def errors(self) -> int:
         """Probe failures swallowed so far (never the user's problem)."""
-        return (self._errors + (self.capture.errors if self.capture is not None else 0)
-                + (self.replay.errors if self.replay is not None else 0))
+        return (
+            self._errors
+            + (self.capture.errors if self.capture is not None else 0)
+            + (self.replay.errors if self.replay is not None else 0)
+        )
 
     def _before_step(self, *_: Any) -> None:
-        if self.capture is not None:  # the loss and backward are done: Adam's per-tensor loop need not pass through Python
+        if (
+            self.capture is not None
+        ):  # the loss and backward are done: Adam's per-tensor loop need not pass through Python
             self.capture.close()
 
     def _after_step(self, *_: Any) -> None:
@@ -137,7 +155,8 @@ class MechanismProbes:
         warn_at_user_line(
             "nummon: the model is compiled (torch.compile), and this torch cannot run it eagerly (torch.compiler."
             "set_stance, torch 2.6+), so the forward's mechanism probes (attention logits, output log Z, Linear output "
-            "RMS) are off. Gradients, parameters, activations and Adam's statistics are measured as usual.")
+            "RMS) are off. Gradients, parameters, activations and Adam's statistics are measured as usual."
+        )
 
     def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
         if tracing() or self.replay.running:
@@ -216,8 +235,11 @@ class MechanismProbes:
             mean = torch.stack([o[0] for o in cap.out]).mean().reshape(1)
             mx = torch.stack([o[1] for o in cap.out]).amax().reshape(1)
             lmax = torch.stack([o[2] for o in cap.out]).amax().reshape(1)
-            segs += [Segment("mech_lse_mean", mean, Reduce.MEAN), Segment("mech_lse_max", mx, Reduce.MAX),
-                     Segment("mech_logit_max", lmax, Reduce.MAX)]
+            segs += [
+                Segment("mech_lse_mean", mean, Reduce.MEAN),
+                Segment("mech_lse_max", mx, Reduce.MAX),
+                Segment("mech_logit_max", lmax, Reduce.MAX),
+            ]
         if cap.rms:  # per module its largest RMS over the calls of this step
             ms.linear = list(cap.rms)
             calls = [c for cs in cap.rms.values() for c in cs]

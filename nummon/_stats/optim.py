@@ -1,4 +1,5 @@
 """What nummon reads from the optimizer: its first-moment state tensors, its LR, its kind."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -61,7 +62,7 @@ class OptimizerView:
         return 0 if opt is None else sum(len(g["params"]) for g in opt.param_groups)
 
     def kind(self) -> str | None:
-        """"sgd", "sgd_momentum", "adam" (any Adam variant) or the class name, lower case."""
+        """ "sgd", "sgd_momentum", "adam" (any Adam variant) or the class name, lower case."""
         opt = self.optimizer
         if opt is None:
             return None

@@ -1,4 +1,5 @@
 """A step whose device work was launched and whose values are not read yet."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

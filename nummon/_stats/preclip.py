@@ -8,6 +8,7 @@ kernels on the device (no host read) into buffers of its own. `post_step`, calle
 accumulation, the last backward's, i.e. the full accumulated gradient) instead of measuring
 the clipped gradients again for them.
 """
+
 from __future__ import annotations
 
 import operator

@@ -12,12 +12,14 @@ always shows it; with detail on, the first non-finite module is named exactly. M
 most `FULL_LIMIT` watched modules are hooked in full every step. Outputs above `ACT_BUDGET`
 elements are read in full only while detail is on (otherwise their first `ACT_BUDGET`).
 """
+
 from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,8 +59,11 @@ class ActivationStep:
 def _watched(model: nn.Module, exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
     """Modules that own parameters (where a runaway shows; hooking every module costs more
     than it tells), minus the excluded name patterns, in registration order."""
-    return [(n, m) for n, m in model.named_modules()
-            if n and any(True for _ in m.parameters(recurse=False)) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and any(True for _ in m.parameters(recurse=False)) and not any(fnmatch.fnmatchcase(n, p) for p in exclude)
+    ]
 
 
 def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str] = ()) -> list[str]:
@@ -134,8 +139,11 @@ class ActivationProbes:
             return
         self.detail = on
         if on:
-            self._detail_hooks = [m.register_forward_hook(self._make_hook(i))
-                                  for i, m in enumerate(self._modules) if i not in self._always]
+            self._detail_hooks = [
+                m.register_forward_hook(self._make_hook(i))
+                for i, m in enumerate(self._modules)
+                if i not in self._always
+            ]
         else:
             for h in self._detail_hooks:
                 h.remove()
@@ -205,7 +213,7 @@ class ActivationProbes:
         return step, segments
 
 
-def act_values(get: Callable[[str], "list[float] | None"], acts: ActivationStep) -> dict[int, float]:
+def act_values(get: Callable[[str], list[float] | None], acts: ActivationStep) -> dict[int, float]:
     """max |output| of each module that ran this step (NaN-aware), from the per-dtype buffer it
     wrote to; keyed by module index, in execution order."""
     out: dict[int, float] = {}

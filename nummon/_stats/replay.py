@@ -5,20 +5,29 @@ pre-hook only keeps the forward's inputs (`keep`: references; traced, a side eff
 graph), and `run` replays the first sample eagerly under the capture, leaving no trace on
 training: random generators and buffers are put back, the other probes are paused.
 """
+
 from __future__ import annotations
 
 import collections
 import contextlib
 import functools
 import sys
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
 
 from .capture import ForwardCapture
-from .compiled import (autocast_state, first_sample, has_batch_norm, loss_reads_compiled_output, replayed,
-                       warn_at_user_line)
+from .compiled import (
+    autocast_state,
+    first_sample,
+    has_batch_norm,
+    loss_reads_compiled_output,
+    replayed,
+    warn_at_user_line,
+)
 
 __all__ = ["REPLAY_FAILURES", "ForwardReplay"]
 
@@ -144,7 +153,7 @@ class ForwardReplay:
         self.running = False  # a replay is under way: the model's own hooks stand aside
         self.errors = 0
         #: within it, the other probes record nothing (the engine pauses its activation probes)
-        self.others_paused: Callable[[], ContextManager] = contextlib.nullcontext
+        self.others_paused: Callable[[], AbstractContextManager] = contextlib.nullcontext
         self._kept: tuple | None = None  # (args, kwargs, autocast regions) of the step's first forward
         self._samples: int | None = None  # samples a replay takes (found at the first)
         self._failures = 0  # in a row
@@ -188,8 +197,12 @@ class ForwardReplay:
                     cap.end()
                     cap.close()
                 logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-                if (not cap.out and isinstance(logits, torch.Tensor) and logits.is_floating_point()
-                        and loss_reads_compiled_output(loss)):
+                if (
+                    not cap.out
+                    and isinstance(logits, torch.Tensor)
+                    and logits.is_floating_point()
+                    and loss_reads_compiled_output(loss)
+                ):
                     cap.output_logits(logits)
             self._failures = 0
         except Exception as e:  # a probe must never break the user's step
@@ -203,12 +216,15 @@ class ForwardReplay:
                     f"nummon: replaying the compiled model's first sample failed {REPLAY_FAILURES} times in a row "
                     f"({type(e).__name__}: {first}), so its forward's mechanism probes (attention logits, output log Z, "
                     "Linear output RMS) are off. Gradients, parameters, activations and Adam's statistics are measured "
-                    "as usual.")
+                    "as usual."
+                )
         finally:
             self.running = False
         if changed:
-            self._give_up(f"its forward changes Python state of its modules ({', '.join(changed[:3])}); this replay's "
-                          "change was undone, and a forward that changes state is not replayed again")
+            self._give_up(
+                f"its forward changes Python state of its modules ({', '.join(changed[:3])}); this replay's "
+                "change was undone, and a forward that changes state is not replayed again"
+            )
 
     def _give_up(self, why: str) -> None:
         """No more replays of this model, said once."""
@@ -217,4 +233,5 @@ class ForwardReplay:
         warn_at_user_line(
             f"nummon: the compiled model's forward is not replayed for the mechanism probes: {why}. Its forward's "
             "mechanism probes (attention logits, output log Z, Linear output RMS) are off; gradients, parameters, "
-            "activations and Adam's statistics are measured as usual.")
+            "activations and Adam's statistics are measured as usual."
+        )

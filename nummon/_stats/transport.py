@@ -5,6 +5,7 @@ concatenates them (copied: segments may be reused buffers) and records where eac
 On CUDA the vector is copied non-blocking into one of two pinned host buffers and read a
 step later; on CPU it already is on the host.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -56,6 +57,7 @@ def pack(segments: list[Segment], dev: torch.device, wide: bool = False) -> tupl
     or integer segments (fingerprints, counts, a float64 loss) or `wide` is set is it widened,
     once, to float64, so those join exactly.
     """
+
     def is_narrow(t: torch.Tensor) -> bool:
         return t.is_floating_point() and t.dtype != torch.float64
 

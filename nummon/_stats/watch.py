@@ -1,4 +1,5 @@
 """Which parameters are watched, re-scanned cheaply when the model or optimizer grows."""
+
 from __future__ import annotations
 
 import functools
@@ -92,8 +93,11 @@ class WatchedParams:
 
     def refresh(self) -> bool:
         """Re-scan if something may have been added; True when the watched set changed."""
-        if ((self._flag is None or not self._flag.dirty) and self.optim.param_count() == self._optim_count
-                and not (self.lazy and not all(map(is_lazy, self.lazy)))):
+        if (
+            (self._flag is None or not self._flag.dirty)
+            and self.optim.param_count() == self._optim_count
+            and not (self.lazy and not all(map(is_lazy, self.lazy)))
+        ):
             return False
         before = len(self.params)
         self.scan()

@@ -1,5 +1,6 @@
 """`nummon watch`: follow training logs written by other tools (TensorBoard, Hugging Face
 trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and notify incidents."""
+
 from __future__ import annotations
 
 from .base import Follower, NotALogError

@@ -1,4 +1,5 @@
 """`python -m nummon._watch PATH...` (the same as `nummon watch`)."""
+
 import sys
 
 from .command import main

@@ -17,6 +17,7 @@ is never followed (a POST is not re-sent elsewhere, credentials never leave for 
 address): it is a failure, counted and logged. Nothing blocks the watch loop.
 ``user:password@`` in a URL is sent as HTTP basic auth and never printed. Descriptions use
 Slack's mrkdwn (``*bold*``)."""
+
 from __future__ import annotations
 
 import base64
@@ -57,7 +58,9 @@ def _basic_auth(url: str) -> tuple[str, str | None]:
     if p.username is None:
         return url, None
     netloc = (p.hostname or "") + (f":{p.port}" if p.port else "")
-    token = base64.b64encode(f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}".encode()).decode()
+    token = base64.b64encode(
+        f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}".encode()
+    ).decode()
     return urllib.parse.urlunsplit(p._replace(netloc=netloc)), f"Basic {token}"
 
 
@@ -107,7 +110,7 @@ class _Member:
     events): each drop counted, the first of a burst logged, and the burst's count logged when
     the member catches up."""
 
-    def __init__(self, owner: "AlertmanagerTarget", url: str, queue_size: int, index: int) -> None:
+    def __init__(self, owner: AlertmanagerTarget, url: str, queue_size: int, index: int) -> None:
         self.owner, self.url = owner, url
         self.post_url, self.auth = _basic_auth(url)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -132,17 +135,24 @@ class _Member:
                     self.burst += 1
                     first = self.burst == 1
                 if first:
-                    log.warning("nummon watch: alertmanager %s is behind (%d batches queued): dropping the oldest; each "
-                                "drop is counted in nummon_notifications_failed_total, the number logged when it catches up",
-                                safe_url(self.url), self.queue.maxsize)
+                    log.warning(
+                        "nummon watch: alertmanager %s is behind (%d batches queued): dropping the oldest; each "
+                        "drop is counted in nummon_notifications_failed_total, the number logged when it catches up",
+                        safe_url(self.url),
+                        self.queue.maxsize,
+                    )
 
     def burst_over(self) -> None:
         with self._lock:
             n, self.burst = self.burst, 0
         if n:
-            log.warning("nummon watch: alertmanager %s: %s dropped while it was behind (the alerts firing now are "
-                        "re-posted every %gs)", safe_url(self.url), plural(n, "alert batch", "alert batches"),
-                        self.owner.repeat_s)
+            log.warning(
+                "nummon watch: alertmanager %s: %s dropped while it was behind (the alerts firing now are "
+                "re-posted every %gs)",
+                safe_url(self.url),
+                plural(n, "alert batch", "alert batches"),
+                self.owner.repeat_s,
+            )
 
     def _loop(self) -> None:
         stop = self.owner._stop
@@ -178,22 +188,36 @@ class _Member:
             except urllib.error.HTTPError as e:
                 if 300 <= e.code < 400:  # never followed: the POST and its credentials stay here
                     where = e.headers.get("Location") or "?"
-                    log.warning("nummon watch: alertmanager %s answered HTTP %d (a redirect to %s), not followed: %d "
-                                "alert(s) not delivered; fix the URL", safe_url(self.url), e.code,
-                                safe_url(where) if "://" in where else "another path", body.count(b'"labels"'))
+                    log.warning(
+                        "nummon watch: alertmanager %s answered HTTP %d (a redirect to %s), not followed: %d "
+                        "alert(s) not delivered; fix the URL",
+                        safe_url(self.url),
+                        e.code,
+                        safe_url(where) if "://" in where else "another path",
+                        body.count(b'"labels"'),
+                    )
                     return False
                 if 400 <= e.code < 500 and e.code != 429:  # Alertmanager refuses these alerts: no retry
-                    log.warning("nummon watch: alertmanager %s refused %d alert(s): HTTP %d", safe_url(self.url),
-                                body.count(b'"labels"'), e.code)
+                    log.warning(
+                        "nummon watch: alertmanager %s refused %d alert(s): HTTP %d",
+                        safe_url(self.url),
+                        body.count(b'"labels"'),
+                        e.code,
+                    )
                     return False
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, OSError) as e:
                 why = type(getattr(e, "reason", e)).__name__
         if not self.down:  # every failure is counted; an outage is logged once, and its end
             self.down = True
-            log.warning("nummon watch: alertmanager %s: could not deliver %d alert(s) (%s; %s); further failures "
-                        "are counted, not logged, until it takes alerts again", safe_url(self.url),
-                        body.count(b'"labels"'), why or "stopped", plural(tries, "try"))
+            log.warning(
+                "nummon watch: alertmanager %s: could not deliver %d alert(s) (%s; %s); further failures "
+                "are counted, not logged, until it takes alerts again",
+                safe_url(self.url),
+                body.count(b'"labels"'),
+                why or "stopped",
+                plural(tries, "try"),
+            )
         return False
 
 
@@ -206,8 +230,16 @@ class AlertmanagerTarget:
 
     kind = "alertmanager"
 
-    def __init__(self, urls: str | list[str], timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.5,
-                 repeat_s: float = 60.0, host: str | None = None, queue_size: int = 100) -> None:
+    def __init__(
+        self,
+        urls: str | list[str],
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        repeat_s: float = 60.0,
+        host: str | None = None,
+        queue_size: int = 100,
+    ) -> None:
         urls = [u for u in (urls.split(",") if isinstance(urls, str) else urls) if u]
         if not urls:
             raise NummonError("alertmanager: no URL given")
@@ -256,8 +288,12 @@ class AlertmanagerTarget:
                 same = old is not None and old["labels"] == labels
                 if old is not None and not same:  # escalated: a new identity; the old one ends
                     batch.append({**old, "endsAt": _iso(now)})
-                alert = self._alert(labels, str(d.get("title") or event.title), slack_bold(str(d.get("summary") or "")),
-                                    old["startsAt"] if same else _iso(now))
+                alert = self._alert(
+                    labels,
+                    str(d.get("title") or event.title),
+                    slack_bold(str(d.get("summary") or "")),
+                    old["startsAt"] if same else _iso(now),
+                )
                 self._active[run] = alert
                 batch.append(self._firing(alert, now))
         if batch:
@@ -271,8 +307,10 @@ class AlertmanagerTarget:
         event = run.engine.current_incident(run.last_step or 0)
         if event is None:
             return
-        lines = [f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "
-                 f"*{event.state.value}* (re-posted after the watcher restarted)."]
+        lines = [
+            f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "
+            f"*{event.state.value}* (re-posted after the watcher restarted)."
+        ]
         lines += [slack_bold(c.line()) for c in event.contributors[:5]]
         d = {"run": run.id, "level": event.state.rank, "contributors": [c.to_dict() for c in event.contributors]}
         now = time.time()
@@ -306,7 +344,11 @@ class AlertmanagerTarget:
 
     @staticmethod
     def _alert(labels: dict[str, str], summary: str, description: str, starts_at: str) -> dict[str, Any]:
-        return {"labels": labels, "annotations": {"summary": summary, "description": description}, "startsAt": starts_at}
+        return {
+            "labels": labels,
+            "annotations": {"summary": summary, "description": description},
+            "startsAt": starts_at,
+        }
 
     def _firing(self, alert: dict[str, Any], now: float) -> dict[str, Any]:
         # endsAt ahead of the next re-posts: Alertmanager keeps it firing while they arrive

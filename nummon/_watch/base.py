@@ -1,6 +1,7 @@
 """What every log follower shares: incremental, bounded polls; a saved position that carries the
 file's identity; the choice of the best source of each metric; and the errors that say a file
 is not a log."""
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,10 @@ class FileMark:
             return f"truncated to {st.size} bytes (was read to byte {self.offset})"
         if self.ident is not None and st.identity[0] is not None and tuple(st.identity) != tuple(self.ident):
             return "replaced by a new file (rotated?)"
-        if fs.digest(path, 0, min(self.offset, _MARK_BYTES)) != self.head or \
-                fs.digest(path, max(0, self.offset - _MARK_BYTES), min(self.offset, _MARK_BYTES)) != self.tail:
+        if (
+            fs.digest(path, 0, min(self.offset, _MARK_BYTES)) != self.head
+            or fs.digest(path, max(0, self.offset - _MARK_BYTES), min(self.offset, _MARK_BYTES)) != self.tail
+        ):
             return "rewritten in place"
         return None
 
@@ -134,13 +137,14 @@ class Follower:
         """A StepRecord from one row, the best source first: once a run logs a field under
         nummon's own tag (`nummon/loss`, per step, unfiltered), the trainer's averaged copies of
         that field (`train/loss`, every logging_steps, NaN filtered to 0) are ignored."""
-        own = {k[len("nummon/"):] for k in row if k.startswith("nummon/") and self.keymap.field(k) is not None}
+        own = {k[len("nummon/") :] for k in row if k.startswith("nummon/") and self.keymap.field(k) is not None}
         self._own_fields |= own
         if self._own_fields:
             if not own:  # a row of the trainer's alone (its logging step, maybe out of order): not a step of nummon's
                 return None
-            row = {k: v for k, v in row.items()
-                   if k.startswith("nummon/") or self.keymap.field(k) not in self._own_fields}
+            row = {
+                k: v for k, v in row.items() if k.startswith("nummon/") or self.keymap.field(k) not in self._own_fields
+            }
         return self.keymap.record(step, row)
 
 
@@ -191,7 +195,7 @@ class OneFileFollower(Follower):
         """Forget the read position (the file is read again from its start)."""
         raise NotImplementedError
 
-    def _stat(self) -> "fs.Stat | None":
+    def _stat(self) -> fs.Stat | None:
         """The file's stat (None while it does not exist), after restarting when it is no longer
         the file read so far."""
         st = fs.stat(self.path)

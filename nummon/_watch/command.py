@@ -1,13 +1,15 @@
 """`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
 `python -m nummon._watch`). Exit codes: 0 ok; 2 bad input (one line on stderr), and with
 --once a run that could not be read; 1 with --once when a notification was lost."""
+
 from __future__ import annotations
 
 import argparse
 import os
 import signal
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .._cli._common import non_empty, seconds
 from .._errors import NummonError
@@ -25,27 +27,72 @@ IDLE_TIMEOUT_RANGE_S = (1.0, 1e9)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH", type=non_empty("a path or URL"),
-                        help="log files, run folders or roots with many runs (fsspec URLs when fsspec is installed)")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        type=non_empty("a path or URL"),
+        help="log files, run folders or roots with many runs (fsspec URLs when fsspec is installed)",
+    )
     parser.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
-    parser.add_argument("--notify", action="append", metavar="TARGET", default=None,
-                        help=f"where incident events go, repeatable: {TARGET_SPECS} (default: console)")
-    parser.add_argument("--interval", type=seconds(*INTERVAL_RANGE_S), default=5.0, metavar="SECONDS",
-                        help="seconds between polls, from %g to %g (default: 5)" % INTERVAL_RANGE_S)
+    parser.add_argument(
+        "--notify",
+        action="append",
+        metavar="TARGET",
+        default=None,
+        help=f"where incident events go, repeatable: {TARGET_SPECS} (default: console)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=seconds(*INTERVAL_RANGE_S),
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between polls, from {:g} to {:g} (default: 5)".format(*INTERVAL_RANGE_S),
+    )
     parser.add_argument("--once", action="store_true", help="read what is there, notify, and exit")
-    parser.add_argument("--state", default=None, metavar="FILE", type=non_empty("a state file path"),
-                        help="state file: read positions and incident state survive a restart")
-    parser.add_argument("--format", choices=sorted(FORMATS), default=None,
-                        help="force one log format, one of %(choices)s (default: detected for each run)")
-    parser.add_argument("--idle-timeout", type=seconds(*IDLE_TIMEOUT_RANGE_S), default=1800.0, metavar="S",
-                        help="retire a run after this many seconds without new records, from %g to %g "
-                             "(default: 1800)" % IDLE_TIMEOUT_RANGE_S)
-    parser.add_argument("--key", action="append", default=[], metavar="TAG=FIELD",
-                        help="extra key map entry, e.g. my/loss=loss (repeatable)")
-    parser.add_argument("--metrics", default=None, metavar="HOST:PORT", type=non_empty("HOST:PORT"),
-                        help="serve Prometheus metrics of every watched run at http://HOST:PORT/metrics (needs nummon[prometheus])")
-    parser.add_argument("--shard", default=None, metavar="I/N", type=non_empty("I/N"),
-                        help="follow only the runs of shard I of N (0-based, by a stable hash of each run's path under its root)")
+    parser.add_argument(
+        "--state",
+        default=None,
+        metavar="FILE",
+        type=non_empty("a state file path"),
+        help="state file: read positions and incident state survive a restart",
+    )
+    parser.add_argument(
+        "--format",
+        choices=sorted(FORMATS),
+        default=None,
+        help="force one log format, one of %(choices)s (default: detected for each run)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=seconds(*IDLE_TIMEOUT_RANGE_S),
+        default=1800.0,
+        metavar="S",
+        help="retire a run after this many seconds without new records, from {:g} to {:g} (default: 1800)".format(
+            *IDLE_TIMEOUT_RANGE_S
+        ),
+    )
+    parser.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        metavar="TAG=FIELD",
+        help="extra key map entry, e.g. my/loss=loss (repeatable)",
+    )
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        type=non_empty("HOST:PORT"),
+        help="serve Prometheus metrics of every watched run at http://HOST:PORT/metrics (needs nummon[prometheus])",
+    )
+    parser.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        type=non_empty("I/N"),
+        help="follow only the runs of shard I of N (0-based, by a stable hash of each run's path under its root)",
+    )
 
 
 def _keymap(pairs: list[str]):
@@ -68,12 +115,17 @@ def run(args: argparse.Namespace) -> int:
     from .._cli.policy import load_policy_with_hints
     from .watcher import Watcher
 
-    for option, value, (low, high) in (("--interval", args.interval, INTERVAL_RANGE_S),
-                                       ("--idle-timeout", args.idle_timeout, IDLE_TIMEOUT_RANGE_S)):
+    for option, value, (low, high) in (
+        ("--interval", args.interval, INTERVAL_RANGE_S),
+        ("--idle-timeout", args.idle_timeout, IDLE_TIMEOUT_RANGE_S),
+    ):
         if not (low <= value <= high):  # the parser checks too; this is for callers with a Namespace of their own
             raise NummonError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {value}")
-    for option, value in (("--state", args.state), ("--metrics", getattr(args, "metrics", None)),
-                          ("--shard", getattr(args, "shard", None))):
+    for option, value in (
+        ("--state", args.state),
+        ("--metrics", getattr(args, "metrics", None)),
+        ("--shard", getattr(args, "shard", None)),
+    ):
         if value is not None and not str(value).strip():
             raise NummonError(f"{option}: an empty value")
     for p in args.paths:
@@ -117,8 +169,18 @@ def run(args: argparse.Namespace) -> int:
 
     observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
     try:
-        watcher = Watcher(args.paths, policy, targets, format=args.format, keymap=keymap, state_path=args.state,
-                          idle_timeout_s=args.idle_timeout, exclude=exclude, observer=observers or None, shard=shard)
+        watcher = Watcher(
+            args.paths,
+            policy,
+            targets,
+            format=args.format,
+            keymap=keymap,
+            state_path=args.state,
+            idle_timeout_s=args.idle_timeout,
+            exclude=exclude,
+            observer=observers or None,
+            shard=shard,
+        )
     except BaseException:
         for t in targets:
             t.close()
@@ -164,7 +226,9 @@ def _wandb_sink(**kwargs: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="nummon watch", description="Follow training logs written by other tools and notify incidents.")
+    parser = _Parser(
+        prog="nummon watch", description="Follow training logs written by other tools and notify incidents."
+    )
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)

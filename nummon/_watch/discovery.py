@@ -1,5 +1,6 @@
 """Find the runs under watch roots: one event folder, one trainer_state.json lineage, one
 metrics CSV, one W&B run file or one nummon JSONL log each."""
+
 from __future__ import annotations
 
 import os
@@ -94,7 +95,9 @@ def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> No
         problems.append(f"{e}; asked again at each poll")
 
 
-def discover(roots: list[str], format: str | None = None, exclude: set[str] = frozenset()) -> tuple[dict[str, RunSpec], list[str]]:
+def discover(
+    roots: list[str], format: str | None = None, exclude: set[str] = frozenset()
+) -> tuple[dict[str, RunSpec], list[str]]:
     """Runs under `roots` by id, and one line per root that does not exist or holds no log.
 
     A root that is a file is one run (its format detected from its content when its name says
@@ -123,7 +126,9 @@ def discover(roots: list[str], format: str | None = None, exclude: set[str] = fr
             try:
                 kind = _kind(f)
             except OSError as e:  # unreadable (a chmod 000 file): that file's problem, said once
-                problems.append(f"{printable(f)}: cannot be read ({e.strerror or e}); skipped, tried again at each poll")
+                problems.append(
+                    f"{printable(f)}: cannot be read ({e.strerror or e}); skipped, tried again at each poll"
+                )
                 continue
             if kind is None or (format and kind[0] != format):
                 continue

@@ -1,14 +1,28 @@
 """Files on the local disk or behind an fsspec URL (``memory://``, ``s3://``...), through one
 small interface. fsspec is optional: URLs need it, local paths never import it."""
+
 from __future__ import annotations
 
 import os
 import stat as _stat
-from typing import Iterator
+from collections.abc import Iterator
 
 from .._errors import NummonError
 
-__all__ = ["is_url", "NotAFileError", "MAX_READ", "Stat", "stat", "read_bytes", "digest", "walk_files", "is_dir", "join", "basename", "dirname"]
+__all__ = [
+    "is_url",
+    "NotAFileError",
+    "MAX_READ",
+    "Stat",
+    "stat",
+    "read_bytes",
+    "digest",
+    "walk_files",
+    "is_dir",
+    "join",
+    "basename",
+    "dirname",
+]
 
 
 def is_url(path: str) -> bool:
@@ -16,7 +30,7 @@ def is_url(path: str) -> bool:
 
 
 def _local(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
+    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def _fs(path: str):

@@ -1,9 +1,11 @@
 """The watcher's hooks (`Watcher(observer=...)`): `run_started(run, spec)`, `run_retired(run_id)`,
 `polled(duration_s, watched)`, `target_failed(target)`; an observer implements those it needs.
 `Observers` fans them out (the metrics, and targets that follow runs, e.g. Alertmanager's)."""
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["Observers", "HOOKS"]
 

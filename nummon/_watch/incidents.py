@@ -1,6 +1,7 @@
 """Incident events of one watched run: nummon's own incident state machine (the HealthEngine's
 `IncidentTracker`, as in the Monitor), each event labelled with the run it belongs to, and the
 `Notice` every notification target receives. Notifications go per event, never per alert."""
+
 from __future__ import annotations
 
 import hashlib
@@ -62,10 +63,18 @@ class RunIncident:
     def to_dict(self) -> dict[str, Any]:
         """The event as strict JSON data: run paths that are not UTF-8 or hold control
         characters are printed escaped (`printable`); `event_id` is the hash of the exact bytes."""
-        return {"type": "incident", "id": printable(self.id), "event_id": event_id(self.id), "run": printable(self.run),
-                "run_name": printable(self.name),
-                "level": self.level, "transition": self.transition, "summary": self.summary(),
-                **self.event.to_dict(), "title": self.title}
+        return {
+            "type": "incident",
+            "id": printable(self.id),
+            "event_id": event_id(self.id),
+            "run": printable(self.run),
+            "run_name": printable(self.name),
+            "level": self.level,
+            "transition": self.transition,
+            "summary": self.summary(),
+            **self.event.to_dict(),
+            "title": self.title,
+        }
 
 
 class Notice:

@@ -1,9 +1,11 @@
 """Which logged tag feeds which StepRecord field: defaults for the names common loggers use,
 extendable by the caller (e.g. ``KeyMap({"my/loss": "loss"})``)."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._types import SCALAR_FIELDS, StepRecord
 

@@ -4,18 +4,29 @@ process's `PrometheusSink` serve. Pure state (no prometheus_client): the exposit
 
 Cardinality is bounded: one series per run (labels `run`, `source`), one per alert kind and
 severity, never one per layer."""
+
 from __future__ import annotations
 
 import math
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any
 
 from .._types import Alert, AlertKind, Finding, Health, StepRecord
 
-__all__ = ["HEALTH_CODES", "SOURCES", "RunSeries", "FleetMetrics", "MetricsObserver", "WatchSnapshot", "target_kind",
-           "FreshFindings", "countdown_now"]
+__all__ = [
+    "HEALTH_CODES",
+    "SOURCES",
+    "RunSeries",
+    "FleetMetrics",
+    "MetricsObserver",
+    "WatchSnapshot",
+    "target_kind",
+    "FreshFindings",
+    "countdown_now",
+]
 
 #: `nummon_health_state`: worse is higher (0 healthy, 1 incident, 2 extreme, 3 non-finite)
 HEALTH_CODES = {Health.HEALTHY: 0, Health.INCIDENT: 1, Health.EXTREME: 2, Health.NONFINITE: 3}
@@ -84,9 +95,16 @@ class RunSeries:
     def steps_to_overflow(self) -> float | None:
         return min(self.overflow.values()) if self.overflow else None
 
-    def observe(self, record: StepRecord, health: Health | None, alerts: Iterable[Alert] = (),
-                events: Iterable[Any] = (), now: float | None = None, overflow: dict[str, float] | None = None,
-                incident: int | None = None) -> None:
+    def observe(
+        self,
+        record: StepRecord,
+        health: Health | None,
+        alerts: Iterable[Alert] = (),
+        events: Iterable[Any] = (),
+        now: float | None = None,
+        overflow: dict[str, float] | None = None,
+        incident: int | None = None,
+    ) -> None:
         """One record, with what the engine concluded from it; `overflow` (the countdown per
         runaway metric at this record) and `incident` (the rank of the engine's incident now),
         when given, replace what the alerts and events would say."""
@@ -164,7 +182,9 @@ class WatchSnapshot:
     runs: tuple[RunSeries, ...]
     watched: int | None = None
     poll_duration_s: float | None = None
-    failed: dict[str, int] = field(default_factory=dict)  # target kind -> notifications not delivered (failed or dropped)
+    failed: dict[str, int] = field(
+        default_factory=dict
+    )  # target kind -> notifications not delivered (failed or dropped)
 
 
 def target_kind(target: Any) -> str:
@@ -191,9 +211,18 @@ class FleetMetrics:
                 s = self._runs[run] = RunSeries(run, source)
             return s
 
-    def update(self, run: str, source: str, record: StepRecord, health: Health | None,
-               alerts: Iterable[Alert] = (), events: Iterable[Any] = (), now: float | None = None,
-               overflow: dict[str, float] | None = None, incident: int | None = None) -> None:
+    def update(
+        self,
+        run: str,
+        source: str,
+        record: StepRecord,
+        health: Health | None,
+        alerts: Iterable[Alert] = (),
+        events: Iterable[Any] = (),
+        now: float | None = None,
+        overflow: dict[str, float] | None = None,
+        incident: int | None = None,
+    ) -> None:
         s = self.run(run, source)
         with self._lock:
             s.observe(record, health, alerts, events, now, overflow, incident)
@@ -215,8 +244,10 @@ class FleetMetrics:
 
     def snapshot(self) -> WatchSnapshot:
         with self._lock:
-            runs = tuple(replace(s, alerts=dict(s.alerts), overflow=dict(s.overflow), anchors=dict(s.anchors))
-                         for s in self._runs.values())
+            runs = tuple(
+                replace(s, alerts=dict(s.alerts), overflow=dict(s.overflow), anchors=dict(s.anchors))
+                for s in self._runs.values()
+            )
             failed = dict(self.failed_extra)
         for t in self.targets:
             n = getattr(t, "failed", None)
@@ -255,8 +286,16 @@ class MetricsObserver:
         def on_record(run_id: str, rec: StepRecord, got: Any) -> None:
             # every gauge from the engine as it stands after this record (the countdown of the
             # runaways measured now, the incident now), never a value frozen at an alert
-            self.metrics.update(run_id, source, rec, got.health, got.alerts, got.incidents,
-                                overflow=countdown_now(rec, fresh(run.engine)), incident=run.engine.incident_state.rank)
+            self.metrics.update(
+                run_id,
+                source,
+                rec,
+                got.health,
+                got.alerts,
+                got.incidents,
+                overflow=countdown_now(rec, fresh(run.engine)),
+                incident=run.engine.incident_state.rank,
+            )
 
         run.on_record = on_record
 

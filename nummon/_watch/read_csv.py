@@ -1,6 +1,7 @@
 """Lightning CSVLogger `metrics.csv`: appended rows, and the whole file rewritten with a new
 header when new keys appear (then steps already seen are skipped). Read in bounded chunks; a row
 whose step is not an integer (`inf`, `nan`, text) is skipped with a warning naming its line."""
+
 from __future__ import annotations
 
 import csv
@@ -100,8 +101,9 @@ class CsvFollower(Follower):
         step_text = row.pop("step", None)
         step = as_step(step_text) if step_text is not None else self.rows - 1
         if step is None:
-            self.note(f"{self.path}: byte {pos}: row skipped, its step {step_text[:40]!r} is not an integer",
-                      once="bad-step")
+            self.note(
+                f"{self.path}: byte {pos}: row skipped, its step {step_text[:40]!r} is not an integer", once="bad-step"
+            )
             return
         if self.asm.add(step, row, out):
             self.done_offset = pos

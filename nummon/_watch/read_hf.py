@@ -4,6 +4,7 @@ The newest file is the run's state; rows at or below the last step seen are skip
 newest file whose steps end below it is a new run written into the same folder (read from its
 start). A file that is not valid JSON yet (caught mid-write) is read again when it changes; bare
 NaN/Infinity literals are read as floats; a row whose step is not an integer is skipped."""
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,10 @@ class HfStateFollower(Follower):
             return []
         (_, top), rows, f = best
         if self.last_step is not None and top < self.last_step:
-            self.note(f"{f}: its steps end at {top}, below step {self.last_step} read before: a new run in the same "
-                      f"output folder; reading it from its start")
+            self.note(
+                f"{f}: its steps end at {top}, below step {self.last_step} read before: a new run in the same "
+                f"output folder; reading it from its start"
+            )
             self.last_step = None
         by_step: dict[int, dict] = {}
         for r in rows:
@@ -86,8 +89,11 @@ class HfStateFollower(Follower):
 
     def _read(self, path: str, st: fs.Stat, final: bool) -> list[dict] | None:
         if st.size > MAX_STATE_BYTES:
-            self.note(f"{path}: {st.size >> 20} MiB, larger than the {MAX_STATE_BYTES >> 20} MiB a trainer_state.json "
-                      f"is read to; skipped", once=f"big:{path}")
+            self.note(
+                f"{path}: {st.size >> 20} MiB, larger than the {MAX_STATE_BYTES >> 20} MiB a trainer_state.json "
+                f"is read to; skipped",
+                once=f"big:{path}",
+            )
             return None
         try:
             obj = json.loads(fs.read_bytes(path, 0, MAX_STATE_BYTES).decode("utf-8"))  # reads NaN/Infinity literals
@@ -96,8 +102,10 @@ class HfStateFollower(Follower):
             if final:
                 raise NotALogError(f"{path}: not a {self.format} log ({why})") from None
             if self._bad.get(path) == st:  # the same bytes twice: say so once, read it when it changes
-                self.note(f"{path}: not a complete trainer_state.json ({why}); read again when it changes",
-                          once=f"bad:{path}:{st}")
+                self.note(
+                    f"{path}: not a complete trainer_state.json ({why}); read again when it changes",
+                    once=f"bad:{path}:{st}",
+                )
             self._bad[path] = st
             return None
         except OSError:
@@ -115,8 +123,10 @@ class HfStateFollower(Follower):
                 continue
             rows.append({**r, "step": step})
         if bad:
-            self.note(f"{path}: {bad} log_history row{'s' if bad != 1 else ''} skipped, step not an integer",
-                      once=f"step:{path}")
+            self.note(
+                f"{path}: {bad} log_history row{'s' if bad != 1 else ''} skipped, step not an integer",
+                once=f"step:{path}",
+            )
         return rows
 
     def position(self) -> dict[str, Any]:

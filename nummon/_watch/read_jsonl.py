@@ -1,6 +1,7 @@
 """nummon's own JSONL logs (event logs from JsonlSink and plain traces), followed by byte offset
 in bounded reads. A line that is not JSON is skipped with a warning naming its byte offset (the
 next line resynchronises); a last line without its newline is read again next poll."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -83,7 +84,9 @@ class JsonlFollower(OneFileFollower):
             if e.structural and self.count == 0 and self.lineno <= 1 and not last:
                 raise NotALogError(f"{self.path}: not a JSONL log (line 1: {e.reason})") from None
             if last and e.structural:
-                self.note(f"{where}: last line ignored at byte {at}, {e.reason} (torn by a full disk or a killed writer?)")
+                self.note(
+                    f"{where}: last line ignored at byte {at}, {e.reason} (torn by a full disk or a killed writer?)"
+                )
             else:
                 self.note(f"{where}: skipped a line at byte {at}: {e.reason}")
             return None

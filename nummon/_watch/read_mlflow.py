@@ -7,6 +7,7 @@ page, resuming at the page that was last read: a live run is never re-read from 
 Credentials come from MLflow's own variables (``MLFLOW_TRACKING_TOKEN``, or
 ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``) and never appear in a message.
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,7 +41,7 @@ def is_mlflow_source(path: str) -> bool:
 
 def parse_source(source: str) -> tuple[str, str | None, dict[str, str]]:
     """``mlflow:<uri>[?experiment=NAME][#run-id]`` -> (tracking uri, run id or None, query)."""
-    rest = source[len(MLFLOW_PREFIX):]
+    rest = source[len(MLFLOW_PREFIX) :]
     rest, _, run_id = rest.partition("#")
     rest, _, query = rest.partition("?")
     uri = rest.rstrip("/")
@@ -97,7 +98,9 @@ class MlflowServer:
         try:
             out = json.loads(body or b"{}")
         except ValueError:
-            raise MlflowError(f"mlflow:{self.name}: {endpoint} did not answer JSON (is this an MLflow server?)") from None
+            raise MlflowError(
+                f"mlflow:{self.name}: {endpoint} did not answer JSON (is this an MLflow server?)"
+            ) from None
         if not isinstance(out, dict):
             raise MlflowError(f"mlflow:{self.name}: {endpoint} answered {type(out).__name__}, not an object")
         return out
@@ -119,8 +122,11 @@ class MlflowServer:
 
     def history_page(self, run_id: str, key: str, page_token: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """One page of a metric's history (oldest first) and the token of the next page, if any."""
-        got = self.call("GET", "metrics/get-history", {"run_id": run_id, "metric_key": key,
-                                                        "max_results": PAGE_ROWS, "page_token": page_token})
+        got = self.call(
+            "GET",
+            "metrics/get-history",
+            {"run_id": run_id, "metric_key": key, "max_results": PAGE_ROWS, "page_token": page_token},
+        )
         rows = [m for m in got.get("metrics") or [] if isinstance(m, dict)]
         return rows, got.get("next_page_token") or None
 
@@ -134,8 +140,11 @@ class MlflowServer:
             ids = [str(e.get("experiment_id")) for e in exps if isinstance(e, dict)]
         if not ids:
             return []
-        got = self.call("POST", "runs/search", {"experiment_ids": ids, "filter": "attributes.status = 'RUNNING'",
-                                                 "max_results": max_results})
+        got = self.call(
+            "POST",
+            "runs/search",
+            {"experiment_ids": ids, "filter": "attributes.status = 'RUNNING'", "max_results": max_results},
+        )
         return [r.get("info") or {} for r in got.get("runs") or [] if isinstance(r, dict)]
 
 
@@ -198,7 +207,7 @@ class MlflowFollower(Follower):
         new = False
         for _ in range(_PAGES_PER_POLL):
             rows, nxt = self.server.history_page(self.run_id, key, h.token)
-            for m in rows[h.taken:]:
+            for m in rows[h.taken :]:
                 step = as_step(m.get("step", 0))
                 if step is None or (self._emitted is not None and step <= self._emitted):
                     continue  # a late value for a step already judged: the detectors moved on
@@ -212,8 +221,10 @@ class MlflowFollower(Follower):
         return new
 
     def position(self) -> dict[str, Any]:
-        return {"emitted": self._emitted,
-                "history": {k: {"token": h.token, "taken": h.taken} for k, h in self._hist.items()}}
+        return {
+            "emitted": self._emitted,
+            "history": {k: {"token": h.token, "taken": h.taken} for k, h in self._hist.items()},
+        }
 
     def restore(self, pos: dict[str, Any]) -> None:
         pos = pos if isinstance(pos, dict) else {}

@@ -4,6 +4,7 @@ tensorboard package's own protobuf classes. Every record is checked by its CRCs:
 record is skipped and named with its byte offset, and reading resynchronises at the next record
 whose header checks out; a torn last record is read again next poll (and named at the end of a
 finished log)."""
+
 from __future__ import annotations
 
 import struct
@@ -136,8 +137,9 @@ class TensorBoardFollower(Follower):
                 s.done = s.offset
         return out
 
-    def _read(self, f: str, state: _File, st: fs.Stat, upto: list[str], out: list[StepRecord], final: bool,
-              size: int) -> tuple[int, bool]:
+    def _read(
+        self, f: str, state: _File, st: fs.Stat, upto: list[str], out: list[StepRecord], final: bool, size: int
+    ) -> tuple[int, bool]:
         """Records of one chunk of `f`; (bytes consumed, whether the chunk ended on a full buffer)."""
         base = orig = state.offset
         data = fs.read_bytes(f, base, size)
@@ -151,8 +153,10 @@ class TensorBoardFollower(Follower):
                     break
                 nxt = self._resync(data, pos + 1)
                 skip_to = nxt if nxt is not None else len(data) - _HEAD + 1
-                self.note(f"{f}: corrupt record header at byte {base + pos}; skipped {skip_to - pos} bytes to "
-                          f"{'the next record' if nxt is not None else 'further on'} at byte {base + skip_to}")
+                self.note(
+                    f"{f}: corrupt record header at byte {base + pos}; skipped {skip_to - pos} bytes to "
+                    f"{'the next record' if nxt is not None else 'further on'} at byte {base + skip_to}"
+                )
                 pos = skip_to
                 state.suspect = None
                 continue
@@ -183,8 +187,11 @@ class TensorBoardFollower(Follower):
         state.offset = base + pos
         consumed = state.offset - orig
         if final and pos < len(data) and base + len(data) >= st.size:
-            self.note(f"{f}: last record torn at byte {state.offset} ({st.size - state.offset} bytes; a killed "
-                      f"writer or a cut copy?); ignored", once=f"torn:{f}")
+            self.note(
+                f"{f}: last record torn at byte {state.offset} ({st.size - state.offset} bytes; a killed "
+                f"writer or a cut copy?); ignored",
+                once=f"torn:{f}",
+            )
         if consumed:
             state.mark.take(f, state.offset, st)
         return consumed, len(data) == size and consumed > 0
@@ -193,7 +200,10 @@ class TensorBoardFollower(Follower):
         """The offset (in `data`) of the next record header whose CRC checks out."""
         for p in range(start, len(data) - _HEAD + 1):
             head = data[p : p + _HEAD]
-            if struct.unpack("<I", head[8:])[0] == self._crc(head[:8]) and struct.unpack("<Q", head[:8])[0] <= _MAX_RECORD:
+            if (
+                struct.unpack("<I", head[8:])[0] == self._crc(head[:8])
+                and struct.unpack("<Q", head[:8])[0] <= _MAX_RECORD
+            ):
                 return p
         return None
 

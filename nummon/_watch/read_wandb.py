@@ -4,6 +4,7 @@ byte offset in bounded reads; a record whose chunks are not all written yet is r
 poll. A chunk that fails its checksum is named with its byte offset and reading resumes at the
 next 32 KiB block, as the framing is built for; a record with a step that is not an integer or
 a value that is not JSON is skipped with a warning."""
+
 from __future__ import annotations
 
 import json
@@ -105,15 +106,20 @@ class WandbFollower(OneFileFollower):
             if length <= left - _HEADER and end > len(data):
                 break  # chunk still being written
             chunk = data[pos + _HEADER : end]
-            if length > left - _HEADER or kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or \
-                    zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            if (
+                length > left - _HEADER
+                or kind not in (_FULL, _FIRST, _MIDDLE, _LAST)
+                or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc
+            ):
                 at = base + pos
                 if not final and self._suspect != at:
                     self._suspect = at  # maybe a torn write: confirmed on the next poll
                     break
                 self._suspect = None
                 pos += left  # the framing's resynchronisation point: the next block
-                self.note(f"{self.path}: corrupt chunk at byte {at} (bad checksum); skipped to the next block at byte {base + pos}")
+                self.note(
+                    f"{self.path}: corrupt chunk at byte {at} (bad checksum); skipped to the next block at byte {base + pos}"
+                )
                 buf = None
                 self.offset = base + pos
                 continue
@@ -137,10 +143,19 @@ class WandbFollower(OneFileFollower):
                 out.append(rec)
         self.more = len(data) == size and self.offset > base
         span = buf is not None and self.offset == base and len(data) == size
-        if final and not self.more and not span and base + len(data) >= st.size and self.offset < st.size \
-                and data[self.offset - base :].strip(b"\x00"):
-            self.note(f"{self.path}: last record torn at byte {self.offset} ({st.size - self.offset} bytes; a killed "
-                      f"writer or a cut copy?); ignored", once="torn")
+        if (
+            final
+            and not self.more
+            and not span
+            and base + len(data) >= st.size
+            and self.offset < st.size
+            and data[self.offset - base :].strip(b"\x00")
+        ):
+            self.note(
+                f"{self.path}: last record torn at byte {self.offset} ({st.size - self.offset} bytes; a killed "
+                f"writer or a cut copy?); ignored",
+                once="torn",
+            )
         return out, span
 
     def _record(self, payload: bytes, at: int) -> StepRecord | None:
@@ -173,8 +188,10 @@ class WandbFollower(OneFileFollower):
         self.count += 1
         n = as_step(step)
         if n is None:
-            self.note(f"{self.path}: record before byte {at} skipped, its _step {str(step)[:40]!r} is not an integer",
-                      once="step")
+            self.note(
+                f"{self.path}: record before byte {at} skipped, its _step {str(step)[:40]!r} is not an integer",
+                once="step",
+            )
             return None
         return self.record(n, row)
 

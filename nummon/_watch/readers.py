@@ -1,8 +1,9 @@
 """Pick the reader a path needs (by name, then by content) and read whole logs for `replay`."""
+
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .._types import StepRecord
 from . import fs
@@ -37,7 +38,9 @@ def detect_format(path: str) -> str:
         top = [fs.basename(f) for f in files if fs.dirname(f).rstrip("/") == path.rstrip("/").rstrip(os.sep)]
         if any(is_event_file(f) for f in top):
             return "tensorboard"
-        if STATE_NAME in top or any(fs.basename(f) == STATE_NAME and fs.basename(fs.dirname(f)).startswith("checkpoint-") for f in files):
+        if STATE_NAME in top or any(
+            fs.basename(f) == STATE_NAME and fs.basename(fs.dirname(f)).startswith("checkpoint-") for f in files
+        ):
             return "hf"
         if "metrics.csv" in top:
             return "csv"
@@ -58,7 +61,11 @@ def detect_format(path: str) -> str:
         return "jsonl"
     st = fs.stat(path)
     if st is None:
-        raise NotALogError(f"{path}: not found" if not _exists(path) else f"{path}: not a regular file (a FIFO or device is never read)")
+        raise NotALogError(
+            f"{path}: not found"
+            if not _exists(path)
+            else f"{path}: not a regular file (a FIFO or device is never read)"
+        )
     head = fs.read_bytes(path, 0, 4096)
     if head.startswith(WANDB_MAGIC):
         return "wandb"
@@ -69,7 +76,9 @@ def detect_format(path: str) -> str:
         return "jsonl"
     if b"," in head.split(b"\n", 1)[0] and b"step" in head.split(b"\n", 1)[0]:
         return "csv"
-    raise NotALogError(f"{path}: not a log nummon reads (JSONL, TensorBoard, trainer_state.json, metrics.csv, W&B run file)")
+    raise NotALogError(
+        f"{path}: not a log nummon reads (JSONL, TensorBoard, trainer_state.json, metrics.csv, W&B run file)"
+    )
 
 
 def make_follower(path: str, format: str | None = None, keymap: KeyMap | None = None) -> Follower:
@@ -84,8 +93,9 @@ def _exists(path: str) -> bool:
     return fs.is_url(path) or is_mlflow_source(path) or os.path.lexists(path)
 
 
-def read_records(path: str, format: str | None = None, keymap: KeyMap | None = None,
-                 warn: Callable[[str], None] | None = None) -> Iterator[StepRecord]:
+def read_records(
+    path: str, format: str | None = None, keymap: KeyMap | None = None, warn: Callable[[str], None] | None = None
+) -> Iterator[StepRecord]:
     """Every step record of a finished log (any format), in file order, streaming in bounded
     reads; raises NotALogError (a NummonError naming the path) when the path is not a log.
     Warnings (corruption skipped with its byte offset, a torn tail) go to `warn`."""

@@ -1,5 +1,6 @@
 """One watched run: its follower and its health engine (whose state, incident and a bounded
 history of recent records, goes into the state file to re-warm the detectors after a restart)."""
+
 from __future__ import annotations
 
 import time
@@ -54,8 +55,10 @@ class WatchedRun:
         if self.last_step is not None and rec.step <= self.last_step:
             # a log rewritten, rotated or re-run into the same place: its steps start over, and
             # so do the detectors (as in replay); incident numbers go on, so no event id repeats
-            self.notes.append(f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
-                              f"(a rewritten, rotated or re-run log); detectors restarted")
+            self.notes.append(
+                f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
+                f"(a rewritten, rotated or re-run log); detectors restarted"
+            )
             number = _tracker(self.engine).number
             self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
             _tracker(self.engine).number = number

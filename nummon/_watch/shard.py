@@ -3,11 +3,13 @@
 A run belongs to shard ``sha256(key) mod N``, where the key is the run's path relative to the
 root it was found under (its bytes, so a name that is not UTF-8 has a shard too): stable across processes, restarts and hosts (the same share mounted
 at different paths gives the same shards). Changing N moves runs between shards."""
+
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 from .._errors import NummonError
 from .text import raw_bytes
@@ -28,7 +30,7 @@ def run_key(run_id: str, roots: list[str]) -> str:
                 best = r
     if best is None:
         return run_id
-    rel = run_id[len(best):].lstrip("/")
+    rel = run_id[len(best) :].lstrip("/")
     return rel or os.path.basename(best)
 
 

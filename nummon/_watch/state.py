@@ -5,6 +5,7 @@ the new state. One watcher per state file: a lock file beside it holds the owner
 opened with O_NOFOLLOW and must be a regular file (a symbolic link there is refused, never
 followed: its target would be truncated). A state
 file whose fields have the wrong types is refused at start (one line naming the field)."""
+
 from __future__ import annotations
 
 import errno
@@ -94,8 +95,9 @@ class StateFile:
                 other = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise NummonError(f"--state {self.path}: in use by another nummon watch (pid {other}); "
-                              "one watcher per state file") from None
+            raise NummonError(
+                f"--state {self.path}: in use by another nummon watch (pid {other}); one watcher per state file"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd

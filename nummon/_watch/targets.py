@@ -1,12 +1,14 @@
 """Notification targets for incident events: console, JSONL, W&B (and the webhook in
 webhook.py). Each has `notify(event)` and `close()`; an event has `.title`, `.summary()`,
 `.to_dict()` and `.run`."""
+
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import IO, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import IO, Any, Protocol
 
 from .._errors import NummonError
 from .._json import dumps
@@ -146,7 +148,9 @@ class WandbTarget:
 
     def notify(self, event: Any) -> None:
         level = self._LEVELS.get(getattr(event, "level", 1), "WARN")
-        self._sink.run.alert(title=cut_at_word(plain(event.title), 63), text=event.summary(), level=level, wait_duration=1)
+        self._sink.run.alert(
+            title=cut_at_word(plain(event.title), 63), text=event.summary(), level=level, wait_duration=1
+        )
         self.sent.append((event.title, level))
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """How the watcher's messages read where people see them: Slack mrkdwn for webhooks, plain text
 for the console and fallbacks, titles cut at a word, plurals, and URLs without their secrets."""
+
 from __future__ import annotations
 
 import re

@@ -8,6 +8,7 @@ the state file before any target is tried) with the targets it is pending for, a
 when every target has it; an event still pending at exit is sent again at the next start (its
 `event_id` lets receivers drop the duplicate). A state file that cannot be written is warned
 about once; the watcher goes on in memory and retries at each poll."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,9 @@ from .._errors import NummonError
 from .._policy import Policy
 from . import fs
 from .discovery import RunSpec, discover, root_is_here
-from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
+from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
 from .readers import make_follower
 from .runs import WatchedRun
 from .state import StateFile
@@ -88,8 +89,11 @@ class Watcher:
         # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
         self.forget_after_s = forget_after_s
         self.wall_clock = time.time
-        self.gone_since: dict[str, float] = {rid: float(d["gone_since"]) for rid, d in self.saved_runs.items()
-                                             if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)}
+        self.gone_since: dict[str, float] = {
+            rid: float(d["gone_since"])
+            for rid, d in self.saved_runs.items()
+            if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)
+        }
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
         self._lock = threading.Lock()
@@ -185,8 +189,10 @@ class Watcher:
         if forgotten:
             self._dirty = self._outbox_changed = True  # saved at the end of this pass
             hours = self.forget_after_s / 3600
-            self.say(f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
-                     f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back")
+            self.say(
+                f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
+                f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back"
+            )
 
     def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
         """One line per run picked up: those found at the start (the first _LISTED of them), a
@@ -210,13 +216,21 @@ class Watcher:
         formats = sorted({s.format for s in self.specs.values()})
         targets = ", ".join(getattr(t, "shown", type(t).__name__) for t in self.targets)
         n = len(self.specs)
-        self.say(f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
-                 f"{' (' + ', '.join(formats) + ')' if formats else ''}; notifying {targets}")
+        self.say(
+            f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
+            f"{' (' + ', '.join(formats) + ')' if formats else ''}; notifying {targets}"
+        )
         for root in self.roots:
-            if not any(_under(rid, root) for rid in self.specs) and root not in self.bad and not any(root in b for b in self.bad):
+            if (
+                not any(_under(rid, root) for rid in self.specs)
+                and root not in self.bad
+                and not any(root in b for b in self.bad)
+            ):
                 self._empty_roots.add(root)
-                self.say(f"{root}: no runs yet (looking for TensorBoard event files, trainer_state.json, metrics.csv, "
-                         f"run-*.wandb and nummon *.jsonl logs); new ones are picked up as they appear")
+                self.say(
+                    f"{root}: no runs yet (looking for TensorBoard event files, trainer_state.json, metrics.csv, "
+                    f"run-*.wandb and nummon *.jsonl logs); new ones are picked up as they appear"
+                )
 
     def _start(self, spec: RunSpec) -> None:
         try:
@@ -238,8 +252,10 @@ class Watcher:
             try:
                 self.observer.run_started(run, spec)
             except Exception as e:  # an observer's bug must not stop the watching
-                self._say_once(f"observer:{type(e).__name__}", f"run {spec.id}: an observer failed on its start "
-                               f"({type(e).__name__}: {e})")
+                self._say_once(
+                    f"observer:{type(e).__name__}",
+                    f"run {spec.id}: an observer failed on its start ({type(e).__name__}: {e})",
+                )
 
     def _bounded(self, follower: Any) -> Any:
         if self.poll_bytes:
@@ -298,8 +314,11 @@ class Watcher:
             except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
                 self._notes(run)
                 self._retire(run_id, keep=False)
-                self._unhealthy(run_id, f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
-                                       "marked unhealthy, the other runs are watched")
+                self._unhealthy(
+                    run_id,
+                    f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
+                    "marked unhealthy, the other runs are watched",
+                )
                 continue
             self._notes(run)
             self.records_read += max(0, run.records - before)
@@ -351,10 +370,14 @@ class Watcher:
                         item["pending"].remove(key)
                         self.lost += 1
                         self._lost_ids.add(eid)
-                        self.say(f"{getattr(t, 'shown', key)}: could not deliver \"{notice.title}\" of run {notice.run} "
-                                 f"({type(e).__name__}: {e}; {plural(tries, 'try')})")
+                        self.say(
+                            f'{getattr(t, "shown", key)}: could not deliver "{notice.title}" of run {notice.run} '
+                            f"({type(e).__name__}: {e}; {plural(tries, 'try')})"
+                        )
                     else:
-                        self.say(f"{getattr(t, 'shown', key)}: failed on \"{notice.title}\" ({e}); tried again at the next poll")
+                        self.say(
+                            f'{getattr(t, "shown", key)}: failed on "{notice.title}" ({e}); tried again at the next poll'
+                        )
                     continue
                 item["pending"].remove(key)
             if not item.get("counted"):
@@ -423,8 +446,10 @@ class Watcher:
         except OSError as e:
             why = e.strerror or str(e)
             if self._state_failed is None:
-                self.say(f"--state {self.state.path}: cannot write the state file ({why}); going on in memory, "
-                         "retrying at each poll")
+                self.say(
+                    f"--state {self.state.path}: cannot write the state file ({why}); going on in memory, "
+                    "retrying at each poll"
+                )
             self._state_failed = why
             self._last_save = time.monotonic()
             return
@@ -470,10 +495,15 @@ class Watcher:
         """The last line: why the watcher stops and what it did in this session."""
         why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
         sent = f"{plural(self.notified, 'incident event')} notified"
-        fates = [f"{self.delivered} delivered"] + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else []) + \
-                ([f"{kept} kept for the next start"] if kept else [])
-        return (f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
-                f"{sent} ({', '.join(fates)})")
+        fates = (
+            [f"{self.delivered} delivered"]
+            + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else [])
+            + ([f"{kept} kept for the next start"] if kept else [])
+        )
+        return (
+            f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
+            f"{sent} ({', '.join(fates)})"
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -491,8 +521,10 @@ class Watcher:
             pending = sum(1 for i in self.outbox.values() if i["pending"])
             if pending:
                 if self.state.path:
-                    self.say(f"{plural(pending, 'notification')} not delivered yet: kept in {self.state.path}, "
-                             "sent at the next start")
+                    self.say(
+                        f"{plural(pending, 'notification')} not delivered yet: kept in {self.state.path}, "
+                        "sent at the next start"
+                    )
                 else:
                     self.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
@@ -524,9 +556,17 @@ def _under(run_id: str, root: str) -> bool:
             uri, one, _ = parse_source(root)
         except NummonError:
             return False
-        return run_id == f"{MLFLOW_PREFIX}{safe_uri(uri)}#{one}" if one else run_id.startswith(f"{MLFLOW_PREFIX}{safe_uri(uri)}#")
+        return (
+            run_id == f"{MLFLOW_PREFIX}{safe_uri(uri)}#{one}"
+            if one
+            else run_id.startswith(f"{MLFLOW_PREFIX}{safe_uri(uri)}#")
+        )
     root = os.path.abspath(root) if "://" not in root else root
-    return run_id == root or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep) or run_id.startswith(root.rstrip("/") + "/")
+    return (
+        run_id == root
+        or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep)
+        or run_id.startswith(root.rstrip("/") + "/")
+    )
 
 
 def _name(run_id: str, roots: list[str]) -> str:
@@ -536,14 +576,13 @@ def _name(run_id: str, roots: list[str]) -> str:
     for root in roots:
         r = os.path.abspath(root) if "://" not in root else root
         if _under(run_id, r) and run_id != r:
-            return run_id[len(r.rstrip("/").rstrip(os.sep)) + 1:]
+            return run_id[len(r.rstrip("/").rstrip(os.sep)) + 1 :]
     parts = run_id.rstrip("/").replace(os.sep, "/").split("/")
     return "/".join(parts[-2:])
 
 
 def _signature(spec: RunSpec | None) -> tuple:
     """Sizes, mtimes and identities of a run's files: a retired or unhealthy run wakes up when they change."""
-    from . import fs
 
     if spec is None:
         return ()

@@ -7,6 +7,7 @@ Delivery is at least once: an event is retried until the endpoint answers 2xx, a
 restart from the state file) can deliver it twice; receivers drop duplicates by ``event_id``.
 A 4xx answer (other than 429) or a redirect is final and reported: a POST is never re-sent to
 another address. Only the scheme and host of the URL are ever printed."""
+
 from __future__ import annotations
 
 import base64
@@ -17,7 +18,8 @@ import ssl
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from .._errors import NummonError
@@ -52,21 +54,27 @@ def slack_payload(event: Any, host: str | None = None) -> dict[str, Any]:
     summary = event.summary()
     prefix = f"run `{event.run}`: "
     if summary.startswith(prefix):  # the run is named on the line above
-        summary = summary[len(prefix):]
+        summary = summary[len(prefix) :]
     where = f"run `{mrkdwn(name)}` on {mrkdwn(host)}" + (f" (`{mrkdwn(event.run)}`)" if name != event.run else "")
     rich = f"*{mrkdwn(event.title)}*\n{where}\n{mrkdwn(summary)}"
     if len(rich) > _TEXT_MAX:
         rich = rich[: _TEXT_MAX - 1] + "…"
     fallback = f"{plain(event.title)}\n{plain(where)}\n{plain(summary)}"
     d = event.to_dict()
-    return {"text": fallback, "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
-            "event_id": d.get("event_id"), "nummon": d}
+    return {
+        "text": fallback,
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
+        "event_id": d.get("event_id"),
+        "nummon": d,
+    }
 
 
 class Outcome:
     """What became of one event at one webhook: delivered, or lost with the reason."""
 
-    def __init__(self, event_id: str, ok: bool, reason: str = "", tries: int = 1, title: str = "", run: str = "") -> None:
+    def __init__(
+        self, event_id: str, ok: bool, reason: str = "", tries: int = 1, title: str = "", run: str = ""
+    ) -> None:
         self.event_id, self.ok, self.reason, self.tries, self.title, self.run = event_id, ok, reason, tries, title, run
 
 
@@ -139,11 +147,18 @@ class WebhookTarget:
     def dropped(self) -> int:
         return self.stats().dropped
 
-    def stats(self) -> "WebhookStats":
+    def stats(self) -> WebhookStats:
         """One consistent snapshot: accepted = sent + failed + dropped + queued + in flight + unsent."""
         with self._cond:
-            return WebhookStats(self._accepted, self._sent, self._failed, self._dropped, len(self._items),
-                                0 if self._in_flight is None else 1, len(self._unsent))
+            return WebhookStats(
+                self._accepted,
+                self._sent,
+                self._failed,
+                self._dropped,
+                len(self._items),
+                0 if self._in_flight is None else 1,
+                len(self._unsent),
+            )
 
     def notify(self, event: Any) -> None:
         """Queue one event; never waits (when the queue is full the oldest event is dropped,
@@ -159,7 +174,9 @@ class WebhookTarget:
             self._accepted += 1
             self._cond.notify_all()
         if old is not None:  # reported outside the lock: the watcher's callback takes its own
-            self._report(Outcome(old[0], False, "the queue was full (an endpoint slower than the runs)", 0, old[1], old[2]))
+            self._report(
+                Outcome(old[0], False, "the queue was full (an endpoint slower than the runs)", 0, old[1], old[2])
+            )
 
     def _report(self, outcome: Outcome) -> None:
         if self.on_outcome is not None:
@@ -244,8 +261,10 @@ class WebhookTarget:
             status = resp.status
             if 300 <= status < 400:
                 where = resp.getheader("Location") or "?"
-                raise _Refused(f"HTTP {status} redirect to {safe_url(where) if '://' in where else 'another path'} "
-                               f"not followed: a POST is never re-sent elsewhere, fix the URL")
+                raise _Refused(
+                    f"HTTP {status} redirect to {safe_url(where) if '://' in where else 'another path'} "
+                    f"not followed: a POST is never re-sent elsewhere, fix the URL"
+                )
             if 400 <= status < 500 and status != 429:
                 raise _Refused(f"HTTP {status} {resp.reason}".strip() + ": the endpoint refuses the message")
             return status
@@ -275,8 +294,10 @@ class WebhookTarget:
 
     def describe(self, outcome: Outcome) -> str:
         """The failure line of one lost event (no secret, the reason, the event named)."""
-        return (f"webhook {self.shown}: could not deliver \"{outcome.title}\" of run {outcome.run} "
-                f"({outcome.reason}; {plural(outcome.tries, 'try')})")
+        return (
+            f'webhook {self.shown}: could not deliver "{outcome.title}" of run {outcome.run} '
+            f"({outcome.reason}; {plural(outcome.tries, 'try')})"
+        )
 
 
 def _proxy_for(scheme: str, host: str):
