@@ -320,9 +320,10 @@ def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
     except TraceError:
         return
     got = _lean_record(obj, 0)
-    same = lambda a, b: (
-        (a is None and b is None) or (a is not None and b is not None and (a == b or (a != a and b != b)))
-    )  # noqa: E731
+
+    def same(a, b):
+        return (a is None and b is None) or (a is not None and b is not None and (a == b or (a != a and b != b)))  # noqa: E731
+
     for k in list(values) + ["loss", "grad_norm"]:
         assert same(getattr(got, k), getattr(want, k)), k
     assert got.step == want.step and got.is_finite() == want.is_finite()
