@@ -142,6 +142,9 @@ class MlflowSink(BaseSink):
             "nummon.incident_step": str(event.step),
         }
         self._set_tags(tags)
+        report = getattr(event, "report", None)
+        if report and os.path.isfile(str(report)):  # the HTML incident page as of this event
+            self.client.log_artifact(self.run_id, str(report), "nummon")
         number = getattr(event, "number", self._incidents)
         self.client.log_text(self.run_id, event.summary(), f"nummon/incident-{number}-step{event.step}.md")
         if self.state in ("critical", "nonfinite"):

@@ -49,6 +49,7 @@ def test_a_runaway_shows_in_the_run_metrics_tags_and_artifacts(server, tmp_path)
     text = client.download_artifacts(sink.run_id, incidents[-1], str(tmp_path / "dl"))
     assert "Incident 1" in open(text).read() and "nonfinite" in open(text).read()
     assert [a.path for a in client.list_artifacts(sink.run_id, "nummon/flight-records")]
+    assert "nummon/nummon-report.html" in names  # the incident report, as of its critical escalation
 
 
 def test_inside_an_active_run_the_sink_logs_into_it(server, tmp_path):
