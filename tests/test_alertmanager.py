@@ -26,7 +26,8 @@ from nummon._watch.watcher import Watcher
 
 def row(s):
     """Healthy to step 59, a runaway (loss x4, gradient norm x2 per step) from 60, NaN at 70,
-    healthy again from 71 (the incident resolves after the policy's quiet steps)."""
+    healthy again from 71 (the non-finite condition clears after nonfinite.clear_records finite records,
+    the incident resolves after the policy's quiet steps)."""
     if 60 <= s < 70:
         loss, g = 4.0 ** (s - 59), 2.0 ** (s - 59)
     elif s == 70:
@@ -496,7 +497,7 @@ def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     watcher = Watcher([str(tmp_path / "runs")], load_policy("default"), [target], errors=open(os.devnull, "w"))
     states = []
     try:
-        for s in range(130):
+        for s in range(150):
             with open(log, "a") as fh:
                 fh.write(dumps({"type": "step", **{k: row(s)[k] for k in ("step", "loss", "grad_norm")}}) + "\n")
             watcher.poll_once()
