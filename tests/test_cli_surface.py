@@ -1,5 +1,5 @@
 """What a user sees first: --version, each command's description and argument help, the policy
-checker's suggestions, the LICENSE, and the README's chart legend."""
+checker's suggestions, the LICENSE, and the chart legend in the documentation."""
 
 import argparse
 import contextlib
@@ -97,8 +97,10 @@ def test_the_license_is_the_apache_2_text_pyproject_declares():
     assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
 
 
-def test_the_readme_chart_table_names_every_health_code():
-    row = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("| `health` |"))
+def test_the_chart_legend_names_every_health_code():
+    row = next(
+        l for l in (ROOT / "docs" / "guides" / "views.md").read_text().splitlines() if l.startswith("| `health` |")
+    )
     for h in Health:
         assert f"{h.code:g} = {h.value.replace('nonfinite', 'non-finite')}" in row, (h, row)
 

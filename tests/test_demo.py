@@ -226,9 +226,11 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
     assert any(e["type"] == "incident" and e.get("action", "").startswith("recovered: rolled back") for e in events)
 
 
-# ---------------------------------------------------------------- the README's demo section
-README = Path(__file__).resolve().parent.parent / "README.md"
-README_RUN = "nummon-runs/20261201-101804"  # the output folder as the README shows it
+# ---------------------------------------------------------------- the documentation's demo section
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+QUICKSTART = DOCS / "quickstart.md"  # holds "What the demo shows"
+FORENSICS = DOCS / "guides" / "forensics.md"  # quotes the demo's "Why:" line
+README_RUN = "nummon-runs/20261201-101804"  # the output folder as the documentation shows it
 README_WANDB_RUN = "offline-run-20261201_101804-xxxxxxxx"
 WANDB_RUN = re.compile(r"offline-run-\d{8}_\d{6}-\w+")
 DEMO_MODEL_PATH = re.compile(r"\S*nummon/_demo_model\.py")
@@ -239,22 +241,22 @@ BULLET = re.compile(r"^    - (info|warning|critical) (\w+) (\S+) .*\(step (\d+)\
 
 
 def readme_demo_section(text=None):
-    """The README's "What the demo shows" section: (prose, the excerpt's lines)."""
-    text = README.read_text() if text is None else text
-    section = text.split("### What the demo shows", 1)[1].split("\n### ", 1)[0]
+    """The quickstart's "What the demo shows" section: (prose, the excerpt's lines)."""
+    text = QUICKSTART.read_text() if text is None else text
+    section = text.split("## What the demo shows\n", 1)[1].split("\n## ", 1)[0]
     prose, block, _ = section.split("```", 2)
     return prose, block.strip("\n").splitlines()
 
 
 def normalised(line, out):
-    """A printed line with what differs between runs as the README shows it: the output folder,
+    """A printed line with what differs between runs as the documentation shows it: the output folder,
     the W&B run id, the demo model's path."""
     line = WANDB_RUN.sub(README_WANDB_RUN, line.replace(str(out), README_RUN))
     return DEMO_MODEL_PATH.sub("nummon/_demo_model.py", line).rstrip()
 
 
 def demo_excerpt(stdout, stderr, out):
-    """What the README's excerpt shows of a demo's output: each incident block's first three
+    """What the quickstart's excerpt shows of a demo's output: each incident block's first three
     lines, then "...", then its last line; the closing table and the closing lines (not the
     timing and event-log line)."""
     lines, blocks = [], []
@@ -270,7 +272,7 @@ def demo_excerpt(stdout, stderr, out):
 
 
 def test_readme_demo_section_states_what_the_demo_prints(demo_run):
-    """Issue 35 point 10: the README's demo section (the excerpt, the step numbers, the lead, the
+    """The quickstart's demo section (the excerpt, the step numbers, the lead, the
     layer and operator, the optimizer-state column, the model and the claimed time) against one
     real run. Alert bullets are compared by severity, kind, metric and step only (their wording
     changes); every other excerpt line must be printed as shown. To refresh the excerpt after a
@@ -315,20 +317,22 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     )
     (seconds,) = re.findall(r"about (\d+) s on 2 CPU cores", " ".join(prose.split()))
     assert int(seconds) == DEMO_SECONDS < 10  # measured by hand (see _demo_config); tests time nothing
+    readme = " ".join((DOCS.parent / "README.md").read_text().split())
+    assert re.findall(r"about (\d+) s on 2 CPU cores", readme) == [str(DEMO_SECONDS)]  # the README's main job
 
 
 def test_readme_names_the_layer_and_operator_the_demo_names(demo_run):
-    """The forensics section quotes the demo's "Why:" line: the same operator, layer and line."""
+    """The forensics guide quotes the demo's "Why:" line: the same operator, layer and line."""
     p, _ = demo_run
     why = re.search(
         r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_demo_model\.py:\d+)", p.stdout, re.M
     )
     assert why, p.stdout[-2000:]
-    quoted = re.search(r"`nummon demo` ends with it \(\"Why: (.+?) \.\.\.\"\)", " ".join(README.read_text().split()))
+    quoted = re.search(r"`nummon demo` ends with it \(\"Why: (.+?) \.\.\.\"\)", " ".join(FORENSICS.read_text().split()))
     assert quoted and quoted.group(1) == why.group(1) + why.group(2), (quoted and quoted.group(1), why.groups())
 
 
-if __name__ == "__main__":  # print the README excerpt of a fresh demo run (to refresh the README)
+if __name__ == "__main__":  # print the quickstart's excerpt of a fresh demo run (to refresh docs/quickstart.md)
     import sys
     import tempfile
 

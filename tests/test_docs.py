@@ -175,6 +175,18 @@ def test_the_diary_patterns_catch_diary_wording():
 def test_no_page_reads_as_a_development_diary(pages):
     texts = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in (ROOT / "docs").rglob("*.md")}
     texts.update({f"(generated) {k}": v for k, v in pages.items()})
-    texts["CONTRIBUTING.md"] = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    for name in ("CONTRIBUTING.md", "README.md", "benchmarks/RESULTS.md"):
+        texts[name] = (ROOT / name).read_text(encoding="utf-8")
     found = {name: diary_phrases(text) for name, text in texts.items()}
     assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_readme_is_short_with_the_loop_example_early_and_its_links_resolve():
+    """A newcomer's minute: at most 200 lines, the training-loop example in the first 80, and
+    every relative link pointing at a file that exists (the pages the rest moved to)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, len(lines)
+    assert any("nummon.Monitor(" in l for l in lines[:80]) and any(".post_step(" in l for l in lines[:80])
+    shown = re.sub(r"<!--.*?-->", "", "\n".join(lines), flags=re.S)  # a commented-out slot is no link
+    links = [m.group(1) for m in re.finditer(r"\]\(([^)#:]+)(?:#[^)]*)?\)", shown)]
+    assert len(links) >= 15 and not [x for x in links if not (ROOT / x).is_file()], links
