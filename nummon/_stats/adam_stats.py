@@ -191,14 +191,19 @@ class AdamStatistics:
         hit = self._groups.get(gi)
         if hit is not None and hit.key == key:
             return hit
-        ps, ms, vs, first = [], [], [], {}
+        ps: list[torch.Tensor] = []
+        ms: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        first: dict[str, Any] = {}  # the first such parameter's state (its step)
         for p in params:
             st = state.get(p)
             m, v = (st.get("exp_avg"), st.get("exp_avg_sq")) if st else (None, None)
             if m is None or v is None or p.is_sparse or v.shape != p.shape:  # e.g. a factored v
                 continue
             first = first or st
-            ps.append(p), ms.append(m), vs.append(v)
+            ps.append(p)
+            ms.append(m)
+            vs.append(v)
         if not ps or len({t.device for t in ps}) > 1:
             self._groups.pop(gi, None)
             return None

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import Node
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
@@ -203,12 +204,13 @@ class ForwardCapture:
         self._depth = 0
         self._resume = []
         # a call that no module holds leaves no cheaper way: such a model is discovered every time
-        periodic = self.plan is None or self._until_plan <= 0
+        plan = self.plan
+        periodic = plan is None or self._until_plan <= 0
         self._until_plan = PLAN_EVERY if periodic else self._until_plan - 1
-        if periodic or self.plan.whole:
+        if plan is None or periodic or plan.whole:
             self._discover()
         else:
-            self._scoped(self.plan)
+            self._scoped(plan)
         return periodic
 
     def _discover(self) -> None:
@@ -270,6 +272,7 @@ class ForwardCapture:
             self._names, self._outputs = {}, {}
             self._recent.clear()
             plan = self.plan
+            assert plan is not None  # a discovery forward made it (`_discover`)
             for key, (mod, _name) in list(plan.attention.items()):
                 if isinstance(mod, nn.MultiheadAttention) and type(mod).forward is nn.MultiheadAttention.forward:
                     plan.mha[key] = plan.attention.pop(key)  # its logits come from its inputs: no mode needed
@@ -416,21 +419,24 @@ class ForwardCapture:
     # ------------------------------------------------------------------ what the mode saw
     def _where(self) -> str:
         if self._discovering:
+            plan = self.plan
+            assert plan is not None  # a discovery forward made it (`_discover`)
             if self._in_forward and self._stack:
                 mod, name = self._stack[-1]
-                self.plan.attention.setdefault(id(mod), (mod, name))
+                plan.attention.setdefault(id(mod), (mod, name))
                 return name
             if self._in_forward:
-                self.plan.whole = True
+                plan.whole = True
             else:
-                self.plan.tail = True
+                plan.tail = True
         return self._stack[-1][1] if self._stack else "attention"
 
     def _source(self, x: torch.Tensor) -> tuple[tuple[nn.Module, str], int] | None:
         """The module whose output `x` is, up to views, slices, copies and casts, and the size of
         that output's last dim (discovery)."""
         ptr = x.untyped_storage().data_ptr()
-        nodes, fn = [], x.grad_fn  # x's autograd node and those it moves or casts values from
+        nodes: list[Node] = []
+        fn = x.grad_fn  # x's autograd node and those it moves or casts values from
         while fn is not None and len(nodes) < 6:
             nodes.append(fn)
             if type(fn).__name__ not in SAME_VALUES:
@@ -441,14 +447,16 @@ class ForwardCapture:
             if out.untyped_storage().data_ptr() == ptr or any(out.grad_fn is f for f in nodes):
                 return hit, last
         seen = self._outputs.get(("storage", ptr))
-        out = seen[2]() if seen is not None else None
-        if out is not None and out.untyped_storage().data_ptr() == ptr:
-            return seen[:2]
+        if seen is not None:
+            out = seen[2]()
+            if out is not None and out.untyped_storage().data_ptr() == ptr:
+                return seen[:2]
         for f in nodes:
             seen = self._outputs.get(("node", id(f)))
-            out = seen[2]() if seen is not None else None
-            if out is not None and out.grad_fn is f:
-                return seen[:2]
+            if seen is not None:
+                out = seen[2]()
+                if out is not None and out.grad_fn is f:
+                    return seen[:2]
         return None
 
     def _loss_logits(self, logits: torch.Tensor, dim: int) -> None:
@@ -456,16 +464,18 @@ class ForwardCapture:
         discovery forward matched with the module output they came from (by size)."""
         if not self.want_output or logits.numel() == 0:
             return
+        plan = self.plan
+        assert plan is not None  # set by the first `begin()`, which every measured forward follows
         if self._discovering:
             src = self._source(logits) if dim % logits.ndim == logits.ndim - 1 else None
             head = src[0] if src is not None and src[1] == logits.shape[dim] else None  # its last dim the classes
             if head is not None:
-                self.plan.heads.setdefault(id(head[0]), head)
+                plan.heads.setdefault(id(head[0]), head)
             elif self._in_forward:
-                self.plan.whole = True
+                plan.whole = True
             else:
-                self.plan.tail = True
-        elif not self.plan.tail:
+                plan.tail = True
+        elif not plan.tail:
             return  # the head's forward hook measured these logits
         self._output(logits, dim)
 

@@ -18,7 +18,8 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ def unwrap_compiled(model: nn.Module | None) -> nn.Module | None:
     """The module a `torch.compile(model)` wrapper holds (its parameters and submodules under
     their own names, not `_orig_mod.`), or the model itself."""
     while model is not None and is_compile_wrapper(model):
-        model = model._orig_mod
+        model = cast(nn.Module, model._orig_mod)  # `is_compile_wrapper` checked it is a Module
     return model
 
 
@@ -76,7 +77,7 @@ def tracing() -> bool:
 def warn_at_user_line(message: str) -> None:
     """A UserWarning pointing at the innermost line of the user's code on the stack (the call of
     the model, `Monitor(...)` or `post_step`), not at nummon's or torch's own frames."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_USER):
         frame = frame.f_back
     filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("nummon", 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ def _nanmax(values: Sequence[float]) -> float:
     return math.nan if any(map(math.isnan, values)) else max(values)
 
 
-def _all_finite(values: Sequence[float]) -> bool:
+def _all_finite(values: Iterable[float]) -> bool:
     return all(map(math.isfinite, values))
 
 
@@ -90,7 +90,12 @@ class _Build:
 
 def _decode_loss(b: _Build) -> None:
     p = b.pending
-    b.rec.loss = p.loss_host if p.loss_host is not None else b.get("loss")[0]
+    if p.loss_host is not None:
+        b.rec.loss = p.loss_host
+    else:
+        loss = b.get("loss")
+        assert loss is not None  # a loss not read on the host rode in the packed vector
+        b.rec.loss = loss[0]
     if not math.isfinite(b.rec.loss):
         b.parts.append("loss")
 
@@ -125,6 +130,7 @@ def _decode_clip_ratio(b: _Build) -> None:
     anchors = b.pending.clip_anchors
     if anchors is not None:  # post-clip norms of a few gradients: against the same ones before
         pre = b.get("grad_norms")
+        assert pre is not None  # anchors are kept only when the norms before clipping were measured
         pre_norm = _l2([pre[i] for i in anchors])
     post_norm = _l2(post)
     if pre_norm and math.isfinite(pre_norm) and math.isfinite(post_norm):

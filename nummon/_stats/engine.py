@@ -257,7 +257,8 @@ class StatsEngine:
         list length)."""
         n = len(grads)
         if self._anchor_cache[0] != n:
-            chosen, total = [], 0
+            chosen: list[int] = []
+            total = 0
             for size, i in sorted((g.numel(), i) for i, g in enumerate(grads) if g.numel())[:CLIP_ANCHORS]:
                 if chosen and total + size > CLIP_ANCHOR_ELEMENTS:
                     break
@@ -409,7 +410,9 @@ class StatsEngine:
         vals = pending.packed.tolist()
         sources = None
         if self.dist is not None:
-            rows = self.dist.finish(vals, pending.gather.local, pending.gather.capacity, pending.step)
+            ticket = pending.gather
+            assert ticket is not None  # launched with `self.dist` too, which gathered it
+            rows = self.dist.finish(vals, ticket.local, ticket.capacity, pending.step)
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)

@@ -51,15 +51,15 @@ def histograms(tensors: Sequence[tuple[str, torch.Tensor]], bins: int = 64) -> d
     log_edges = np.linspace(lo_dec, hi_dec, bins + 1)
     out = {}
     for (name, _), row in zip(tensors, host):
-        mn, mx = float(row[0]), float(row[1])
+        row_min, row_max = float(row[0]), float(row[1])
         out[name] = {
-            "min": mn,
-            "max": mx,
+            "min": row_min,
+            "max": row_max,
             "sum": float(row[2]),
             "sum_squares": float(row[3]),
             "num": float(row[4]),
             "counts": row[5 : 5 + bins],
-            "edges": np.linspace(mn, mx if mx > mn else mn + 1e-30, bins + 1),
+            "edges": np.linspace(row_min, row_max if row_max > row_min else row_min + 1e-30, bins + 1),
             "log10_counts": row[5 + bins :],
             "log10_edges": log_edges,
         }

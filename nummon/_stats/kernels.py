@@ -13,7 +13,7 @@ one `index_select`.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,9 @@ SMALL_NUMEL = 1 << 12
 #: run on the calling thread
 GRAIN = 1 << 15
 
+#: takes a group's tensors out of a list, as a list (`_picker`)
+_Pick = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor as its (re, im) float view: the same L2 norm, and kernels that take it
@@ -43,7 +46,7 @@ def absmax_rows(buf: torch.Tensor) -> torch.Tensor:
     return torch.maximum(buf[:, 1], buf[:, 0].neg())
 
 
-def _stack_float(values: Sequence[torch.Tensor]) -> torch.Tensor:
+def _stack_float(values: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
     if any(v.dtype != torch.float32 for v in values):
         values = [v.float() for v in values]
     return torch.stack(values)
@@ -60,8 +63,8 @@ class _Plan:
     inverse: torch.Tensor | None  # result position of each list position (None: already in order)
     device: torch.device
     fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
-    pick: list  # per group, a function taking its tensors out of the list (in C)
-    pick_big: object
+    pick: list[_Pick]  # per group, a function taking its tensors out of the list (in C)
+    pick_big: _Pick | None  # None when `big` is empty
 
     @staticmethod
     def make(tensors: Sequence[torch.Tensor], fused: bool) -> _Plan:
@@ -76,9 +79,10 @@ class _Plan:
                 by_key.setdefault(("empty",), []).append(i)
             else:  # CPU: one shape and dtype (cat keeps the dtype); elsewhere one dtype for _foreach
                 by_key.setdefault((t.dtype, tuple(t.shape)) if cpu else (t.dtype, t.device), []).append(i)
-        groups = []
+        groups: list[list[int]] = []
         for idx in by_key.values():  # chunks below torch's parallel grain: a multi-threaded
-            chunk, size = [], 0  # reduction of a small matrix costs ms on a busy CPU
+            chunk: list[int] = []  # reduction of a small matrix costs ms on a busy CPU
+            size = 0
             for i in idx:
                 n = tensors[i].numel()
                 if chunk and cpu and size + n > GRAIN:
@@ -112,7 +116,7 @@ class _Stale(Exception):
     """A plan no longer fits its list (a tensor changed shape or device)."""
 
 
-def _picker(idx: list[int]):
+def _picker(idx: list[int]) -> _Pick:
     """A function returning the tensors at `idx` of a list, as a list (one C call)."""
     get = operator.itemgetter(*idx)
     return (lambda ts: [get(ts)]) if len(idx) == 1 else (lambda ts: list(get(ts)))
@@ -200,6 +204,7 @@ class NormKernels:
                 # abs + amax: NaN propagates; aminmax(dim=1) is ~1000x slower on CPU
                 mparts.append(x.abs().amax(dim=1).float())
         if plan.big:
+            assert plan.pick_big is not None  # made whenever `big` is not empty
             big = plan.pick_big(tensors)
             if norms:
                 nparts.append(self._big_norms(big, key))
@@ -211,7 +216,7 @@ class NormKernels:
         )
 
     def _in_order(self, parts: list[torch.Tensor], plan: _Plan, key: str, n: int) -> torch.Tensor:
-        buf = self._buffer(key, n, 1, plan.device, views=False).view(-1)
+        buf = self._buffer(key, n, 1, plan.device, views=False)[0].view(-1)
         if plan.inverse is None:
             if len(parts) == 1:
                 buf.copy_(parts[0])
@@ -225,7 +230,7 @@ class NormKernels:
     def _foreach(tensors: list[torch.Tensor], plan: _Plan, norms: bool, absmax: bool) -> tuple:
         """Other devices: one fused multi-tensor kernel per dtype (a kernel per tensor would be
         launch-bound: 148 separate kernels of GPT-2 cost ~9 ms)."""
-        out = []
+        out: list[torch.Tensor | None] = []
         for want, order in ((norms, 2.0), (absmax, float("inf"))):
             if not want:
                 out.append(None)
@@ -272,11 +277,14 @@ class NormKernels:
                 hi.copy_(mx)
         return absmax_rows(buf)
 
-    def _buffer(self, key: str, n: int, width: int, dev: torch.device, views: bool = True) -> tuple:
-        """A preallocated float32 (n, width) buffer (and its per-row 0-d views), made once per shape."""
+    def _buffer(
+        self, key: str, n: int, width: int, dev: torch.device, views: bool = True
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """A preallocated float32 (n, width) buffer and its per-row 0-d views (none unless
+        `views`), made once per shape."""
         hit = self.buffers.get((key, n))
         if hit is None or hit[0].device != dev:
             buf = torch.zeros(n, width, device=dev)
             rows = [tuple(buf[i, j] for j in range(width)) for i in range(n)] if views else []
             hit = self.buffers[(key, n)] = (buf, rows)
-        return hit if views else hit[0]
+        return hit

@@ -78,7 +78,7 @@ class MechanismProbes:
         self._samples: torch.Tensor | None = None
         self.capture = ForwardCapture(model, attention, output, linear_rms) if model is not None else None
         # a compiled model's forward is replayed (replay.py)
-        self.replay = ForwardReplay(model, self.capture) if self.capture is not None else None
+        self.replay = ForwardReplay(model, self.capture) if model is not None and self.capture is not None else None
         if compiled and (attention or output or linear_rms):
             self._compiled()
         self.adam = AdamStatistics(optimizer, self._param_names) if adam and optimizer is not None else None
@@ -124,7 +124,8 @@ class MechanismProbes:
         self.armed = bool(on)
 
     def _enter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        replay = self.replay
+        model, capture, replay = self.model, self.capture, self.replay
+        assert model is not None and capture is not None and replay is not None  # hooked on the model: made with it
         if replay.running:
             return
         if tracing() or replay.active:  # compiled: keep the inputs (traced, this is a side effect of the graph)
@@ -139,11 +140,11 @@ class MechanismProbes:
         self._in_forward = True
         self._stepped = False  # the step's forward: an optimizer.step() from now on is this step's
         if self.armed and not self.paused and not self.forward_off:
-            if has_compiled_parts(self.model):  # compiled in place since (a walk: sampled forwards only)
+            if has_compiled_parts(model):  # compiled in place since (a walk: sampled forwards only)
                 self._in_forward = False
                 self._compiled()
                 self._enter(_mod, args, kwargs)
-            elif self.capture.begin() and self.adam is not None:
+            elif capture.begin() and self.adam is not None:
                 self.adam.refresh()  # now and then: a parameter replaced out of place is read again
 
     def _compiled(self) -> None:
@@ -158,12 +159,14 @@ class MechanismProbes:
             "RMS) are off. Gradients, parameters, activations and Adam's statistics are measured as usual."
         )
 
-    def _leave(self, _mod: nn.Module, _inp: Any, _out: Any) -> None:
-        if tracing() or self.replay.running:
+    def _leave(self, _mod: nn.Module | None, _inp: Any, _out: Any) -> None:
+        capture, replay = self.capture, self.replay
+        assert capture is not None and replay is not None  # hooked on the model (or `remove`): made with it
+        if tracing() or replay.running:
             return
         if self._in_forward:
             self._in_forward = False
-            self.capture.end()
+            capture.end()
 
     def _refresh_adam(self) -> None:
         if self.adam is not None:
@@ -205,7 +208,7 @@ class MechanismProbes:
             return ms, segs
         with torch.no_grad():
             if cap is not None:
-                if kept is not None and replay.active and not replay.failed:
+                if kept is not None and replay is not None and replay.active and not replay.failed:
                     replay.run(kept, loss, self._refresh_adam)
                 segs += self._forward_segments(cap, ms)
                 cap.reset()
@@ -277,13 +280,16 @@ class MechanismProbes:
             rec.attention_logit_max = max(mx)
             rec.attention_entropy = min(ent) if ent else None
         if ms.output and (m := get("mech_lse_mean")) is not None:
+            lse_max, logit_max = get("mech_lse_max"), get("mech_logit_max")
+            assert lse_max is not None and logit_max is not None  # packed with mech_lse_mean
             rec.output_logsumexp_mean = m[0]
-            rec.output_logsumexp_max = get("mech_lse_max")[0]
-            rec.output_logit_max = get("mech_logit_max")[0]
+            rec.output_logsumexp_max = lse_max[0]
+            rec.output_logit_max = logit_max[0]
         if ms.linear and (r := get("mech_linear_rms")) is not None:
             rec.layer_output_rms = dict(zip(ms.linear, r))
         if ms.adam and (r := get("mech_adam_rms")) is not None:
             small, upd = get("mech_adam_small"), get("mech_adam_update")
+            assert small is not None and upd is not None  # packed with mech_adam_rms
             rec.layer_adam_ratio_rms = dict(zip(ms.adam, r))
             rec.layer_update_ratio = dict(zip(ms.adam, upd))
             rec.adam_ratio_rms = max(r)

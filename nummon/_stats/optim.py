@@ -51,6 +51,8 @@ class OptimizerView:
         lr = opt.param_groups[0].get("lr")
         if isinstance(lr, torch.Tensor):
             return None, lr.detach().reshape(1)
+        if lr is None:  # no "lr" key: float(None) would raise TypeError, read as no LR below too
+            return None, None
         try:
             return float(lr), None
         except (TypeError, ValueError):

@@ -170,7 +170,8 @@ class ActivationProbes:
             t = t.detach()
             if not self.detail and t.numel() > ACT_BUDGET and t.is_contiguous():
                 t = t.view(-1)[:ACT_BUDGET]
-            if self._src[idx] is None:  # the first call of this module in this step
+            src = self._src[idx]
+            if src is None:  # the first call of this module in this step
                 lo, hi = self._buffer_views(t.dtype, t.device)[idx]
                 # one kernel, no conversion: min and max of bf16/fp16 values are exact in their own dtype
                 torch.aminmax(t, out=(lo, hi))
@@ -178,7 +179,7 @@ class ActivationProbes:
                 self._order.append(idx)
                 self._dtype = narrowest(self._dtype, dtype_name(t.dtype))
             else:  # a module called twice in one step (weight sharing, loops)
-                lo, hi = self._buffer_views(self._src[idx], t.device)[idx]
+                lo, hi = self._buffer_views(src, t.device)[idx]
                 mn, mx = torch.aminmax(t)
                 torch.minimum(lo, mn.to(lo.dtype), out=lo)
                 torch.maximum(hi, mx.to(hi.dtype), out=hi)
@@ -227,5 +228,6 @@ def act_values(get: Callable[[str], list[float] | None], acts: ActivationStep) -
             lo, hi = pairs[2 * i], pairs[2 * i + 1]
             out[i] = math.nan if lo != lo or hi != hi else max(hi, -lo)
         else:  # distributed: maxima already taken on the device
+            assert maxima is not None  # a dtype's buffer is packed as one segment or the other
             out[i] = maxima[i]
     return out

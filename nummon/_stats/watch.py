@@ -57,7 +57,7 @@ class WatchedParams:
         optim.all_sharded = self.all_sharded
         self._flag = _RegistrationFlag() if model is not None else None
         self.named: list[tuple[str, nn.Parameter]] = []
-        self.params: list[nn.Parameter] = []
+        self.params: list[torch.Tensor] = []  # the nn.Parameters of `named`, read as tensors
         self.names: list[str] = []
         self.local_views = False
         self._optim_count = -1
