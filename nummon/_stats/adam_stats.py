@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .._distributed import Reduce
 from .transport import Segment
@@ -146,7 +147,9 @@ class AdamStatistics:
                 p
                 for g in getattr(opt, "param_groups", ())
                 for p in g["params"]
-                if isinstance(p, torch.Tensor) and p.requires_grad
+                # a lazy parameter (LazyLinear before its first forward) takes no hook yet: with only
+                # lazy ones, the step is told from the forward as before
+                if isinstance(p, torch.Tensor) and p.requires_grad and not is_lazy(p)
             ),
             None,
         )
