@@ -1,7 +1,7 @@
 """The countdown against what happened: for every runaway that reached a non-finite value, the
 steps to overflow its first critical alert announced vs the steps that were really left.
 
-    .venv/bin/python benchmarks/countdown.py [--no-runs] [--markdown]
+    .venv/bin/python benchmarks/countdown.py [--no-runs]
 
 Traces: the README table (tests/data/batch39_46.jsonl), every trace of the real-log set
 (tests/data/real) and of the dev corpus (/work/shared/corpus/dev, when present) that reaches a
