@@ -16,7 +16,7 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "configs")) and all(
     _os.path.isfile(_os.path.join(_root, d, "__init__.py")) for d in ("integrations", "configs")
 ):
-    __path__.append(_root)  # type: ignore[name-defined]  # nummon.integrations, nummon.configs
+    __path__.append(_root)  # nummon.integrations, nummon.configs
 del _root
 
 from ._errors import DistributedError, NummonError, StateError

@@ -272,7 +272,7 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
         first_warning=min(warned, default=None),
         first_critical=min(crit, default=None),
         first_nonfinite=first_nonfinite,
-        flight_record=mon.flight_record and str(mon.flight_record),
+        flight_record=str(mon.flight_record) if mon.flight_record is not None else None,
         cause=mon.cause,
         recoveries=mon.recoveries,
         tensorboard_dir=tb_dir,

@@ -76,8 +76,8 @@ class AlertLifecycle:
         non-finite record, is no evidence that a condition cleared)."""
         active: dict[Key, Finding] = {}
         for f in findings:
-            cur = active.get(f.key)
-            if cur is None or f.severity.rank > cur.severity.rank:
+            best = active.get(f.key)
+            if best is None or f.severity.rank > best.severity.rank:
                 active[f.key] = f
         out: list[Transition] = []
         for key, f in active.items():
@@ -157,6 +157,7 @@ class HealthEngine:
         self._first: list[list[Any]] = []
         self._first_max = warm_first
         self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
+        self._recent_max = warm_recent
         # clearing: a condition on a magnitude clears only once the metric is back near where it
         # stood before the condition opened (median of its last finite values then)
         self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
@@ -211,7 +212,7 @@ class HealthEngine:
             # only what this engine keeps: a state saved with (or edited to) more records than
             # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
             saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
-            skipped = max(0, len(saved_recent) - self._recent.maxlen)
+            skipped = max(0, len(saved_recent) - self._recent_max)
             first = [record_from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
             recent = [
                 record_from_dict(o, origin, len(saved_first) + skipped + i)
@@ -351,4 +352,5 @@ class HealthEngine:
 def _saved(entry: list[Any]) -> dict[str, Any]:
     if entry[1] is None:
         entry[1] = json_safe(entry[0].to_dict())
-    return entry[1]
+    saved: dict[str, Any] = entry[1]  # json_safe of a dict is a dict
+    return saved

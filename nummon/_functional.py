@@ -5,7 +5,7 @@ from __future__ import annotations
 import decimal
 import math
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 __all__ = [
     "spaced",
@@ -38,7 +38,8 @@ DTYPE_MAX = {
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
 
 
-def is_finite(v: float | None) -> bool:
+def is_finite(v: float | None) -> TypeGuard[float]:
+    """True for a finite int or float (so the type checker knows `v` is a number past the check)."""
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -91,7 +92,7 @@ def growth_per_step(prev: float, cur: float, dsteps: int) -> float:
     """Geometric growth factor per step between two positive values `dsteps` apart."""
     if prev <= 0 or cur <= 0 or dsteps <= 0:
         return 1.0 if cur <= prev else math.inf
-    return (cur / prev) ** (1.0 / dsteps)
+    return float((cur / prev) ** (1.0 / dsteps))  # float ** float is typed Any (complex for a negative base)
 
 
 def steps_to_overflow(value: float, rate: float, dtype_max: float) -> float:

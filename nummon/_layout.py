@@ -163,9 +163,9 @@ def step_scalars(
         for layer, v in getattr(record, field_name).items():
             out[f"nummon_layers_{metric}/{layer}"] = v
     for name in MECHANISM_FIELDS:  # sampled: only on the steps that measured them
-        v = getattr(record, name, None)
-        if v is not None and name not in _NOT_CHARTED:
-            out[f"{MECHANISM_GROUP}/{name}"] = float(v)
+        measured = getattr(record, name, None)
+        if measured is not None and name not in _NOT_CHARTED:
+            out[f"{MECHANISM_GROUP}/{name}"] = float(measured)
     for metric, field_name in MECHANISM_LAYER_METRICS.items():
         for layer, v in getattr(record, field_name, {}).items():
             out[f"nummon_layers_{metric}/{layer}"] = v

@@ -121,7 +121,7 @@ def _run_trial(
     loss_fn: Callable,
     lr: float,
     steps: int,
-    optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_cls: Callable[..., torch.optim.Optimizer],  # a class whose constructor takes lr=
     fraction: float,
     floor: float,
 ) -> _Trial:

@@ -73,7 +73,7 @@ __all__ = [
 MAX_POLICY_BYTES = 1_000_000
 
 #: Keys that moved to another section, so an old policy file gets a pointer, not just "unknown key".
-_MOVED = {
+_MOVED: dict[tuple[str, ...], str] = {
     ("stall", "window"): "trend.min_span",
     ("oscillation", "window"): "trend.min_span",
     ("divergence", "baseline_steps"): "trend.baseline_records",

@@ -350,7 +350,7 @@ class Alert:
         return f"nummon: {word}" + (" cleared" if self.cleared else "")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
+        d: dict[str, Any] = {
             "step": self.step,
             "kind": self.kind.value,
             "severity": self.severity.value,

@@ -9,7 +9,7 @@ human summary via `str()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -211,7 +211,8 @@ def check_loader(
     if not xs:
         return Report("check loader", Status.FAIL, ["the loader yielded no batch"], {})
     x = torch.cat(xs)
-    y = torch.cat(ys) if all(t is not None for t in ys) else None
+    labels = [t for t in ys if t is not None]
+    y = torch.cat(labels) if len(labels) == len(ys) else None  # labels only when every batch had them
     rep = _data_verdict("check loader", _data_numbers(x, y, num_classes, outlier_z), num_classes, imbalance_limit)
     rep.numbers["batches"] = len(xs)
     return rep
@@ -319,7 +320,7 @@ def _sweep(
     model: nn.Module,
     loader: Iterable,
     loss_fn: LossFn,
-    optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_cls: Callable[..., torch.optim.Optimizer],  # a class whose constructor takes lr=
     start: float,
     end: float,
     steps: int,
@@ -333,7 +334,8 @@ def _sweep(
     dev = device_of(clone)
     opt = optimizer_cls(clone.parameters(), lr=start, **optimizer_kwargs)
     gamma = (end / start) ** (1.0 / max(steps - 1, 1))
-    lrs, smoothed = [], []
+    lrs: list[float] = []
+    smoothed: list[float] = []
     avg, best = 0.0, math.inf
     batches = _cycle(loader)
     for i in range(steps):

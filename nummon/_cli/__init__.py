@@ -31,8 +31,9 @@ def build_parser() -> Parser:
     # every command's --help opens with a description line: its own, else its one-line help
     helps = {a.dest: a.help for a in sub._choices_actions}
     for name, parser in sub.choices.items():
-        if not parser.description and helps.get(name):
-            parser.description = helps[name][:1].upper() + helps[name][1:] + "."
+        line = helps.get(name)
+        if not parser.description and line:
+            parser.description = line[:1].upper() + line[1:] + "."
     return p
 
 

@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
         "--input-format",
         choices=("jsonl", "tensorboard", "hf", "csv", "wandb", "mlflow"),
         default=None,
-        help="force the log format (default: detected from the name and first bytes)",
+        help="force the log format, one of %(choices)s (default: detected from the name and first bytes)",
     )
     r.add_argument(
         "--policy", default="default", help="preset name or policy file, for logs without alerts (default: default)"

@@ -12,7 +12,7 @@ from typing import Any
 from .._policy import Policy
 from .adam_moment import AdamMomentDetector
 from .attention import AttentionDetector
-from .base import MAGNITUDE_FIELDS, Detector
+from .base import MAGNITUDE_FIELDS, Detector, DetectorClass
 from .divergence import DivergenceDetector
 from .headroom import HeadroomDetector
 from .nonfinite import NonfiniteDetector
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Every detector, in the order their findings are reported. Each names its own section.
-DETECTORS: tuple[type, ...] = (
+DETECTORS: tuple[DetectorClass, ...] = (
     NonfiniteDetector,
     SpikeDetector,
     RunawayDetector,

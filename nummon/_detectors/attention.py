@@ -74,11 +74,13 @@ class AttentionDetector:
             elif self._hold(("warn", name), grown or v >= p.warning_logit) >= p.patience:
                 sev = Severity.WARNING
             if sev is not None and (worst is None or (sev.rank, v) > (worst[1].rank, worst[0])):
-                thr = (
-                    p.critical_logit
-                    if sev is Severity.CRITICAL
-                    else (p.warning_logit if v >= p.warning_logit else p.warning_growth * base)
-                )
+                if sev is Severity.CRITICAL:
+                    thr = p.critical_logit
+                elif v >= p.warning_logit:
+                    thr = p.warning_logit
+                else:
+                    assert base is not None  # a warning below warning_logit held because it grew over `base`
+                    thr = p.warning_growth * base
                 worst = (v, sev, name, base if base is not None else v, thr)
         if worst is not None:
             v, sev, name, base, thr = worst
@@ -126,6 +128,7 @@ class AttentionDetector:
             start is not None and F.is_finite(rec.loss) and start > 0 and rec.loss >= (1 - p.chance_match) * start
         )
         if at_chance:
+            assert start is not None and rec.loss is not None  # at_chance checked both
             msg = (
                 f"attention collapsed in `{name}` (entropy {e:.2g} of its maximum, was {base:.2g}) and the loss "
                 f"{rec.loss:.4g} is back at{' or above' if rec.loss > (1 + p.chance_match) * start else ''} its "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import Any, Protocol
 
 from .._types import AlertKind, Finding, StepRecord
 
-__all__ = ["Detector", "MAGNITUDE_FIELDS"]
+__all__ = ["Detector", "DetectorClass", "MAGNITUDE_FIELDS"]
 
 #: Magnitude statistics: where runaway growth and dtype overflow show first.
 MAGNITUDE_FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max")
@@ -17,10 +17,30 @@ class Detector(Protocol):
     ``__init__``) plus the shared values it names in ``needs``, and returns only findings of the
     ``kinds`` it declares."""
 
-    section: ClassVar[str]  # the Policy attribute it is configured by
-    kinds: ClassVar[tuple[AlertKind, ...]]  # every kind its findings can have
-    needs: ClassVar[tuple[str, ...]]  # shared values passed as keyword arguments (see build_detectors)
+    # class attributes, read-only here (a detector declares `section = "spike"`, not a ClassVar)
+    @property
+    def section(self) -> str: ...  # the Policy attribute it is configured by
+
+    @property
+    def kinds(self) -> tuple[AlertKind, ...]: ...  # every kind its findings can have
+
+    @property
+    def needs(self) -> tuple[str, ...]: ...  # shared values passed as keyword arguments (see build_detectors)
 
     def update(self, rec: StepRecord) -> list[Finding]:
         """Findings active at this step."""
         ...
+
+
+class DetectorClass(Protocol):
+    """A detector's class, as `build_detectors` uses it: the section and shared values it names,
+    and a constructor taking that section (its own policy model) and those values by keyword."""
+
+    @property
+    def section(self) -> str: ...
+
+    @property
+    def needs(self) -> tuple[str, ...]: ...
+
+    # constructors differ (each takes its own section model and its own needs): any arguments
+    def __call__(self, *args: Any, **kwargs: Any) -> Detector: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from .. import _functional as F
 from .._policy import HeadroomPolicy
@@ -31,13 +32,14 @@ class HeadroomDetector:
             mags = {k: abs(v) for k in MAGNITUDE_FIELDS if F.is_finite(v := getattr(rec, k))}
             if not mags:
                 return []
-            metric = max(mags, key=mags.get)
+            metric = max(mags, key=mags.__getitem__)
             magnitude = mags[metric]
             decades = F.headroom_decades(magnitude, dtype)
         if not math.isfinite(decades):
             return []  # overflowed already: the nonfinite detector reports it
-        crit = self._p.critical_decades.get(dtype)
-        warn = self._p.warning_decades.get(dtype)
+        # a record may name any dtype; the policy's limits name float dtypes (others have none)
+        crit = cast("dict[str, float]", self._p.critical_decades).get(dtype)
+        warn = cast("dict[str, float]", self._p.warning_decades).get(dtype)
         if crit is not None and decades < crit:
             sev, thr = Severity.CRITICAL, crit
         elif warn is not None and decades < warn:

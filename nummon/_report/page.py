@@ -256,8 +256,9 @@ def _first_nonfinite(v: IncidentView) -> str:
         rows.append(("batch", f"<code>{escape(str(d['batch_fingerprint']))}</code>"))
     if d.get("worst_samples"):
         rows.append(("worst samples", escape(", ".join(map(str, d["worst_samples"][:8])))))
-    if (v.nonfinite_alert or {}).get("flight_record"):
-        rows.append(("flight record", f"<code>{escape(str(v.nonfinite_alert['flight_record']))}</code>"))
+    flight_record = (v.nonfinite_alert or {}).get("flight_record")
+    if flight_record:
+        rows.append(("flight record", f"<code>{escape(str(flight_record))}</code>"))
     body = "".join(f"<dt>{k}</dt><dd>{val}</dd>" for k, val in rows)
     return f"<h3>First non-finite tensor · step {v.nonfinite}</h3><dl class=box>{body}</dl>"
 

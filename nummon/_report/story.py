@@ -96,7 +96,8 @@ class IncidentView:
     def cause(self) -> dict[str, Any]:
         """The forensic cause of the first non-finite value (operator, stage, line, ...), when known."""
         d = (self.nonfinite_alert or {}).get("details") or {}
-        return d.get("cause") if isinstance(d.get("cause"), dict) else {}
+        cause = d.get("cause")
+        return cause if isinstance(cause, dict) else {}
 
     def why(self) -> str | None:
         d = (self.nonfinite_alert or {}).get("details") or {}
@@ -135,9 +136,11 @@ def _group(events: list[dict[str, Any]], last_step: int) -> list[IncidentView]:
     for e in events:
         state = str(e.get("state", "open"))
         cur = views[-1] if views else None
-        number = e.get("number") if isinstance(e.get("number"), int) else len(views) + 1
+        saved_number = e.get("number")
+        number = saved_number if isinstance(saved_number, int) else len(views) + 1
         if cur is None or cur.number != number or cur.resolved is not None:
-            opened = e.get("opened_step") if isinstance(e.get("opened_step"), int) else _step(e)
+            saved_opened = e.get("opened_step")
+            opened = saved_opened if isinstance(saved_opened, int) else _step(e)
             cur = IncidentView(number=number, opened=opened, end=last_step)
             views.append(cur)
         cur.events.append(e)
@@ -236,8 +239,8 @@ def _layers(v: IncidentView, run: RunData) -> list[LayerTrack]:
         pack = median([g for g in growths.values() if math.isfinite(g)] or [1.0])
         pack_line = _pack_line(recs, family)
         for name, g in growths.items():
-            left = g >= PACK_FACTOR * max(pack, 1.0)
-            tracks.append(LayerTrack(family, name, series[name], g, pack, left, pack_line))
+            left_pack = g >= PACK_FACTOR * max(pack, 1.0)
+            tracks.append(LayerTrack(family, name, series[name], g, pack, left_pack, pack_line))
     left = sorted((t for t in tracks if t.left_pack), key=lambda t: -t.growth / max(t.pack_growth, 1e-30))
     if left:
         return left[:8]
