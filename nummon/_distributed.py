@@ -117,7 +117,7 @@ def _group_timeout(group: Any) -> float | None:
     pg = group if group is not None else dist.group.WORLD
     try:
         device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        t = pg._get_backend(device).options._timeout
+        t = pg._get_backend(device).options._timeout if pg is not None else None
         if isinstance(t, datetime.timedelta):
             return t.total_seconds()
     except Exception:

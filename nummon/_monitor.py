@@ -345,9 +345,8 @@ class Monitor:
             return
         if self.run_folder.known is None and not self.incidents:
             return
-        path = self._report.from_folder(
-            lambda: self._report.from_memory(self.recorder.records, self.alerts, self.incidents)
-        )
+        report = self._report
+        path = report.from_folder(lambda: report.from_memory(self.recorder.records, self.alerts, self.incidents))
         if path is not None:
             log.info("nummon: incident report: %s", path)
 
@@ -477,6 +476,7 @@ class Monitor:
         """The cause of this step's first non-finite value, put into its non-finite alerts."""
         from ._forensics import explain_into
 
+        assert self._recompute is not None  # post_step explains only a step that has a way to re-run
         with self.stats.hooks_paused():  # the re-run is not a training forward
             self.cause, alerts = explain_into(self._recompute, alerts)
         return alerts

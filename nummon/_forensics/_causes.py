@@ -118,6 +118,7 @@ def classify(op: str, operands: Sequence[Any], out: torch.Tensor) -> Cause:
         denominator = operands[1]
         zeros = _count(denominator == 0)
         if zeros:
+            x = operands[0]  # there are two operands: the numerator is one
             numerator = _span([x]) if isinstance(x, torch.Tensor) else (float(x), float(x))
             around = f" (numerator in [{_num(numerator[0])}, {_num(numerator[1])}])" if numerator else ""
             return (

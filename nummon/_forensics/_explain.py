@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
 
 from .._errors import NummonError
@@ -95,7 +96,9 @@ def _first_nonfinite(interceptor: NonfiniteInterceptor, values: list[Any]) -> Or
 
 def _leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors (parameters, inputs with requires_grad) that `outputs` depend on."""
-    leaves, seen, pending = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    leaves: list[torch.Tensor] = []
+    seen: set[Node] = set()
+    pending: list[Node | None] = [t.grad_fn for t in outputs if t.grad_fn is not None]  # next_functions hold None
     leaves += [t for t in outputs if t.grad_fn is None and t.requires_grad]
     while pending:
         node = pending.pop()

@@ -8,6 +8,7 @@ import linecache
 import os
 import sys
 import sysconfig
+from types import FrameType
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def _is_library(filename: str) -> bool:
 def user_location() -> tuple[str, int] | None:
     """(filename, line) of the innermost frame outside torch, nummon and the stdlib; a walk over
     frame objects only (no source reading), so it is cheap enough for every grad-recording op."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not _is_library(filename):

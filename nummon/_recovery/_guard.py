@@ -43,6 +43,7 @@ class SkipDecision:
     def reason(self) -> str:
         if self.nonfinite:
             return f"non-finite gradient (total grad norm {self.grad_norm})"
+        assert self.median is not None and self.limit is not None  # a finite norm is skipped only past a limit
         return (
             f"total grad norm {self.grad_norm:.4g} is {self.grad_norm / self.median:.3g}x its recent median "
             f"{self.median:.4g} (limit {self.limit:.4g})"
@@ -77,7 +78,7 @@ class GradientGuard:
 
         # a bound method of the optimizer: LR schedulers re-wrap `opt.step` through `__func__`
         self._installed = types.MethodType(step, optimizer)
-        optimizer.step = self._installed
+        optimizer.step = self._installed  # type: ignore[method-assign]  # the instance's step, deliberately
         self.active = True
 
     def uninstall(self) -> None:
@@ -85,7 +86,7 @@ class GradientGuard:
         self.active = False
         if vars(self.optimizer).get("step") is self._installed:
             if self._restore is not None:
-                self.optimizer.step = self._restore
+                self.optimizer.step = self._restore  # type: ignore[method-assign]  # the one it had
             else:
                 del self.optimizer.step
 

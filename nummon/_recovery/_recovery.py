@@ -266,10 +266,11 @@ class Recovery:
             details={"recovery": "rollback", **{k: v for k, v in entry.items() if k not in ("action", "step")}},
         )
         path = self.flight_records.write(alert, rollback=self.rollbacks)  # every rollback gets its own
-        entry["flight_record"] = str(path) if path is not None else None
+        record = str(path) if path is not None else None
+        entry["flight_record"] = record
         self.log.append(entry)
         log.warning("nummon: step %d: %s", rec.step, msg)
-        return dataclasses.replace(alert, flight_record=entry["flight_record"]) if entry["flight_record"] else alert
+        return dataclasses.replace(alert, flight_record=record) if record else alert
 
     def _budget_spent(self, rec: StepRecord, kind: AlertKind, cause: str) -> Alert:
         why = (

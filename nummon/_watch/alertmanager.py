@@ -292,7 +292,7 @@ class AlertmanagerTarget:
                     labels,
                     str(d.get("title") or event.title),
                     slack_bold(str(d.get("summary") or "")),
-                    old["startsAt"] if same else _iso(now),
+                    old["startsAt"] if old is not None and same else _iso(now),
                 )
                 self._active[run] = alert
                 batch.append(self._firing(alert, now))

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .._cli._common import non_empty, seconds
 from .._errors import NummonError
@@ -187,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.close()
         raise
-    watcher.metrics_server = server
     previous = {}
 
     def _stop(signum, frame):  # stop within one interval: the loop waits on this event
@@ -214,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"nummon watch: error: {message}\n")
 
 

@@ -4,6 +4,7 @@ metrics CSV, one W&B run file or one nummon JSONL log each."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from . import fs
@@ -96,7 +97,7 @@ def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> No
 
 
 def discover(
-    roots: list[str], format: str | None = None, exclude: set[str] = frozenset()
+    roots: list[str], format: str | None = None, exclude: Collection[str] = frozenset()
 ) -> tuple[dict[str, RunSpec], list[str]]:
     """Runs under `roots` by id, and one line per root that does not exist or holds no log.
 

@@ -99,12 +99,16 @@ class CsvFollower(Follower):
         row = {k: v for k, v in zip(self.header or [], cells) if v != ""}
         self.rows += 1
         step_text = row.pop("step", None)
-        step = as_step(step_text) if step_text is not None else self.rows - 1
-        if step is None:
-            self.note(
-                f"{self.path}: byte {pos}: row skipped, its step {step_text[:40]!r} is not an integer", once="bad-step"
-            )
-            return
+        step = self.rows - 1  # without a step column the row's number is the step
+        if step_text is not None:
+            parsed = as_step(step_text)
+            if parsed is None:
+                self.note(
+                    f"{self.path}: byte {pos}: row skipped, its step {step_text[:40]!r} is not an integer",
+                    once="bad-step",
+                )
+                return
+            step = parsed
         if self.asm.add(step, row, out):
             self.done_offset = pos
 

@@ -47,7 +47,7 @@ def _masked_crc32c():
     """TFRecord's masked CRC32C: the C implementation when google-crc32c is installed, else the
     pure-Python one tensorboard ships (the same one its own loader uses)."""
     try:
-        import google_crc32c  # type: ignore[import-not-found]
+        import google_crc32c
 
         def masked(b: bytes) -> int:
             crc = google_crc32c.value(b)

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from .._engine import HealthEngine
+from .._incidents import IncidentTracker
 from .._policy import Policy
 from .._types import StepRecord
 from .base import Follower
@@ -92,6 +93,6 @@ class WatchedRun:
         self.follower.close()
 
 
-def _tracker(engine: HealthEngine) -> Any:
+def _tracker(engine: HealthEngine) -> IncidentTracker:
     """The engine's incident tracker (a fresh segment gets a fresh one that numbers on)."""
-    return getattr(engine, "_incidents", None) or engine.incidents
+    return engine._incidents

@@ -66,15 +66,17 @@ class StateFile:
         if not self.path:
             return
         folder = os.path.dirname(os.path.abspath(self.path))
+        lock_path = self.lock_path
+        assert lock_path is not None  # there is a lock path whenever there is a path
         try:
             os.makedirs(folder, exist_ok=True)
             if os.path.lexists(self.path) and not os.path.isfile(self.path):
                 raise NummonError(f"--state {self.path}: not a regular file")
-            if os.path.islink(self.lock_path):
+            if os.path.islink(lock_path):
                 raise NummonError(_LINKED.format(path=self.path, lock=self.lock_path))
             # never through a link (the lock file is truncated and written: a link's target would be)
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(self.lock_path, flags, 0o644)
+            fd = os.open(lock_path, flags, 0o644)
         except NummonError:
             raise
         except OSError as e:

@@ -22,7 +22,8 @@ TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:
 class Target(Protocol):
     def notify(self, event: Any) -> None: ...
 
-    def close(self) -> None: ...
+    # what close returns is the target's own (the asynchronous ones: the ids still undelivered)
+    def close(self) -> object: ...
 
 
 class ConsoleTarget:

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Collection
 from typing import IO, Any
 
 from .._errors import NummonError
@@ -49,7 +50,7 @@ class Watcher:
         idle_timeout_s: float = 1800.0,
         state_every_s: float = 5.0,
         errors: IO[str] | None = None,
-        exclude: set[str] = frozenset(),
+        exclude: Collection[str] = frozenset(),
         observer: Any = None,
         shard: Any = None,
         poll_bytes: int | None = None,

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from .._errors import NummonError
 from .text import mrkdwn, plain, plural, safe_url
@@ -235,22 +235,23 @@ class WebhookTarget:
     def _send(self, body: bytes) -> int:
         parts = urlsplit(self.url)
         https = parts.scheme == "https"
-        cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
-        kwargs = {"context": ssl.create_default_context()} if https else {}
+        host = parts.hostname
+        assert host, "check_url refused a URL without a host"
         headers = {"Content-Type": "application/json", "User-Agent": "nummon-watch"}
         if parts.username is not None:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             headers["Authorization"] = "Basic " + base64.b64encode(cred).decode()
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        proxy = _proxy_for(parts.scheme, parts.hostname or "")
-        if proxy is None:
-            conn = cls(parts.hostname, parts.port, timeout=self.timeout_s, **kwargs)
+        proxy = _proxy_for(parts.scheme, host)
+        proxy_host = proxy.hostname if proxy is not None else None  # _proxy_for gives only proxies with a host
+        if proxy is None or proxy_host is None:
+            conn = _connection(https, host, parts.port, self.timeout_s)
         elif https:  # a CONNECT tunnel through the proxy: TLS end to end
-            conn = cls(proxy.hostname, proxy.port or 8080, timeout=self.timeout_s, **kwargs)
-            conn.set_tunnel(parts.hostname, parts.port or 443)
+            conn = _connection(True, proxy_host, proxy.port or 8080, self.timeout_s)
+            conn.set_tunnel(host, parts.port or 443)
         else:  # a plain-HTTP proxy takes the absolute URL (without the user:password part)
-            conn = http.client.HTTPConnection(proxy.hostname, proxy.port or 8080, timeout=self.timeout_s)
-            netloc = parts.hostname if ":" not in (parts.hostname or "") else f"[{parts.hostname}]"
+            conn = http.client.HTTPConnection(proxy_host, proxy.port or 8080, timeout=self.timeout_s)
+            netloc = host if ":" not in host else f"[{host}]"
             path = f"http://{netloc}{f':{parts.port}' if parts.port else ''}{path}"
         try:
             conn.request("POST", path, body=body, headers=headers)
@@ -300,7 +301,14 @@ class WebhookTarget:
         )
 
 
-def _proxy_for(scheme: str, host: str):
+def _connection(https: bool, host: str, port: int | None, timeout_s: float) -> http.client.HTTPConnection:
+    """A connection to host:port (not yet opened); HTTPS verifies the certificate and the host name."""
+    if https:
+        return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=ssl.create_default_context())
+    return http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+
+def _proxy_for(scheme: str, host: str) -> SplitResult | None:
     """The proxy the environment names for this URL (HTTP(S)_PROXY, NO_PROXY), as urllib would
     pick it, or None."""
     import urllib.request
