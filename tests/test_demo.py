@@ -69,7 +69,7 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     assert "wandb sync " in p.stdout
     events = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
     assert any(e["type"] == "alert" and e["severity"] == "critical" for e in events)
-    assert [p.parent.name for p in (out / "tensorboard").glob("*/events.out.tfevents.*")] == ["runaway-lr0.02-seed0"]
+    assert [p.parent.name for p in (out / "tensorboard").glob("*/events.out.tfevents.*")] == ["runaway-lr0.03-seed0"]
     # why the NaN happened: the operator, the module, the demo's own line, the cause
     assert re.search(
         r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M
