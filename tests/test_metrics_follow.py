@@ -178,6 +178,8 @@ def test_prometheus_sink_countdown_counts_down_and_goes_away(tmp_path):
         seen.append((rec, s.steps_to_overflow))
     first_nan = next(i for i, (r, _) in enumerate(seen) if not r.is_finite())
     counts = [v for _, v in seen[:first_nan] if v is not None]
-    assert len(counts) >= 10 and len(set(counts)) >= 4 and counts[-1] < counts[0]  # not frozen at its first value
+    # not frozen at its first value: it falls record by record between alerts (a new alert may say more or less)
+    assert len(counts) >= 10 and len(set(counts)) >= 4
+    assert sum(b == a - 1 for a, b in zip(counts, counts[1:])) >= len(counts) // 2, counts
     assert all(v is None for _, v in seen[first_nan : first_nan + 7])
     assert seen[-1][1] is None  # the second runaway went flat: nothing runs away any more
