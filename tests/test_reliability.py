@@ -158,7 +158,9 @@ def test_without_any_folder_the_flight_record_goes_to_a_new_run_folder(tmp_path,
 def test_healthy_run_writes_no_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     mon = Monitor()
-    for i in range(20):  # a healthy loss (a constant one is a frozen-loss stall: an incident, whose report has a folder)
+    for i in range(
+        20
+    ):  # a healthy loss (a constant one is a frozen-loss stall: an incident, whose report has a folder)
         mon.post_step(2.0 * 0.98**i * (1 + 0.02 * (-1) ** i))
     mon.close()
     assert mon.incidents == [] and list(tmp_path.iterdir()) == []
