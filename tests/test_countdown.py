@@ -39,7 +39,8 @@ def test_the_readme_table_gets_an_honest_countdown():
     assert alert.step == 44 and left == 2
     assert within(alert, left), alert.message
     # 0.5 decades/step, then bursts: no steady rate and no measured rise; the early end heads
-    assert "~2 steps left until float32 overflow (~2-" in alert.message and "rising" not in alert.message
+    assert "~2-20 steps left until float32 overflow (~20 at today's rate, ~2 if" in alert.message, alert.message
+    assert "rising" not in alert.message and alert.details["steps_to_overflow_range"] == [2.0, 20.0]
 
 
 def test_every_runaway_of_the_dev_corpus_gets_an_honest_countdown():
@@ -96,4 +97,5 @@ def test_a_single_jump_assumes_no_acceleration():
     """A spike of one or two records (the demo's step 60) is not yet a sustained runaway: the flat rate heads."""
     c = countdown([(58, -1.29), (59, -0.64), (60, 1.68)], F32_DECADES)
     assert c.steps == c.at_rate and not c.rising
-    assert c.phrase("float32").startswith(f"~{round(c.steps)} steps left until float32 overflow (~")
+    # the range is said, today's rate at its far end: "~2-25 steps left ... (~25 at today's rate, ..."
+    assert c.phrase("float32").startswith(f"~{round(c.range[0])}-{round(c.steps)} steps left until float32 overflow (~")

@@ -24,6 +24,7 @@ truth = the steps until |x| first exceeds the dtype's max (float32 unless the re
 import math
 import re
 
+import pytest
 from countdown_families import Family
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,7 +36,7 @@ from nummon._policy import load_policy
 
 POLICY = load_policy("default")
 MIN_GROWTH = POLICY.runaway.min_growth
-RANGE = re.compile(r"\(~(\d+)-(\d+) steps:")
+RANGE = re.compile(r"~(\d+)-(\d+) steps left")
 GREW = re.compile(
     r"grew ([0-9.e+]+)x over (?:(\d+) consecutive steps|(one|\d+) records? \((one|\d+) steps?\)) "
     r"\(x([0-9.e+]+) per step\)"
@@ -167,7 +168,10 @@ def test_x10_per_step_headline_is_todays_rate():
     assert got
     for a, truth, _ in got:
         assert within(a.details["steps_to_overflow"], truth), (a.message, truth)
-        assert a.message.split("; ")[-1].startswith(f"~{round(a.details['steps_to_overflow'])} steps left")
+        # today's rate is the headline, or the range's far end while the points cannot tell
+        tail = a.message.split("; ")[-1]
+        flat = round(a.details["steps_to_overflow"])
+        assert tail.startswith(f"~{flat} steps left") or re.match(rf"~\d+-{flat} steps left", tail), tail
 
 
 def test_quadratic_log_growth_is_measured_to_rise():
@@ -177,3 +181,14 @@ def test_quadratic_log_growth_is_measured_to_rise():
     for a, truth, _ in got:
         assert within(a.details["steps_to_overflow"], truth), (a.message, truth)
     assert any("the growth rate is rising" in a.message for a, _, _ in got)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a noisy runaway at 3 decades a step that decelerates reads as "
+    "'falling' and says 'at least ~16' with 8 steps left (found by the noisy-family property test)",
+)
+def test_a_fast_decelerating_noisy_runaway_is_not_promised_more_steps_than_it_has():
+    fam = Family("decelerating", 3.0, 0.9296875, 0.0078125, 1, 10, "float32", 0)
+    for f, truth, _ in findings(fam):
+        check_claim(fam, f, truth)

@@ -82,13 +82,24 @@ class Countdown:
             return f"{steps} left until {dtype} overflow at today's rate (steady)"
         if self.trend == "falling":
             return f"at least {steps} left until {dtype} overflow at today's rate (the growth rate is falling)"
-        low = _n(self.if_faster) if _finite(self.if_faster) else n
-        if low >= flat:
+        if self.range is None:
             return f"{steps} left until {dtype} overflow at today's rate"
+        low, high = (_n(x) for x in self.range)
+        # the two readings cannot be told apart yet: the range leads, each end named
         return (
-            f"{steps} left until {dtype} overflow (~{low}-{flat} steps: ~{flat} at today's rate, "
-            f"~{low} if it keeps speeding up)"
+            f"~{low}-{high} steps left until {dtype} overflow (~{high} at today's rate, ~{low} if it keeps speeding up)"
         )
+
+    @property
+    def range(self) -> tuple[float, float] | None:
+        """(if it keeps speeding up, at today's rate) in steps, while the trend is unknown and
+        the two differ; None once one reading is measured."""
+        if self.trend != "unknown" or not (_finite(self.if_faster) and _finite(self.at_rate)):
+            return None
+        assert self.if_faster is not None and self.at_rate is not None
+        if _n(self.if_faster) >= _n(self.at_rate):
+            return None
+        return (self.if_faster, self.at_rate)
 
 
 def countdown(points: Sequence[tuple[int, float]], log10_max: float, noise: float = 0.0) -> Countdown:

@@ -267,8 +267,16 @@ def _countdown_table(v: IncidentView) -> str:
     rows = []
     for c in v.countdowns[:10]:
         said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} steps"
+        low, high = c.span if c.span is not None else (c.said, c.said)
+        if c.span is not None:
+            said = f"~{fmt_num(low)}–{fmt_num(high)} steps"
         left = "—" if c.left is None else f"{c.left} steps"
-        verdict = "" if c.left is None else ("early (safe side)" if c.said <= c.left else "late: fewer were left")
+        verdict = ""
+        if c.left is not None:
+            if c.span is not None and low <= c.left <= high:
+                verdict = "within the range said"
+            else:
+                verdict = "early (safe side)" if low <= c.left else "late: fewer were left"
         rows.append(
             f"<tr><td>step {c.step}</td><td><code>{escape(c.metric)}</code></td><td>{said}</td>"
             f"<td>{left}</td><td class=muted>{verdict}</td></tr>"

@@ -40,6 +40,7 @@ class Countdown:
     said: float
     left: int | None
     bound: bool = False  # `said` is an upper bound (the growth rate was rising)
+    span: tuple[float, float] | None = None  # the range said (if it keeps speeding up, at today's rate)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,9 @@ def _countdowns(v: IncidentView) -> list[Countdown]:
             continue
         seen.add((a.get("metric"), _step(a)))
         left = None if v.nonfinite is None else v.nonfinite - _step(a)
-        out.append(Countdown(_step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound"))))
+        rng = d.get("steps_to_overflow_range")
+        span = (float(rng[0]), float(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
+        out.append(Countdown(_step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound")), span))
     return out
 
 
@@ -300,7 +303,8 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
         out.append(f"It was still open when the log ends at step {last_step}.")
     if v.countdowns:
         c = min(v.countdowns, key=lambda c: c.step)
-        said = f"~{fmt_num(c.said)} steps to overflow on {c.metric} at step {c.step}"
+        figure = f"~{fmt_num(c.span[0])}-{fmt_num(c.span[1])}" if c.span is not None else f"~{fmt_num(c.said)}"
+        said = f"{figure} steps to overflow on {c.metric} at step {c.step}"
         out.append(f"The first countdown said {said}" + (f"; {c.left} were left." if c.left is not None else "."))
     return out
 
