@@ -345,8 +345,15 @@ def _api_path(name: str) -> str:
     obj = getattr(nummon, name)
     if inspect.ismodule(obj):
         return obj.__name__
-    source = Path(inspect.getsourcefile(obj) or "").resolve().relative_to(ROOT)
-    module = ".".join(source.with_suffix("").parts).removesuffix(".__init__")
+    source = Path(inspect.getsourcefile(obj) or "").resolve()
+    if source.is_relative_to(ROOT) and ".venv" not in source.relative_to(ROOT).parts:
+        parts = source.relative_to(ROOT).with_suffix("").parts
+    else:  # an installed nummon (CI builds the site beside a non-editable install): the checkout's names
+        parts = source.with_suffix("").parts
+        parts = parts[len(parts) - 1 - parts[::-1].index("nummon") :]
+        if parts[:2] == ("nummon", "integrations"):  # the checkout keeps integrations/ at the top
+            parts = parts[1:]
+    module = ".".join(parts).removesuffix(".__init__")
     return f"{module}.{obj.__qualname__}"
 
 
