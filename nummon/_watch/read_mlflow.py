@@ -92,9 +92,9 @@ class MlflowServer:
                 body = resp.read()
         except urllib.error.HTTPError as e:
             raise MlflowError(f"mlflow:{self.name}: {endpoint} answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise MlflowError(f"mlflow:{self.name}: not reachable ({type(reason).__name__})") from None
+        except (urllib.error.URLError, OSError):
+            # one wording whatever the socket said (refused, reset, timed out): a watcher says it once
+            raise MlflowError(f"mlflow:{self.name}: not reachable") from None
         try:
             out = json.loads(body or b"{}")
         except ValueError:
