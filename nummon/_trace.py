@@ -24,6 +24,7 @@ from ._format import clean_text
 from ._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 
 __all__ = [
+    "NONFINITE_WORDS",
     "TraceError",
     "UnreadableLine",
     "WarnFn",
@@ -34,7 +35,8 @@ __all__ = [
     "record_from_dict",
 ]
 
-_SPECIAL = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf, "inf": math.inf, "-inf": -math.inf}
+#: The words logs use for non-finite numbers (lower-cased), and their values: one map for replay and watch.
+NONFINITE_WORDS = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf, "inf": math.inf, "-inf": -math.inf}
 
 #: Receives one-line warnings (a torn last line, a step that goes backwards).
 WarnFn = Callable[[str], None]
@@ -67,8 +69,8 @@ def _number(v, where: str, key: str) -> float | None:
             return float(v)
         except OverflowError:  # an integer beyond float's range is an infinite value
             return math.inf if v > 0 else -math.inf
-    if isinstance(v, str) and v.strip().lower() in _SPECIAL:
-        return _SPECIAL[v.strip().lower()]
+    if isinstance(v, str) and v.strip().lower() in NONFINITE_WORDS:
+        return NONFINITE_WORDS[v.strip().lower()]
     raise TraceError(f"{where}: {key} must be a number, got {_show(v)}")
 
 

@@ -3,10 +3,10 @@ extendable by the caller (e.g. ``KeyMap({"my/loss": "loss"})``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from .._trace import NONFINITE_WORDS
 from .._types import SCALAR_FIELDS, StepRecord
 
 __all__ = ["DEFAULT_KEYS", "KeyMap"]
@@ -68,9 +68,6 @@ class KeyMap:
         return rec if found else None
 
 
-_SPECIAL = {"nan": math.nan, "inf": math.inf, "infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
-
-
 def _as_float(v: Any) -> float | None:
     """A number from a logged value (float, int, numeric string, NaN/Infinity strings); else None."""
     if isinstance(v, bool) or v is None:
@@ -81,8 +78,8 @@ def _as_float(v: Any) -> float | None:
         s = v.strip()
         if not s:
             return None
-        if s.lower() in _SPECIAL:
-            return _SPECIAL[s.lower()]
+        if s.lower() in NONFINITE_WORDS:
+            return NONFINITE_WORDS[s.lower()]
         try:
             return float(s)
         except ValueError:
