@@ -2,7 +2,7 @@
 without them, side by side (issue 14; the issue-5 budget is <= 1.05 on the demo CNN).
 
 Each round fits the demo CNN (batch 64, SGD momentum 0.9, CPU) once without and once with
-`NummonCallback`, in a new order each round; a timing callback takes the wall time between
+the framework's nummon callback (`NummonLightningCallback`, `NummonTrainerCallback`), in a new order each round; a timing callback takes the wall time between
 consecutive optimizer steps after `--warmup` steps, and each variant's median over all rounds
 is divided by the bare one's.
 
@@ -49,7 +49,7 @@ def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def lightning_step_times(steps: int, warmup: int, monitored: bool, root: str) -> list[float]:
     import lightning.pytorch as pl
 
-    from nummon.integrations.lightning import NummonCallback
+    from nummon.integrations.lightning import NummonLightningCallback
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -72,7 +72,7 @@ def lightning_step_times(steps: int, warmup: int, monitored: bool, root: str) ->
 
     torch.manual_seed(0)
     timer = Timer()
-    callbacks = [timer] + ([NummonCallback(follow_loggers=False)] if monitored else [])
+    callbacks = [timer] + ([NummonLightningCallback(follow_loggers=False)] if monitored else [])
     x, y = _images(BATCH * (steps + warmup))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
     trainer = pl.Trainer(
@@ -95,7 +95,7 @@ def lightning_step_times(steps: int, warmup: int, monitored: bool, root: str) ->
 def transformers_step_times(steps: int, warmup: int, monitored: bool, root: str) -> list[float]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from nummon.integrations.transformers import NummonCallback
+    from nummon.integrations.transformers import NummonTrainerCallback
 
     class Classifier(nn.Module):
         def __init__(self):
@@ -128,7 +128,7 @@ def transformers_step_times(steps: int, warmup: int, monitored: bool, root: str)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     timer = Timer()
-    callbacks = [timer] + ([NummonCallback(follow_report_to=False)] if monitored else [])
+    callbacks = [timer] + ([NummonTrainerCallback(follow_report_to=False)] if monitored else [])
     args = TrainingArguments(
         output_dir=root,
         report_to=[],

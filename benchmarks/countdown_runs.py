@@ -31,7 +31,7 @@ def lightning_run(out: Path, seed: int = 0, console: bool = False) -> Path:
     import torch
     from torch import nn
 
-    from nummon.integrations.lightning import NummonCallback
+    from nummon.integrations.lightning import NummonLightningCallback
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -61,7 +61,7 @@ def lightning_run(out: Path, seed: int = 0, console: bool = False) -> Path:
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[NummonCallback(stop_on_critical=False, run_dir=str(out), console=console)],
+        callbacks=[NummonLightningCallback(stop_on_critical=False, run_dir=str(out), console=console)],
     )
     trainer.fit(Regressor(), data)
     return out / "nummon-events.jsonl"
@@ -72,7 +72,7 @@ def hf_run(out: Path, seed: int = 0, console: bool = False) -> Path:
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from nummon.integrations.transformers import NummonCallback
+    from nummon.integrations.transformers import NummonTrainerCallback
 
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(seed)
@@ -107,7 +107,7 @@ def hf_run(out: Path, seed: int = 0, console: bool = False) -> Path:
         args=args,
         train_dataset=RandomTokens(),
         optimizers=(opt, sched),
-        callbacks=[NummonCallback(stop_on_critical=False, console=console)],
+        callbacks=[NummonTrainerCallback(stop_on_critical=False, console=console)],
     ).train()
     return out / "nummon-events.jsonl"
 

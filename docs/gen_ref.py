@@ -368,8 +368,8 @@ def api_page() -> str:
         "else is internal and may change. `Monitor` and the framework sinks import torch or their "
         "framework on first use; the rest (replay, the policy, the plain data types) runs without torch.",
         "",
-        "Framework callbacks live in their own modules: `nummon.integrations.lightning.NummonCallback` and "
-        "`nummon.integrations.transformers.NummonCallback` (see [the callbacks guide](../guides/callbacks.md)).",
+        "Framework callbacks live in their own modules: `nummon.integrations.lightning.NummonLightningCallback` and "
+        "`nummon.integrations.transformers.NummonTrainerCallback` (see [the callbacks guide](../guides/callbacks.md)).",
         "",
     ]
     for name in sorted(nummon.__all__, key=lambda n: (n != "Monitor", n.lower())):

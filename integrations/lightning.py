@@ -1,4 +1,4 @@
-"""Lightning callback: `Trainer(callbacks=[NummonCallback()])` watches every optimizer step.
+"""Lightning callback: `Trainer(callbacks=[NummonLightningCallback()])` watches every optimizer step.
 
 Needs `lightning` (``pip install 'nummon[lightning]'``). Where the hooks run (Lightning 2.x):
 `on_before_backward` gets each micro-batch's loss (divided by `accumulate_grad_batches`, and
@@ -36,7 +36,7 @@ from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
 
-__all__ = ["NummonCallback"]
+__all__ = ["NummonLightningCallback"]
 
 log = logging.getLogger("nummon")
 RESTORED_FROM = "the checkpoint's nummon state"
@@ -47,7 +47,7 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-class NummonCallback(pl.Callback):
+class NummonLightningCallback(pl.Callback):
     """Runs a `nummon.Monitor` on the LightningModule and its (first) optimizer.
 
     `policy`: a preset name, a YAML path or a `Policy`. `sinks`: extra sinks; the trainer's own
@@ -245,3 +245,17 @@ class NummonCallback(pl.Callback):
             elif isinstance(logger, WandbLogger):
                 sinks.append(WandbSink(run=StepAsMetric(logger.experiment)))
         return sinks
+
+
+def __getattr__(name: str) -> object:
+    # the old name, kept for one release: both frameworks' callbacks were called NummonCallback
+    if name == "NummonCallback":
+        import warnings
+
+        warnings.warn(
+            "nummon.integrations.lightning.NummonCallback is renamed NummonLightningCallback; the old name goes in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return NummonLightningCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Hugging Face `Trainer` callback: `Trainer(..., callbacks=[NummonCallback()])`.
+"""Hugging Face `Trainer` callback: `Trainer(..., callbacks=[NummonTrainerCallback()])`.
 
 Needs `transformers` (``pip install 'nummon[transformers]'``). Where things happen
 (transformers 4.40-5.x): the loss of every micro-batch is read from the model's own output by a
@@ -40,7 +40,7 @@ from ._lazy import require
 
 transformers = require("transformers", "transformers")
 
-__all__ = ["NummonCallback"]
+__all__ = ["NummonTrainerCallback"]
 
 log = logging.getLogger("nummon")
 RESTORED_FROM = "the checkpoint's nummon state"
@@ -120,7 +120,7 @@ _ExportableState: Any = getattr(transformers.trainer_callback, "ExportableState"
 )
 
 
-class NummonCallback(transformers.TrainerCallback, _ExportableState):
+class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     """Runs a `nummon.Monitor` on the Trainer's model and optimizer, one `post_step` per
     optimizer step with that step's true loss.
 
@@ -195,7 +195,9 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
             return None
         saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
         if isinstance(saved, list):  # several nummon callbacks on one Trainer: whose is whose is not recorded
-            log.warning("nummon: several NummonCallbacks on one Trainer; none resumes its state from the checkpoint")
+            log.warning(
+                "nummon: several NummonTrainerCallbacks on one Trainer; none resumes its state from the checkpoint"
+            )
             return None
         if not isinstance(saved, dict):
             return saved  # None (a checkpoint from before nummon), or not an entry of ours
@@ -348,3 +350,17 @@ class NummonCallback(transformers.TrainerCallback, _ExportableState):
 
                 sinks.append(WandbSink(run=StepAsMetric(wandb.run)))
         return sinks
+
+
+def __getattr__(name: str) -> object:
+    # the old name, kept for one release: both frameworks' callbacks were called NummonCallback
+    if name == "NummonCallback":
+        import warnings
+
+        warnings.warn(
+            "nummon.integrations.transformers.NummonCallback is renamed NummonTrainerCallback; the old name goes in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return NummonTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ from framework_run import Run
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from nummon.integrations.lightning import NummonCallback
+from nummon.integrations.lightning import NummonLightningCallback
 
 NAME = "lightning"
 EXTRA, MODULE = "lightning", "lightning"  # the install extra and the package it needs
@@ -229,4 +229,4 @@ def readme_blow_up(root, cb):
 
 
 def callback(sinks=(), **kwargs):
-    return NummonCallback(sinks=list(sinks), **kwargs)
+    return NummonLightningCallback(sinks=list(sinks), **kwargs)

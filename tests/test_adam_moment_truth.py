@@ -78,7 +78,7 @@ def test_readme_lightning_example_at_lr_1_is_not_stopped(tmp_path):
     ~5 -> ~2000) and recovers on its own; it used to be stopped at step 11 by a ratio of 136
     measured against v_{t-1} (above the 31.6 printed)."""
     pl = pytest.importorskip("lightning.pytorch")
-    from nummon.integrations.lightning import NummonCallback
+    from nummon.integrations.lightning import NummonLightningCallback
 
     class Regressor(pl.LightningModule):
         def __init__(self):
@@ -98,7 +98,7 @@ def test_readme_lightning_example_at_lr_1_is_not_stopped(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(1024, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
-    cb = NummonCallback(policy="default", console=False)
+    cb = NummonLightningCallback(policy="default", console=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=16,

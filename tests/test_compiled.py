@@ -241,11 +241,11 @@ def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     from transformers import Trainer
     from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
 
-    from nummon.integrations.transformers import NummonCallback
+    from nummon.integrations.transformers import NummonTrainerCallback
 
     dynamo.reset()
     model = tiny_gpt2()
-    cb = NummonCallback(policy=QUIET, console=False)
+    cb = NummonTrainerCallback(policy=QUIET, console=False)
     args = training_args(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
     trainer = Trainer(
         model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False), callbacks=[cb]

@@ -376,7 +376,7 @@ def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
 
 def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
-    from nummon.integrations.lightning import NummonCallback
+    from nummon.integrations.lightning import NummonLightningCallback
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -396,7 +396,7 @@ def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     y[3] += 100.0  # the outlier the record must name
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
-    cb = NummonCallback(policy={"mechanisms": {"every": 1}}, follow_loggers=False, run_dir=str(tmp_path))
+    cb = NummonLightningCallback(policy={"mechanisms": {"every": 1}}, follow_loggers=False, run_dir=str(tmp_path))
     trainer = pl.Trainer(
         max_steps=2,
         callbacks=[cb],
@@ -418,7 +418,7 @@ def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer
     from transformers_runs import RandomTokens, training_args
 
-    from nummon.integrations.transformers import NummonCallback
+    from nummon.integrations.transformers import NummonTrainerCallback
 
     class PerSampleGPT2(GPT2LMHeadModel):
         def forward(self, input_ids=None, labels=None, **kwargs):
@@ -435,7 +435,7 @@ def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp
     model = PerSampleGPT2(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
     data = RandomTokens(n=8)
     data.ids[5] = 7  # sample 5 of the batch of 8: all 7s
-    cb = NummonCallback(policy={"mechanisms": {"every": 1}})
+    cb = NummonTrainerCallback(policy={"mechanisms": {"every": 1}})
     Trainer(model=model, args=training_args(tmp_path, steps=2, batch=8), train_dataset=data, callbacks=[cb]).train()
     rec = cb.last_report.record
     # the Trainer shuffles the batch: the worst sample is wherever sample 5 went, the one of all 7s

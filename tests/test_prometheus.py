@@ -221,10 +221,10 @@ def test_lightning_callback_accepts_the_prometheus_sink(tmp_path):
     pytest.importorskip("lightning.pytorch")
     from test_lightning import fit
 
-    from nummon.integrations.lightning import NummonCallback
+    from nummon.integrations.lightning import NummonLightningCallback
 
     sink = PrometheusSink("127.0.0.1:0", run="pl-run")
-    fit(tmp_path, [NummonCallback(sinks=[sink])], runaway=True, steps=28)
+    fit(tmp_path, [NummonLightningCallback(sinks=[sink])], runaway=True, steps=28)
     (s,) = sink.metrics.snapshot().runs
     assert s.run == "pl-run" and s.last_step is not None and s.last_step >= 5  # the callback stops it early
     assert s.steps_to_overflow is not None and s.steps_to_overflow > 0

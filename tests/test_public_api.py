@@ -1,7 +1,10 @@
 """The public surface is pinned, and importing nummon pulls in no optional backend."""
 
+import importlib
 import subprocess
 import sys
+
+import pytest
 
 import nummon
 
@@ -95,3 +98,20 @@ def test_monitor_import_does_not_pull_backends():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert "LOADED []" in out
+
+
+@pytest.mark.parametrize(
+    ("module", "new"),
+    [
+        ("nummon.integrations.lightning", "NummonLightningCallback"),
+        ("nummon.integrations.transformers", "NummonTrainerCallback"),
+    ],
+)
+def test_each_framework_callback_has_its_own_name_and_the_old_one_warns(module, new):
+    mod = importlib.import_module(module)
+    assert mod.__all__ == [new]
+    with pytest.warns(DeprecationWarning, match=f"renamed {new}"):
+        old = mod.NummonCallback
+    assert old is getattr(mod, new)
+    with pytest.raises(AttributeError):
+        mod.NoSuchCallback  # noqa: B018

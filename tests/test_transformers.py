@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 from transformers import Trainer  # noqa: E402
 from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
-from nummon.integrations.transformers import NummonCallback  # noqa: E402
+from nummon.integrations.transformers import NummonTrainerCallback  # noqa: E402
 
 
 def resumable_trainer(out_dir, cb, steps, save_steps=6):
@@ -32,17 +32,17 @@ def resumable_trainer(out_dir, cb, steps, save_steps=6):
 
 
 def saved_nummon_state(ckpt):
-    return json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"].get("NummonCallback")
+    return json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"].get("NummonTrainerCallback")
 
 
 def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tmp_path):
-    """Issue 36 item 16: a checkpoint written before nummon was added has no NummonCallback entry;
-    the resumed run's first save used to die with KeyError('NummonCallback')."""
+    """Issue 36 item 16: a checkpoint written before nummon was added has no NummonTrainerCallback entry;
+    the resumed run's first save used to die with KeyError('NummonTrainerCallback')."""
     resumable_trainer(tmp_path, None, steps=6).train()
     ckpt = tmp_path / "checkpoint-6"
     assert saved_nummon_state(ckpt) is None
 
-    cb = NummonCallback(follow_report_to=False, console=False)
+    cb = NummonTrainerCallback(follow_report_to=False, console=False)
     resumable_trainer(tmp_path, cb, steps=8, save_steps=2).train(resume_from_checkpoint=str(ckpt))
     saved = saved_nummon_state(tmp_path / "checkpoint-8")
     assert saved["nummon"]["step"] == 8
@@ -53,7 +53,7 @@ def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tm
 def nummon_checkpoint(tmp_path_factory):
     """A 6-step run's checkpoint-6 with nummon's state in it."""
     root = tmp_path_factory.mktemp("ckpt")
-    resumable_trainer(root, NummonCallback(follow_report_to=False, console=False), steps=6).train()
+    resumable_trainer(root, NummonTrainerCallback(follow_report_to=False, console=False), steps=6).train()
     return root / "checkpoint-6"
 
 
@@ -87,11 +87,11 @@ def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
     ckpt = tmp_path / "checkpoint-6"
     shutil.copytree(nummon_checkpoint, ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    engine = state["stateful_callbacks"]["NummonCallback"]["nummon"]["engine"]
-    state["stateful_callbacks"]["NummonCallback"] = CORRUPTIONS[corruption](engine)
+    engine = state["stateful_callbacks"]["NummonTrainerCallback"]["nummon"]["engine"]
+    state["stateful_callbacks"]["NummonTrainerCallback"] = CORRUPTIONS[corruption](engine)
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
 
-    cb = NummonCallback(follow_report_to=False, console=False)
+    cb = NummonTrainerCallback(follow_report_to=False, console=False)
     with caplog.at_level(logging.WARNING, logger="nummon"):
         resumable_trainer(tmp_path, cb, steps=8, save_steps=2).train(resume_from_checkpoint=str(ckpt))
     warned = [r.getMessage() for r in caplog.records if r.name == "nummon" and "starts cold" in r.getMessage()]
@@ -103,14 +103,14 @@ def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
 def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
     """The engine's incident and re-warming records ride in the checkpoint's trainer_state.json; a
     run resumed from it starts its detectors where the first one left them, a fresh run cold."""
-    first = NummonCallback(follow_report_to=False, console=False)
+    first = NummonTrainerCallback(follow_report_to=False, console=False)
     resumable_trainer(tmp_path, first, steps=6).train()
     ckpt = tmp_path / "checkpoint-6"
-    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["NummonCallback"]
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["NummonTrainerCallback"]
     assert saved["nummon"]["step"] == 6
     assert [r["step"] for r in saved["nummon"]["engine"]["first"]] == list(range(6))
 
-    resumed = NummonCallback(follow_report_to=False, console=False)
+    resumed = NummonTrainerCallback(follow_report_to=False, console=False)
     resumable_trainer(tmp_path, resumed, steps=8).train(resume_from_checkpoint=str(ckpt))
     steps = [r["step"] for r in resumed.monitor.engine.state_dict()["first"]]
     assert steps == list(range(8))  # 0..5 from the checkpoint, then 6 and 7: not a cold start at 6
@@ -124,12 +124,12 @@ def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path
 def test_state_dict_round_trips_through_load_state_dict(tmp_path):
     """state_dict()/load_state_dict(), as on the Lightning callback: a state loaded before train()
     is where the engine starts."""
-    first = NummonCallback(follow_report_to=False, console=False)
+    first = NummonTrainerCallback(follow_report_to=False, console=False)
     resumable_trainer(tmp_path / "a", first, steps=3).train()
     state = json.loads(json.dumps(first.state_dict(), allow_nan=False))  # strict JSON
     assert state["step"] == 3
 
-    later = NummonCallback(follow_report_to=False, console=False)
+    later = NummonTrainerCallback(follow_report_to=False, console=False)
     later.load_state_dict(state)
     assert later.state_dict() == state  # held until the run starts
     resumable_trainer(tmp_path / "b", later, steps=2).train()

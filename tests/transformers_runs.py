@@ -14,7 +14,7 @@ import transformers
 from framework_run import Run
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from nummon.integrations.transformers import NummonCallback
+from nummon.integrations.transformers import NummonTrainerCallback
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -241,7 +241,7 @@ def readme_blow_up(root, cb):
 
 
 def callback(sinks=(), **kwargs):
-    return NummonCallback(sinks=list(sinks), **kwargs)
+    return NummonTrainerCallback(sinks=list(sinks), **kwargs)
 
 
 def runaway_with_progress_bar(root):
@@ -253,7 +253,7 @@ def runaway_with_progress_bar(root):
         args=args,
         train_dataset=RandomTokens(),
         optimizers=optimizers(model, True),
-        callbacks=[NummonCallback(follow_report_to=False)],
+        callbacks=[NummonTrainerCallback(follow_report_to=False)],
     ).train()
 
 
