@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ._functional import cut_at_word, fmt_num
+from ._text import cut_at_word, fmt_num, plain_text, plural
 from ._types import Alert, threshold_text, value_text
 
 __all__ = [
@@ -34,21 +34,6 @@ def clean_text(text: str, one_line: bool = True) -> str:
     if one_line:
         text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
-
-
-_BOLD = re.compile(r"\*\*(.+?)\*\*")
-_CODE = re.compile(r"`([^`]*)`")
-
-
-def plain_text(markdown: str) -> str:
-    """Markdown as a terminal shows it best: **bold** and `code` marks dropped, text kept."""
-    return _CODE.sub(r"\1", _BOLD.sub(r"\1", markdown))
-
-
-def plural(n: float, word: str) -> str:
-    """ "1 step", "3 steps", "~1 step" style counts (n rounded to an integer)."""
-    k = int(round(n))
-    return f"{k} {word}" + ("" if k == 1 else "s")
 
 
 def records_table(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import decimal
 import math
 from collections.abc import Sequence
-from typing import Any, TypeGuard, TypeVar
+from typing import TypeGuard, TypeVar
 
 __all__ = [
     "spaced",
@@ -23,7 +23,6 @@ __all__ = [
     "relative_change",
     "relative_spread",
     "pow10",
-    "fmt_num",
     "clip_ratio",
 ]
 
@@ -145,23 +144,6 @@ def clip_ratio(grad_norm: float | None, max_norm: float | None) -> float | None:
     return min(1.0, float(max_norm) / float(grad_norm))
 
 
-def fmt_num(v: Any, none: str = "—") -> str:
-    """The one number format of tables and messages: integers exactly, floats to 4 significant
-    digits, non-finite as nan/inf/-inf, None as `none`."""
-    if v is None:
-        return none
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, int):
-        return str(v)
-    v = float(v)
-    if not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return f"{v:.4g}"
-
-
 T = TypeVar("T")
 
 
@@ -170,14 +152,3 @@ def spaced(items: Sequence[T], k: int) -> list[T]:
     if len(items) <= k:
         return list(items)
     return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
-
-
-def cut_at_word(text: str, limit: int) -> str:
-    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
-    if len(text) <= limit:
-        return text
-    head = text[: limit - 1]
-    space = head.rfind(" ")
-    if space > limit // 2:
-        head = head[:space].rstrip(" :,;-")
-    return head + "…"

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._functional import cut_at_word, fmt_num
 from ._json import json_float
+from ._text import cut_at_word, fmt_num
 
 __all__ = [
     "Severity",

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_errors",
             "_json",
             "_functional",
+            "_text",
             "_types",
             "_format",
             "_layout",

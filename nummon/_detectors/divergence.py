@@ -7,6 +7,7 @@ from collections import deque
 
 from .. import _functional as F
 from .._policy import DivergencePolicy
+from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
 from .trend import StartLevel
 
@@ -79,8 +80,8 @@ class DivergenceDetector:
                 "loss",
                 rec.loss,
                 base * thr,
-                f"loss has held around {F.fmt_num(held)} (median of the last {self._p.patience} records), "
-                f"{ratio:.3g}x its starting level {F.fmt_num(base)}",
+                f"loss has held around {fmt_num(held)} (median of the last {self._p.patience} records), "
+                f"{ratio:.3g}x its starting level {fmt_num(base)}",
                 details={"ratio": ratio, "baseline": base},
             )
         ]
@@ -115,8 +116,8 @@ class DivergenceDetector:
                 "loss",
                 loss,
                 best * p.rebound_factor,
-                f"loss has held around {F.fmt_num(held)} (median of the last {p.patience} records), "
-                f"{ratio:.3g}x the best {F.fmt_num(best)} it had reached: the run is losing what it learned",
+                f"loss has held around {fmt_num(held)} (median of the last {p.patience} records), "
+                f"{ratio:.3g}x the best {fmt_num(best)} it had reached: the run is losing what it learned",
                 details={"ratio": ratio, "best": best, "baseline": base, "rule": "rebound", "noise": noise},
             )
         ]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .._functional import fmt_num, median, robust_center
+from .._functional import median, robust_center
 from .._policy import NonfinitePolicy
+from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord, sci
 
 __all__ = ["NonfiniteDetector"]

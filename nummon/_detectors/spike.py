@@ -7,6 +7,7 @@ from collections import deque
 
 from .. import _functional as F
 from .._policy import SpikePolicy
+from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
 
 __all__ = ["SpikeDetector", "LOSS_MIN_FACTOR", "NOISE_MULTIPLE"]
@@ -99,7 +100,7 @@ class SpikeDetector:
                             metric,
                             v,
                             base * F.pow10(need),
-                            f"{metric} jumped to {F.fmt_num(v)}, {F.pow10(up):.3g}x its recent median {F.fmt_num(base)}{why}",
+                            f"{metric} jumped to {fmt_num(v)}, {F.pow10(up):.3g}x its recent median {fmt_num(base)}{why}",
                             details={
                                 "ratio": F.pow10(up),
                                 "baseline": base,

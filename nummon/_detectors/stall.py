@@ -8,6 +8,7 @@ from collections import deque
 
 from .. import _functional as F
 from .._policy import StallPolicy
+from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
 from .trend import LossTrend, StartLevel, improvement_needed
 
@@ -90,7 +91,7 @@ class StallDetector:
                     rec.loss,
                     need,
                     f"loss improved {max(-t.change, 0) * 100:.1f}% over the last {t.span} steps "
-                    f"(< {need * 100:.2g}%) and is still at {t.level * 100:.0f}% of its starting level {F.fmt_num(base)}",
+                    f"(< {need * 100:.2g}%) and is still at {t.level * 100:.0f}% of its starting level {fmt_num(base)}",
                     details={"change": t.change, "spread": t.spread, "level": t.level, "span": t.span},
                 )
             ]
@@ -132,9 +133,7 @@ class StallDetector:
         if k is None or self._pinned_records < n or not self._near_ln_k(held, k):
             k = None  # frozen, but not on ln k: say frozen, not "at chance"
         records = max(n, self._pinned_records) if k is not None else n
-        why = (
-            f"loss has stayed at {F.fmt_num(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
-        )
+        why = f"loss has stayed at {fmt_num(held)} for {records} records (spread of the last {n}: {spread * 100:.2g}%)"
         if k is not None:
             why += f": ln {k} = {math.log(k):.4f}, the chance level of a {k}-class classifier (it predicts the same for every input)"
         else:
@@ -181,7 +180,7 @@ class StallDetector:
             "loss",
             held,
             ln2,
-            f"loss came down from {F.fmt_num(first)} to {F.fmt_num(held)} and has stayed within "
+            f"loss came down from {fmt_num(first)} to {fmt_num(held)} and has stayed within "
             f"{p.chance_match * 100:.2g}% of ln 2 = {ln2:.4f} for {self._pinned_records} records: the chance level "
             "of a binary classifier (it predicts the class prior for every input); set stall.chance_loss if the task "
             "has more classes",
@@ -207,7 +206,7 @@ class StallDetector:
             "loss",
             held,
             chance,
-            f"loss has held around {F.fmt_num(held)} for {n} records, the chance level {F.fmt_num(chance)} "
+            f"loss has held around {fmt_num(held)} for {n} records, the chance level {fmt_num(chance)} "
             f"(stall.chance_loss), without falling: the model predicts no better than a guess",
             details={"chance_loss": chance, "records": n, "level": held / chance},
         )

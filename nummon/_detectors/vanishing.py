@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from .. import _functional as F
 from .._policy import VanishingPolicy
+from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
 
 __all__ = ["VanishingDetector"]
@@ -54,7 +54,7 @@ class VanishingDetector:
             return []
         gone.sort()
         worst = gone[: self._p.max_named]
-        named = ", ".join(f"{name} ({F.fmt_num(v)})" for v, name in worst)
+        named = ", ".join(f"{name} ({fmt_num(v)})" for v, name in worst)
         more = f" and {len(gone) - len(worst)} more" if len(gone) > len(worst) else ""
         held = min(self._count[name] for _, name in gone)
         layers = "layer has" if len(gone) == 1 else f"{len(gone)} layers have"
@@ -65,7 +65,7 @@ class VanishingDetector:
                 "layer_grad_norm",
                 worst[0][0],
                 limit,
-                f"gradient of {layers} been ~0 (< {self._p.ratio:g} of the largest layer's {F.fmt_num(top)}) "
+                f"gradient of {layers} been ~0 (< {self._p.ratio:g} of the largest layer's {fmt_num(top)}) "
                 f"for {held}+ steps: {named}{more}",
                 details={"layers": {name: v for v, name in worst}, "count": len(gone)},
             )

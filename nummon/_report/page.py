@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from .._functional import fmt_num
+from .._text import fmt_num
 from .._types import StepRecord
 from .load import RunData
 from .story import LAYER_FAMILIES, IncidentView, incidents_of

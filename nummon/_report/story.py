@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._functional import fmt_num, median
+from .._functional import median
+from .._text import fmt_num
 from .._types import StepRecord
 from .load import RunData
 

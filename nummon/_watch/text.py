@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+from .._text import cut_at_word, plural
+from .._text import plain_text as plain
+
 __all__ = ["mrkdwn", "plain", "cut_at_word", "plural", "safe_url", "raw_bytes", "printable"]
 
 _BOLD = re.compile(r"\*\*(.+?)\*\*", re.S)
-_CODE = re.compile(r"`([^`\n]*)`")
 
 
 def mrkdwn(md: str) -> str:
@@ -17,32 +19,6 @@ def mrkdwn(md: str) -> str:
     text = md.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # Slack's three escapes
     text = _BOLD.sub(r"*\1*", text)
     return "\n".join("• " + line[2:] if line.startswith("- ") else line for line in text.splitlines())
-
-
-def plain(md: str) -> str:
-    """The same text with its markup removed (console lines, notification fallbacks)."""
-    text = _BOLD.sub(r"\1", md)
-    return _CODE.sub(r"\1", text)
-
-
-def cut_at_word(text: str, limit: int) -> str:
-    """`text` in at most `limit` characters, cut at a word boundary with an ellipsis."""
-    if len(text) <= limit:
-        return text
-    head = text[: limit - 1]
-    space = head.rfind(" ")
-    if space >= limit // 2:
-        head = head[:space]
-    return head.rstrip(" :,;-") + "…"
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """'1 try', '2 tries', '1 notification', '3 notifications'."""
-    if n == 1:
-        return f"{n} {word}"
-    if many is None:
-        many = word[:-1] + "ies" if word.endswith("y") and word[-2:-1] not in "aeiou" else word + "s"
-    return f"{n} {many}"
 
 
 def safe_url(url: str) -> str:
