@@ -146,6 +146,7 @@ class Monitor:
         self._dist = _reducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
         self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
+        self._replicas = self._replica_check(model)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
@@ -401,6 +402,8 @@ class Monitor:
         )  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
+        if self._replicas is not None and self._replicas.last:  # identical on every rank: every row was compared
+            alerts.append(self._replica_alert())
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
             alerts = self._explain(alerts)
         if self._recompute is not None and self._evidence is not None:
@@ -491,6 +494,22 @@ class Monitor:
         with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
             self.cause, alerts = explain_into(self._recompute, alerts)
         return alerts
+
+    def _replica_check(self, model: Any) -> Any:
+        """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""
+        rp = self.policy.replicas
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if self._dist is None or not (rp.enabled if rp.enabled is not None else ddp):
+            return None
+        from ._replicas import ReplicaCheck
+
+        self.stats.replicas = ReplicaCheck(rp.every, self.stats.watched)
+        return self.stats.replicas
+
+    def _replica_alert(self) -> Alert:
+        from ._replicas import replica_alert
+
+        return replica_alert(self._replicas.take(), self.policy.replicas.every)
 
     def _step_evidence(self) -> Any:
         """The pre-update evidence a verdict needs (forensics on, a model and an optimizer)."""
