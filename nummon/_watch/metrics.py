@@ -85,7 +85,7 @@ class RunSeries:
     last_record_ts: float | None = None  # unix seconds of the latest record (read, or written)
     open: bool | None = None  # the training process is alive (PrometheusSink only: 1 while it runs)
     alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, severity) -> count
-    # re-run verdicts and replica mismatches: (verdict, suspect rank, suspect host) -> count (issue 40)
+    # re-run verdicts and replica mismatches: (verdict, suspect rank, suspect host) -> count
     verdicts: dict[tuple[str, str, str], int] = field(default_factory=dict)
     incidents_total: int = 0
     overflow: dict[str, float] = field(default_factory=dict)  # metric -> steps to overflow
