@@ -244,6 +244,8 @@ def alert_kinds_page() -> str:
         det = owner.get(kind)
         where = f"`{det.__name__}` ([`{det.section}`](policy.md#{det.section.replace('_', '_')}))" if det else "—"
         cls = "instability" if kind in INSTABILITY_KINDS else "not learning"
+        if kind is AlertKind.REPLICA_MISMATCH:
+            cls, where = "hardware", "`nummon/_replicas.py` ([`replicas`](policy.md#replicas))"
         out.append(f"| [`{kind.value}`](#{kind.value}) | {cls} | {where} |")
     for kind in AlertKind:
         det = owner.get(kind)
@@ -254,6 +256,15 @@ def alert_kinds_page() -> str:
                 "",
                 f"Raised by `{det.__name__}`, configured by the policy section "
                 f"[`{det.section}`](policy.md#{det.section}).",
+                "",
+            ]
+        elif kind is AlertKind.REPLICA_MISMATCH:
+            out += [
+                "Data-parallel replicas whose gradients or parameters are not bit-identical across ranks "
+                "(see [Hardware or algorithm?](../guides/hardware-or-algorithm.md)).",
+                "",
+                "Raised by `nummon/_replicas.py` (it compares ranks, not records), configured by the policy "
+                "section [`replicas`](policy.md#replicas).",
                 "",
             ]
         hint = _BASE.get(kind)

@@ -56,6 +56,10 @@ METRICS = {
     "nummon_last_record_timestamp_seconds": ("gauge", "Unix time of the latest record."),
     "nummon_run_open": ("gauge", "1 while the training process's Monitor is open (PrometheusSink only)."),
     "nummon_alerts": ("counter", "Alerts raised, by kind and severity."),
+    "nummon_verdicts": (
+        "counter",
+        "Critical steps re-run (verdict reproducible / not_reproducible) and replica mismatches, by suspect rank and host.",
+    ),
     "nummon_incidents": ("counter", "Incidents opened."),
     "nummon_watch_runs": ("gauge", "Runs the watcher follows."),
     "nummon_watch_poll_duration_seconds": ("gauge", "Wall time of the watcher's latest pass over its runs."),
@@ -103,7 +107,13 @@ class _Collector:
         for name, (kind, doc) in METRICS.items():
             if name.startswith("nummon_watch") or name == "nummon_notifications_failed":
                 continue
-            labels = ["run", "source"] + (["kind", "severity"] if name == "nummon_alerts" else [])
+            labels = ["run", "source"] + (
+                ["kind", "severity"]
+                if name == "nummon_alerts"
+                else ["verdict", "suspect_rank", "suspect_host"]
+                if name == "nummon_verdicts"
+                else []
+            )
             cls = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
             fam[name] = cls(name, doc, labels=labels)
 
@@ -124,6 +134,8 @@ class _Collector:
             put("nummon_incidents", s, s.incidents_total)
             for (kind, severity), n in sorted(s.alerts.items()):
                 put("nummon_alerts", s, n, kind, severity)
+            for (verdict, rank, host), n in sorted(getattr(s, "verdicts", {}).items()):
+                put("nummon_verdicts", s, n, verdict, rank, host)
         yield from fam.values()
         if snap.watched is not None:
             yield core.GaugeMetricFamily("nummon_watch_runs", METRICS["nummon_watch_runs"][1], value=snap.watched)

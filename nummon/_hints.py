@@ -29,6 +29,8 @@ _BASE = {
     "or lower the LR",
     AlertKind.ADAM_SECOND_MOMENT: "lower the LR or Adam's beta2 (0.95 tracks g² faster than 0.999), lengthen the warm-up, "
     "and clip gradients; a loss spike often follows within 1-8 steps",
+    AlertKind.REPLICA_MISMATCH: "drain and replace the node of the named rank(s) and resume from the last checkpoint: "
+    "replicas that should be bit-identical differ (silent data corruption); lowering the LR will not help",
     AlertKind.VANISHING: "some layers get no gradient: check activations (saturating sigmoid/tanh), "
     "initialisation, detached tensors, and consider residual connections or normalisation",
 }

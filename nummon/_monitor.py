@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import numbers
@@ -145,6 +146,7 @@ class Monitor:
         self._dist = _reducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
         self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
+        self._replicas = self._replica_check(model)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
@@ -158,6 +160,7 @@ class Monitor:
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         self.recovery = self._recovery()
+        self._evidence = self._step_evidence()  # forensics: the weights a failing step's re-run needs
         # the HTML incident report (policy `report`, rank 0): written on a critical escalation and at close only
         self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled and self.rank == 0 else None
         self._arm_mechanisms()
@@ -170,6 +173,8 @@ class Monitor:
         self.flight_record: Path | None = None
         self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
         self._recompute: Callable[[], Any] | None = None  # this step's way to re-run its loss (forensics)
+        self._step_loss: Any = None  # this step's loss as passed (the verdict compares its re-run with it)
+        self.verdicts: list[Any] = []  # every re-run's Verdict (nummon/_forensics/verdict.py), oldest first
         self.cause: Any = None  # the NonfiniteReport of the first non-finite step, when it could be explained
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
@@ -262,11 +267,13 @@ class Monitor:
         with _shutdown.safe_point(), self._lock:  # a SIGTERM within it is acted on after it
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
-            self._recompute = recompute
+            self._recompute, self._step_loss = recompute, loss
             try:
                 return self._post_step(loss, batch, clip_norm, per_sample_loss)
             finally:
-                self._recompute = None
+                self._recompute = self._step_loss = None
+                if self._evidence is not None:
+                    self._evidence.step_done()
 
     def _post_step(self, loss: Any, batch: Any, clip_norm: float | None, per_sample_loss: Any = None) -> StepReport:
         s = self.step
@@ -334,6 +341,8 @@ class Monitor:
             self.stats.remove_hooks()
             if self.recovery is not None:  # recovery: give optimizer.step back
                 self.recovery.close()
+            if self._evidence is not None:
+                self._evidence.close()
             self._sinks.close(timeout=self.policy.sinks.close_timeout_s)
             self._write_report_at_close()
             _shutdown.unregister(self)
@@ -393,8 +402,12 @@ class Monitor:
         )  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
         alerts = list(got.alerts)
+        if self._replicas is not None and self._replicas.last:  # identical on every rank: every row was compared
+            alerts.append(self._replica_alert())
         if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
             alerts = self._explain(alerts)
+        if self._recompute is not None and self._evidence is not None:
+            alerts = self._judge(rec, alerts)
         recovered = False  # True when this step's critical alerts were handled (skip/rollback)
         if self.recovery is not None:
             outcome = self.recovery.on_record(rec, got.health, alerts)
@@ -477,9 +490,41 @@ class Monitor:
         from ._forensics import explain_into
 
         assert self._recompute is not None  # post_step explains only a step that has a way to re-run
-        with self.stats.hooks_paused():  # the re-run is not a training forward
+        weights = self._evidence.forward_state() if self._evidence is not None and self._evidence.faithful else None
+        with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
             self.cause, alerts = explain_into(self._recompute, alerts)
         return alerts
+
+    def _replica_check(self, model: Any) -> Any:
+        """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""
+        rp = self.policy.replicas
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if self._dist is None or not (rp.enabled if rp.enabled is not None else ddp):
+            return None
+        from ._replicas import ReplicaCheck
+
+        self.stats.replicas = ReplicaCheck(rp.every, self.stats.watched)
+        return self.stats.replicas
+
+    def _replica_alert(self) -> Alert:
+        from ._replicas import replica_alert
+
+        return replica_alert(self._replicas.take(), self.policy.replicas.every)
+
+    def _step_evidence(self) -> Any:
+        """The pre-update evidence a verdict needs (forensics on, a model and an optimizer)."""
+        if not (self.policy.forensics.enabled and self.stats.model is not None and self.stats.optimizer is not None):
+            return None
+        from ._forensics.verdict import StepEvidence
+
+        return StepEvidence(self.stats.model, self.stats.optimizer, guarded=self.recovery is not None)
+
+    def _judge(self, rec: StepRecord, alerts: list[Alert]) -> list[Alert]:
+        """A critical step re-run for its verdict: reproducible (data, optimisation) or not (a fault)."""
+        from ._forensics.verdict import judge
+
+        with self.stats.hooks_paused():  # the re-run is not a training forward
+            return judge(self, rec, alerts)
 
     def _dump_flight_record(self, alert: Alert) -> Alert:
         path = self.flight_records.write(alert)

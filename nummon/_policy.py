@@ -282,6 +282,22 @@ class ForensicsPolicy(_Section):
     )
 
 
+class ReplicasPolicy(_Section):
+    """Data-parallel replica checks: after the gradient all-reduce every rank holds bit-identical
+    gradients and parameters; a fingerprint of each rides in nummon's one collective per step."""
+
+    enabled: bool | None = Field(
+        None,
+        description="compare replicas across ranks; null: when the model is wrapped in DistributedDataParallel (other parallelisms hold different values on purpose)",
+    )
+    every: int = Field(
+        50,
+        ge=1,
+        le=1_000_000,
+        description="compare every this many steps; a divergence persists in the parameters, so it is named within this many steps (steps)",
+    )
+
+
 class Policy(_Section):
     """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
 
@@ -305,6 +321,7 @@ class Policy(_Section):
     sinks: SinkPolicy = SinkPolicy()
     recovery: RecoveryPolicy = RecoveryPolicy()
     forensics: ForensicsPolicy = ForensicsPolicy()
+    replicas: ReplicasPolicy = ReplicasPolicy()
     report: ReportPolicy = ReportPolicy()
 
     @model_validator(mode="after")

@@ -70,6 +70,8 @@ class AlertKind(str, enum.Enum):
     ATTENTION_COLLAPSE = "attention_collapse"
     OUTPUT_LOGITS = "output_logits"
     ADAM_SECOND_MOMENT = "adam_second_moment"
+    # data-parallel replicas that should be bit-identical and are not (nummon/_replicas.py)
+    REPLICA_MISMATCH = "replica_mismatch"
 
     def __str__(self) -> str:
         return self.value
@@ -390,6 +392,7 @@ _TITLES = {
     AlertKind.ATTENTION_COLLAPSE: "attention collapsed",
     AlertKind.OUTPUT_LOGITS: "output-logit divergence",
     AlertKind.ADAM_SECOND_MOMENT: "Adam second moment off",
+    AlertKind.REPLICA_MISMATCH: "replicas differ across ranks",
 }
 
 
@@ -437,6 +440,7 @@ _VALUE_NAMES = {
     (AlertKind.ADAM_SECOND_MOMENT, "adam_ratio_rms"): "RMS(g/sqrt(v)) {v}",
     (AlertKind.ADAM_SECOND_MOMENT, "update_ratio_max"): "Adam update {v} of its tensor's norm",
     (AlertKind.VANISHING, "layer_grad_norm"): "smallest layer gradient norm {v}",
+    (AlertKind.REPLICA_MISMATCH, "replica_fingerprint"): "{v} rank(s) out of step with the others",
 }
 
 

@@ -358,3 +358,50 @@ def compiled_ddp_mechanisms(rank, world, port, out_dir):
     del run, ddp
     teardown()
     _exit()
+
+
+def replica_faults(rank, world, port, out_dir, variant, steps, every, fault_step):
+    """DDP on `world` ranks with replica checks every `every` steps; one fault on one rank at
+    `fault_step`: `nudge` (a parameter changed after optimizer.step on rank 1), `grad` (rank 1's
+    gradient changed after the all-reduce), `bitflip` (one exponent bit of a weight on rank 2),
+    or none (`healthy`)."""
+    import nummon
+
+    setup(rank, world, port)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    pol = {"replicas": {"every": every}, "sinks": {"console": False}, "recorder": {"write": False}}
+    mon = nummon.Monitor(ddp, opt, policy=pol)
+    x, y, _, _ = data_for(rank, world)
+    stopped_at = None
+    for step in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        with torch.no_grad():
+            if step == fault_step and variant == "grad" and rank == 1:
+                model.fc1.weight.grad[3, 5] += 1e-3
+            opt.step()
+            if step == fault_step and variant == "nudge" and rank == 1:
+                model.fc2.bias[0] += 1e-6
+            if step == fault_step and variant == "bitflip" and rank == 2:
+                model.fc1.weight.view(-1).view(torch.int32)[7] ^= 1 << 23  # the exponent's lowest bit: x2 or /2
+        r = mon.post_step(loss)
+        if r.should_stop:
+            stopped_at = r.step
+            break
+    mon.close()
+    replica = mon._replicas
+    _out(
+        out_dir,
+        rank,
+        {
+            "alerts": [a.to_dict() for a in mon.alerts if a.kind.value == "replica_mismatch"],
+            "stopped_at": stopped_at,
+            "checks": replica.checks if replica is not None else None,
+        },
+    )
+    del ddp
+    teardown()
+    _exit()

@@ -41,6 +41,9 @@ EXAMPLES = {
     AlertKind.ATTENTION_COLLAPSE: dict(metric="attention_entropy", value=0.02, threshold=0.1),
     AlertKind.OUTPUT_LOGITS: dict(metric="output_logsumexp_mean", value=1.542e5, threshold=50.0),
     AlertKind.ADAM_SECOND_MOMENT: dict(metric="adam_ratio_rms", value=570.0, threshold=31.6),
+    AlertKind.REPLICA_MISMATCH: dict(
+        metric="replica_fingerprint", value=1.0, threshold=0.0, location="parameters", details={"suspect_ranks": [1]}
+    ),
 }
 # a number with nothing to say what it is: "= 3.743", or a label followed by a number alone
 BARE = re.compile(r"=\s*[-+]?\d|(value|threshold|limit):\s*[-+]?[\d.]+(e[-+]?\d+)?\s*($|\s\s|\n)", re.M)

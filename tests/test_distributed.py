@@ -102,3 +102,38 @@ def test_a_compiled_ddp_model_gets_its_forward_probes_from_a_replay_that_joins_n
         assert len(sampled) == 2 and all(rec["layer_output_rms"] for rec in sampled)
         assert all(rec["output_logsumexp_mean"] is not None for rec in sampled)  # the loss outside read its output
     assert res[0]["weights"] == res[1]["weights"]  # still one model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant, fault_step, suspects, family",
+    [("nudge", 7, [1], "parameters"), ("grad", 10, [1], "gradients"), ("bitflip", 12, [2], "parameters")],
+)
+def test_a_replica_fault_on_one_rank_is_named_within_the_cadence_on_every_rank(
+    variant, fault_step, suspects, family, tmp_path
+):
+    every = 5
+    res = spawn(W.replica_faults, 3, tmp_path, variant, 40, every, fault_step)
+    assert all(r["alerts"] == res[0]["alerts"] for r in res)  # the same decision on every rank
+    first = res[0]["alerts"][0]
+    assert first["kind"] == "replica_mismatch" and first["severity"] == "critical"
+    assert fault_step <= first["step"] < fault_step + every
+    assert first["details"]["suspect_ranks"] == suspects and family in first["details"]["families"]
+    others = ", ".join(str(r) for r in range(3) if r not in suspects)
+    assert f"rank {suspects[0]}'s {family} differ from those of ranks {others}" in first["message"]
+    assert {r["stopped_at"] for r in res} == {first["step"]}  # critical: every rank stops at that step
+
+
+@pytest.mark.slow
+def test_two_ranks_that_differ_are_said_to_disagree(tmp_path):
+    res = spawn(W.replica_faults, 2, tmp_path, "nudge", 20, 5, 7)
+    first = res[0]["alerts"][0]
+    assert res[0]["alerts"] == res[1]["alerts"] and first["details"]["suspect_ranks"] == [0, 1]
+    assert "ranks 0 and 1 disagree on their parameters" in first["message"]
+
+
+@pytest.mark.slow
+def test_a_healthy_three_rank_run_has_no_replica_mismatch(tmp_path):
+    res = spawn(W.replica_faults, 3, tmp_path, "healthy", 300, 5, -1)
+    for r in res:
+        assert r["alerts"] == [] and r["stopped_at"] is None and r["checks"] == 60

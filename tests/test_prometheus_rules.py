@@ -19,7 +19,7 @@ def run(argv):
 
 def test_promtool_checks_the_rules():
     out = run([binary("promtool"), "check", "rules", str(RULES)])
-    assert "SUCCESS: 6 rules found" in out
+    assert "SUCCESS: 7 rules found" in out
 
 
 def test_promtool_unit_tests_of_the_rules_pass():

@@ -141,6 +141,25 @@ class GradientGuard:
             self.history.append((step, math.log10(norm)))
         return None
 
+    def retry(self, grads: list[Any]) -> bool:
+        """Apply the update a skipped step should have made, from `grads` (one per parameter of
+        the optimizer, in its order; a re-run's): True when it was applied. The gradients are
+        zeroed again afterwards, as after a skip. Single process only: a rank's re-run
+        gradients are not the all-reduced ones."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.dist is not None or len(grads) != len(params):
+            return False
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            return False
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.grad = g.detach().clone()
+        self._inner()
+        with torch.no_grad():
+            torch._foreach_zero_([p.grad for p in params if p.grad is not None])
+        return True
+
     def _guarded(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active or args or kwargs.get("closure") is not None:
             return self._inner(*args, **kwargs)  # a closure recomputes the gradients inside step()

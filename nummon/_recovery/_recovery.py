@@ -92,6 +92,8 @@ class Recovery:
         self._stale_through = start - 1  # records of steps launched before the last rollback
         self.snapshot = Snapshot.take(model, opt, start - 1)  # the start: always something to go back to
         self.snapshots_taken = 1
+        self._transient: Any = None
+        self.verdict: Any = None  # the Verdict of the record being decided (forensics), set just before it
 
     def close(self) -> None:
         self.guard.uninstall()
@@ -107,6 +109,7 @@ class Recovery:
     def _decide(self, rec: StepRecord, health: Health, alerts: list[Alert]) -> tuple[list[Alert], bool, bool]:
         out = list(alerts)
         handled = False
+        self._transient, self.verdict = self.verdict, None
         if self.rollbacks and rec.step <= self._stale_through:
             # launched before the last rollback (lagged mode): evidence of the old run, not a trigger
             return out, True, True
@@ -114,6 +117,8 @@ class Recovery:
         trigger: tuple[AlertKind, str] | None = None
         if skip is not None:
             out.extend(self._report_skip(rec, skip))
+            if self._transient is not None and not self._transient.reproducible:
+                out.extend(self._retry(rec))
             trigger = self._escalate(rec, skip, out)
             if not rec.is_finite() and set(rec.nonfinite_parts) <= _SKIP_COVERS:
                 out = [self._covered(a) for a in out]  # the weights never saw it
@@ -175,6 +180,29 @@ class Recovery:
             )
         ]
 
+    def _retry(self, rec: StepRecord) -> list[Alert]:
+        """A skipped update whose failure did not repeat (a transient fault): made again from the
+        re-run's gradients (single process), so the batch is not lost and the LR stays."""
+        v = self._transient
+        if v is None or v.grads is None or not self.guard.retry(v.grads):
+            return []
+        self._skip_steps.pop()  # a transient fault is no sign the gradients keep going bad
+        self.log.append({"action": "retry", "step": rec.step, "suspect": v.where(), "rerun_loss": v.rerun_loss})
+        return [
+            Alert(
+                step=rec.step,
+                kind=AlertKind.NONFINITE,
+                severity=Severity.INFO,
+                metric="recovery",
+                value=v.rerun_loss,
+                location="optimizer.step",
+                message=f"recovered: retried the update of step {rec.step} from its re-run (loss "
+                f"{v.rerun_loss:.6g}, finite): the failure did not repeat, a transient fault on {v.where()}; "
+                "lr unchanged",
+                details={"recovery": "retry", "verdict": v.verdict, "suspect": v.where()},
+            )
+        ]
+
     def _escalate(self, rec: StepRecord, skip: SkipDecision, out: list[Alert]) -> tuple[AlertKind, str] | None:
         p = self.policy
         while self._skip_steps and self._skip_steps[0] <= rec.step - p.skip_window:
@@ -228,8 +256,11 @@ class Recovery:
         snap, opt = self.snapshot, self.optimizer
         before = _lrs(opt)
         snap.restore(self.model, opt)
+        # a failure that did not repeat on re-run is a fault of the machine, not of the LR
+        transient = self._transient is not None and not self._transient.reproducible
+        factor = 1.0 if transient else self.policy.lr_factor
         for group, lr in zip(opt.param_groups, before):
-            _set_lr(group, lr * self.policy.lr_factor)
+            _set_lr(group, lr * factor)
         after = _lrs(opt)
         self.rollbacks += 1
         self.guard.history.clear()  # the lower lr changes the gradients' scale: re-baseline
@@ -241,10 +272,11 @@ class Recovery:
         self._last_unhealthy = rec.step
         to = "the start (before step 0)" if snap.step < 0 else f"step {snap.step}"
         left = self.policy.max_rollbacks - self.rollbacks
-        msg = (
-            f"recovered: rolled back to {to}, lr {before[0]:.4g} -> {after[0]:.4g} "
-            f"(cause: {cause}; {left} rollback{'s' if left != 1 else ''} left)"
-        )
+        lr_text = f"lr {before[0]:.4g} -> {after[0]:.4g}"
+        if transient:
+            lr_text = f"lr kept at {after[0]:.4g} (a transient fault: the step's failure did not repeat on re-run)"
+        msg = f"recovered: rolled back to {to}, {lr_text} (cause: {cause}; {left} rollback{'s' if left != 1 else ''} left)"
+
         entry = {
             "action": "rollback",
             "step": rec.step,
@@ -255,6 +287,8 @@ class Recovery:
             "suspect_batches": suspects,
             "rollbacks_left": left,
         }
+        if transient:
+            entry["verdict"] = "not_reproducible"
         alert = Alert(
             step=rec.step,
             kind=kind,

@@ -170,6 +170,7 @@ class StatsEngine:
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
         self._anchor_cache: tuple[int, list[int], Any] = (-1, [], None)
         self._said_no_grads = False  # the warning that no parameter has a gradient, given once
+        self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_replicas.py)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
@@ -205,6 +206,8 @@ class StatsEngine:
         )
         for family in self.families:
             s.segments += family(s)
+        if self.replicas is not None:  # fingerprints of the replicated gradients and parameters, when due
+            s.segments += self.replicas.segments(step, s.grads, self.watched.local(params), s.dev)
         self._narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
         packed, layout = pack(s.segments, s.dev, wide=s.distributed)
         ticket = None
@@ -413,6 +416,8 @@ class StatsEngine:
             ticket = pending.gather
             assert ticket is not None  # launched with `self.dist` too, which gathered it
             rows = self.dist.finish(vals, ticket.local, ticket.capacity, pending.step)
+            if self.replicas is not None:  # every rank's fingerprints side by side
+                self.replicas.compare(pending.step, rows, pending.layout)
             vals, src = self.dist.combine(rows, rules_of(pending.layout))
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)

@@ -85,6 +85,8 @@ class RunSeries:
     last_record_ts: float | None = None  # unix seconds of the latest record (read, or written)
     open: bool | None = None  # the training process is alive (PrometheusSink only: 1 while it runs)
     alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, severity) -> count
+    # re-run verdicts and replica mismatches: (verdict, suspect rank, suspect host) -> count
+    verdicts: dict[tuple[str, str, str], int] = field(default_factory=dict)
     incidents_total: int = 0
     overflow: dict[str, float] = field(default_factory=dict)  # metric -> steps to overflow
     # PrometheusSink only (it sees alerts, not the detectors' per-record findings): metric ->
@@ -134,6 +136,9 @@ class RunSeries:
     def observe_alert(self, alert: Alert) -> None:
         key = (alert.kind.value, alert.severity.value)
         self.alerts[key] = self.alerts.get(key, 0) + 1
+        vkey = _verdict_key(alert)
+        if vkey is not None:
+            self.verdicts[vkey] = self.verdicts.get(vkey, 0) + 1
         if alert.cleared:
             self.overflow.pop(alert.metric, None)
             self.anchors.pop(alert.metric, None)
@@ -309,3 +314,18 @@ class MetricsObserver:
     def target_failed(self, target: Any) -> None:
         if not isinstance(getattr(target, "failed", None), int):  # targets with a count of their own are read at scrape
             self.metrics.count_failure(target_kind(target))
+
+
+def _verdict_key(alert: Alert) -> tuple[str, str, str] | None:
+    """(verdict, suspect rank, suspect host) of a critical alert that carries a verdict (a re-run
+    step) or names out-of-step replicas; "" where there is no suspect."""
+    d = alert.details or {}
+    if alert.cleared or alert.severity.value != "critical":
+        return None
+    if alert.kind is AlertKind.REPLICA_MISMATCH:
+        return ("replica_mismatch", ",".join(map(str, d.get("suspect_ranks") or [])), "")
+    verdict = d.get("verdict")
+    if verdict not in ("reproducible", "not_reproducible"):
+        return None
+    suspect = d.get("suspect") or {}
+    return (verdict, str(suspect.get("rank", "")), str(suspect.get("host", "")))

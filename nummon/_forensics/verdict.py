@@ -1,0 +1,342 @@
+"""Hardware or algorithm? Re-run a failing step and say whether its failure repeats.
+
+A step that went non-finite (or raised a critical alert) is re-run on the same batch with the
+weights and RNG state of its forward, and compared with what the step produced:
+
+- ``reproducible``: the same inputs fail again (bitwise the same loss, or within `LOSS_RTOL`):
+  the data or the optimisation (a poisoned batch, an LR too high); the batch is named.
+- ``not_reproducible``: the re-run is finite, or its loss differs: a transient fault on this
+  process (hardware, memory, a nondeterministic kernel); rank, host and device are named.
+
+The documented loop calls `post_step` after `optimizer.step()`, and a non-finite update has
+written NaN into a plain SGD model's weights by then. `StepEvidence` therefore looks at the
+gradients in an optimizer step pre-hook (before the update) and, only when one is non-finite,
+keeps a copy of the weights the forward used; the re-run swaps them in and puts the current
+ones back. A healthy step costs one finiteness check of the gradients (a host read, free on
+CPU) and, with dropout in the model, one copy of the CPU generator's state per forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._types import Alert, Severity
+from ._explain import _leaves, _loss_tensors
+from ._scope import ModuleScope
+
+__all__ = ["LOSS_RTOL", "REPRODUCIBLE", "NOT_REPRODUCIBLE", "StepEvidence", "Verdict", "rerun_verdict"]
+
+REPRODUCIBLE = "reproducible"
+NOT_REPRODUCIBLE = "not_reproducible"
+#: a re-run loss within this relative distance of the step's is the same result (nondeterministic
+#: reductions in float32 differ by a few ulps, 1e-7 relative; a fault changes far more)
+LOSS_RTOL = 1e-5
+
+
+def _has_randomness(model: nn.Module) -> bool:
+    """True when the forward draws random numbers (dropout): the re-run then needs the RNG state."""
+    return any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in model.modules())
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+class StepEvidence:
+    """What a re-run needs from before the update: installed on the model (a root forward
+    pre-hook) and the optimizer (a step pre-hook), removed by `close()`.
+
+    `updated` is True once an optimizer update ran after the step's last forward; `saved` holds
+    the weights of that forward when the update's gradients were non-finite (the failure path
+    only: the copy is taken then and nowhere else).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guarded: bool = False) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.updated = False
+        self.saved: list[torch.Tensor] | None = None
+        self.rng: torch.Tensor | None = None
+        self.paused = False  # the re-run's own forward is no training forward
+        self._random = _has_randomness(model)
+        # on CUDA the finiteness check is a host sync: only where recovery's guard syncs anyway
+        self._check = guarded or all(p.device.type == "cpu" for p in self.params)
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward),
+            optimizer.register_step_pre_hook(self._on_update),
+        ]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if self.paused:
+            return
+        if self.updated:  # a new step's first forward
+            self.updated, self.saved = False, None
+        if self._random:
+            self.rng = torch.get_rng_state()
+
+    def _on_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.updated = True
+        if not self._check:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None and not p.grad.is_sparse]
+        if grads and not _finite(torch.stack([n.float() for n in torch._foreach_norm(grads)])):
+            self.saved = [p.detach().clone() for p in self.params]
+
+    @property
+    def faithful(self) -> bool:
+        """The weights a re-run gets are those of the step's forward."""
+        return not self.updated or self.saved is not None
+
+    def step_done(self) -> None:
+        """post_step has judged the step: its copy is no longer needed."""
+        self.saved = None
+
+    @contextlib.contextmanager
+    def forward_state(self) -> Iterator[None]:
+        """Within it the weights and the CPU generator are those of the step's forward."""
+        current = None
+        rng_now = torch.get_rng_state() if self.rng is not None else None
+        self.paused = True
+        try:
+            if self.saved is not None:
+                with torch.no_grad():
+                    current = [p.detach().clone() for p in self.params]
+                    torch._foreach_copy_([p.data for p in self.params], self.saved)
+            if self.rng is not None:
+                torch.set_rng_state(self.rng)
+            yield
+        finally:
+            self.paused = False
+            if current is not None:
+                with torch.no_grad():
+                    torch._foreach_copy_([p.data for p in self.params], current)
+            if rng_now is not None:
+                torch.set_rng_state(rng_now)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one re-run. `grads` (not serialised): the re-run's gradients of the
+    optimizer's parameters, for a retry of the update (None where unused)."""
+
+    verdict: str
+    step_loss: float
+    rerun_loss: float
+    rerun_finite: bool
+    bitwise: bool
+    rank: int
+    host: str
+    device: str
+    batch: str | None = None
+    grads: list[torch.Tensor | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def reproducible(self) -> bool:
+        return self.verdict == REPRODUCIBLE
+
+    def where(self) -> str:
+        return f"rank {self.rank}, host {self.host}, device {self.device}"
+
+    def sentence(self) -> str:
+        """The words that go into the alert's message."""
+        if self.reproducible:
+            same = "bitwise" if self.bitwise else f"within rtol {LOSS_RTOL:g}"
+            batch = f" (batch {self.batch})" if self.batch else ""
+            return (
+                f"verdict: reproducible: re-run on the same weights and batch{batch} it fails again "
+                f"(loss {self.rerun_loss:.6g}, {same}): the data or the optimisation, not the machine"
+            )
+        return (
+            f"verdict: not reproducible: re-run on the same weights and batch it gives loss {self.rerun_loss:.6g} "
+            f"({'finite' if self.rerun_finite else 'different'}; the step gave {self.step_loss:.6g}): a transient "
+            f"fault on {self.where()} (hardware, memory or a nondeterministic kernel)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "verdict": self.verdict,
+            "step_loss": self.step_loss,
+            "rerun_loss": self.rerun_loss,
+            "rerun_finite": self.rerun_finite,
+            "bitwise": self.bitwise,
+            "rank": self.rank,
+            "host": self.host,
+            "device": self.device,
+        }
+        if self.batch:
+            d["batch_fingerprint"] = self.batch
+        return d
+
+
+def _as_float(loss: Any) -> float:
+    if isinstance(loss, torch.Tensor):
+        return float(loss.detach().reshape(-1)[0].double())
+    return float(loss)
+
+
+def _same(a: float, b: float) -> tuple[bool, bool]:
+    """(same result, bitwise equal): NaN equals NaN and an inf its own sign here."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b), math.isnan(a) and math.isnan(b)
+    if a == b:
+        return True, True
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False, False
+    return abs(a - b) <= LOSS_RTOL * max(abs(a), abs(b)), False
+
+
+def _device_name(params: list[torch.Tensor]) -> str:
+    if not params:
+        return "cpu"
+    dev = params[0].device
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(dev)
+
+
+def rerun_once(recompute: Callable[[], Any], params: list[torch.Tensor]) -> tuple[float, bool, list[Any]]:
+    """(loss, loss and gradients all finite, gradients of `params`) of one re-run of the step,
+    leaving buffers (BatchNorm's running statistics) and every `.grad` as they were."""
+    scope = ModuleScope()
+    scope.install()
+    try:
+        with torch.enable_grad():
+            result = recompute()
+            losses = _loss_tensors(result)
+            if not losses:
+                raise ValueError("recompute returned no floating tensor")
+            loss = _as_float(losses[0])
+            finite = all(_finite(t) for t in losses)
+            outputs = [t for t in losses if t.requires_grad]
+            grads: list[Any] = [None] * len(params)
+            if outputs:
+                wanted = [p for p in params if p.requires_grad]
+                reachable = set(map(id, _leaves(outputs)))
+                targets = [p for p in wanted if id(p) in reachable]
+                if targets:
+                    got = torch.autograd.grad(
+                        outputs, targets, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+                    )
+                    by_id = {id(p): g for p, g in zip(targets, got)}
+                    grads = [by_id.get(id(p)) for p in params]
+                    finite = finite and all(_finite(g) for g in got if g is not None)
+    finally:
+        scope.remove()
+        scope.restore_buffers()
+    return loss, finite, grads
+
+
+def step_failed(rec: Any) -> bool:
+    """The step's own result was non-finite (its loss, gradients, activations or inputs)."""
+    return bool(set(rec.nonfinite_parts) & {"loss", "gradients", "activations", "input"})
+
+
+def rerun_verdict(
+    recompute: Callable[[], Any],
+    rec: Any,
+    step_loss: Any,
+    evidence: StepEvidence,
+    rank: int,
+) -> Verdict:
+    """Re-run the step (in the weights and RNG state of its forward) and compare."""
+    with evidence.forward_state():
+        loss, finite, grads = rerun_once(recompute, evidence.params)
+    own = _as_float(step_loss)
+    same, bitwise = _same(own, loss)
+    if step_failed(rec):
+        verdict = REPRODUCIBLE if not finite else NOT_REPRODUCIBLE
+    else:  # a critical but finite step: the loss itself must come out again
+        verdict = REPRODUCIBLE if same else NOT_REPRODUCIBLE
+    return Verdict(
+        verdict=verdict,
+        step_loss=own,
+        rerun_loss=loss,
+        rerun_finite=finite,
+        bitwise=bitwise,
+        rank=rank,
+        host=socket.gethostname(),
+        device=_device_name(evidence.params),
+        batch=rec.fingerprint,
+        grads=grads if finite else None,
+    )
+
+
+def due(alerts: list[Alert]) -> bool:
+    """A step is re-run for a verdict when it raised a critical alert (every non-finite step does)."""
+    return any(a.severity is Severity.CRITICAL and not a.cleared for a in alerts)
+
+
+def with_verdict(alerts: list[Alert], v: Verdict) -> list[Alert]:
+    """The step's critical alerts carrying the verdict (details, message, hint)."""
+    import dataclasses
+
+    out = []
+    for a in alerts:
+        if a.severity is Severity.CRITICAL and not a.cleared:
+            hint = a.hint
+            if not v.reproducible:
+                hint = (
+                    f"transient fault on {v.where()}: re-run or resume the step; if it recurs on this rank, "
+                    "drain and replace the node (do not lower the LR)"
+                )
+            details = {**a.details, "verdict": v.verdict, "verdict_evidence": v.to_dict()}
+            if not v.reproducible:
+                details["suspect"] = {"rank": v.rank, "host": v.host, "device": v.device}
+            a = dataclasses.replace(a, message=f"{a.message}; {v.sentence()}", hint=hint, details=details)
+        out.append(a)
+    return out
+
+
+def without_verdict(alerts: list[Alert], why: str) -> list[Alert]:
+    """The step's critical alerts saying why no verdict could be given."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(a, details={**a.details, "verdict_unavailable": why})
+        if a.severity is Severity.CRITICAL and not a.cleared
+        else a
+        for a in alerts
+    ]
+
+
+def judge(monitor: Any, rec: Any, alerts: list[Alert]) -> list[Alert]:
+    """The Monitor's step: when it is due, re-run it, put the verdict into its critical alerts
+    and hand it to recovery. Never raises (a re-run must not break training)."""
+    import logging
+
+    evidence: StepEvidence = monitor._evidence
+    if not due(alerts):
+        return alerts
+    if rec.step != monitor.step - 1:  # lagged mode: the recompute given is the next step's
+        return without_verdict(alerts, "the step was read a step late (lagged mode): its batch is gone")
+    if not evidence.faithful:
+        return without_verdict(
+            alerts,
+            "the update was applied before post_step with finite gradients, so the weights of the step's "
+            "forward are gone (call post_step before optimizer.step, as the callbacks do)",
+        )
+    try:
+        v = rerun_verdict(monitor._recompute, rec, monitor._step_loss, evidence, monitor.rank)
+    except Exception as e:  # forensics must never break training
+        logging.getLogger("nummon").warning(
+            "nummon: could not re-run the step for a verdict (%s: %s)", type(e).__name__, e
+        )
+        return without_verdict(alerts, f"the re-run raised {type(e).__name__}")
+    monitor.verdicts.append(v)
+    if monitor.recovery is not None:
+        monitor.recovery.verdict = v
+    return with_verdict(alerts, v)
