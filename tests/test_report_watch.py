@@ -158,3 +158,33 @@ def test_one_page_per_run_named_by_the_run(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.slow
+def test_the_page_of_a_100000_step_run_stays_under_2_mb(tmp_path):
+    """Size (no timing): 100,000 steps with 8 layers each and an incident at the end draw a page
+    well under 2 MB (far from the incident each stretch keeps its extremes only)."""
+    from nummon._report.load import RunData, _new_record
+    from nummon._types import IncidentEvent, IncidentState
+
+    n, layers = 100_000, [f"block{i}.weight" for i in range(8)]
+    records = [
+        _new_record(
+            {
+                "step": s,
+                "loss": 2.0 + math.sin(0.01 * s),
+                "grad_norm": 1.0 + 0.1 * math.sin(s),
+                "activation_max": 5.0,
+                "headroom": 37.0,
+                "layer_grad_norms": {name: 0.1 * (i + 1) for i, name in enumerate(layers)},
+            }
+        )
+        for s in range(n)
+    ]
+    states = [(n - 20, IncidentState.OPEN, IncidentState.NONE), (n - 10, IncidentState.CRITICAL, IncidentState.OPEN)]
+    states.append((n - 1, IncidentState.NONFINITE, IncidentState.CRITICAL))
+    records[-1].loss = math.nan
+    events = [IncidentEvent(s, st, prev, 1, n - 20).to_dict() for s, st, prev in states]
+    html = render(RunData("generated", records, [], events))
+    assert f"first NaN/Inf</span><b>step {n - 1}</b>" in html
+    assert len(html.encode()) < 2_000_000
