@@ -1,5 +1,6 @@
 """TensorBoard sink: nummon's run-level charts, per-layer groups, log10 companions, histograms
-(linear and log10|x|), a custom-scalars layout, and every alert and incident event as text.
+(linear and log10|x|), a custom-scalars layout, and every alert and incident event as text, and the incident picture (an image, `_incident_picture.py`)
+at each step an incident reaches critical or goes non-finite.
 
 Needs the `tensorboard` package (``pip install 'nummon[tensorboard]'``), imported only when a
 sink is created. The tags and groups are described in `nummon/_layout.py`.
@@ -7,6 +8,7 @@ sink is created. The tags and groups are described in `nummon/_layout.py`.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -29,9 +31,14 @@ from nummon._layout import (
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
 
+from ._incident_picture import IncidentPicture
 from ._lazy import require
 
-__all__ = ["TensorBoardSink"]
+__all__ = ["TensorBoardSink", "PICTURE_TAG"]
+
+log = logging.getLogger("nummon")
+
+PICTURE_TAG = "nummon/incident_picture"  # an image at each step an incident reaches critical / non-finite
 
 
 class TensorBoardSink(BaseSink):
@@ -74,6 +81,7 @@ class TensorBoardSink(BaseSink):
         self._layout_written = False
         self._layers_in_layout = False  # the layout names the layer groups once a step has layers
         self._texts = 0  # sequence number of alert and incident text entries
+        self.picture = IncidentPicture()  # the drawn values of the last steps, for the incident picture
 
     @property
     def default_histogram_every(self) -> int:
@@ -108,6 +116,7 @@ class TensorBoardSink(BaseSink):
             w.add_scalar(tag, value, global_step=step)
         for tag, value in self.top.update(record).items():
             w.add_scalar(tag, value, global_step=step)
+        self._pictures(self.picture.keep, record)
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         if self.histogram_every == 0 or (self.histogram_every and step % self.histogram_every):
@@ -161,11 +170,24 @@ class TensorBoardSink(BaseSink):
         self.incident_state = event.state
         body = f"**{event.title}**  \n{event.summary()}"
         self._text(incident_tag, event.state, body, event.step)
+        self._pictures(self.picture.note, event)
 
-    def flush(self) -> None:
+    def _pictures(self, feed: Any, *args: Any) -> None:
+        """The incident pictures due after `feed(*args)`, as image summaries at their events'
+        steps (critical, non-finite)."""
+        try:
+            for event, image in feed(*args):
+                if image is not None:
+                    self.writer.add_image(PICTURE_TAG, image, global_step=event.step, dataformats="HWC")
+                    self.writer.flush()
+        except Exception as e:  # a picture is never worth a failed training step
+            log.warning("nummon: TensorBoard incident picture failed (%s: %s)", type(e).__name__, e)
+
+    def flush(self) -> None:  # a picture still due waits for its step's record (or close)
         self.writer.flush()
 
     def close(self) -> None:
+        self._pictures(self.picture.flush)
         if self._owns_writer:
             self.writer.close()
         else:  # the framework owns it and closes it

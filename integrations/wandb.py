@@ -9,6 +9,7 @@ CPU step): histograms come from nummon's own pass, at the Monitor's cadence.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from nummon._layout import (
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, Severity, StepRecord
 
+from ._incident_picture import IncidentPicture
 from ._lazy import require
 
 __all__ = ["WandbSink"]
@@ -107,6 +109,7 @@ class WandbSink(BaseSink):
         self.run = run
         self._last_sent: dict[str, tuple[float, int]] = {}
         self.sent_alerts: list[tuple[str, str, str]] = []  # (title, level, text) actually sent
+        self.picture = IncidentPicture()  # the drawn values of the last steps, for the incident picture
 
     def _init_run(self, wandb: Any, project: str, init_kwargs: dict[str, Any]) -> Any:
         """A run of our own: offline (said once) when there are no credentials to go online."""
@@ -169,6 +172,7 @@ class WandbSink(BaseSink):
         data.update(self.top.update(record))
         data[STEP_METRIC] = record.step
         self.run.log(data, step=record.step)
+        self._log_incident_media(self.picture.keep(record))
 
     def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
         if self.histogram_every == 0 or (self.histogram_every and step % self.histogram_every):
@@ -207,6 +211,27 @@ class WandbSink(BaseSink):
         title, text, level = event.title[:63], event.summary(), _INCIDENT_LEVEL.get(code, "WARN")
         self.run.alert(title=title, text=text, level=level, wait_duration=1)
         self.sent_alerts.append((title, level, text))
+        self._log_incident_media(self.picture.note(event))
+
+    def _log_incident_media(self, due: list[tuple[IncidentEvent, Any]]) -> None:
+        """For each incident event that took its incident to critical or non-finite (`due`, from
+        the IncidentPicture): the incident picture (`nummon/incident_picture`, a wandb.Image)
+        and the HTML report the Monitor wrote for it (`nummon/incident_report`, a wandb.Html,
+        passed through unchanged: it is self-contained), at the event's step, or at the last step
+        logged when that is later (W&B drops a step lower than its last)."""
+        try:
+            for event, image in due:
+                media: dict[str, Any] = {}
+                if image is not None:
+                    media["nummon/incident_picture"] = self._wandb.Image(image, caption=event.title)
+                html = _read_report(getattr(event, "report", None))
+                if html is not None:
+                    media["nummon/incident_report"] = self._wandb.Html(io.StringIO(html), inject=False)
+                if media:
+                    step = max(event.step, self.picture.steps[-1][0] if self.picture.steps else event.step)
+                    self.run.log({**media, STEP_METRIC: event.step}, step=step)
+        except Exception as e:  # media are never worth a failed training step
+            log.warning("nummon: W&B incident picture failed (%s: %s)", type(e).__name__, e)
 
     def on_alert(self, alert: Alert) -> None:
         self._alert_count += 1
@@ -227,8 +252,20 @@ class WandbSink(BaseSink):
         self.sent_alerts.append((title, level, text))
 
     def close(self) -> None:
+        self._log_incident_media(self.picture.flush())
         if self._owns_run:
             self.run.finish()
             # finish() can return before an offline run file is complete; teardown waits for it
             if self._wandb.run is None:
                 self._wandb.teardown()
+
+
+def _read_report(path: str | None) -> str | None:
+    """The HTML report at `path` (None when there is none or it cannot be read)."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None

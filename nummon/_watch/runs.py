@@ -32,6 +32,7 @@ class WatchedRun:
         self.last_step: int | None = None
         self.last_activity = time.monotonic()
         self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
+        self.memory: Any = None  # reports.RunMemory when the watcher writes reports: what a page is drawn from
 
     def poll(self, final: bool = False, stop: Any = None, chunks: int | None = None) -> list[RunIncident]:
         """Read what is new and run it through the detectors; the incident events it caused.
@@ -64,9 +65,13 @@ class WatchedRun:
             self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
             _tracker(self.engine).number = number
             self.segments += 1
+            if self.memory is not None:
+                self.memory.clear()
         got = self.engine.step(rec)
         if self.on_record is not None:
             self.on_record(self.id, rec, got)
+        if self.memory is not None:
+            self.memory.keep(rec, got.alerts, got.incidents)
         self.records += 1
         self.last_step = rec.step
         self.last_activity = time.monotonic()

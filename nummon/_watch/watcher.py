@@ -26,6 +26,7 @@ from .incidents import Notice, RunIncident
 from .keymap import KeyMap
 from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
 from .readers import make_follower
+from .reports import REPORTS_DIR, RunMemory, WatchReports
 from .runs import WatchedRun
 from .state import StateFile
 from .text import plural, printable
@@ -124,6 +125,12 @@ class Watcher:
         self.records_read = 0  # step records read in this session, all runs
         self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
         self._seen: set[str] = set()  # runs picked up in this session
+        # incident reports beside the state file (reports.py: on critical, at retire and stop)
+        self.reports = (
+            WatchReports(os.path.join(os.path.dirname(os.path.abspath(state_path)), REPORTS_DIR), say=self.say)
+            if state_path and policy.report.enabled
+            else None
+        )
 
     def say(self, line: str) -> None:
         try:
@@ -248,6 +255,8 @@ class Watcher:
                 run.close()
                 run = WatchedRun(spec.id, self._bounded(follower.__class__(spec.id, self.keymap)), self.policy)
         self.retired_sig.pop(spec.id, None)
+        if self.reports is not None:
+            run.memory = RunMemory()
         self.runs[spec.id] = run
         if self.observer is not None:
             try:
@@ -323,6 +332,8 @@ class Watcher:
                 continue
             self._notes(run)
             self.records_read += max(0, run.records - before)
+            if self.reports is not None and events:
+                events = self.reports.on_events(run, events, _name(run_id, self.roots))
             for ev in events:
                 self._enqueue(ev)
             found += len(events)
@@ -331,6 +342,8 @@ class Watcher:
             elif now - run.last_activity > self.idle_timeout_s:
                 self._retire(run_id)
         self.backlog = backlog
+        if self.reports is not None:
+            self.reports.write_due(self.runs, lambda rid: _name(rid, self.roots))
         if found:
             self.save(force=True)  # write-ahead: a restart knows these were (about to be) sent
         self._deliver()
@@ -429,6 +442,8 @@ class Watcher:
         if keep:
             self.saved_runs[run_id] = run.to_state()
             self.retired_sig[run_id] = _signature(self.specs.get(run_id))
+            if self.reports is not None:
+                self.reports.refresh(run, _name(run_id, self.roots))  # the run ended: its whole page
         run.close()
 
     def save(self, force: bool = False) -> None:
@@ -530,6 +545,7 @@ class Watcher:
                     self.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
+            self._final_reports(time.monotonic() + timeout_s)
             self.say(self._summary(pending if self.state.path else 0))
         finally:
             for run in self.runs.values():
@@ -545,6 +561,25 @@ class Watcher:
                 except Exception as e:
                     self.say(f"notification target {type(t).__name__} did not close: {e}")
             self.state.release()
+
+    def _final_reports(self, deadline: float) -> None:
+        """The pages of the runs that have one, drawn once more at stop (within one more
+        interval: a run left over keeps its last page, and is counted)."""
+        if self.reports is None:
+            return
+        left = 0
+        for rid, run in self.runs.items():
+            if rid not in self.reports.written and rid not in self.reports.due:
+                continue
+            if time.monotonic() >= deadline:
+                left += 1
+                continue
+            self.reports.refresh(run, _name(rid, self.roots))
+        if self.reports.writes:
+            self.say(
+                f"{plural(len(self.reports.written), 'incident report')} under {self.reports.folder}"
+                + (f" ({left} not refreshed at stop: no time left)" if left else "")
+            )
 
 
 def _key(t: Any) -> str:
