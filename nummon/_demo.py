@@ -225,10 +225,12 @@ class _WandbProcess(BaseSink):
             assert self._proc.stdin is not None
             self._proc.stdin.close()
         assert self._proc.stdout is not None
-        out = self._proc.stdout.read()
+        lines = self._proc.stdout.read().decode(errors="replace").strip().splitlines()
         self._proc.wait()
+        if lines[:-1]:  # W&B's own output, when WANDB_SILENT is off: the user's to read
+            print("\n".join(lines[:-1]), flush=True)
         try:
-            self.result = json.loads(out.decode().strip().splitlines()[-1])
+            self.result = json.loads(lines[-1])
         except (ValueError, IndexError):
             self.result = {"error": f"W&B sink skipped: its process ended with exit status {self._proc.returncode}"}
 

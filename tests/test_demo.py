@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,18 @@ def demo_run(tmp_path_factory):
         (root / var.lower()).mkdir()
         env[var] = str(root / var.lower())
     out = root / "run"
-    p = cli("demo", "--out", str(out), env=env)
+    # -X importtime: the imports of the training process (not of its W&B process) on stderr
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nummon", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stderr.splitlines()
+    p.imported = {l.split("|")[-1].strip() for l in lines if l.startswith("import time:")}
+    p.stderr = "\n".join(l for l in lines if not l.startswith("import time:")) + "\n"
     return p, out
 
 
@@ -131,6 +142,8 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     console = [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
     assert console == [a.title for a in sent], console
     assert wandb_steps(records) == list(range(nf + 1))
+    # ... from a process of its own: the W&B client's start (~3 s of Python) never holds the training's
+    assert "torch._dynamo" in p.imported and not {m for m in p.imported if m.split(".")[0] == "wandb"}
     # the progress lines count from 0, like the table and the alerts (one line per 20 steps)
     shown = [int(n) for n in re.findall(r"\] step\s+(\d+)", p.stderr)]
     assert shown[:3] == [0, 20, 40] and all(n <= nf for n in shown)
