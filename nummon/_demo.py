@@ -182,14 +182,14 @@ class _WandbProcess(BaseSink):
     def __init__(self, init_kwargs: dict[str, Any]) -> None:
         import nummon
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(nummon.__file__)))  # the same nummon in the child
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from nummon._cli.demo import wandb_child_main; wandb_child_main()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=path),
+        # the child imports this very nummon: its folder goes first on the child's path unless
+        # it is there already (an installed nummon's site-packages must not shadow the stdlib)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(nummon.__file__)))
+        code = (
+            f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
+            "from nummon._cli.demo import wandb_child_main; wandb_child_main()"
         )
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._gone = False
         self.result: dict[str, Any] = {}
         self._send("init", init_kwargs)
