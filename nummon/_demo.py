@@ -3,7 +3,7 @@
 A small CNN (`_demo_model.DemoCNN`, narrow: `_demo_config`) trained with SGD and momentum 0.9
 on five of ten synthetic classes, then switched to the other five, recorded by a sensor with
 four times the contrast (a domain switch). At the default learning rate the switch starts a
-runaway that ends in a NaN some 12 steps later; nummon warns at the switch. With `healthy` the same model trains at a safe
+runaway that ends in a NaN some 11 steps later; nummon warns at the switch. With `healthy` the same model trains at a safe
 learning rate on all ten classes, with no switch.
 
 `prepare` checks every input and creates nothing; `run` trains and returns a `DemoResult`.
@@ -12,8 +12,13 @@ Printing is the CLI's job (`nummon._cli.demo`).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +33,8 @@ from ._demo_config import DEMO_BATCH, HEALTHY_LR, HIDDEN, IMAGE_SIDE, RUNAWAY_LR
 from ._demo_model import DemoCNN, SyntheticDigits
 from ._errors import NummonError
 from ._policy import Policy, load_policy
-from ._types import Alert, Health, Severity
+from ._sinks import BaseSink, RunContext
+from ._types import Alert, Health, IncidentEvent, Severity, StepRecord
 
 __all__ = ["DemoConfig", "DemoPlan", "DemoResult", "StepCallback", "prepare", "run"]
 
@@ -158,12 +164,94 @@ def prepare(config: DemoConfig) -> DemoPlan:
     return DemoPlan(config, out, lr, device, policy, wandb_mode, notes)
 
 
-def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | None, Any]:
-    """Console, JSONL, and TensorBoard / W&B when asked for and installed (else a note)."""
+class _WandbProcess(BaseSink):
+    """The demo's `WandbSink`, run in a child process (`nummon._cli.demo.wandb_child`).
+
+    The W&B client's start is some 3 s of Python, not of waiting: importing wandb, and
+    `wandb.init` (which imports W&B's launch and artifact models and lists the installed
+    packages; slower with torch loaded). In this process it would hold the interpreter lock the
+    training needs; in the child it runs on the second core while this process imports torch and
+    trains. Each sink call is pickled to the child, which hands it to a real `WandbSink` in the
+    order the Monitor sent it; `close` waits for the child's run to finish. In your own script,
+    pass `WandbSink(...)` to the Monitor: its start then precedes training by those seconds.
+    `result` holds the child's outcome: the run folder, whether offline, the URL, or `error`."""
+
+    wants_histograms = True
+    histogram_every = None  # WandbSink's own default: every histogram the Monitor takes
+
+    def __init__(self, init_kwargs: dict[str, Any]) -> None:
+        import nummon
+
+        # the child imports this very nummon: its folder goes first on the child's path unless
+        # it is there already (an installed nummon's site-packages must not shadow the stdlib)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(nummon.__file__)))
+        code = (
+            f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
+            "from nummon._cli.demo import wandb_child_main; wandb_child_main()"
+        )
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._gone = False
+        self.result: dict[str, Any] = {}
+        self._send("init", init_kwargs)
+
+    def _send(self, method: str, *args: Any) -> None:
+        if self._gone:
+            return
+        try:
+            assert self._proc.stdin is not None
+            pickle.dump((method, args), self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._proc.stdin.flush()
+        except OSError:  # the child has ended (W&B did not start): its result says why
+            self._gone = True
+
+    def bind(self, context: RunContext) -> None:
+        self._send("bind", context)
+
+    def on_step(self, record: StepRecord, health: Health) -> None:
+        self._send("on_step", record, health)
+
+    def on_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
+        self._send("on_histograms", step, histograms)
+
+    def on_alert(self, alert: Alert) -> None:
+        self._send("on_alert", alert)
+
+    def on_incident(self, event: IncidentEvent) -> None:
+        self._send("on_incident", event)
+
+    def close(self) -> None:
+        """Let the child log what it was sent and finish its run; read its outcome."""
+        with contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        assert self._proc.stdout is not None
+        lines = self._proc.stdout.read().decode(errors="replace").strip().splitlines()
+        self._proc.wait()
+        if lines[:-1]:  # W&B's own output, when WANDB_SILENT is off: the user's to read
+            print("\n".join(lines[:-1]), flush=True)
+        try:
+            self.result = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            self.result = {"error": f"W&B sink skipped: its process ended with exit status {self._proc.returncode}"}
+
+
+def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | None, _WandbProcess | None]:
+    """Console, JSONL, and TensorBoard / W&B when asked for and installed (else a note). W&B
+    runs in a child process (`_WandbProcess`): a failure to start is a note after the run."""
     from ._sinks import ConsoleSink, JsonlSink
 
     out, cfg = plan.out, plan.config
     sinks: list[Any] = [ConsoleSink(min_severity=Severity.WARNING), JsonlSink(out / "events.jsonl")]
+    wandb_sink = None
+    if cfg.wandb and plan.wandb_mode != "disabled":
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_CONSOLE", "off")
+        if plan.wandb_mode is not None:
+            os.environ["WANDB_MODE"] = plan.wandb_mode  # the sink reads the mode from the environment
+        wandb_sink = _WandbProcess(  # first: its start overlaps everything that follows
+            {"project": "nummon-demo", "dir": str(out), "config": {"lr": plan.lr, "seed": cfg.seed, "steps": cfg.steps}}
+        )
+        sinks.append(wandb_sink)
     tb_dir = None
     if cfg.tensorboard:
         try:
@@ -175,24 +263,6 @@ def _make_sinks(plan: DemoPlan, notes: list[str]) -> tuple[list[Any], Path | Non
             sinks.append(TensorBoardSink(tb_dir / run_name))
         except ImportError as e:
             notes.append(f"TensorBoard sink skipped: {e}")
-    wandb_sink = None
-    if cfg.wandb and plan.wandb_mode != "disabled":
-        try:
-            from .integrations.wandb import WandbSink
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            os.environ.setdefault("WANDB_CONSOLE", "off")
-            if plan.wandb_mode is not None:
-                os.environ["WANDB_MODE"] = plan.wandb_mode  # the sink reads the mode from the environment
-            wandb_sink = WandbSink(
-                project="nummon-demo", dir=str(out), config={"lr": plan.lr, "seed": cfg.seed, "steps": cfg.steps}
-            )
-            sinks.append(wandb_sink)
-        except ImportError as e:
-            notes.append(f"W&B sink skipped: {e}")
-        except Exception as e:  # a W&B service that fails to start must not stop the demo
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            notes.append(f"W&B sink skipped: {type(e).__name__}: {first[:200]}")
     return sinks, tb_dir, wandb_sink
 
 
@@ -218,11 +288,11 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
     from ._monitor import Monitor
 
     cfg = plan.config
+    sinks, tb_dir, wandb = _make_sinks(plan, notes)  # first: W&B starts while the rest sets up
     torch.manual_seed(cfg.seed)
     model = DemoCNN(width=WIDTH, hidden=HIDDEN, side=IMAGE_SIDE).to(plan.device)
     opt = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=0.9)
     data = SyntheticDigits(cfg.seed, side=IMAGE_SIDE)
-    sinks, tb_dir, wandb_sink = _make_sinks(plan, notes)
     mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
     first_nonfinite = None
     steps_run = 0
@@ -260,6 +330,9 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
     finally:
         mon.close()
     elapsed = time.perf_counter() - t0
+    wandb_result = wandb.result if wandb is not None else {}
+    if wandb_result.get("error"):
+        notes.append(wandb_result["error"])
     alerts = [a for a in mon.alerts if not a.cleared]
     warned = [a.step for a in alerts if a.severity.rank >= Severity.WARNING.rank]
     crit = [a.step for a in alerts if a.severity is Severity.CRITICAL]
@@ -276,8 +349,8 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
         cause=mon.cause,
         recoveries=mon.recoveries,
         tensorboard_dir=tb_dir,
-        wandb_run_dir=wandb_sink.run_dir if wandb_sink is not None else None,
-        wandb_offline=bool(wandb_sink is not None and wandb_sink.offline),
-        wandb_url=getattr(wandb_sink.run, "url", None) if wandb_sink is not None else None,
+        wandb_run_dir=wandb_result.get("run_dir"),
+        wandb_offline=bool(wandb_result.get("offline")),
+        wandb_url=wandb_result.get("url"),
         notes=notes,
     )

@@ -5,8 +5,10 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +16,12 @@ from conftest import nummon_cmd
 
 from nummon import _demo
 from nummon._cli import main
-from nummon._demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, DemoConfig
+from nummon._cli.demo import skipped, wandb_child
+from nummon._demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP, DemoConfig
 
 
 def cli(*args, env=None, timeout=300):
     return subprocess.run(nummon_cmd() + list(args), capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.fixture
-def demo_env(wandb_env):
-    return dict(os.environ)
 
 
 WANDB_ENV = {
@@ -38,8 +36,8 @@ WANDB_ENV = {
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """One `nummon demo` with every sink (hermetic offline W&B), shared by the tests that read
-    what it printed: (process, output folder)."""
+    """One `nummon demo` as a user runs it (a real process, every sink, hermetic offline W&B),
+    shared by the tests that read what it printed and wrote: (process, output folder)."""
     root = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update(WANDB_ENV)
@@ -47,11 +45,52 @@ def demo_run(tmp_path_factory):
         (root / var.lower()).mkdir()
         env[var] = str(root / var.lower())
     out = root / "run"
-    p = cli("demo", "--out", str(out), env=env)
+    # -X importtime: the imports of the training process (not of its W&B process) on stderr
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nummon", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stderr.splitlines()
+    p.imported = {l.split("|")[-1].strip() for l in lines if l.startswith("import time:")}
+    p.stderr = "\n".join(l for l in lines if not l.startswith("import time:")) + "\n"
     return p, out
 
 
+@pytest.fixture(scope="module")
+def runaway(tmp_path_factory):
+    """The demo's runaway in this process, without TensorBoard and W&B: its `DemoResult`."""
+    plan = _demo.prepare(DemoConfig(out=tmp_path_factory.mktemp("runaway"), wandb=False, tensorboard=False))
+    return _demo.run(plan)
+
+
+def events_of(path):
+    return [json.loads(l) for l in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.slow  # 52 steps of training
+def test_demo_story_a_runaway_a_warning_lead_and_the_first_nan_named(runaway):
+    """The story the demo tells, at its default settings: trained on domain A, it warns at the
+    switch, goes critical, and its first non-finite step comes several steps after the first
+    warning, named by module and operator."""
+    r = runaway
+    assert r.first_warning == SWITCH_STEP  # the switch, not before
+    assert r.first_warning < r.first_critical < r.first_nonfinite == r.steps_run - 1  # it stops at the NaN
+    assert r.first_nonfinite - r.first_warning >= 6  # a real lead
+    assert max(rec["loss"] for rec in r.records if rec["step"] in range(SWITCH_STEP - 5, SWITCH_STEP)) < 1.6  # < ln 5
+    assert re.fullmatch(r"output of `\w+` \(forward\)", r.nonfinite_location or ""), r.nonfinite_location
+    module = r.nonfinite_location.split("`")[1]
+    assert re.match(
+        rf"overflow in `aten::\w+` \(forward\) inside `{module}` at \S*_demo_model\.py:\d+", r.cause.headline()
+    )
+    events = events_of(r.events_path)
+    assert [e["state"] for e in events if e["type"] == "incident"] == ["open", "critical", "nonfinite"]
+
+
+@pytest.mark.slow
 def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     p, out = demo_run
     m = re.search(
@@ -67,9 +106,11 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     assert re.search(rf"^\s*{nf}\s+nan\s+.*nonfinite$", p.stdout, re.M)
     assert f"tensorboard --logdir {out / 'tensorboard'}" in p.stdout
     assert "wandb sync " in p.stdout
-    events = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
+    events = events_of(out / "events.jsonl")
     assert any(e["type"] == "alert" and e["severity"] == "critical" for e in events)
-    assert [p.parent.name for p in (out / "tensorboard").glob("*/events.out.tfevents.*")] == ["runaway-lr0.03-seed0"]
+    assert [p.parent.name for p in (out / "tensorboard").glob("*/events.out.tfevents.*")] == [
+        f"runaway-lr{RUNAWAY_LR:g}-seed0"
+    ]
     # why the NaN happened: the operator, the module, the demo's own line, the cause
     assert re.search(
         r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M
@@ -89,30 +130,40 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     )
     left = nf - crit_alert["step"]
     assert 1 <= crit_alert["details"]["steps_to_overflow"] <= 1.5 * left + 2, (crit_alert["message"], left)
-    # one notification per incident event, at most 4: opened, escalated (critical), non-finite
+    # W&B, started on a thread of its own while the model trained, got every step from 0 and one
+    # notification per incident event: opened, escalated (critical), non-finite
     from wandb_reader import alerts as wandb_alerts
     from wandb_reader import find_run_file, read_records
 
-    sent = wandb_alerts(read_records(find_run_file(out)))
+    records = read_records(find_run_file(out))
+    sent = wandb_alerts(records)
     assert [a.level for a in sent] == ["WARN", "ERROR", "ERROR"], [(a.title, a.level) for a in sent]
     assert "why: overflow in `aten::" in sent[-1].text, sent[-1].text
     console = [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
     assert console == [a.title for a in sent], console
+    assert wandb_steps(records) == list(range(nf + 1))
+    # ... from a process of its own: the W&B client's start (~3 s of Python) never holds the training's
+    assert "torch._dynamo" in p.imported and not {m for m in p.imported if m.split(".")[0] == "wandb"}
     # the progress lines count from 0, like the table and the alerts (one line per 20 steps)
     shown = [int(n) for n in re.findall(r"\] step\s+(\d+)", p.stderr)]
     assert shown[:3] == [0, 20, 40] and all(n <= nf for n in shown)
 
 
-def test_demo_healthy_ends_with_no_warning(tmp_path, demo_env):
-    p = cli("demo", "--healthy", "--out", str(tmp_path / "h"), env=demo_env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert f"no warning in {DEFAULT_STEPS} steps: the run stayed healthy." in p.stdout
-    from wandb_reader import alerts as wandb_alerts
-    from wandb_reader import find_run_file, read_records
+def wandb_steps(records):
+    """The training steps of a W&B run file's history rows, in the order they were logged."""
+    from wandb_reader import history_rows
 
-    assert wandb_alerts(read_records(find_run_file(tmp_path / "h"))) == []  # no notification at all
-    assert not [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
-    events = [json.loads(l) for l in (tmp_path / "h" / "events.jsonl").read_text().splitlines()]
+    return [row.get("nummon_step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
+
+
+@pytest.mark.slow  # 80 steps
+def test_demo_healthy_ends_with_no_warning(tmp_path):
+    rc, stdout, err = run_main("demo", "--healthy", "--no-wandb", "--no-tensorboard", "--out", tmp_path / "h")
+    assert rc == 0, err[-2000:]
+    assert f"no warning in {DEFAULT_STEPS} steps: the run stayed healthy." in stdout
+    events = events_of(tmp_path / "h" / "events.jsonl")
+    # the console and W&B notify once per incident event: none at all
+    assert not [e for e in events if e["type"] == "incident"]
     assert not [e for e in events if e["type"] == "alert" and e["severity"] != "info"]
     assert len([e for e in events if e["type"] == "step"]) == DEFAULT_STEPS
 
@@ -128,21 +179,17 @@ def run_main(*args):
 
 
 @pytest.mark.parametrize(
-    "args,needle,in_subprocess",
+    "args,needle",
     [
-        (["demo", "--steps", "0"], "--steps must be >= 1", False),
-        (["demo", "--lr", "-1"], "--lr must be a positive number", False),
-        (["demo", "--device", "tpu:9"], "--device 'tpu:9' is not usable", True),  # torch's own error, in a real process
-        (["demo", "--steps", "abc"], "invalid int value", False),
+        (["demo", "--steps", "0"], "--steps must be >= 1"),
+        (["demo", "--lr", "-1"], "--lr must be a positive number"),
+        (["demo", "--device", "tpu:9"], "--device 'tpu:9' is not usable"),  # torch's own error, in one line
+        (["demo", "--steps", "abc"], "invalid int value"),
     ],
 )
-def test_demo_bad_options(args, needle, in_subprocess, tmp_path):
-    if in_subprocess:
-        p = cli(*args, "--out", str(tmp_path / "x"))
-        rc, err = p.returncode, p.stderr
-    else:
-        rc, _, err = run_main(*args, "--out", tmp_path / "x")
-    assert rc == 2 and needle in err and "Traceback" not in err
+def test_demo_bad_options(args, needle, tmp_path):
+    rc, _, err = run_main(*args, "--out", tmp_path / "x")
+    assert rc == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
 
@@ -186,28 +233,63 @@ def test_demo_run_returns_its_result(tmp_path):
     assert result.first_warning is None and result.events_path.exists() and result.closing_rows() == result.records
 
 
-def test_demo_stop_at_critical_and_wandb_online_without_a_key_falls_back_to_offline(tmp_path, demo_env):
-    """--stop-at-critical stops on the first critical step, before any non-finite value; and
-    WANDB_MODE=online without a key logs offline. At --lr 1 the demo warns at step 4 and goes
-    critical at step 5 (at the default lr the critical step comes after some 48 steps of
-    training, which this flag's test does not need)."""
-    env = dict(demo_env, WANDB_MODE="online")
-    env.pop("WANDB_API_KEY", None)
-    env["NETRC"] = str(tmp_path / "no-netrc")
+def test_demo_stop_at_critical_stops_on_the_first_critical_step(tmp_path):
+    """--stop-at-critical stops on the first critical step, before any non-finite value. At --lr 1
+    the demo warns at step 3 and goes critical at step 5 (at the default lr the critical step comes
+    after some 45 steps of training, which this flag's test does not need)."""
     out = tmp_path / "s"
-    p = cli("demo", "--stop-at-critical", "--lr", "1", "--no-tensorboard", "--out", str(out), env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    m = re.search(r"warned at step (\d+), critical at step (\d+) — no non-finite value\.", p.stdout)
-    assert m, p.stdout[-3000:]
+    rc, stdout, err = run_main(
+        "demo", "--stop-at-critical", "--lr", "1", "--no-wandb", "--no-tensorboard", "--out", out
+    )
+    assert rc == 0, err[-2000:]
+    m = re.search(r"warned at step (\d+), critical at step (\d+) — no non-finite value\.", stdout)
+    assert m, stdout[-3000:]
     warn, crit = map(int, m.groups())
     assert warn < crit  # it did not stop at the warning
-    events = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
+    events = events_of(out / "events.jsonl")
     assert [e["step"] for e in events if e["type"] == "step"] == list(range(crit + 1))  # stopped on it
     assert not any(e["type"] == "step" and e["health"] == "nonfinite" for e in events)
-    assert "WANDB_MODE=online but no API key is set: logging offline instead" in p.stderr
-    assert "wandb sync " in p.stdout and "Traceback" not in p.stderr
 
 
+def test_wandb_online_without_a_key_falls_back_to_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    plan = _demo.prepare(DemoConfig(out=tmp_path / "w"))
+    assert plan.wandb_mode == "offline" and not plan.out.exists()
+    assert plan.notes == [
+        "W&B: WANDB_MODE=online but no API key is set: logging offline instead (sync later with `wandb sync`)"
+    ]
+
+
+def test_the_wandb_process_says_why_wandb_did_not_start():
+    """The demo's W&B process, fed what the demo sends it: a W&B that cannot start is one line."""
+    calls = io.BytesIO(pickle.dumps(("init", ({"project": "nummon-demo", "mode": "bogus"},))))
+    out = io.StringIO()
+    result = wandb_child(calls, out)
+    assert result == {
+        "error": "W&B sink skipped: NummonError: W&B mode 'bogus' is not one of "
+        + ", ".join(("online", "offline", "disabled", "shared", "dryrun", "run"))
+        + " (from WANDB_MODE or mode=)"
+    }
+    assert json.loads(out.getvalue()) == result and out.getvalue().count("\n") == 1
+    assert skipped(ImportError("nummon needs wandb")) == "W&B sink skipped: nummon needs wandb"
+
+
+@pytest.mark.slow  # a W&B process
+def test_a_wandb_start_that_fails_is_a_note_and_the_demo_goes_on(tmp_path, wandb_env):
+    """W&B's run folder cannot be made (a file is in the way): the child process ends, the
+    Monitor's calls after that go nowhere, the run finishes and the note says why."""
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "wandb").write_text("in the way")
+    result = _demo.run(_demo.prepare(DemoConfig(out=out, steps=3, tensorboard=False)))
+    assert result.steps_run == 3 and result.wandb_run_dir is None
+    (note,) = [n for n in result.notes if n.startswith("W&B sink skipped: ")]
+    assert "\n" not in note and len(note) < 300
+
+
+@pytest.mark.slow  # 80 steps
 def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
     """Issue 17: every step finite, the new classes learned (median loss of the last 10 <= 1.0,
     chance is 2.3), one or two rollbacks, each in the event log."""
@@ -220,7 +302,7 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
     assert statistics.median(losses[-10:]) <= 1.0
     rollbacks = [r for r in result.recoveries if r["action"] == "rollback"]
     assert 1 <= len(rollbacks) <= 2
-    events = [json.loads(l) for l in result.events_path.read_text().splitlines()]
+    events = events_of(result.events_path)
     logged = [e for e in events if e["type"] == "alert" and (e.get("details") or {}).get("recovery") == "rollback"]
     assert [e["step"] for e in logged] == [r["step"] for r in rollbacks]
     assert any(e["type"] == "incident" and e.get("action", "").startswith("recovered: rolled back") for e in events)
@@ -271,6 +353,7 @@ def demo_excerpt(stdout, stderr, out):
     return [normalised(l, out) for l in lines + [""] + [l for l in tail if not l.startswith("(")]]
 
 
+@pytest.mark.slow
 def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     """The quickstart's demo section (the excerpt, the step numbers, the lead, the
     layer and operator, the optimizer-state column, the model and the claimed time) against one
@@ -321,6 +404,7 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     assert re.findall(r"about (\d+) s on 2 CPU cores", readme) == [str(DEMO_SECONDS)]  # the README's main job
 
 
+@pytest.mark.slow
 def test_readme_names_the_layer_and_operator_the_demo_names(demo_run):
     """The forensics guide quotes the demo's "Why:" line: the same operator, layer and line."""
     p, _ = demo_run

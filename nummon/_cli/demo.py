@@ -4,9 +4,11 @@ table and the commands to look further. Every option is checked before anything 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import pickle
 import sys
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from .._demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
 from .._format import clean_text, records_table
@@ -185,3 +187,53 @@ def _print_summary(result: Any) -> None:
             print(f"Upload to W&B:        wandb sync {result.wandb_run_dir}")
         else:
             print(f"W&B run:              {result.wandb_url or ''}")
+
+
+def skipped(e: BaseException) -> str:
+    """The one-line note for a W&B sink that could not start."""
+    if isinstance(e, ImportError):
+        return f"W&B sink skipped: {e}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"W&B sink skipped: {type(e).__name__}: {first[:200]}"
+
+
+def wandb_child(calls: IO[bytes], out: TextIO) -> dict[str, Any]:
+    """The demo's W&B process (`nummon._demo._WandbProcess`): read pickled sink calls from
+    `calls` (the first: the `WandbSink` arguments) and hand them to a real `WandbSink` in order
+    until the parent closes the pipe; finish the run; write the outcome to `out` as one JSON line
+    (run_dir, offline, url; or error). A failing call is logged once, like the Monitor's
+    dispatcher does, and the others go on."""
+    result: dict[str, Any]
+    try:
+        _, (init_kwargs,) = pickle.load(calls)
+        from ..integrations.wandb import WandbSink
+
+        sink = WandbSink(**init_kwargs)
+        failed = False
+        while True:
+            try:
+                method, args = pickle.load(calls)
+            except EOFError:
+                break
+            try:
+                getattr(sink, method)(*args)
+            except Exception as e:
+                if not failed:
+                    logging.getLogger("nummon").warning(
+                        "nummon: sink WandbSink failed in %s (%s: %s)", method, type(e).__name__, e
+                    )
+                failed = True
+        sink.close()
+        result = {"run_dir": sink.run_dir, "offline": sink.offline, "url": getattr(sink.run, "url", None)}
+    except Exception as e:  # W&B did not start: the demo goes on without it and says why
+        result = {"error": skipped(e)}
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+    return result
+
+
+def wandb_child_main() -> None:
+    """The W&B process's entry point: sink calls on stdin, the outcome on stdout, W&B's and
+    nummon's messages on stderr (the demo's own)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    wandb_child(sys.stdin.buffer, sys.stdout)
