@@ -21,6 +21,7 @@ from typing import IO, Any
 from .._errors import NummonError
 from .._policy import Policy
 from . import fs
+from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
@@ -28,11 +29,11 @@ from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_sou
 from .readers import make_follower
 from .runs import WatchedRun
 from .state import StateFile
+from .targets import Target
 from .text import plural, printable
 
 __all__ = ["Watcher"]
 
-_SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
 _LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
@@ -43,7 +44,7 @@ class Watcher:
         self,
         roots: list[str],
         policy: Policy,
-        targets: list[Any],
+        targets: list[Target],
         format: str | None = None,
         keymap: KeyMap | None = None,
         state_path: str | None = None,
@@ -65,9 +66,8 @@ class Watcher:
         self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
         self.passes = 0
         self.policy = policy
-        # the JSONL record of events is written before any other target is tried
-        self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
-        self.by_key = {_key(t): t for t in self.targets}
+        self.delivery = Delivery(targets, self.say, self._target_failed)
+        self.targets = self.delivery.targets  # the JSONL record of events first
         self.format = format
         self.keymap = keymap or KeyMap()
         self.state = StateFile(state_path)
@@ -97,19 +97,7 @@ class Watcher:
         }
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
-        self._lock = threading.Lock()
-        self.outbox: dict[str, dict[str, Any]] = {}  # event_id -> {"event": dict, "pending": [keys]}
-        for item in saved.get("outbox", []):
-            event = item.get("event", item)  # version-1 outboxes hold bare events
-            pending = [k for k in item.get("pending", list(self.by_key)) if k in self.by_key]
-            if pending:
-                n = Notice(dict(event))
-                self.outbox[n.event_id] = {"event": n.d, "pending": pending, "tries": {}}
-        self._in_flight: set[tuple[str, str]] = set()
-        self._outcomes: list[Any] = []
-        for t in self.targets:
-            if getattr(t, "asynchronous", False):
-                t.on_outcome = self._outcome
+        self.delivery.load(saved.get("outbox", []))
         self._last_save = 0.0
         self._dirty = self._outbox_changed = False
         self._state_failed: str | None = None
@@ -117,13 +105,24 @@ class Watcher:
         self._once = False
         self._said: dict[str, str] = {}
         self._empty_roots: set[str] = set()
-        self.notified = 0  # events handed to the targets
-        self.delivered = 0  # events every target has taken
-        self._lost_ids: set[str] = set()  # events some target never got, until they leave the outbox
-        self.lost = 0  # events some target never got (each named on stderr)
         self.records_read = 0  # step records read in this session, all runs
         self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
         self._seen: set[str] = set()  # runs picked up in this session
+
+    @property
+    def notified(self) -> int:
+        """Events handed to the targets in this session."""
+        return self.delivery.notified
+
+    @property
+    def delivered(self) -> int:
+        """Events every target has taken."""
+        return self.delivery.delivered
+
+    @property
+    def lost(self) -> int:
+        """Events some target never got (each named on stderr)."""
+        return self.delivery.lost
 
     def say(self, line: str) -> None:
         try:
@@ -215,7 +214,7 @@ class Watcher:
     def _announce(self) -> None:
         self._announced = True
         formats = sorted({s.format for s in self.specs.values()})
-        targets = ", ".join(getattr(t, "shown", type(t).__name__) for t in self.targets)
+        targets = ", ".join(t.shown for t in self.targets)
         n = len(self.specs)
         self.say(
             f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
@@ -249,9 +248,9 @@ class Watcher:
                 run = WatchedRun(spec.id, self._bounded(follower.__class__(spec.id, self.keymap)), self.policy)
         self.retired_sig.pop(spec.id, None)
         self.runs[spec.id] = run
-        if self.observer is not None:
+        for hook in ([self.observer] if self.observer is not None else []) + list(self.targets):
             try:
-                self.observer.run_started(run, spec)
+                hook.run_started(run, spec)  # the metrics first, then targets that follow runs
             except Exception as e:  # an observer's bug must not stop the watching
                 self._say_once(
                     f"observer:{type(e).__name__}",
@@ -346,86 +345,30 @@ class Watcher:
 
     def _enqueue(self, ev: RunIncident) -> None:
         ev.name = _name(ev.run, self.roots)
-        n = Notice(ev.to_dict())
-        self.outbox[n.event_id] = {"event": n.d, "pending": list(self.by_key), "tries": {}}
+        self.delivery.add(Notice.from_incident(ev))
 
     def _deliver(self) -> None:
         """Hand every pending event to every target it is pending for (in event order)."""
-        for eid, item in list(self.outbox.items()):
-            notice = Notice(item["event"])
-            for key in list(item["pending"]):
-                t = self.by_key.get(key)
-                if t is None or (eid, key) in self._in_flight:
-                    continue
-                if getattr(t, "asynchronous", False):
-                    self._in_flight.add((eid, key))
-                    t.notify(notice)
-                    continue
-                try:
-                    t.notify(notice)
-                except Exception as e:  # one broken target must not stop the others or the loop
-                    if self.observer is not None:
-                        self.observer.target_failed(t)
-                    tries = item["tries"][key] = item["tries"].get(key, 0) + 1
-                    if tries >= _SYNC_TRIES:
-                        item["pending"].remove(key)
-                        self.lost += 1
-                        self._lost_ids.add(eid)
-                        self.say(
-                            f'{getattr(t, "shown", key)}: could not deliver "{notice.title}" of run {notice.run} '
-                            f"({type(e).__name__}: {e}; {plural(tries, 'try')})"
-                        )
-                    else:
-                        self.say(
-                            f'{getattr(t, "shown", key)}: failed on "{notice.title}" ({e}); tried again at the next poll'
-                        )
-                    continue
-                item["pending"].remove(key)
-            if not item.get("counted"):
-                item["counted"] = True
-                self.notified += 1
-        self._settle()
-
-    def _outcome(self, outcome: Any) -> None:  # from a webhook's thread
-        with self._lock:
-            self._outcomes.append(outcome)
+        self._outbox_touched(self.delivery.deliver())
 
     def _settle(self) -> None:
         """Apply the outcomes the asynchronous targets reported; drop events every target has."""
-        with self._lock:
-            got, self._outcomes = self._outcomes, []
-        changed = False
-        for o in got:
-            for key, t in self.by_key.items():
-                if (o.event_id, key) not in self._in_flight or not getattr(t, "asynchronous", False):
-                    continue
-                self._in_flight.discard((o.event_id, key))
-                item = self.outbox.get(o.event_id)
-                if item is not None and key in item["pending"]:
-                    item["pending"].remove(key)
-                    changed = True
-                if not o.ok:
-                    self.lost += 1
-                    self._lost_ids.add(o.event_id)
-                    if self.observer is not None:
-                        self.observer.target_failed(t)
-                    self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
-                break
-        for eid, item in list(self.outbox.items()):
-            if not item["pending"]:
-                del self.outbox[eid]
-                if eid in self._lost_ids:
-                    self._lost_ids.discard(eid)
-                else:
-                    self.delivered += 1
-                changed = True
+        self._outbox_touched(self.delivery.settle())
+
+    def _outbox_touched(self, changed: bool) -> None:
         if changed:
             self._dirty = self._outbox_changed = True
+
+    def _target_failed(self, target: Target) -> None:
+        if self.observer is not None:
+            self.observer.target_failed(target)
 
     def _retire(self, run_id: str, keep: bool = True) -> None:
         run = self.runs.pop(run_id)
         if self.observer is not None:
             self.observer.run_retired(run_id)
+        for t in self.targets:
+            t.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
             self.retired_sig[run_id] = _signature(self.specs.get(run_id))
@@ -441,9 +384,8 @@ class Watcher:
         for rid, since in self.gone_since.items():
             if rid in runs:
                 runs[rid] = {**runs[rid], "gone_since": since}
-        outbox = [{"event": i["event"], "pending": list(i["pending"])} for i in self.outbox.values()]
         try:
-            self.state.save({"runs": runs, "outbox": outbox})
+            self.state.save({"runs": runs, "outbox": self.delivery.to_state()})
         except OSError as e:
             why = e.strerror or str(e)
             if self._state_failed is None:
@@ -486,11 +428,7 @@ class Watcher:
 
     def _drain(self, stop: threading.Event, timeout_s: float | None) -> None:
         """--once: wait for the asynchronous targets' outcomes (bounded by their own retries)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._in_flight and not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            stop.wait(0.05)
-            self._settle()
-            self._deliver()
+        self._outbox_touched(self.delivery.drain(stop, timeout_s))
 
     def _summary(self, kept: int) -> str:
         """The last line: why the watcher stops and what it did in this session."""
@@ -509,17 +447,8 @@ class Watcher:
     def close(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            for t in self.targets:
-                if getattr(t, "asynchronous", False):
-                    try:
-                        left = t.close(timeout_s=max(0.0, deadline - time.monotonic()))
-                    except Exception as e:
-                        left = []
-                        self.say(f"notification target {getattr(t, 'shown', type(t).__name__)} did not close: {e}")
-                    self._settle()
-                    for eid in left:
-                        self._in_flight.discard((eid, _key(t)))
-            pending = sum(1 for i in self.outbox.values() if i["pending"])
+            self._outbox_touched(self.delivery.close_asynchronous(deadline))
+            pending = self.delivery.pending()
             if pending:
                 if self.state.path:
                     self.say(
@@ -527,28 +456,15 @@ class Watcher:
                         "sent at the next start"
                     )
                 else:
-                    self.lost += pending
+                    self.delivery.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
             self.say(self._summary(pending if self.state.path else 0))
         finally:
             for run in self.runs.values():
                 run.close()
-            for t in self.targets:
-                if getattr(t, "asynchronous", False):
-                    continue
-                try:
-                    try:  # targets with threads of their own (Alertmanager) get what is left of the interval
-                        t.close(timeout_s=max(0.0, deadline - time.monotonic()))
-                    except TypeError:
-                        t.close()
-                except Exception as e:
-                    self.say(f"notification target {type(t).__name__} did not close: {e}")
+            self.delivery.close_synchronous(deadline)
             self.state.release()
-
-
-def _key(t: Any) -> str:
-    return getattr(t, "key", None) or type(t).__name__
 
 
 def _under(run_id: str, root: str) -> bool:
