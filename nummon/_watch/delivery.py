@@ -79,6 +79,15 @@ class Delivery:
     def in_flight(self) -> bool:
         return bool(self._in_flight)
 
+    def fates(self, kept: int) -> str:
+        """What became of this session's events, `kept` of them for the next start."""
+        fates = (
+            [f"{self.delivered} delivered"]
+            + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else [])
+            + ([f"{kept} kept for the next start"] if kept else [])
+        )
+        return f"{plural(self.notified, 'incident event')} notified ({', '.join(fates)})"
+
     def pending(self) -> int:
         """Events some target has not taken yet."""
         return sum(1 for e in self.outbox.values() if e.pending)

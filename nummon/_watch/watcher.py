@@ -20,13 +20,13 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
-from . import fs
 from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
-from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
+from .read_mlflow import MlflowError
 from .readers import make_follower
+from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
 from .state import StateFile
 from .targets import Target
@@ -58,7 +58,7 @@ class Watcher:
         forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
         self.roots = roots
-        self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
+        self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
         # the most one run's log is read in one pass (base.POLL_BYTES, 4 MiB, by default): a run
         # with a long backlog gets one chunk per pass, and every other run its turn in between
@@ -80,21 +80,12 @@ class Watcher:
         self.runs: dict[str, WatchedRun] = {}
         self.bad: dict[str, Any] = {}  # unhealthy runs (and problem lines) -> their files' signature then
         self.stop = threading.Event()
-        self.state.acquire()
-        try:
-            saved = self.state.load()
-        except BaseException:
-            self.state.release()
-            raise
+        saved = self._load_state()
         self.saved_runs: dict[str, dict[str, Any]] = saved["runs"]  # retired or not yet seen again
         # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
         self.forget_after_s = forget_after_s
         self.wall_clock = time.time
-        self.gone_since: dict[str, float] = {
-            rid: float(d["gone_since"])
-            for rid, d in self.saved_runs.items()
-            if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)
-        }
+        self.gone_since = gone_since(self.saved_runs)
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
         self.delivery.load(saved.get("outbox", []))
@@ -108,6 +99,15 @@ class Watcher:
         self.records_read = 0  # step records read in this session, all runs
         self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
         self._seen: set[str] = set()  # runs picked up in this session
+
+    def _load_state(self) -> dict[str, Any]:
+        """Lock the state file and read it (the lock is let go again when it cannot be read)."""
+        self.state.acquire()
+        try:
+            return self.state.load()
+        except BaseException:
+            self.state.release()
+            raise
 
     @property
     def notified(self) -> int:
@@ -146,10 +146,10 @@ class Watcher:
             if run_id in self.runs:
                 continue
             if run_id in self.bad:
-                if self.bad[run_id] == _signature(spec):
+                if self.bad[run_id] == signature(spec):
                     continue  # unhealthy and untouched since: not tried again
                 del self.bad[run_id]
-            if run_id in self.retired_sig and self.retired_sig[run_id] == _signature(spec):
+            if run_id in self.retired_sig and self.retired_sig[run_id] == signature(spec):
                 continue  # retired and untouched since
             revived = run_id in self.retired_sig
             self._start(spec)
@@ -169,7 +169,7 @@ class Watcher:
         here = [r for r in self.roots if root_is_here(r)]
         forgotten = []
         for rid in list(self.saved_runs) + list(self.runs):
-            if rid in specs or not any(_under(rid, r) for r in here):
+            if rid in specs or not any(under(rid, r) for r in here):
                 if self.gone_since.pop(rid, None) is not None:
                     self.saved_runs.get(rid, {}).pop("gone_since", None)
                     self._dirty = True
@@ -191,14 +191,14 @@ class Watcher:
             hours = self.forget_after_s / 3600
             self.say(
                 f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
-                f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back"
+                f"(e.g. {printable(run_name(forgotten[0], self.roots))}); read from the start if they come back"
             )
 
     def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
         """One line per run picked up: those found at the start (the first _LISTED of them), a
         run that appears later, a retired run that writes again."""
         for i, (spec, revived) in enumerate(started):
-            name = printable(_name(spec.id, self.roots))
+            name = printable(run_name(spec.id, self.roots))
             self._seen.add(spec.id)
             if first and i == _LISTED and len(started) > _LISTED + 1:
                 self.say(f"  … and {plural(len(started) - _LISTED, 'more run')}")
@@ -222,7 +222,7 @@ class Watcher:
         )
         for root in self.roots:
             if (
-                not any(_under(rid, root) for rid in self.specs)
+                not any(under(rid, root) for rid in self.specs)
                 and root not in self.bad
                 and not any(root in b for b in self.bad)
             ):
@@ -265,7 +265,7 @@ class Watcher:
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
         """Name the run's problem once; leave it alone until its files change (then try it
         again, and say its problem again only if it is a new one)."""
-        self.bad[run_id] = _signature(spec or self.specs.get(run_id))
+        self.bad[run_id] = signature(spec or self.specs.get(run_id))
         self._say_once(f"run:{run_id}", why if run_id in why else f"run {run_id}: {why}")
 
     def _say_once(self, key: str, line: str) -> None:
@@ -296,30 +296,10 @@ class Watcher:
             if self.stop.is_set():
                 break
             before = run.records
-            try:
-                events = run.poll(final=final, stop=self.stop, chunks=1)  # one bounded chunk per run and pass
-                backlog = backlog or run.backlog
-            except MlflowError as e:  # the tracking server is away: like an unreadable file, asked again next pass
-                self._notes(run)
-                line = f"{e}; asked again at each poll"  # the words discovery uses: said once for both
-                if line not in self.bad:
-                    self.bad[line] = None
-                    self.say(line)
+            events = self._read(run_id, run, final)
+            if events is None:
                 continue
-            except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
-                self._notes(run)
-                self._retire(run_id, keep=False)
-                self._unhealthy(run_id, str(e))
-                continue
-            except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
-                self._notes(run)
-                self._retire(run_id, keep=False)
-                self._unhealthy(
-                    run_id,
-                    f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
-                    "marked unhealthy, the other runs are watched",
-                )
-                continue
+            backlog = backlog or run.backlog
             self._notes(run)
             self.records_read += max(0, run.records - before)
             for ev in events:
@@ -337,6 +317,30 @@ class Watcher:
             self.save()  # what was delivered leaves the saved outbox at once (no resend after a crash)
         return found
 
+    def _read(self, run_id: str, run: WatchedRun, final: bool) -> list[RunIncident] | None:
+        """One bounded chunk of the run's log through its detectors: the events it caused, or
+        None when it could not be read (said once; the run asked again, or marked unhealthy)."""
+        try:
+            return run.poll(final=final, stop=self.stop, chunks=1)
+        except MlflowError as e:  # the tracking server is away: like an unreadable file, asked again next pass
+            self._notes(run)
+            line = f"{e}; asked again at each poll"  # the words discovery uses: said once for both
+            if line not in self.bad:
+                self.bad[line] = None
+                self.say(line)
+            return None
+        except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
+            why = str(e)
+        except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
+            why = (
+                f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
+                "marked unhealthy, the other runs are watched"
+            )
+        self._notes(run)
+        self._retire(run_id, keep=False)
+        self._unhealthy(run_id, why)
+        return None
+
     def _notes(self, run: WatchedRun) -> None:
         for line in run.follower.notes + run.notes:
             self.say(line)
@@ -344,7 +348,7 @@ class Watcher:
         run.notes.clear()
 
     def _enqueue(self, ev: RunIncident) -> None:
-        ev.name = _name(ev.run, self.roots)
+        ev.name = run_name(ev.run, self.roots)
         self.delivery.add(Notice.from_incident(ev))
 
     def _deliver(self) -> None:
@@ -371,7 +375,7 @@ class Watcher:
             t.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
-            self.retired_sig[run_id] = _signature(self.specs.get(run_id))
+            self.retired_sig[run_id] = signature(self.specs.get(run_id))
         run.close()
 
     def save(self, force: bool = False) -> None:
@@ -433,15 +437,9 @@ class Watcher:
     def _summary(self, kept: int) -> str:
         """The last line: why the watcher stops and what it did in this session."""
         why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
-        sent = f"{plural(self.notified, 'incident event')} notified"
-        fates = (
-            [f"{self.delivered} delivered"]
-            + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else [])
-            + ([f"{kept} kept for the next start"] if kept else [])
-        )
         return (
             f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
-            f"{sent} ({', '.join(fates)})"
+            f"{self.delivery.fates(kept)}"
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -465,44 +463,3 @@ class Watcher:
                 run.close()
             self.delivery.close_synchronous(deadline)
             self.state.release()
-
-
-def _under(run_id: str, root: str) -> bool:
-    if is_mlflow_source(root):  # mlflow:<uri>[?experiment=...] holds mlflow:<uri>#<run-id>
-        try:
-            uri, one, _ = parse_source(root)
-        except NummonError:
-            return False
-        return (
-            run_id == f"{MLFLOW_PREFIX}{safe_uri(uri)}#{one}"
-            if one
-            else run_id.startswith(f"{MLFLOW_PREFIX}{safe_uri(uri)}#")
-        )
-    root = os.path.abspath(root) if "://" not in root else root
-    return (
-        run_id == root
-        or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep)
-        or run_id.startswith(root.rstrip("/") + "/")
-    )
-
-
-def _name(run_id: str, roots: list[str]) -> str:
-    """A run's short name: its path below the watch root that holds it (or its last parts)."""
-    if run_id.startswith("mlflow:") and "#" in run_id:
-        return "mlflow run " + run_id.rsplit("#", 1)[1]
-    for root in roots:
-        r = os.path.abspath(root) if "://" not in root else root
-        if _under(run_id, r) and run_id != r:
-            return run_id[len(r.rstrip("/").rstrip(os.sep)) + 1 :]
-    parts = run_id.rstrip("/").replace(os.sep, "/").split("/")
-    return "/".join(parts[-2:])
-
-
-def _signature(spec: RunSpec | None) -> tuple:
-    """Sizes, mtimes and identities of a run's files: a retired or unhealthy run wakes up when they change."""
-
-    if spec is None:
-        return ()
-    if spec.format == "mlflow":
-        return ()  # a server's run has no files: never "untouched since" (asked again at each discovery)
-    return tuple((f, fs.stat(f)) for f in sorted(spec.files))
