@@ -38,7 +38,7 @@ from typing import Any
 from .._errors import NummonError
 from . import fs
 from .incidents import Notice
-from .targets import Target
+from .output import Target
 from .text import plural, safe_url
 from .webhook import check_url
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .incidents import Notice
-from .targets import Outcome, Target
+from .output import Outcome, Target
 from .text import plural
 
 __all__ = ["OutboxEntry", "Delivery", "SYNC_TRIES"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .._types import Alert, AlertKind, Finding, Health, StepRecord
 
 if TYPE_CHECKING:
-    from .targets import Target
+    from .output import Target
 
 __all__ = [
     "HEALTH_CODES",

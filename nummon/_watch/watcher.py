@@ -24,12 +24,12 @@ from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
+from .output import Target
 from .read_mlflow import MlflowError
 from .readers import make_follower
 from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
 from .state import StateFile
-from .targets import Target
 from .text import plural, printable
 
 __all__ = ["Watcher"]

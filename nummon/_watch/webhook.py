@@ -23,7 +23,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 from .._errors import NummonError
 from .incidents import Notice
-from .targets import Outcome, OutcomeHandler, Target
+from .output import Outcome, OutcomeHandler, Target
 from .text import mrkdwn, plain, plural, safe_url
 
 __all__ = ["WebhookTarget", "WebhookStats", "slack_payload", "check_url", "Outcome"]
