@@ -151,11 +151,13 @@ class SinkDispatcher:
     """
 
     def __init__(self, sinks: list[Any], queue_size: int = 1024, block_timeout_s: float | None = None) -> None:
-        sinks = [as_sink(s) for s in sinks]  # NummonError for an object that is no sink at all
-        self.sinks = sinks
-        names = _unique_names(sinks)
-        self._sync = [(s, n) for s, n in zip(sinks, names) if s.synchronous]
-        self.workers = [_Worker(s, n, queue_size, block_timeout_s) for s, n in zip(sinks, names) if not s.synchronous]
+        # every sink as the complete protocol (NummonError for an object that is no sink at all)
+        self.sinks: list[Sink] = [as_sink(s) for s in sinks]
+        names = _unique_names(self.sinks)
+        self._sync = [(s, n) for s, n in zip(self.sinks, names) if s.synchronous]
+        self.workers = [
+            _Worker(s, n, queue_size, block_timeout_s) for s, n in zip(self.sinks, names) if not s.synchronous
+        ]
         self._sync_errors = {n: 0 for _, n in self._sync}
         self._closed = False
 

@@ -111,7 +111,7 @@ def sink():
 def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink):
     t = AlertmanagerTarget(sink.url, repeat_s=0.2, host="watch-host")
     try:
-        t.notify(Event(1, "opened", kind="loss_spike"))
+        t.on_incident(Event(1, "opened", kind="loss_spike"))
         first = wait_for(lambda: sink.alerts(), 10, "the first post")[0]
         assert sink.batches[0][0] == "/api/v2/alerts"
         assert first["labels"] == {
@@ -134,7 +134,7 @@ def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink
         assert parse_time(again["endsAt"]) > parse_time(first["endsAt"])
         # an escalation is a new identity: the open alert ends, the critical one fires
         n = len(sink.batches)
-        t.notify(Event(2, "escalated"))
+        t.on_incident(Event(2, "escalated"))
         batch = wait_for(lambda: next((b for _, b in sink.batches[n:] if len(b) == 2), None), 10, "the escalation")
         old, new = batch
         assert old["labels"]["state"] == "open" and parse_time(old["endsAt"]) <= time.time() + 1
@@ -142,7 +142,7 @@ def test_one_alert_per_incident_reposted_while_open_and_ended_when_resolved(sink
         assert list(t.active()) == ["runs/a"]
         # resolved: the firing alert is posted once more, ended now; no more re-posts of it
         n = len(sink.batches)
-        t.notify(Event(0, "resolved"))
+        t.on_incident(Event(0, "resolved"))
         end = wait_for(
             lambda: next((b for _, b in sink.batches[n:] if parse_time(b[0]["endsAt"]) <= time.time() + 1), None),
             10,
@@ -160,7 +160,7 @@ def test_ha_pair_every_member_gets_each_alert_and_a_dead_member_is_counted(sink,
     t = parse_target(f"alertmanager:{dead},{sink.url}")
     t.timeout_s, t.retries, t.backoff_s = 1.0, 1, 0.01
     try:
-        t.notify(Event(3, "opened", kind="nonfinite"))
+        t.on_incident(Event(3, "opened", kind="nonfinite"))
         wait_for(lambda: t.failed >= 1, 20, "the dead member's failure")
         assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["nonfinite"]
         assert t.sent >= 1  # the live member took it
@@ -188,7 +188,7 @@ def test_url_credentials_are_basic_auth_and_never_logged(sink, caplog):
         repeat_s=0.2,
     )
     try:
-        t.notify(Event(1, "opened"))
+        t.on_incident(Event(1, "opened"))
         wait_for(lambda: t.failed >= 3, 20, "three failures of the dead member")  # the first post and re-posts
     finally:
         t.close()
@@ -349,8 +349,8 @@ def hung():
 def test_ha_pair_with_a_hung_member_the_live_one_gets_every_alert_at_once(sink, hung):
     t = AlertmanagerTarget([hung.url, sink.url], timeout_s=5.0, retries=2, backoff_s=0.5)
     try:
-        t.notify(Event(1, "opened"))
-        t.notify(Event(3, "escalated", kind="nonfinite"))
+        t.on_incident(Event(1, "opened"))
+        t.on_incident(Event(3, "escalated", kind="nonfinite"))
         # the hung member holds each post for 5 s (x3 tries): the live one must not wait for it
         wait_for(lambda: [a for a in sink.alerts() if a["labels"]["state"] == "nonfinite"], 3, "the non-finite alert")
         assert [a["labels"]["state"] for a in sink.alerts()][:1] == ["open"]
@@ -367,7 +367,7 @@ def test_hung_alertmanager_every_dropped_batch_is_counted_and_said(hung, caplog)
     fleet.targets = [t]
     try:
         for i in range(60):  # 60 events, one batch each, against a queue of 5 that never drains in time
-            t.notify(Event(1 + i % 2, "escalated", run=f"runs/{i % 7}"))
+            t.on_incident(Event(1 + i % 2, "escalated", run=f"runs/{i % 7}"))
         assert t.dropped >= 50
         assert fleet.snapshot().failed["alertmanager"] >= t.dropped  # every dropped batch is a failure Prometheus sees
     finally:
@@ -417,7 +417,7 @@ def test_a_redirect_is_never_followed_and_is_a_failure(code, caplog):
     redirecting = Recorder(code, elsewhere.url + "/api/v2/alerts")
     t = AlertmanagerTarget(redirecting.url.replace("//", "//am:s3cret@"), timeout_s=2, retries=1, backoff_s=0.01)
     try:
-        t.notify(Event(3, "opened", kind="nonfinite"))
+        t.on_incident(Event(3, "opened", kind="nonfinite"))
         wait_for(lambda: t.failed >= 1, 10, "the redirect counted as a failure")
         time.sleep(0.2)
         assert elsewhere.seen == []  # neither a GET nor the credentials went to the other address

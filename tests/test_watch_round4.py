@@ -251,7 +251,7 @@ def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switchin
     fleet.targets = [t]
     n = 120
     for i in range(n):
-        t.notify(Notice({"id": f"r#{i}:opened:1", "run": "r", "title": f"event {i}", "summary": "s"}))
+        t.on_incident(Notice.from_dict({"id": f"r#{i}:opened:1", "run": "r", "title": f"event {i}", "summary": "s"}))
     wrong, scrapes = [], [0]
     done = threading.Event()
 

@@ -37,6 +37,8 @@ from typing import Any
 
 from .._errors import NummonError
 from . import fs
+from .incidents import Notice
+from .output import Target
 from .text import plural, safe_url
 from .webhook import check_url
 
@@ -221,7 +223,7 @@ class _Member:
         return False
 
 
-class AlertmanagerTarget:
+class AlertmanagerTarget(Target):
     """Posts incident events to one Alertmanager, or to each member of an HA cluster.
     `sent` counts batches a member took, `failed` batches a member did not take after its
     retries (or answered with a redirect), `dropped` batches pushed out of a member's full
@@ -271,9 +273,14 @@ class AlertmanagerTarget:
             setattr(self, what, getattr(self, what) + 1)
 
     # --- events -> alerts ------------------------------------------------------------------
-    def notify(self, event: Any) -> None:
+    def failures(self) -> int:
+        """Batches not delivered: failed after the retries, or pushed out of a full queue."""
+        with self._lock:
+            return self.failed + self.dropped
+
+    def on_incident(self, notice: Notice) -> None:
         """Queue the alerts one incident event changes; never waits."""
-        d = event.to_dict()
+        d = notice.to_dict()  # the alert is JSON data: its labels and annotations come from the event's
         run = _utf8(str(d.get("run")))
         now = time.time()
         batch: list[dict[str, Any]] = []
@@ -290,7 +297,7 @@ class AlertmanagerTarget:
                     batch.append({**old, "endsAt": _iso(now)})
                 alert = self._alert(
                     labels,
-                    str(d.get("title") or event.title),
+                    str(d.get("title") or notice.title),
                     slack_bold(str(d.get("summary") or "")),
                     old["startsAt"] if old is not None and same else _iso(now),
                 )
@@ -383,7 +390,7 @@ class AlertmanagerTarget:
                     if m.queue.empty():
                         m.put(batch)
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0) -> list[str]:
         """Send what is queued, waiting at most `timeout_s`. Firing alerts are not resolved (the
         incidents are still open): a watcher restarted with its state file re-posts them
         (`run_started`); without re-posts they end at their endsAt."""
@@ -395,3 +402,4 @@ class AlertmanagerTarget:
         for m in self._members:
             m.thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
             m.burst_over()
+        return []  # batches are not events: what a member did not take is counted in `failed`

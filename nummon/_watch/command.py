@@ -15,7 +15,7 @@ from .._cli._common import non_empty, seconds
 from .._errors import NummonError
 from . import fs
 from .readers import FORMATS
-from .targets import TARGET_SPECS, parse_target
+from .targets import TARGET_SPECS, Target, parse_target
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             *IDLE_TIMEOUT_RANGE_S
         ),
     )
+    _add_fleet_arguments(parser)
+
+
+def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a watcher that follows many runs: extra keys, metrics, sharding."""
     parser.add_argument(
         "--key",
         action="append",
@@ -113,13 +118,48 @@ def _keymap(pairs: list[str]):
 def run(args: argparse.Namespace) -> int:
     """Watch until SIGINT/SIGTERM (or one pass with --once)."""
     from .._cli.policy import load_policy_with_hints
-    from .watcher import Watcher
 
+    _check_args(args)
+    policy = load_policy_with_hints(args.policy)
+    keymap = _keymap(args.key)
+    shard = None
+    if getattr(args, "shard", None) is not None:
+        from .shard import parse_shard
+
+        shard = parse_shard(args.shard)
+    targets = _targets(args.notify)
+    exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
+    observer, server = _serve_metrics(getattr(args, "metrics", None), targets)
+    try:
+        watcher = _watcher(args, policy, targets, keymap, exclude, observer, shard)
+    except BaseException:
+        _close_all(targets)
+        if server is not None:
+            server.close()
+        raise
+    previous = _stop_on_signals(watcher)
+    try:
+        watcher.run(interval_s=args.interval, once=args.once)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if server is not None:
+            server.close()
+    if args.once and watcher.lost:
+        return 1
+    if args.once and watcher.bad:
+        return 2
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """NummonError naming the first bad value (the parser checks most of them too; this is for
+    callers with a Namespace of their own)."""
     for option, value, (low, high) in (
         ("--interval", args.interval, INTERVAL_RANGE_S),
         ("--idle-timeout", args.idle_timeout, IDLE_TIMEOUT_RANGE_S),
     ):
-        if not (low <= value <= high):  # the parser checks too; this is for callers with a Namespace of their own
+        if not (low <= value <= high):
             raise NummonError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {value}")
     for option, value in (
         ("--state", args.state),
@@ -133,63 +173,74 @@ def run(args: argparse.Namespace) -> int:
             raise NummonError(f"{p}: not found")
         if not fs.is_url(p) and not os.path.isdir(p) and fs.stat(p) is None:
             raise NummonError(f"{p}: not a regular file or folder (a FIFO or device is never read)")
-    policy = load_policy_with_hints(args.policy)
-    keymap = _keymap(args.key)
-    shard = None
-    if getattr(args, "shard", None) is not None:
-        from .shard import parse_shard
 
-        shard = parse_shard(args.shard)
-    targets = []
+
+def _targets(specs: list[str] | None) -> list[Target]:
+    """The --notify targets (console by default); those made are closed when one is refused."""
+    targets: list[Target] = []
     try:
-        for spec in args.notify or ["console"]:
+        for spec in specs or ["console"]:
             targets.append(parse_target(spec, wandb_sink=_wandb_sink))
     except BaseException:
-        for t in targets:
-            t.close()
+        _close_all(targets)
         raise
-    exclude = {os.path.abspath(s.split(":", 1)[1]) for s in (args.notify or []) if s.startswith("jsonl:")}
-    observer = server = None
-    if getattr(args, "metrics", None) is not None:
-        from .metrics import FleetMetrics, MetricsObserver
+    return targets
 
-        try:
-            from nummon.integrations.prometheus import serve_metrics
 
-            fleet = FleetMetrics()
-            fleet.targets = targets
-            server = serve_metrics(fleet, args.metrics)
-        except (ImportError, NummonError) as e:
-            for t in targets:
-                t.close()
-            raise NummonError(f"--metrics: {e}") from None
-        observer = MetricsObserver(fleet)
-        print(f"nummon watch: serving metrics at {server.url}", file=sys.stderr, flush=True)
-    from .hooks import Observers
+def _close_all(targets: list[Target]) -> None:
+    for t in targets:
+        t.close()
 
-    observers = Observers([observer, *targets])  # the metrics, and targets that follow runs (Alertmanager)
+
+def _serve_metrics(listen: str | None, targets: list[Target]) -> tuple[Any, Any]:
+    """--metrics: (the watcher's metrics observer, the server), or (None, None) without it."""
+    if listen is None:
+        return None, None
+    from .metrics import FleetMetrics, MetricsObserver
+
     try:
-        watcher = Watcher(
-            args.paths,
-            policy,
-            targets,
-            format=args.format,
-            keymap=keymap,
-            state_path=args.state,
-            idle_timeout_s=args.idle_timeout,
-            exclude=exclude,
-            observer=observers or None,
-            shard=shard,
-        )
-    except BaseException:
-        for t in targets:
-            t.close()
-        if server is not None:
-            server.close()
-        raise
-    previous = {}
+        from nummon.integrations.prometheus import serve_metrics
 
-    def _stop(signum, frame):  # stop within one interval: the loop waits on this event
+        fleet = FleetMetrics()
+        fleet.targets = targets
+        server = serve_metrics(fleet, listen)
+    except (ImportError, NummonError) as e:
+        _close_all(targets)
+        raise NummonError(f"--metrics: {e}") from None
+    print(f"nummon watch: serving metrics at {server.url}", file=sys.stderr, flush=True)
+    return MetricsObserver(fleet), server
+
+
+def _watcher(
+    args: argparse.Namespace,
+    policy: Any,
+    targets: list[Target],
+    keymap: Any,
+    exclude: set[str],
+    observer: Any,
+    shard: Any,
+) -> Any:
+    from .watcher import Watcher
+
+    return Watcher(
+        args.paths,
+        policy,
+        targets,
+        format=args.format,
+        keymap=keymap,
+        state_path=args.state,
+        idle_timeout_s=args.idle_timeout,
+        exclude=exclude,
+        observer=observer,  # the metrics (the watcher tells the targets itself)
+        shard=shard,
+    )
+
+
+def _stop_on_signals(watcher: Any) -> dict[signal.Signals, Any]:
+    """SIGINT and SIGTERM stop the watcher within one interval; the handlers they replace."""
+    previous: dict[signal.Signals, Any] = {}
+
+    def _stop(signum, frame):  # the loop waits on this event
         watcher.stop_reason = signal.Signals(signum).name  # named in the watcher's last line
         watcher.stop.set()
 
@@ -198,18 +249,7 @@ def run(args: argparse.Namespace) -> int:
             previous[sig] = signal.signal(sig, _stop)
         except ValueError:  # not the main thread: the caller stops us through watcher.stop
             pass
-    try:
-        watcher.run(interval_s=args.interval, once=args.once)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if server is not None:
-            server.close()
-    if args.once and watcher.lost:
-        return 1
-    if args.once and watcher.bad:
-        return 2
-    return 0
+    return previous
 
 
 class _Parser(argparse.ArgumentParser):

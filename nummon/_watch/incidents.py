@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._types import TITLE_MAX, IncidentEvent, IncidentState
@@ -77,23 +78,49 @@ class RunIncident:
         }
 
 
+@dataclass(frozen=True)
 class Notice:
-    """What a target is given: one event as plain data (made from `RunIncident.to_dict()` or
-    read back from the state file's outbox), with the interface targets use."""
+    """What a target is given: one incident event of one run, typed, from the moment the watcher
+    finds it (`from_incident`) or reads it back from the state file's outbox (`from_dict`) until
+    a target formats it (`to_dict`: the JSONL line, the webhook's body, the state file)."""
 
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.d = d
-        self.id = str(d.get("id", ""))
-        self.event_id = str(d.get("event_id") or event_id(self.id))
-        self.d.setdefault("event_id", self.event_id)
-        self.run = str(d.get("run", ""))
-        self.name = str(d.get("run_name") or self.run)
-        self.title = str(d.get("title") or "nummon: incident")
+    id: str  # readable: run, incident number, transition, level (printable)
+    event_id: str  # the idempotency key (32 hex digits)
+    run: str  # the run's path (printable)
+    name: str  # the run's short name below its watch root
+    title: str
+    level: int  # 0 resolved, 1 warning, 2 critical, 3 non-finite
+    text: str  # the summary (Markdown)
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the whole event, as JSON data
+
+    @classmethod
+    def from_incident(cls, incident: RunIncident) -> Notice:
+        return cls.from_dict(incident.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Notice:
+        """A notice from the event's JSON data (a missing `event_id` is made from its `id`; an
+        older state file's event without title or level gets the defaults)."""
+        readable = str(d.get("id", ""))
+        eid = str(d.get("event_id") or event_id(readable))
         level = d.get("level", 1)
-        self.level = level if isinstance(level, int) and not isinstance(level, bool) else 1
+        run = str(d.get("run", ""))
+        data = dict(d)
+        data.setdefault("event_id", eid)
+        return cls(
+            id=readable,
+            event_id=eid,
+            run=run,
+            name=str(d.get("run_name") or run),
+            title=str(d.get("title") or "nummon: incident"),
+            level=level if isinstance(level, int) and not isinstance(level, bool) else 1,
+            text=str(d.get("summary", "")),
+            fields=data,
+        )
 
     def summary(self) -> str:
-        return str(self.d.get("summary", ""))
+        return self.text
 
     def to_dict(self) -> dict[str, Any]:
-        return self.d
+        """The event as strict JSON data (a copy: the notice stays as it is)."""
+        return dict(self.fields)

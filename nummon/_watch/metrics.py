@@ -12,9 +12,12 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._types import Alert, AlertKind, Finding, Health, StepRecord
+
+if TYPE_CHECKING:
+    from .output import Target
 
 __all__ = [
     "HEALTH_CODES",
@@ -192,10 +195,10 @@ class WatchSnapshot:
     )  # target kind -> notifications not delivered (failed or dropped)
 
 
-def target_kind(target: Any) -> str:
+def target_kind(target: Target) -> str:
     """A target's label value: its kind only (webhook, alertmanager, ...), never its URL (a
     Slack webhook URL is a secret)."""
-    return getattr(target, "kind", None) or type(target).__name__.removesuffix("Target").lower()
+    return target.kind
 
 
 class FleetMetrics:
@@ -206,7 +209,7 @@ class FleetMetrics:
         self._runs: dict[str, RunSeries] = {}
         self.watched: int | None = None
         self.poll_duration_s: float | None = None
-        self.targets: list[Any] = []  # notification targets with a `failed` count
+        self.targets: list[Target] = []  # notification targets (those that count their failures are read)
         self.failed_extra: dict[str, int] = {}  # failures the targets did not count themselves
 
     def run(self, run: str, source: str = "nummon") -> RunSeries:
@@ -255,11 +258,10 @@ class FleetMetrics:
             )
             failed = dict(self.failed_extra)
         for t in self.targets:
-            n = getattr(t, "failed", None)
-            if isinstance(n, int):  # a notification pushed out of a full queue was not delivered either
-                dropped = getattr(t, "dropped", 0)
+            n = t.failures()  # failed, and pushed out of a full queue: not delivered either
+            if n is not None:
                 k = target_kind(t)
-                failed[k] = failed.get(k, 0) + n + (dropped if isinstance(dropped, int) else 0)
+                failed[k] = failed.get(k, 0) + n
         return WatchSnapshot(runs, self.watched, self.poll_duration_s, failed)
 
 
@@ -311,8 +313,8 @@ class MetricsObserver:
         self.metrics.poll_duration_s = duration_s
         self.metrics.watched = watched
 
-    def target_failed(self, target: Any) -> None:
-        if not isinstance(getattr(target, "failed", None), int):  # targets with a count of their own are read at scrape
+    def target_failed(self, target: Target) -> None:
+        if target.failures() is None:  # targets with a count of their own are read at scrape
             self.metrics.count_failure(target_kind(target))
 
 

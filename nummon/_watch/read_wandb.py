@@ -73,29 +73,19 @@ class WandbFollower(OneFileFollower):
     def _scan(self, st: fs.Stat, final: bool, size: int) -> tuple[list[StepRecord], bool]:
         base = self.offset
         data = fs.read_bytes(self.path, base, size)
-        pos = 0
-        if base == 0:
-            if len(data) < _HEADER:
-                return [], False
-            magic, _version = struct.unpack("<4sH", data[:6])
-            if magic != WANDB_MAGIC:
-                raise NotALogError(f"{self.path}: not a W&B run file (bad magic)")
-            pos = self.offset = _HEADER
+        pos = self._header(data) if base == 0 else 0
+        if pos is None:
+            return [], False
         out: list[StepRecord] = []
         buf: bytes | None = None
         while True:
             left = _BLOCK - (base + pos) % _BLOCK
-            if left < _HEADER:  # block trailer: zero padding
-                if pos + left > len(data):
+            crc = length = kind = 0  # a block trailer (too short for a chunk header): zero padding
+            if left >= _HEADER:
+                if pos + _HEADER > len(data):
                     break
-                pos += left
-                if buf is None:
-                    self.offset = base + pos
-                continue
-            if pos + _HEADER > len(data):
-                break
-            crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-            if length == 0 and kind == 0:  # zero-filled rest of a block
+                crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+            if length == 0 and kind == 0:  # padding, or the zero-filled rest of a block
                 if pos + left > len(data):
                     break
                 pos += left
@@ -111,15 +101,9 @@ class WandbFollower(OneFileFollower):
                 or kind not in (_FULL, _FIRST, _MIDDLE, _LAST)
                 or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc
             ):
-                at = base + pos
-                if not final and self._suspect != at:
-                    self._suspect = at  # maybe a torn write: confirmed on the next poll
+                if not self._skip_corrupt(base + pos, left, final):
                     break
-                self._suspect = None
                 pos += left  # the framing's resynchronisation point: the next block
-                self.note(
-                    f"{self.path}: corrupt chunk at byte {at} (bad checksum); skipped to the next block at byte {base + pos}"
-                )
                 buf = None
                 self.offset = base + pos
                 continue
@@ -143,20 +127,41 @@ class WandbFollower(OneFileFollower):
                 out.append(rec)
         self.more = len(data) == size and self.offset > base
         span = buf is not None and self.offset == base and len(data) == size
-        if (
-            final
-            and not self.more
-            and not span
-            and base + len(data) >= st.size
-            and self.offset < st.size
-            and data[self.offset - base :].strip(b"\x00")
-        ):
+        if final and not self.more and not span and base + len(data) >= st.size:
+            self._note_torn_tail(st, data[self.offset - base :])
+        return out, span
+
+    def _header(self, data: bytes) -> int | None:
+        """The position after the file header, which is checked (None: not all written yet)."""
+        if len(data) < _HEADER:
+            return None
+        magic, _version = struct.unpack("<4sH", data[:6])
+        if magic != WANDB_MAGIC:
+            raise NotALogError(f"{self.path}: not a W&B run file (bad magic)")
+        self.offset = _HEADER
+        return _HEADER
+
+    def _skip_corrupt(self, at: int, left: int, final: bool) -> bool:
+        """A chunk at byte `at` that fails its checks, `left` bytes before the next block: False
+        the first time it is seen (maybe a torn write, confirmed on the next poll), else said and
+        skipped (True)."""
+        if not final and self._suspect != at:
+            self._suspect = at
+            return False
+        self._suspect = None
+        self.note(
+            f"{self.path}: corrupt chunk at byte {at} (bad checksum); skipped to the next block at byte {at + left}"
+        )
+        return True
+
+    def _note_torn_tail(self, st: fs.Stat, rest: bytes) -> None:
+        """At the end of a finished log: bytes after the last whole record that are not padding."""
+        if self.offset < st.size and rest.strip(b"\x00"):
             self.note(
                 f"{self.path}: last record torn at byte {self.offset} ({st.size - self.offset} bytes; a killed "
                 f"writer or a cut copy?); ignored",
                 once="torn",
             )
-        return out, span
 
     def _record(self, payload: bytes, at: int) -> StepRecord | None:
         r = self._pb.Record()

@@ -1,6 +1,6 @@
 """Notification targets for incident events: console, JSONL, W&B (and the webhook in
-webhook.py). Each has `notify(event)` and `close()`; an event has `.title`, `.summary()`,
-`.to_dict()` and `.run`."""
+webhook.py, Alertmanager in alertmanager.py), and `parse_target` for `--notify`. Every target
+is a `Target` (output.py): the watcher uses nothing else of it."""
 
 from __future__ import annotations
 
@@ -8,47 +8,55 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from .._errors import NummonError
 from .._json import dumps
+from .incidents import Notice
+from .output import Outcome, OutcomeHandler, Target
 from .text import cut_at_word, plain, safe_url
 
-__all__ = ["Target", "ConsoleTarget", "JsonlTarget", "WandbTarget", "parse_target", "TARGET_SPECS"]
+__all__ = [
+    "Target",
+    "Outcome",
+    "OutcomeHandler",
+    "ConsoleTarget",
+    "JsonlTarget",
+    "WandbTarget",
+    "parse_target",
+    "TARGET_SPECS",
+]
 
 TARGET_SPECS = "console, jsonl:PATH, webhook:URL, wandb[:PROJECT], alertmanager:URL[,URL...]"
 
 
-class Target(Protocol):
-    def notify(self, event: Any) -> None: ...
-
-    # what close returns is the target's own (the asynchronous ones: the ids still undelivered)
-    def close(self) -> object: ...
-
-
-class ConsoleTarget:
+class ConsoleTarget(Target):
     """The title and summary on stdout as plain text, flushed at once (the watcher's own process)."""
 
+    kind = "console"
     key = "console"
     shown = "console"
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream
 
-    def notify(self, event: Any) -> None:
+    def on_incident(self, notice: Notice) -> None:
         out = self.stream or sys.stdout
-        body = "\n".join("    " + line for line in plain(event.summary()).splitlines())
-        out.write(f"{plain(event.title)}\n{body}\n")
+        body = "\n".join("    " + line for line in plain(notice.summary()).splitlines())
+        out.write(f"{plain(notice.title)}\n{body}\n")
         out.flush()
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout_s: float = 5.0) -> list[str]:
+        return []
 
 
-class JsonlTarget:
+class JsonlTarget(Target):
     """One strict-JSON line per event, flushed and fsync'ed (it is the record of what was sent);
     events whose id is already in the file (a restart after a crash) are not written twice. A
     write that fails (a full disk) leaves no torn line and raises: the event stays pending."""
+
+    kind = "jsonl"
+    durable = True
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -66,8 +74,8 @@ class JsonlTarget:
             raise NummonError(f"--notify jsonl:{path}: cannot write there ({e.strerror or e})") from None
 
     @staticmethod
-    def _existing_ids(path: str) -> set[str]:
-        ids: set[str] = set()
+    def _existing_ids(path: str) -> set[str | None]:
+        ids: set[str | None] = set()
         try:
             with open(path, encoding="utf-8") as fh:
                 for line in fh:
@@ -79,11 +87,11 @@ class JsonlTarget:
             pass
         return ids
 
-    def notify(self, event: Any) -> None:
+    def on_incident(self, notice: Notice) -> None:
         """Append the event's line and fsync it; OSError (a full disk, a file-size limit) when
         it is not all on disk: then nothing of it stays (the file is cut back to where it was),
         and its id is not taken as written, so the watcher tries it again or reports it lost."""
-        d = event.to_dict()
+        d = notice.to_dict()
         if d.get("id") in self._ids:
             return
         if self._fd is None:
@@ -102,10 +110,11 @@ class JsonlTarget:
         self._torn = False
         self._ids.add(d.get("id"))  # only now: an event is never marked written unless it is on disk
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> list[str]:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+        return []
 
 
 def _ends_torn(path: str) -> bool:
@@ -131,8 +140,10 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-class WandbTarget:
+class WandbTarget(Target):
     """A W&B alert on a run of the watcher's own (offline when there are no credentials)."""
+
+    kind = "wandb"
 
     _LEVELS = {0: "INFO", 1: "WARN", 2: "ERROR", 3: "ERROR"}
 
@@ -146,16 +157,20 @@ class WandbTarget:
         except ImportError as e:
             raise NummonError(str(e)) from None
         self.sent: list[tuple[str, str]] = []
+        self._closed = False
 
-    def notify(self, event: Any) -> None:
-        level = self._LEVELS.get(getattr(event, "level", 1), "WARN")
+    def on_incident(self, notice: Notice) -> None:
+        level = self._LEVELS.get(notice.level, "WARN")
         self._sink.run.alert(
-            title=cut_at_word(plain(event.title), 63), text=event.summary(), level=level, wait_duration=1
+            title=cut_at_word(plain(notice.title), 63), text=notice.summary(), level=level, wait_duration=1
         )
-        self.sent.append((event.title, level))
+        self.sent.append((notice.title, level))
 
-    def close(self) -> None:
-        self._sink.close()
+    def close(self, timeout_s: float = 5.0) -> list[str]:
+        if not self._closed:
+            self._closed = True
+            self._sink.close()
+        return []
 
 
 def parse_target(spec: str, wandb_sink: Callable[..., Any] | None = None) -> Target:

@@ -20,20 +20,21 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
-from . import fs
+from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
-from .read_mlflow import MLFLOW_PREFIX, MlflowError, is_mlflow_source, parse_source, safe_uri
+from .output import Target
+from .read_mlflow import MlflowError
 from .readers import make_follower
 from .reports import REPORTS_DIR, RunMemory, WatchReports
+from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
 from .state import StateFile
 from .text import plural, printable
 
 __all__ = ["Watcher"]
 
-_SYNC_TRIES = 3  # polls a failing synchronous target is tried before the event counts as lost
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
 _LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
@@ -44,7 +45,7 @@ class Watcher:
         self,
         roots: list[str],
         policy: Policy,
-        targets: list[Any],
+        targets: list[Target],
         format: str | None = None,
         keymap: KeyMap | None = None,
         state_path: str | None = None,
@@ -58,7 +59,7 @@ class Watcher:
         forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
         self.roots = roots
-        self.observer = observer  # metrics.MetricsObserver and run-following targets: runs, records, polls, failures
+        self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
         # the most one run's log is read in one pass (base.POLL_BYTES, 4 MiB, by default): a run
         # with a long backlog gets one chunk per pass, and every other run its turn in between
@@ -66,9 +67,8 @@ class Watcher:
         self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
         self.passes = 0
         self.policy = policy
-        # the JSONL record of events is written before any other target is tried
-        self.targets = sorted(targets, key=lambda t: type(t).__name__ != "JsonlTarget")
-        self.by_key = {_key(t): t for t in self.targets}
+        self.delivery = Delivery(targets, self.say, self._target_failed)
+        self.targets = self.delivery.targets  # the JSONL record of events first
         self.format = format
         self.keymap = keymap or KeyMap()
         self.state = StateFile(state_path)
@@ -81,36 +81,15 @@ class Watcher:
         self.runs: dict[str, WatchedRun] = {}
         self.bad: dict[str, Any] = {}  # unhealthy runs (and problem lines) -> their files' signature then
         self.stop = threading.Event()
-        self.state.acquire()
-        try:
-            saved = self.state.load()
-        except BaseException:
-            self.state.release()
-            raise
+        saved = self._load_state()
         self.saved_runs: dict[str, dict[str, Any]] = saved["runs"]  # retired or not yet seen again
         # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
         self.forget_after_s = forget_after_s
         self.wall_clock = time.time
-        self.gone_since: dict[str, float] = {
-            rid: float(d["gone_since"])
-            for rid, d in self.saved_runs.items()
-            if isinstance(d.get("gone_since"), (int, float)) and not isinstance(d.get("gone_since"), bool)
-        }
+        self.gone_since = gone_since(self.saved_runs)
         self.retired_sig: dict[str, tuple] = {}
         self.specs: dict[str, RunSpec] = {}
-        self._lock = threading.Lock()
-        self.outbox: dict[str, dict[str, Any]] = {}  # event_id -> {"event": dict, "pending": [keys]}
-        for item in saved.get("outbox", []):
-            event = item.get("event", item)  # version-1 outboxes hold bare events
-            pending = [k for k in item.get("pending", list(self.by_key)) if k in self.by_key]
-            if pending:
-                n = Notice(dict(event))
-                self.outbox[n.event_id] = {"event": n.d, "pending": pending, "tries": {}}
-        self._in_flight: set[tuple[str, str]] = set()
-        self._outcomes: list[Any] = []
-        for t in self.targets:
-            if getattr(t, "asynchronous", False):
-                t.on_outcome = self._outcome
+        self.delivery.load(saved.get("outbox", []))
         self._last_save = 0.0
         self._dirty = self._outbox_changed = False
         self._state_failed: str | None = None
@@ -118,10 +97,6 @@ class Watcher:
         self._once = False
         self._said: dict[str, str] = {}
         self._empty_roots: set[str] = set()
-        self.notified = 0  # events handed to the targets
-        self.delivered = 0  # events every target has taken
-        self._lost_ids: set[str] = set()  # events some target never got, until they leave the outbox
-        self.lost = 0  # events some target never got (each named on stderr)
         self.records_read = 0  # step records read in this session, all runs
         self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
         self._seen: set[str] = set()  # runs picked up in this session
@@ -131,6 +106,30 @@ class Watcher:
             if state_path and policy.report.enabled
             else None
         )
+
+    def _load_state(self) -> dict[str, Any]:
+        """Lock the state file and read it (the lock is let go again when it cannot be read)."""
+        self.state.acquire()
+        try:
+            return self.state.load()
+        except BaseException:
+            self.state.release()
+            raise
+
+    @property
+    def notified(self) -> int:
+        """Events handed to the targets in this session."""
+        return self.delivery.notified
+
+    @property
+    def delivered(self) -> int:
+        """Events every target has taken."""
+        return self.delivery.delivered
+
+    @property
+    def lost(self) -> int:
+        """Events some target never got (each named on stderr)."""
+        return self.delivery.lost
 
     def say(self, line: str) -> None:
         try:
@@ -154,10 +153,10 @@ class Watcher:
             if run_id in self.runs:
                 continue
             if run_id in self.bad:
-                if self.bad[run_id] == _signature(spec):
+                if self.bad[run_id] == signature(spec):
                     continue  # unhealthy and untouched since: not tried again
                 del self.bad[run_id]
-            if run_id in self.retired_sig and self.retired_sig[run_id] == _signature(spec):
+            if run_id in self.retired_sig and self.retired_sig[run_id] == signature(spec):
                 continue  # retired and untouched since
             revived = run_id in self.retired_sig
             self._start(spec)
@@ -177,7 +176,7 @@ class Watcher:
         here = [r for r in self.roots if root_is_here(r)]
         forgotten = []
         for rid in list(self.saved_runs) + list(self.runs):
-            if rid in specs or not any(_under(rid, r) for r in here):
+            if rid in specs or not any(under(rid, r) for r in here):
                 if self.gone_since.pop(rid, None) is not None:
                     self.saved_runs.get(rid, {}).pop("gone_since", None)
                     self._dirty = True
@@ -199,14 +198,14 @@ class Watcher:
             hours = self.forget_after_s / 3600
             self.say(
                 f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
-                f"(e.g. {printable(_name(forgotten[0], self.roots))}); read from the start if they come back"
+                f"(e.g. {printable(run_name(forgotten[0], self.roots))}); read from the start if they come back"
             )
 
     def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
         """One line per run picked up: those found at the start (the first _LISTED of them), a
         run that appears later, a retired run that writes again."""
         for i, (spec, revived) in enumerate(started):
-            name = printable(_name(spec.id, self.roots))
+            name = printable(run_name(spec.id, self.roots))
             self._seen.add(spec.id)
             if first and i == _LISTED and len(started) > _LISTED + 1:
                 self.say(f"  … and {plural(len(started) - _LISTED, 'more run')}")
@@ -222,7 +221,7 @@ class Watcher:
     def _announce(self) -> None:
         self._announced = True
         formats = sorted({s.format for s in self.specs.values()})
-        targets = ", ".join(getattr(t, "shown", type(t).__name__) for t in self.targets)
+        targets = ", ".join(t.shown for t in self.targets)
         n = len(self.specs)
         self.say(
             f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
@@ -230,7 +229,7 @@ class Watcher:
         )
         for root in self.roots:
             if (
-                not any(_under(rid, root) for rid in self.specs)
+                not any(under(rid, root) for rid in self.specs)
                 and root not in self.bad
                 and not any(root in b for b in self.bad)
             ):
@@ -258,9 +257,9 @@ class Watcher:
         if self.reports is not None:
             run.memory = RunMemory()
         self.runs[spec.id] = run
-        if self.observer is not None:
+        for hook in ([self.observer] if self.observer is not None else []) + list(self.targets):
             try:
-                self.observer.run_started(run, spec)
+                hook.run_started(run, spec)  # the metrics first, then targets that follow runs
             except Exception as e:  # an observer's bug must not stop the watching
                 self._say_once(
                     f"observer:{type(e).__name__}",
@@ -275,7 +274,7 @@ class Watcher:
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
         """Name the run's problem once; leave it alone until its files change (then try it
         again, and say its problem again only if it is a new one)."""
-        self.bad[run_id] = _signature(spec or self.specs.get(run_id))
+        self.bad[run_id] = signature(spec or self.specs.get(run_id))
         self._say_once(f"run:{run_id}", why if run_id in why else f"run {run_id}: {why}")
 
     def _say_once(self, key: str, line: str) -> None:
@@ -306,34 +305,14 @@ class Watcher:
             if self.stop.is_set():
                 break
             before = run.records
-            try:
-                events = run.poll(final=final, stop=self.stop, chunks=1)  # one bounded chunk per run and pass
-                backlog = backlog or run.backlog
-            except MlflowError as e:  # the tracking server is away: like an unreadable file, asked again next pass
-                self._notes(run)
-                line = f"{e}; asked again at each poll"  # the words discovery uses: said once for both
-                if line not in self.bad:
-                    self.bad[line] = None
-                    self.say(line)
+            events = self._read(run_id, run, final)
+            if events is None:
                 continue
-            except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
-                self._notes(run)
-                self._retire(run_id, keep=False)
-                self._unhealthy(run_id, str(e))
-                continue
-            except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
-                self._notes(run)
-                self._retire(run_id, keep=False)
-                self._unhealthy(
-                    run_id,
-                    f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
-                    "marked unhealthy, the other runs are watched",
-                )
-                continue
+            backlog = backlog or run.backlog
             self._notes(run)
             self.records_read += max(0, run.records - before)
             if self.reports is not None and events:
-                events = self.reports.on_events(run, events, _name(run_id, self.roots))
+                events = self.reports.on_events(run, events, run_name(run_id, self.roots))
             for ev in events:
                 self._enqueue(ev)
             found += len(events)
@@ -343,13 +322,37 @@ class Watcher:
                 self._retire(run_id)
         self.backlog = backlog
         if self.reports is not None:
-            self.reports.write_due(self.runs, lambda rid: _name(rid, self.roots))
+            self.reports.write_due(self.runs, lambda rid: run_name(rid, self.roots))
         if found:
             self.save(force=True)  # write-ahead: a restart knows these were (about to be) sent
         self._deliver()
         if self._outbox_changed or (self._dirty and time.monotonic() - self._last_save >= self.state_every_s):
             self.save()  # what was delivered leaves the saved outbox at once (no resend after a crash)
         return found
+
+    def _read(self, run_id: str, run: WatchedRun, final: bool) -> list[RunIncident] | None:
+        """One bounded chunk of the run's log through its detectors: the events it caused, or
+        None when it could not be read (said once; the run asked again, or marked unhealthy)."""
+        try:
+            return run.poll(final=final, stop=self.stop, chunks=1)
+        except MlflowError as e:  # the tracking server is away: like an unreadable file, asked again next pass
+            self._notes(run)
+            line = f"{e}; asked again at each poll"  # the words discovery uses: said once for both
+            if line not in self.bad:
+                self.bad[line] = None
+                self.say(line)
+            return None
+        except (NummonError, OSError) as e:  # not a log (any more), a FIFO swapped in, a missing extra
+            why = str(e)
+        except Exception as e:  # a reader's bug is that run's problem, never the watcher's exit
+            why = (
+                f"run {run_id}: could not be read ({type(e).__name__}: {str(e)[:200]}); "
+                "marked unhealthy, the other runs are watched"
+            )
+        self._notes(run)
+        self._retire(run_id, keep=False)
+        self._unhealthy(run_id, why)
+        return None
 
     def _notes(self, run: WatchedRun) -> None:
         for line in run.follower.notes + run.notes:
@@ -358,92 +361,36 @@ class Watcher:
         run.notes.clear()
 
     def _enqueue(self, ev: RunIncident) -> None:
-        ev.name = _name(ev.run, self.roots)
-        n = Notice(ev.to_dict())
-        self.outbox[n.event_id] = {"event": n.d, "pending": list(self.by_key), "tries": {}}
+        ev.name = run_name(ev.run, self.roots)
+        self.delivery.add(Notice.from_incident(ev))
 
     def _deliver(self) -> None:
         """Hand every pending event to every target it is pending for (in event order)."""
-        for eid, item in list(self.outbox.items()):
-            notice = Notice(item["event"])
-            for key in list(item["pending"]):
-                t = self.by_key.get(key)
-                if t is None or (eid, key) in self._in_flight:
-                    continue
-                if getattr(t, "asynchronous", False):
-                    self._in_flight.add((eid, key))
-                    t.notify(notice)
-                    continue
-                try:
-                    t.notify(notice)
-                except Exception as e:  # one broken target must not stop the others or the loop
-                    if self.observer is not None:
-                        self.observer.target_failed(t)
-                    tries = item["tries"][key] = item["tries"].get(key, 0) + 1
-                    if tries >= _SYNC_TRIES:
-                        item["pending"].remove(key)
-                        self.lost += 1
-                        self._lost_ids.add(eid)
-                        self.say(
-                            f'{getattr(t, "shown", key)}: could not deliver "{notice.title}" of run {notice.run} '
-                            f"({type(e).__name__}: {e}; {plural(tries, 'try')})"
-                        )
-                    else:
-                        self.say(
-                            f'{getattr(t, "shown", key)}: failed on "{notice.title}" ({e}); tried again at the next poll'
-                        )
-                    continue
-                item["pending"].remove(key)
-            if not item.get("counted"):
-                item["counted"] = True
-                self.notified += 1
-        self._settle()
-
-    def _outcome(self, outcome: Any) -> None:  # from a webhook's thread
-        with self._lock:
-            self._outcomes.append(outcome)
+        self._outbox_touched(self.delivery.deliver())
 
     def _settle(self) -> None:
         """Apply the outcomes the asynchronous targets reported; drop events every target has."""
-        with self._lock:
-            got, self._outcomes = self._outcomes, []
-        changed = False
-        for o in got:
-            for key, t in self.by_key.items():
-                if (o.event_id, key) not in self._in_flight or not getattr(t, "asynchronous", False):
-                    continue
-                self._in_flight.discard((o.event_id, key))
-                item = self.outbox.get(o.event_id)
-                if item is not None and key in item["pending"]:
-                    item["pending"].remove(key)
-                    changed = True
-                if not o.ok:
-                    self.lost += 1
-                    self._lost_ids.add(o.event_id)
-                    if self.observer is not None:
-                        self.observer.target_failed(t)
-                    self.say(t.describe(o) if hasattr(t, "describe") else f"{key}: could not deliver ({o.reason})")
-                break
-        for eid, item in list(self.outbox.items()):
-            if not item["pending"]:
-                del self.outbox[eid]
-                if eid in self._lost_ids:
-                    self._lost_ids.discard(eid)
-                else:
-                    self.delivered += 1
-                changed = True
+        self._outbox_touched(self.delivery.settle())
+
+    def _outbox_touched(self, changed: bool) -> None:
         if changed:
             self._dirty = self._outbox_changed = True
+
+    def _target_failed(self, target: Target) -> None:
+        if self.observer is not None:
+            self.observer.target_failed(target)
 
     def _retire(self, run_id: str, keep: bool = True) -> None:
         run = self.runs.pop(run_id)
         if self.observer is not None:
             self.observer.run_retired(run_id)
+        for t in self.targets:
+            t.run_retired(run_id)
         if keep:
             self.saved_runs[run_id] = run.to_state()
-            self.retired_sig[run_id] = _signature(self.specs.get(run_id))
+            self.retired_sig[run_id] = signature(self.specs.get(run_id))
             if self.reports is not None:
-                self.reports.refresh(run, _name(run_id, self.roots))  # the run ended: its whole page
+                self.reports.refresh(run, run_name(run_id, self.roots))  # the run ended: its whole page
         run.close()
 
     def save(self, force: bool = False) -> None:
@@ -456,9 +403,8 @@ class Watcher:
         for rid, since in self.gone_since.items():
             if rid in runs:
                 runs[rid] = {**runs[rid], "gone_since": since}
-        outbox = [{"event": i["event"], "pending": list(i["pending"])} for i in self.outbox.values()]
         try:
-            self.state.save({"runs": runs, "outbox": outbox})
+            self.state.save({"runs": runs, "outbox": self.delivery.to_state()})
         except OSError as e:
             why = e.strerror or str(e)
             if self._state_failed is None:
@@ -501,40 +447,21 @@ class Watcher:
 
     def _drain(self, stop: threading.Event, timeout_s: float | None) -> None:
         """--once: wait for the asynchronous targets' outcomes (bounded by their own retries)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._in_flight and not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            stop.wait(0.05)
-            self._settle()
-            self._deliver()
+        self._outbox_touched(self.delivery.drain(stop, timeout_s))
 
     def _summary(self, kept: int) -> str:
         """The last line: why the watcher stops and what it did in this session."""
         why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
-        sent = f"{plural(self.notified, 'incident event')} notified"
-        fates = (
-            [f"{self.delivered} delivered"]
-            + ([f"{plural(self.lost, 'notification')} lost"] if self.lost else [])
-            + ([f"{kept} kept for the next start"] if kept else [])
-        )
         return (
             f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
-            f"{sent} ({', '.join(fates)})"
+            f"{self.delivery.fates(kept)}"
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            for t in self.targets:
-                if getattr(t, "asynchronous", False):
-                    try:
-                        left = t.close(timeout_s=max(0.0, deadline - time.monotonic()))
-                    except Exception as e:
-                        left = []
-                        self.say(f"notification target {getattr(t, 'shown', type(t).__name__)} did not close: {e}")
-                    self._settle()
-                    for eid in left:
-                        self._in_flight.discard((eid, _key(t)))
-            pending = sum(1 for i in self.outbox.values() if i["pending"])
+            self._outbox_touched(self.delivery.close_asynchronous(deadline))
+            pending = self.delivery.pending()
             if pending:
                 if self.state.path:
                     self.say(
@@ -542,7 +469,7 @@ class Watcher:
                         "sent at the next start"
                     )
                 else:
-                    self.lost += pending
+                    self.delivery.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
             self._final_reports(time.monotonic() + timeout_s)
@@ -550,16 +477,7 @@ class Watcher:
         finally:
             for run in self.runs.values():
                 run.close()
-            for t in self.targets:
-                if getattr(t, "asynchronous", False):
-                    continue
-                try:
-                    try:  # targets with threads of their own (Alertmanager) get what is left of the interval
-                        t.close(timeout_s=max(0.0, deadline - time.monotonic()))
-                    except TypeError:
-                        t.close()
-                except Exception as e:
-                    self.say(f"notification target {type(t).__name__} did not close: {e}")
+            self.delivery.close_synchronous(deadline)
             self.state.release()
 
     def _final_reports(self, deadline: float) -> None:
@@ -574,54 +492,9 @@ class Watcher:
             if time.monotonic() >= deadline:
                 left += 1
                 continue
-            self.reports.refresh(run, _name(rid, self.roots))
+            self.reports.refresh(run, run_name(rid, self.roots))
         if self.reports.writes:
             self.say(
                 f"{plural(len(self.reports.written), 'incident report')} under {self.reports.folder}"
                 + (f" ({left} not refreshed at stop: no time left)" if left else "")
             )
-
-
-def _key(t: Any) -> str:
-    return getattr(t, "key", None) or type(t).__name__
-
-
-def _under(run_id: str, root: str) -> bool:
-    if is_mlflow_source(root):  # mlflow:<uri>[?experiment=...] holds mlflow:<uri>#<run-id>
-        try:
-            uri, one, _ = parse_source(root)
-        except NummonError:
-            return False
-        return (
-            run_id == f"{MLFLOW_PREFIX}{safe_uri(uri)}#{one}"
-            if one
-            else run_id.startswith(f"{MLFLOW_PREFIX}{safe_uri(uri)}#")
-        )
-    root = os.path.abspath(root) if "://" not in root else root
-    return (
-        run_id == root
-        or run_id.startswith(root.rstrip("/").rstrip(os.sep) + os.sep)
-        or run_id.startswith(root.rstrip("/") + "/")
-    )
-
-
-def _name(run_id: str, roots: list[str]) -> str:
-    """A run's short name: its path below the watch root that holds it (or its last parts)."""
-    if run_id.startswith("mlflow:") and "#" in run_id:
-        return "mlflow run " + run_id.rsplit("#", 1)[1]
-    for root in roots:
-        r = os.path.abspath(root) if "://" not in root else root
-        if _under(run_id, r) and run_id != r:
-            return run_id[len(r.rstrip("/").rstrip(os.sep)) + 1 :]
-    parts = run_id.rstrip("/").replace(os.sep, "/").split("/")
-    return "/".join(parts[-2:])
-
-
-def _signature(spec: RunSpec | None) -> tuple:
-    """Sizes, mtimes and identities of a run's files: a retired or unhealthy run wakes up when they change."""
-
-    if spec is None:
-        return ()
-    if spec.format == "mlflow":
-        return ()  # a server's run has no files: never "untouched since" (asked again at each discovery)
-    return tuple((f, fs.stat(f)) for f in sorted(spec.files))

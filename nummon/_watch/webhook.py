@@ -18,11 +18,12 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from .._errors import NummonError
+from .incidents import Notice
+from .output import Outcome, OutcomeHandler, Target
 from .text import mrkdwn, plain, plural, safe_url
 
 __all__ = ["WebhookTarget", "WebhookStats", "slack_payload", "check_url", "Outcome"]
@@ -46,36 +47,28 @@ def check_url(url: str) -> None:
         raise NummonError(f"webhook URL {shown}: no host")
 
 
-def slack_payload(event: Any, host: str | None = None) -> dict[str, Any]:
+def slack_payload(notice: Notice, host: str | None = None) -> dict[str, Any]:
     """Slack's incoming-webhook shape (Mattermost, Discord's /slack endpoint and Teams' connectors
-    read its ``text``): the title in bold with the run's name and the host, then the summary."""
+    read its ``text``): the title in bold with the run's name and the host, then the summary, and
+    the event as data (the one place the notice becomes a dict: the HTTP body)."""
     host = host or socket.gethostname()
-    name = getattr(event, "name", None) or event.run
-    summary = event.summary()
-    prefix = f"run `{event.run}`: "
+    name = notice.name or notice.run
+    summary = notice.summary()
+    prefix = f"run `{notice.run}`: "
     if summary.startswith(prefix):  # the run is named on the line above
         summary = summary[len(prefix) :]
-    where = f"run `{mrkdwn(name)}` on {mrkdwn(host)}" + (f" (`{mrkdwn(event.run)}`)" if name != event.run else "")
-    rich = f"*{mrkdwn(event.title)}*\n{where}\n{mrkdwn(summary)}"
+    where = f"run `{mrkdwn(name)}` on {mrkdwn(host)}" + (f" (`{mrkdwn(notice.run)}`)" if name != notice.run else "")
+    rich = f"*{mrkdwn(notice.title)}*\n{where}\n{mrkdwn(summary)}"
     if len(rich) > _TEXT_MAX:
         rich = rich[: _TEXT_MAX - 1] + "…"
-    fallback = f"{plain(event.title)}\n{plain(where)}\n{plain(summary)}"
-    d = event.to_dict()
+    fallback = f"{plain(notice.title)}\n{plain(where)}\n{plain(summary)}"
+    d = notice.to_dict()
     return {
         "text": fallback,
         "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": rich}}],
         "event_id": d.get("event_id"),
         "nummon": d,
     }
-
-
-class Outcome:
-    """What became of one event at one webhook: delivered, or lost with the reason."""
-
-    def __init__(
-        self, event_id: str, ok: bool, reason: str = "", tries: int = 1, title: str = "", run: str = ""
-    ) -> None:
-        self.event_id, self.ok, self.reason, self.tries, self.title, self.run = event_id, ok, reason, tries, title, run
 
 
 class WebhookStats(NamedTuple):
@@ -94,10 +87,11 @@ class _Refused(Exception):
     """A final answer: no retry."""
 
 
-class WebhookTarget:
+class WebhookTarget(Target):
     """POSTs each event; `sent`, `failed` and `dropped` count what happened to them. Outcomes go
     to `on_outcome` (from the webhook's thread) and are kept in `outcomes` otherwise."""
 
+    kind = "webhook"
     asynchronous = True
 
     def __init__(
@@ -108,7 +102,7 @@ class WebhookTarget:
         backoff_s: float = 0.5,
         queue_size: int = 100,
         answer_timeout_s: float = 30.0,
-        on_outcome: Callable[[Outcome], None] | None = None,
+        on_outcome: OutcomeHandler | None = None,
     ) -> None:
         check_url(url)
         self.url = url
@@ -160,11 +154,19 @@ class WebhookTarget:
                 len(self._unsent),
             )
 
-    def notify(self, event: Any) -> None:
+    def failures(self) -> int:
+        """Events not delivered: failed after the retries, or pushed out of the full queue."""
+        s = self.stats()
+        return s.failed + s.dropped
+
+    def report_outcomes_to(self, handler: OutcomeHandler) -> None:
+        self.on_outcome = handler
+
+    def on_incident(self, notice: Notice) -> None:
         """Queue one event; never waits (when the queue is full the oldest event is dropped,
         counted and reported as lost)."""
-        body = json.dumps(slack_payload(event, self._host), allow_nan=False, default=str).encode("utf-8")
-        item = (getattr(event, "event_id", ""), getattr(event, "title", ""), getattr(event, "run", ""), body)
+        body = json.dumps(slack_payload(notice, self._host), allow_nan=False, default=str).encode("utf-8")
+        item = (notice.event_id, notice.title, notice.run, body)
         old = None
         with self._cond:
             if len(self._items) >= self._queue_size:
