@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from nummon._lazy import require
 from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
@@ -32,7 +33,6 @@ from ._callback_common import (
     summary_line,
     take_per_sample,
 )
-from ._lazy import require
 
 pl = require("lightning.pytorch", "lightning")
 

@@ -16,10 +16,9 @@ from typing import Any
 
 from nummon._errors import NummonError
 from nummon._layout import TOP_K, TopOffenders, step_scalars
+from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import Alert, AlertKind, Health, IncidentEvent, IncidentState, Severity, StepRecord
-
-from ._lazy import require
 
 __all__ = ["MlflowSink"]
 

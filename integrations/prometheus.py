@@ -23,11 +23,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from nummon._errors import NummonError
+from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import Alert, Health, StepRecord
 from nummon._watch.metrics import FleetMetrics, WatchSnapshot
-
-from ._lazy import require
 
 __all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "label_value", "METRICS"]
 

@@ -28,11 +28,11 @@ from nummon._layout import (
     state_range_scalars,
     step_scalars,
 )
+from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
 
 from ._incident_picture import IncidentPicture
-from ._lazy import require
 
 __all__ = ["TensorBoardSink", "PICTURE_TAG"]
 

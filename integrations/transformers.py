@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from nummon._lazy import require
 from nummon._policy import PolicyLike
 from nummon._types import StepReport
 
@@ -36,7 +37,6 @@ from ._callback_common import (
     take_per_sample,
     with_class_count,
 )
-from ._lazy import require
 
 transformers = require("transformers", "transformers")
 

@@ -28,11 +28,11 @@ from nummon._layout import (
     metric_sections,
     step_scalars,
 )
+from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
 from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, Severity, StepRecord
 
 from ._incident_picture import IncidentPicture
-from ._lazy import require
 
 __all__ = ["WandbSink"]
 

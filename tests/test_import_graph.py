@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_detectors",
             "_stats",
             "_distributed",
+            "_replicas",
             "_incidents",
             "_sinks",
             "_dispatch",
