@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from .._alert_text import sci
 from .._functional import median, robust_center
 from .._policy import NonfinitePolicy
 from .._text import fmt_num
-from .._types import AlertKind, Finding, Severity, StepRecord, sci
+from .._types import AlertKind, Finding, Severity, StepRecord
 
 __all__ = ["NonfiniteDetector"]
 
