@@ -29,6 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_lazy",
             "_policy_sections",
             "_policy",
+            "_policy_mechanisms",
+            "_policy_runtime",
             "_hints",
             "_trace",
             "_demo_config",
