@@ -13,11 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nummon._events import StepReport
 from nummon._format import plain_text
 from nummon._functional import clip_ratio
 from nummon._policy import Policy, PolicyLike, load_policy
 from nummon._sinks import ConsoleSink, JsonlSink
-from nummon._types import Severity, StepReport
+from nummon._types import Severity
 
 __all__ = [
     "EVENTS_FILE",

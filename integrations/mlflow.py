@@ -15,10 +15,11 @@ import time
 from typing import Any
 
 from nummon._errors import NummonError
+from nummon._events import IncidentEvent
 from nummon._layout import TOP_K, TopOffenders, step_scalars
 from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
-from nummon._types import Alert, AlertKind, Health, IncidentEvent, IncidentState, Severity, StepRecord
+from nummon._types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
 
 __all__ = ["MlflowSink"]
 

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import Any
 
+from nummon._events import IncidentEvent
 from nummon._format import alert_text
 from nummon._layout import (
     DEFAULT_HISTOGRAM_EVERY,
@@ -30,7 +31,7 @@ from nummon._layout import (
 )
 from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, StepRecord
+from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentState, StepRecord
 
 from ._incident_picture import IncidentPicture
 

@@ -17,9 +17,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from nummon._events import StepReport
 from nummon._lazy import require
 from nummon._policy import PolicyLike
-from nummon._types import StepReport
 
 from ._callback_common import (
     StepAsMetric,

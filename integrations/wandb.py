@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from nummon._errors import NummonError
+from nummon._events import IncidentEvent
 from nummon._format import alert_text
 from nummon._layout import (
     DEFAULT_HISTOGRAM_EVERY,
@@ -30,7 +31,7 @@ from nummon._layout import (
 )
 from nummon._lazy import require
 from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentEvent, IncidentState, Severity, StepRecord
+from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentState, Severity, StepRecord
 
 from ._incident_picture import IncidentPicture
 

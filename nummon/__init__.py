@@ -20,21 +20,12 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
 del _root
 
 from ._errors import DistributedError, NummonError, StateError
+from ._events import Contributor, IncidentEvent, StepReport
 from ._policy import Policy, PolicyError, load_policy, preset_names
 from ._replay import replay
 from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
 from ._trace import TraceError, read_trace
-from ._types import (
-    Alert,
-    AlertKind,
-    Contributor,
-    Health,
-    IncidentEvent,
-    IncidentState,
-    Severity,
-    StepRecord,
-    StepReport,
-)
+from ._types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
 
 __version__ = "0.1.0"
 

@@ -32,9 +32,10 @@ from torch import nn
 from ._demo_config import DEMO_BATCH, HEALTHY_LR, HIDDEN, IMAGE_SIDE, RUNAWAY_LR, WIDTH, DemoConfig
 from ._demo_model import DemoCNN, SyntheticDigits
 from ._errors import NummonError
+from ._events import IncidentEvent
 from ._policy import Policy, load_policy
 from ._sinks import BaseSink, RunContext
-from ._types import Alert, Health, IncidentEvent, Severity, StepRecord
+from ._types import Alert, Health, Severity, StepRecord
 
 __all__ = ["DemoConfig", "DemoPlan", "DemoResult", "StepCallback", "prepare", "run"]
 
@@ -329,7 +330,21 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
             first_nonfinite = final.step
     finally:
         mon.close()
-    elapsed = time.perf_counter() - t0
+    return _result(plan, mon, (tb_dir, wandb), notes, steps_run, time.perf_counter() - t0, first_nonfinite)
+
+
+def _result(
+    plan: DemoPlan,
+    mon: Any,
+    outputs: tuple[Any, Any],
+    notes: list[str],
+    steps_run: int,
+    elapsed: float,
+    first_nonfinite: int | None,
+) -> DemoResult:
+    """What the run showed: its steps, alerts and files (`outputs`: the TensorBoard folder and the
+    W&B process), read from the closed Monitor; `elapsed` in seconds."""
+    tb_dir, wandb = outputs
     wandb_result = wandb.result if wandb is not None else {}
     if wandb_result.get("error"):
         notes.append(wandb_result["error"])

@@ -6,8 +6,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ._alert_text import threshold_text, value_text
 from ._text import cut_at_word, fmt_num, plain_text, plural
-from ._types import Alert, threshold_text, value_text
+from ._types import Alert
 
 __all__ = [
     "TABLE_COLUMNS",

@@ -3,8 +3,8 @@ goes bad, one when it gets worse, one when it is lost and one when it recovers.
 
 Pure (no torch, no I/O). `IncidentTracker.update` takes each step's alerts and returns the
 `IncidentEvent`s of the transitions it made; notification sinks send those, while logs keep
-every alert. The events themselves (`IncidentEvent`, `IncidentState`, `Contributor`) are plain
-data in `_types`, re-exported here.
+every alert. The events themselves (`IncidentEvent`, `Contributor`; `IncidentState`) are plain
+data in `_events` (and `_types`), re-exported here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from ._types import SUMMARY_MAX, TITLE_MAX, Alert, AlertKind, Contributor, IncidentEvent, IncidentState, Severity
+from ._alert_text import SUMMARY_MAX, TITLE_MAX
+from ._events import Contributor, IncidentEvent
+from ._types import Alert, AlertKind, IncidentState, Severity
 
 __all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
 

@@ -19,6 +19,7 @@ from . import _shutdown
 from ._dispatch import SinkDispatcher
 from ._engine import HealthEngine
 from ._errors import NummonError
+from ._events import StepReport
 from ._functional import clip_ratio
 from ._incidents import IncidentEvent
 from ._policy import PolicyLike, load_policy
@@ -26,7 +27,7 @@ from ._recorder import FlightRecorder, FlightRecords, RunFolder
 from ._report.live import LiveReport, escalated_to_critical
 from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from ._stats import Pending, StatsEngine
-from ._types import Alert, Severity, StepRecord, StepReport
+from ._types import Alert, Severity, StepRecord
 
 __all__ = ["Monitor"]
 

@@ -213,68 +213,57 @@ def overfit_one_batch(
 
 def _verdict(trials: list[_Trial], steps: int, floor: float) -> Report:
     best = min(trials, key=lambda t: (t.ended != "memorised", t.ratio(floor)))
-    total = sum(t.steps for t in trials)
-    ratio = best.ratio(floor)
-    nums: dict[str, Any] = {
+    status, line = _judge(trials, best, steps, floor)
+    return Report("overfit one batch", status, [line], _numbers(trials, best, steps, floor))
+
+
+def _numbers(trials: list[_Trial], best: _Trial, steps: int, floor: float) -> dict[str, Any]:
+    """The report's numbers: the best trial's losses and accuracy, and what every trial cost."""
+    return {
         "start_loss": best.start_loss,
         "best_loss": best.best_loss,
         "final_loss": best.final_loss,
         "reference_loss": best.reference_loss,
-        "best_over_reference": ratio,
+        "best_over_reference": best.ratio(floor),
         "best_over_start": best.best_loss / best.start_loss if best.start_loss > 0 else math.inf,
         "accuracy": best.accuracy,
         "lr": best.lr,
-        "steps": total,
+        "steps": sum(t.steps for t in trials),
         "steps_per_lr": steps,
         "trials": [asdict(t) for t in trials],
     }
-    name = "overfit one batch"
+
+
+def _judge(trials: list[_Trial], best: _Trial, steps: int, floor: float) -> tuple[Status, str]:
+    """(status, the one line that says why) from the best trial and how the others ended."""
+    ratio = best.ratio(floor)
+    total = sum(t.steps for t in trials)
     acc = "" if best.accuracy is None else f", batch accuracy {best.accuracy:.0%}"
     loss = f"loss {best.start_loss:.4g} -> {best.best_loss:.4g} ({ratio:.2%} of a constant prediction's {best.reference_loss:.4g})"
     cost = f"{total} steps over {len(trials)} learning rate(s) {', '.join(f'{t.lr:g}' for t in trials)}"
     if best.ended == "memorised":
-        return Report(
-            name,
-            Status.PASS,
-            [f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"],
-            nums,
-        )
+        return Status.PASS, f"memorised the batch at lr {best.lr:g} in {best.steps} steps: {loss}{acc}; {cost}"
     if best.ended == "no_grad":
-        return Report(
-            name,
+        return (
             Status.FAIL,
-            [
-                "the loss depends on no trainable parameter: the model is frozen (requires_grad False everywhere) "
-                "or its output is detached (.detach(), .item(), torch.no_grad, a numpy round trip)"
-            ],
-            nums,
+            "the loss depends on no trainable parameter: the model is frozen (requires_grad False everywhere) "
+            "or its output is detached (.detach(), .item(), torch.no_grad, a numpy round trip)",
         )
     if all(t.ended == "nonfinite" for t in trials):
-        return Report(
-            name,
+        return (
             Status.FAIL,
-            [f"the loss became non-finite at every learning rate tried ({cost}): check the loss for log(0)/division"],
-            nums,
+            f"the loss became non-finite at every learning rate tried ({cost}): check the loss for log(0)/division",
         )
     if best.ended == "budget" and ratio <= 0.5:
-        return Report(
-            name,
+        return (
             Status.PARTIAL,
-            [
-                f"not memorised within {steps} steps per learning rate but still falling: {loss}{acc}; "
-                f"raise steps; {cost}"
-            ],
-            nums,
+            f"not memorised within {steps} steps per learning rate but still falling: {loss}{acc}; raise steps; {cost}",
         )
     if best.accuracy == 1.0:
-        return Report(
-            name,
+        return (
             Status.FAIL,
-            [
-                f"every prediction is right but the loss flattened far above its floor {floor:g}: {loss}; the loss cannot "
-                "reach its minimum: softmax before CrossEntropyLoss, or a loss with a non-zero floor "
-                f"(label smoothing: pass loss_floor); {cost}"
-            ],
-            nums,
+            f"every prediction is right but the loss flattened far above its floor {floor:g}: {loss}; the loss cannot "
+            "reach its minimum: softmax before CrossEntropyLoss, or a loss with a non-zero floor "
+            f"(label smoothing: pass loss_floor); {cost}",
         )
-    return Report(name, Status.FAIL, [f"no learning rate memorised the batch: {loss}{acc}; {_CAUSES}; {cost}"], nums)
+    return Status.FAIL, f"no learning rate memorised the batch: {loss}{acc}; {_CAUSES}; {cost}"

@@ -1,6 +1,7 @@
-"""Plain data that crosses every boundary: step records, findings, alerts, incident events.
+"""Plain data that crosses every boundary: the kinds and severities, step records, findings and alerts.
 
-Nothing here imports torch: detectors, replay and sinks all speak these types.
+Nothing here imports torch: detectors, replay and sinks all speak these types. The words for an
+alert's value live in `_alert_text`; incident events and the step report in `_events`.
 """
 
 from __future__ import annotations
@@ -8,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._json import json_float
-from ._text import cut_at_word, fmt_num
 
 __all__ = [
     "Severity",
@@ -26,12 +26,7 @@ __all__ = [
     "StepRecord",
     "Finding",
     "Alert",
-    "StepReport",
     "IncidentState",
-    "Contributor",
-    "IncidentEvent",
-    "TITLE_MAX",
-    "SUMMARY_MAX",
 ]
 
 
@@ -396,10 +391,6 @@ _TITLES = {
 }
 
 
-TITLE_MAX = 63  # W&B alert titles must stay under 64 characters
-SUMMARY_MAX = 999  # and texts under 1000
-
-
 class IncidentState(str, enum.Enum):
     """Where the run's incident stands, mildest first."""
 
@@ -419,284 +410,3 @@ class IncidentState(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def sci(v: float) -> str:
-    """A number for people: 6.0e34, 1.6e6 for large or tiny magnitudes, 4 significant digits otherwise."""
-    if isinstance(v, float) and math.isfinite(v) and v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
-        mantissa, exponent = f"{v:.1e}".split("e")
-        return f"{mantissa}e{int(exponent)}"
-    if isinstance(v, int) and abs(v) >= 10_000:
-        return sci(float(v))
-    return fmt_num(v)
-
-
-#: what the value of each (kind, metric) measures, where it is not the metric itself ({v}: the value)
-_VALUE_NAMES = {
-    (AlertKind.OSCILLATION, "loss"): "loss relative spread {v}",
-    (AlertKind.ATTENTION_LOGITS, "attention_logit_max"): "max attention logit {v}",
-    (AlertKind.ATTENTION_COLLAPSE, "attention_entropy"): "attention entropy {v} of its maximum",
-    (AlertKind.OUTPUT_LOGITS, "output_logsumexp_mean"): "mean log-sum-exp of the output logits {v}",
-    (AlertKind.ADAM_SECOND_MOMENT, "adam_ratio_rms"): "RMS(g/sqrt(v)) {v}",
-    (AlertKind.ADAM_SECOND_MOMENT, "update_ratio_max"): "Adam update {v} of its tensor's norm",
-    (AlertKind.VANISHING, "layer_grad_norm"): "smallest layer gradient norm {v}",
-    (AlertKind.REPLICA_MISMATCH, "replica_fingerprint"): "{v} rank(s) out of step with the others",
-}
-
-
-def value_text(
-    kind: AlertKind,
-    metric: str,
-    value: float | None,
-    details: dict[str, Any] | None = None,
-    location: str | None = None,
-) -> str | None:
-    """The value of an alert with its name and unit ("loss 6.0e34 (3.7 decades of float32
-    headroom left)", "1.6e6 non-finite elements in output of `fc1`"); None when it has none."""
-    d = details or {}
-    if kind is AlertKind.EXTREME and value is not None:
-        left = f"{value:.1f} decades of {d.get('dtype', 'float32')} headroom left"
-        mag = d.get("magnitude")
-        return f"{metric} {sci(mag)} ({left})" if isinstance(mag, (int, float)) else left
-    if kind is AlertKind.NONFINITE:
-        if d.get("rule") == "log_skip_level_shift" and value is not None:
-            return f"loss {value:.3g}x its level before the non-finite {', '.join(d.get('parts') or ['gradients'])}"
-        if metric == "input" and value is not None:
-            return f"{sci(int(value))} non-finite values in the input batch"
-        if metric == "scaled_gradients":
-            return "scaled gradients overflowed: the GradScaler skipped the step"
-        n = d.get("elements")
-        where = location or metric
-        if isinstance(n, int) and n > 0:
-            return f"{sci(n)} non-finite element{'' if n == 1 else 's'} in {where}"
-        return f"non-finite {', '.join(d.get('parts') or [where])}"
-    if value is None:
-        return None
-    if (kind, metric) == (AlertKind.ADAM_SECOND_MOMENT, "adam_small_grad_fraction"):
-        return f"{value:.0%} of gradient elements below Adam's eps"
-    text = _VALUE_NAMES.get((kind, metric), metric + " {v}").format(v=sci(value))
-    ratio, base = d.get("ratio"), d.get("baseline")
-    if (
-        kind in (AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION)
-        and isinstance(ratio, (int, float))
-        and isinstance(base, (int, float))
-    ):
-        text += f" ({ratio:.3g}x its recent median {sci(base)})"
-    return text
-
-
-#: kinds whose threshold is in the unit of their value
-_THRESHOLD_IN_VALUE_UNITS = frozenset(
-    {
-        AlertKind.EXTREME,
-        AlertKind.LOSS_SPIKE,
-        AlertKind.EXPLOSION,
-        AlertKind.DIVERGENCE,
-        AlertKind.OSCILLATION,
-        AlertKind.ATTENTION_LOGITS,
-        AlertKind.ADAM_SECOND_MOMENT,
-    }
-)
-
-
-def threshold_text(
-    kind: AlertKind, metric: str, threshold: float | None, details: dict[str, Any] | None = None
-) -> str | None:
-    """The limit an alert's value crossed, with its name and unit; None where there is none to say
-    (a non-finite value has no threshold)."""
-    if threshold is None or kind not in _THRESHOLD_IN_VALUE_UNITS:
-        return None  # (a non-finite value has no threshold; a stall's is a tolerance, not a loss)
-    if kind is AlertKind.EXTREME:
-        return f"{threshold:g} decades of {(details or {}).get('dtype', 'float32')} headroom"
-    return value_text(kind, metric, threshold)
-
-
-@dataclass(frozen=True)
-class Contributor:
-    """One condition behind an incident, as its latest alert described it."""
-
-    step: int
-    kind: AlertKind
-    severity: Severity
-    metric: str
-    value: float | None = None
-    growth: float | None = None  # total growth factor over the streak (runaway)
-    rate_per_step: float | None = None  # geometric growth per step (runaway)
-    steps_to_overflow: float | None = None
-    location: str | None = None
-    rank: int | None = None
-    overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
-    value_text: str | None = None  # the value with its name and unit (see `value_text`)
-
-    @classmethod
-    def from_alert(cls, a: Alert) -> Contributor:
-        d = a.details or {}
-        num = lambda k: float(d[k]) if isinstance(d.get(k), (int, float)) else None  # noqa: E731
-        return cls(
-            a.step,
-            a.kind,
-            a.severity,
-            a.metric,
-            a.value,
-            num("growth"),
-            num("rate_per_step"),
-            num("steps_to_overflow"),
-            a.location,
-            a.rank,
-            bool(d.get("overflow_bound")),
-            value_text(a.kind, a.metric, a.value, d, a.location),
-        )
-
-    def line(self) -> str:
-        """One Markdown list item."""
-        parts = [f"**{self.severity.value}** {self.kind.value}:"]
-        said = self.value_text or value_text(self.kind, self.metric, self.value, location=self.location)
-        parts.append(said if said else f"`{self.metric}`")
-        if self.rate_per_step is not None:
-            parts.append(f"(x{self.rate_per_step:.3g}/step")
-            ov = self.steps_to_overflow
-            if ov is not None and math.isfinite(ov):
-                n = max(1, round(ov))
-                parts[-1] += (
-                    f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
-                )
-            else:
-                parts[-1] += ")"
-        if self.location and self.location not in (said or ""):
-            parts.append(f"at {self.location}")
-        if self.rank is not None:
-            parts.append(f"on rank {self.rank}")
-        return "- " + " ".join(parts) + f" (step {self.step})"
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "step": self.step,
-            "kind": self.kind.value,
-            "severity": self.severity.value,
-            "metric": self.metric,
-        }
-        for k in ("value", "growth", "rate_per_step", "steps_to_overflow", "location", "rank"):
-            v = getattr(self, k)
-            if v is not None:
-                d[k] = json_float(v) if isinstance(v, float) else v
-        return d
-
-
-_HEADLINE = {
-    IncidentState.OPEN: "run unstable",
-    IncidentState.CRITICAL: "run critical",
-    IncidentState.NONFINITE: "run lost: non-finite values",
-    IncidentState.RESOLVED: "run recovered",
-}
-
-
-@dataclass(frozen=True)
-class IncidentEvent:
-    """One transition of the run's incident: opened, escalated, or resolved."""
-
-    step: int
-    state: IncidentState
-    previous: IncidentState
-    number: int  # 1 for the run's first incident, 2 for the next after a resolution, ...
-    opened_step: int
-    contributors: tuple[Contributor, ...] = ()  # worst first
-    flight_record: str | None = None
-    hint: str | None = None
-    action: str | None = None  # what nummon did about it (recovery), e.g. "rolled back to step 50, ..."
-    explanation: str | None = None  # why the first non-finite value appeared (forensics: operator, line, cause)
-    reopened: int | None = None  # re-opened: the step at which every condition had cleared before this alert
-    report: str | None = None  # path of the HTML incident report written for it (nummon report)
-
-    @property
-    def title(self) -> str:
-        """A short title naming the state (under 64 characters)."""
-        if self.action:
-            return cut_at_word(f"nummon: {self.action}", TITLE_MAX)
-        head = _HEADLINE.get(self.state, self.state.value)
-        if self.contributors and self.state in (IncidentState.OPEN, IncidentState.CRITICAL):
-            c = self.contributors[0]
-            head += f": {c.kind.value} in {c.metric}"
-        return cut_at_word(f"nummon: {head}", TITLE_MAX)
-
-    def summary(self) -> str:
-        """A short Markdown summary (fits Slack and W&B alert texts: under 1000 characters)."""
-        if self.action:
-            head = f"Incident {self.number} at step {self.step}: {self.action}. Now **{self.state.value}**."
-        elif self.state is IncidentState.RESOLVED:
-            head = (
-                f"Incident {self.number} (opened at step {self.opened_step}) resolved at step {self.step}: "
-                "no open condition and no new alert since."
-            )
-        elif self.reopened is not None:
-            head = (
-                f"Incident {self.number} re-opened at step {self.step}: **{self.state.value}** again "
-                f"(its conditions had cleared at step {self.reopened})."
-            )
-        else:
-            verb = "opened" if not self.previous.active else f"escalated from {self.previous.value}"
-            head = f"Incident {self.number} {verb} at step {self.step}: **{self.state.value}**."
-        tail = []
-        if self.explanation and self.state is not IncidentState.RESOLVED:
-            tail.append(f"- why: {self.explanation}")
-        if self.flight_record:
-            tail.append(f"- flight record: `{self.flight_record}`")
-        if self.report:
-            tail.append(f"- report: `{self.report}`")
-        if self.hint and self.state is not IncidentState.RESOLVED:
-            tail.append(f"- try: {self.hint}")
-        lines = [head]
-        budget = SUMMARY_MAX - len(head) - sum(len(t) + 1 for t in tail) - 40
-        shown = 0
-        for c in self.contributors:
-            item = c.line()
-            if len(item) + 1 > budget:
-                break
-            lines.append(item)
-            budget -= len(item) + 1
-            shown += 1
-        if shown < len(self.contributors):
-            lines.append(f"- … and {len(self.contributors) - shown} more")
-        text = "\n".join(lines + tail)
-        return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "state": self.state.value,
-            "previous": self.previous.value,
-            "number": self.number,
-            "opened_step": self.opened_step,
-            "title": self.title,
-            "contributors": [c.to_dict() for c in self.contributors],
-            "flight_record": self.flight_record,
-            "hint": self.hint,
-            **({"action": self.action} if self.action else {}),
-            **({"explanation": self.explanation} if self.explanation else {}),
-            **({"reopened": self.reopened} if self.reopened is not None else {}),
-            **({"report": self.report} if self.report else {}),
-        }
-
-    def with_flight_record(self, path: str | None) -> IncidentEvent:
-        """This event naming a flight record written after it was made."""
-        return replace(self, flight_record=path)
-
-    def explained(self, explanation: str, hint: str | None) -> IncidentEvent:
-        """This event with the forensic explanation of its non-finite step (and its remedy)."""
-        return replace(self, explanation=explanation, hint=hint or self.hint)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What `Monitor.post_step` returns."""
-
-    step: int
-    health: Health | None  # None only while `pending`
-    alerts: tuple[Alert, ...] = ()
-    should_stop: bool = False
-    record: StepRecord | None = None
-    pending: bool = False  # lagged (CUDA) mode: this step's statistics are still on their way
-    incidents: tuple[IncidentEvent, ...] = ()  # this step's incident transitions (opened, escalated, resolved)
-
-    @property
-    def warned(self) -> bool:
-        return any(a.severity.rank >= Severity.WARNING.rank for a in self.alerts)

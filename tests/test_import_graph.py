@@ -22,11 +22,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_functional",
             "_text",
             "_types",
+            "_alert_text",
+            "_events",
             "_format",
             "_layout",
             "_lazy",
             "_policy_sections",
             "_policy",
+            "_policy_mechanisms",
+            "_policy_runtime",
             "_hints",
             "_trace",
             "_demo_config",
@@ -177,3 +181,82 @@ def test_the_checker_sees_a_circle_and_an_upward_edge(tmp_path, monkeypatch):
         test_no_import_goes_from_a_lower_layer_to_a_higher_one()
     with pytest.raises(AssertionError):
         test_the_import_graph_has_no_circle()
+
+
+# --- sizes: no room so crowded that a reader loses the thread (issue 37, "short rooms") ----------
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+#: Offenders being split right now, each at its size when it was listed: one may shrink, none may
+#: grow, and an entry that fits again must be deleted (the list only shrinks). Keys: a module's
+#: path, or "path:qualified.function".
+OVERSIZE_ALLOWED = {
+    "nummon/_monitor.py": 543,
+    "nummon/_stats/adam_stats.py:AdamStatistics.measure": 72,
+    "nummon/_stats/capture.py": 670,
+    "nummon/_stats/engine.py": 525,
+    "nummon/_stats/engine.py:StatsEngine.__init__": 82,
+    "nummon/_watch/watcher.py": 500,
+    "nummon/_watch/watcher.py:Watcher.__init__": 65,
+}
+
+
+def function_lengths(tree: ast.AST, prefix: str = "") -> dict[str, int]:
+    """{qualified name ("Class.method", "outer.inner"): lines from its `def` to its last line,
+    decorators left out} of every function under `tree`."""
+    out: dict[str, int] = {}
+    for child in ast.iter_child_nodes(tree):
+        name = prefix
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + child.name
+            if not isinstance(child, ast.ClassDef):
+                out[name] = (child.end_lineno or child.lineno) - child.lineno + 1
+            name += "."
+        out.update(function_lengths(child, name))
+    return out
+
+
+def oversize() -> dict[str, int]:
+    """Every module over MAX_MODULE_LINES and every function over MAX_FUNCTION_LINES in nummon/ and
+    integrations/: {"path" or "path:function": lines}."""
+    found: dict[str, int] = {}
+    for path in sorted(modules().values()):
+        key = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+        text = path.read_text(encoding="utf-8")
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            found[key] = n
+        for name, n in function_lengths(ast.parse(text)).items():
+            if n > MAX_FUNCTION_LINES:
+                found[f"{key}:{name}"] = n
+    return found
+
+
+def test_no_module_or_function_outgrows_its_room():
+    too_long = {
+        k: f"{n} lines (allowed {OVERSIZE_ALLOWED.get(k, MAX_FUNCTION_LINES if ':' in k else MAX_MODULE_LINES)})"
+        for k, n in oversize().items()
+        if n > OVERSIZE_ALLOWED.get(k, 0)
+    }
+    assert too_long == {}, "split these (or, while one is being split, it may not grow)"
+
+
+def test_the_oversize_list_only_shrinks():
+    fits_now = sorted(set(OVERSIZE_ALLOWED) - set(oversize()))
+    assert fits_now == [], "these fit their room now: delete them from OVERSIZE_ALLOWED"
+
+
+def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path, monkeypatch):
+    """The size test can fail: a planted long module and long method are found, with their sizes."""
+    pkg = tmp_path / "nummon"
+    pkg.mkdir()
+    long_body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "_long.py").write_text("class C:\n    def f(self):\n" + long_body)
+    (pkg / "_big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (pkg / "_fine.py").write_text("def g():\n" + "    y = 1\n" * (MAX_FUNCTION_LINES - 1))
+    monkeypatch.setitem(PACKAGES, "nummon", pkg)
+    monkeypatch.setitem(PACKAGES, "nummon.integrations", tmp_path / "none")
+    found = {k.rpartition("/")[2]: n for k, n in oversize().items()}
+    assert found == {"_long.py:C.f": MAX_FUNCTION_LINES + 1, "_big.py": MAX_MODULE_LINES + 1}
+    with pytest.raises(AssertionError):
+        test_no_module_or_function_outgrows_its_room()

@@ -164,8 +164,9 @@ if __name__ == "__main__":
 def test_the_page_of_a_100000_step_run_stays_under_2_mb(tmp_path):
     """Size (no timing): 100,000 steps with 8 layers each and an incident at the end draw a page
     well under 2 MB (far from the incident each stretch keeps its extremes only)."""
+    from nummon._events import IncidentEvent
     from nummon._report.load import RunData, _new_record
-    from nummon._types import IncidentEvent, IncidentState
+    from nummon._types import IncidentState
 
     n, layers = 100_000, [f"block{i}.weight" for i in range(8)]
     records = [

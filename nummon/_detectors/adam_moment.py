@@ -55,72 +55,81 @@ class AdamMomentDetector:
         return warn, max(crit, warn)
 
     def update(self, rec: StepRecord) -> list[Finding]:
-        p = self._p
-        if rec.adam_ratio_rms is None or rec.step < p.start_step:
+        if rec.adam_ratio_rms is None or rec.step < self._p.start_step:
             return []
-        out: list[Finding] = []
+        found = (self._ratio_finding(rec), self._small_grad_finding(rec), self._update_finding(rec))
+        return [f for f in found if f is not None]
+
+    def _ratio_finding(self, rec: StepRecord) -> Finding | None:
+        """RMS(g_t/sqrt(v_hat_t)) held at or above its warning level for `patience` samples."""
+        p = self._p
         layers = rec.layer_adam_ratio_rms
         rms = rec.adam_ratio_rms
         bound = rec.adam_ratio_bound
         warn, crit = self._levels(bound)
-        if F.is_finite(rms) and self._hold("rms", rms >= warn) >= p.patience:
-            name = max(layers, key=layers.__getitem__) if layers else None
-            sev = Severity.CRITICAL if rms >= crit else Severity.WARNING
-            where = f" in `{name}`" if name else ""
-            of_bound = (
-                f", {rms / bound:.0%} of the most it can be at this step ({bound:.3g}, when g_t dwarfs "
-                f"everything v remembers)"
-                if bound and F.is_finite(bound)
-                else ""
-            )
-            out.append(
-                Finding(
-                    AlertKind.ADAM_SECOND_MOMENT,
-                    sev,
-                    "adam_ratio_rms",
-                    rms,
-                    crit if sev is Severity.CRITICAL else warn,
-                    f"Adam's second moment underestimates the gradient{where}: RMS(g_t/sqrt(v_hat_t)) is "
-                    f"{rms:.3g}{of_bound}; about 1 when v tracks g² (v_t includes g_t, bias-corrected): "
-                    f"the gradient jumped far above what v has seen",
-                    details={"tensor": name, "bound": bound},
-                )
-            )
+        if not (F.is_finite(rms) and self._hold("rms", rms >= warn) >= p.patience):
+            return None
+        name = max(layers, key=layers.__getitem__) if layers else None
+        sev = Severity.CRITICAL if rms >= crit else Severity.WARNING
+        where = f" in `{name}`" if name else ""
+        of_bound = (
+            f", {rms / bound:.0%} of the most it can be at this step ({bound:.3g}, when g_t dwarfs "
+            f"everything v remembers)"
+            if bound and F.is_finite(bound)
+            else ""
+        )
+        return Finding(
+            AlertKind.ADAM_SECOND_MOMENT,
+            sev,
+            "adam_ratio_rms",
+            rms,
+            crit if sev is Severity.CRITICAL else warn,
+            f"Adam's second moment underestimates the gradient{where}: RMS(g_t/sqrt(v_hat_t)) is "
+            f"{rms:.3g}{of_bound}; about 1 when v tracks g² (v_t includes g_t, bias-corrected): "
+            f"the gradient jumped far above what v has seen",
+            details={"tensor": name, "bound": bound},
+        )
+
+    def _small_grad_finding(self, rec: StepRecord) -> Finding | None:
+        """The fraction of gradient elements below Adam's eps risen far above the run's own level."""
+        p = self._p
         small = rec.adam_small_grad_fraction
-        if F.is_finite(small):
-            base_q = self._small_base
-            if len(base_q) < p.baseline_samples:
-                base_q.append(small)
-            base = min(base_q)  # the lowest: the fraction can take off within the first samples
-            high = small >= p.small_fraction and small >= p.small_growth * base and len(base_q) >= 2
-            if self._hold("small", high) >= p.patience:
-                out.append(
-                    Finding(
-                        AlertKind.ADAM_SECOND_MOMENT,
-                        Severity.WARNING,
-                        "adam_small_grad_fraction",
-                        small,
-                        p.small_fraction,
-                        f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
-                        f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
-                        f"(g² << v), the state that comes before a loss spike",
-                        details={"baseline_fraction": base},
-                    )
-                )
+        if not F.is_finite(small):
+            return None
+        base_q = self._small_base
+        if len(base_q) < p.baseline_samples:
+            base_q.append(small)
+        base = min(base_q)  # the lowest: the fraction can take off within the first samples
+        high = small >= p.small_fraction and small >= p.small_growth * base and len(base_q) >= 2
+        if self._hold("small", high) < p.patience:
+            return None
+        return Finding(
+            AlertKind.ADAM_SECOND_MOMENT,
+            Severity.WARNING,
+            "adam_small_grad_fraction",
+            small,
+            p.small_fraction,
+            f"{small:.0%} of gradient elements are now below Adam's eps (the run's own level was {base:.1%}): "
+            f"those parameters stopped receiving gradient while Adam's second moment still holds their old size "
+            f"(g² << v), the state that comes before a loss spike",
+            details={"baseline_fraction": base},
+        )
+
+    def _update_finding(self, rec: StepRecord) -> Finding | None:
+        """One Adam step that moved a tensor by a large fraction of its norm, for `patience` samples."""
+        p = self._p
         upd = rec.update_ratio_max
-        if F.is_finite(upd) and self._hold("update", upd >= p.warning_update_ratio) >= p.patience:
-            lu = rec.layer_update_ratio
-            name = max(lu, key=lu.__getitem__) if lu else None
-            where = f"`{name}`" if name else "one tensor"
-            out.append(
-                Finding(
-                    AlertKind.ADAM_SECOND_MOMENT,
-                    Severity.WARNING,
-                    "update_ratio_max",
-                    upd,
-                    p.warning_update_ratio,
-                    f"one Adam step moved {where} by {upd:.3g} of its norm",
-                    details={"tensor": name},
-                )
-            )
-        return out
+        if not (F.is_finite(upd) and self._hold("update", upd >= p.warning_update_ratio) >= p.patience):
+            return None
+        lu = rec.layer_update_ratio
+        name = max(lu, key=lu.__getitem__) if lu else None
+        where = f"`{name}`" if name else "one tensor"
+        return Finding(
+            AlertKind.ADAM_SECOND_MOMENT,
+            Severity.WARNING,
+            "update_ratio_max",
+            upd,
+            p.warning_update_ratio,
+            f"one Adam step moved {where} by {upd:.3g} of its norm",
+            details={"tensor": name},
+        )

@@ -6,8 +6,9 @@ import math
 from typing import cast
 
 from .. import _functional as F
+from .._alert_text import sci
 from .._policy import HeadroomPolicy
-from .._types import AlertKind, Finding, Severity, StepRecord, sci
+from .._types import AlertKind, Finding, Severity, StepRecord
 from .base import MAGNITUDE_FIELDS
 
 __all__ = ["HeadroomDetector"]

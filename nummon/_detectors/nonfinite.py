@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from .._alert_text import sci
 from .._functional import median, robust_center
 from .._policy import NonfinitePolicy
 from .._text import fmt_num
-from .._types import AlertKind, Finding, Severity, StepRecord, sci
+from .._types import AlertKind, Finding, Severity, StepRecord
 
 __all__ = ["NonfiniteDetector"]
 
@@ -37,6 +38,49 @@ _SHIFT_RECORDS = 3
 _MEDIAN_OF_3 = 0.67
 
 
+def _batch_findings(rec: StepRecord) -> list[Finding]:
+    """What a record says about its step's batch and loss scaler: a GradScaler's skipped step
+    (info) and non-finite values in the input batch (critical)."""
+    out: list[Finding] = []
+    if rec.scaler_skipped:
+        # dynamic loss scaling calibrates by overflowing: the weights were protected
+        out.append(
+            Finding(
+                AlertKind.NONFINITE,
+                Severity.INFO,
+                "scaled_gradients",
+                None,
+                None,
+                "scaled gradients overflowed and the GradScaler skipped this step (loss scale lowered)",
+                location="GradScaler",
+            )
+        )
+    if rec.input_nonfinite:
+        out.append(
+            Finding(
+                AlertKind.NONFINITE,
+                Severity.CRITICAL,
+                "input",
+                float(rec.input_nonfinite),
+                0.0,
+                f"{rec.input_nonfinite} non-finite values in the input batch (a data problem, not the model)",
+                location="input batch",
+            )
+        )
+    return out
+
+
+def _nonfinite_parts(rec: StepRecord) -> tuple[list[str], bool]:
+    """(the statistics of `rec` that went non-finite, whether they were read off a log): records
+    from traces carry no parts, so they are found among its values."""
+    parts = list(rec.nonfinite_parts)
+    from_log = not parts
+    if from_log and not rec.is_finite():
+        parts = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
+        parts += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
+    return parts, from_log
+
+
 class NonfiniteDetector:
     """Critical on the first NaN/Inf anywhere; keeps the first location while the condition holds.
 
@@ -62,51 +106,15 @@ class NonfiniteDetector:
         self._shift: tuple[int, float, float, list[float]] | None = None
 
     def update(self, rec: StepRecord) -> list[Finding]:
-        out: list[Finding] = []
-        kind = AlertKind.NONFINITE
-        if rec.scaler_skipped:
-            # dynamic loss scaling calibrates by overflowing: the weights were protected
-            out.append(
-                Finding(
-                    kind,
-                    Severity.INFO,
-                    "scaled_gradients",
-                    None,
-                    None,
-                    "scaled gradients overflowed and the GradScaler skipped this step (loss scale lowered)",
-                    location="GradScaler",
-                )
-            )
-        if rec.input_nonfinite:
-            out.append(
-                Finding(
-                    kind,
-                    Severity.CRITICAL,
-                    "input",
-                    float(rec.input_nonfinite),
-                    0.0,
-                    f"{rec.input_nonfinite} non-finite values in the input batch (a data problem, not the model)",
-                    location="input batch",
-                )
-            )
+        out = _batch_findings(rec)
         g = rec.grad_norm
         if g is not None and math.isfinite(g) and g > 0:
             self._norms.append(g)
-        parts = list(rec.nonfinite_parts)
-        from_log = not parts
-        if from_log and not rec.is_finite():  # records from traces carry no parts: find them
-            parts = [k for k, v in rec.scalars().items() if not math.isfinite(v)]
-            parts += [f"grad of {k}" for k, v in rec.layer_grad_norms.items() if not math.isfinite(v)][:3]
+        parts, from_log = _nonfinite_parts(rec)
         if not parts:
-            self._skips = 0
-            self._note_loss(rec.loss)
-            shifted = self._level_shift(rec)
+            shifted = self._on_finite(rec)
             if shifted is not None:
                 out.append(shifted)
-            # (a record non-finite elsewhere, e.g. only in its input batch, ends no episode)
-            self._finite_run = self._finite_run + 1 if rec.is_finite() else 0
-            if self._finite_run >= self._p.clear_records:  # the episode is over
-                self._first, self._since, self._records = None, None, 0
             return out
         gap = self._finite_run if self._since is not None else 0  # finite records since the last non-finite one
         self._finite_run = 0
@@ -119,9 +127,25 @@ class NonfiniteDetector:
             metric = parts[0]
             self._first = (metric, rec.nonfinite_location or metric)
             self._since = rec.step
-        if skip is not None:  # (the first non-finite is kept: the loss may follow at the next record)
-            out.append(skip)
-            return out
+        # (on a skip the first non-finite is kept: the loss may follow at the next record)
+        out.append(skip if skip is not None else self._critical(rec, parts, jump, gap))
+        return out
+
+    def _on_finite(self, rec: StepRecord) -> Finding | None:
+        """Book a record with no non-finite statistic; a level shift after a skip reading, if one shows."""
+        self._skips = 0
+        self._note_loss(rec.loss)
+        shifted = self._level_shift(rec)
+        # (a record non-finite elsewhere, e.g. only in its input batch, ends no episode)
+        self._finite_run = self._finite_run + 1 if rec.is_finite() else 0
+        if self._finite_run >= self._p.clear_records:  # the episode is over
+            self._first, self._since, self._records = None, None, 0
+        return shifted
+
+    def _critical(self, rec: StepRecord, parts: list[str], jump: tuple[float, float] | None, gap: int) -> Finding:
+        """The critical finding of a non-finite record: what went non-finite, where it first did, and
+        how often it came back (`gap`: finite records since the last non-finite one)."""
+        assert self._first is not None
         metric, location = self._first
         n = rec.nonfinite_count
         count = f" ({sci(n)} non-finite element{'' if n == 1 else 's'})" if n else ""
@@ -140,25 +164,22 @@ class NonfiniteDetector:
                 f"; non-finite again after {gap} finite record{'' if gap == 1 else 's'} "
                 f"({self._records} non-finite records since step {self._since})"
             )
-        out.append(
-            Finding(
-                kind,
-                Severity.CRITICAL,
-                "nonfinite",
-                float(rec.nonfinite_count or len(parts)),
-                0.0,
-                f"non-finite values in {', '.join(named)}{count}; {where}{again}",
-                location=location,
-                details={
-                    "parts": named,
-                    "since": self._since,
-                    "last": rec.step,
-                    "records": self._records,
-                    **({"elements": int(n)} if n else {}),
-                },
-            )
+        return Finding(
+            AlertKind.NONFINITE,
+            Severity.CRITICAL,
+            "nonfinite",
+            float(rec.nonfinite_count or len(parts)),
+            0.0,
+            f"non-finite values in {', '.join(named)}{count}; {where}{again}",
+            location=location,
+            details={
+                "parts": named,
+                "since": self._since,
+                "last": rec.step,
+                "records": self._records,
+                **({"elements": int(n)} if n else {}),
+            },
         )
-        return out
 
     def _note_loss(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss) and loss > 0:

@@ -50,7 +50,20 @@ class RunawayDetector:
         return out
 
     def _observe(self, metric: str, step: int, v: float, dtype: str) -> Finding | None:
-        p = self._p
+        streak = self._extend_streak(metric, step, v)
+        if streak is None:
+            return None
+        steps, start_step, start = streak
+        total = v / start
+        judged = self._judge(metric, v, steps, total)
+        if judged is None:
+            return None
+        severity, threshold = judged
+        return self._finding(metric, step, v, dtype, severity, threshold, steps, start_step, total)
+
+    def _extend_streak(self, metric: str, step: int, v: float) -> tuple[int, int, float] | None:
+        """Book `v` into the metric's growth streak: (its length in steps, its start step, its start
+        value) while one runs, None when there is none (first value, a restart, no growth)."""
         hist = self._hist[metric]
         prev = self._state.get(metric)
         if prev is None or step <= prev[0]:
@@ -60,7 +73,7 @@ class RunawayDetector:
             hist.append(F.log10_safe(v))
             return None
         step0, v0, streak, start_step, start = prev
-        if F.growth_per_step(v0, v, step - step0) >= p.min_growth:
+        if F.growth_per_step(v0, v, step - step0) >= self._p.min_growth:
             # a streak is counted in steps: one record 5 steps after the last, grown at the
             # minimum rate per step, is 5 steps of sustained growth (logs every N steps)
             streak += step - step0
@@ -72,9 +85,13 @@ class RunawayDetector:
             self._points[metric] = deque([(step, F.log10_safe(v))], maxlen=_POINTS)
         self._state[metric] = (step, v, streak, start_step, start)
         hist.append(F.log10_safe(v))
-        if streak == 0:
-            return None
-        total = v / start
+        return (streak, start_step, start) if streak else None
+
+    def _judge(self, metric: str, v: float, streak: int, total: float) -> tuple[Severity, float] | None:
+        """(severity, the total-growth factor it crossed) of a streak `streak` steps long that grew
+        `total` x; None while it is below the warning bar."""
+        p = self._p
+        hist = self._hist[metric]
         warn_f, crit_f = p.warning_total_factor, p.critical_total_factor
         if len(hist) < p.short_history:
             # early in a run (or trace) growth from tiny initial values is normal: demand more
@@ -92,11 +109,25 @@ class RunawayDetector:
             and total >= crit_f
             and above >= crit_f
         ):
-            severity, threshold = Severity.CRITICAL, crit_f
-        elif total >= warn_f and above >= warn_f:
-            severity, threshold = Severity.WARNING, warn_f
-        else:
-            return None
+            return Severity.CRITICAL, crit_f
+        if total >= warn_f and above >= warn_f:
+            return Severity.WARNING, warn_f
+        return None
+
+    def _finding(
+        self,
+        metric: str,
+        step: int,
+        v: float,
+        dtype: str,
+        severity: Severity,
+        threshold: float,
+        streak: int,
+        start_step: int,
+        total: float,
+    ) -> Finding:
+        """The runaway finding: growth, rate per step, and the steps left until `dtype` overflows."""
+        hist = self._hist[metric]
         mean_rate = total ** (1.0 / max(step - start_step, 1))
         top = F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"])
         points = list(self._points[metric])

@@ -94,26 +94,31 @@ def _overflow_text(name: str, operands: Sequence[Any], dtype: torch.dtype) -> st
     return f"inputs to {name} span [{_num(span[0])}, {_num(span[1])}] (max |x| {_num(largest)}); {_dtype(dtype)} max is {_num(limit)}"
 
 
-def classify(op: str, operands: Sequence[Any], out: torch.Tensor) -> Cause:
-    """Cause of `out` (non-finite) from finite `operands` (the op's args then kwargs values)."""
-    name = op_base(op)
-    dtype = out.dtype if out.is_floating_point() else torch.float32
+def _log_cause(name: str, x: Any) -> Cause | None:
+    """A logarithm's input at its pole (log of zero) or below it; None when neither."""
+    if name not in _LOGS or not isinstance(x, torch.Tensor):
+        return None
+    pole = -1.0 if name == "log1p" else 0.0
+    at_pole, below = _count(x == pole), _count(x < pole)
+    if at_pole:
+        return (
+            "log_of_zero",
+            f"{at_pole} of {x.numel()} inputs to {name} are exactly {_num(pole)} (min input {_num(float(x.min()))})",
+            _REMEDIES["log_of_zero"],
+        )
+    if below:
+        return (
+            "invalid_operation",
+            f"{below} of {x.numel()} inputs to {name} are below {_num(pole)} (min {_num(float(x.min()))})",
+            _REMEDIES["log_domain"],
+        )
+    return None
+
+
+def _division_cause(name: str, operands: Sequence[Any], dtype: torch.dtype) -> Cause | None:
+    """A division by zero (a division's denominator, a reciprocal's input), or a division's overflow;
+    None for an op that divides nothing."""
     x = operands[0] if operands else None
-    if name in _LOGS and isinstance(x, torch.Tensor):
-        pole = -1.0 if name == "log1p" else 0.0
-        at_pole, below = _count(x == pole), _count(x < pole)
-        if at_pole:
-            return (
-                "log_of_zero",
-                f"{at_pole} of {x.numel()} inputs to {name} are exactly {_num(pole)} (min input {_num(float(x.min()))})",
-                _REMEDIES["log_of_zero"],
-            )
-        if below:
-            return (
-                "invalid_operation",
-                f"{below} of {x.numel()} inputs to {name} are below {_num(pole)} (min {_num(float(x.min()))})",
-                _REMEDIES["log_domain"],
-            )
     if name in _DIVISIONS and len(operands) > 1:
         denominator = operands[1]
         zeros = _count(denominator == 0)
@@ -135,6 +140,17 @@ def classify(op: str, operands: Sequence[Any], out: torch.Tensor) -> Cause:
                 f"{zeros} of {x.numel()} inputs to {name} are exactly 0",
                 _REMEDIES["division_by_zero"],
             )
+    return None
+
+
+def classify(op: str, operands: Sequence[Any], out: torch.Tensor) -> Cause:
+    """Cause of `out` (non-finite) from finite `operands` (the op's args then kwargs values)."""
+    name = op_base(op)
+    dtype = out.dtype if out.is_floating_point() else torch.float32
+    x = operands[0] if operands else None
+    cause = _log_cause(name, x) or _division_cause(name, operands, dtype)
+    if cause is not None:
+        return cause
     if name in {"sqrt", "rsqrt"} and isinstance(x, torch.Tensor) and _count(x < 0):
         return (
             "invalid_operation",

@@ -10,7 +10,7 @@ stays visible while a 100,000-step run stays small.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
@@ -153,27 +153,14 @@ def _panel_svg(
     legend: bool = True,
 ) -> list[str]:
     """One panel's SVG elements: frame, y ticks, mark lines, the series, non-finite crosses."""
-    out: list[str] = []
     finite = [y for s in p.series for _, y in s.points if math.isfinite(y) and (y > 0 or not p.log)]
 
-    def sx(x):
+    def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0 or 1) * w
 
-    out.append(f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fff" stroke="#d1d5db"/>')
-    if finite:
-        ax = _log_axis(finite) if p.log else _linear_axis(finite)
-        span = (ax.hi - ax.lo) or 1.0
-        to_y = (lambda v: math.log10(v)) if p.log else (lambda v: v)
-
-        def sy(v):
-            return top + h - (to_y(v) - ax.lo) / span * h
-
-        for t in ax.ticks:
-            ty = top + h - (t - ax.lo) / span * h
-            out.append(f'<line x1="{left}" x2="{left + w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#eef0f3"/>')
-            out.append(
-                f'<text x="{left - 6}" y="{ty + 4:.1f}" text-anchor="end" class="t">{escape(tick_text(t, ax.log))}</text>'
-            )
+    out = [f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fff" stroke="#d1d5db"/>']
+    ticks, sy = _y_axis_svg(p.log, finite, left, top, w, h)
+    out += ticks
     for m in marks:
         mx = sx(m.step)
         if left <= mx <= left + w:
@@ -182,35 +169,81 @@ def _panel_svg(
                 'stroke-width="1.5" stroke-dasharray="4 3"/>'
             )
     for s in p.series:
-        segs: list[list[tuple[float, float]]] = [[]]
-        crosses = []
-        for x, y in s.points:
-            if not (x0 <= x <= x1):
-                continue
-            if not math.isfinite(y):
-                crosses.append(sx(x))
-                segs.append([])
-            elif finite and (y > 0 or not p.log):
-                segs[-1].append((sx(x), sy(y)))
-        for seg in segs:
-            if len(seg) > 1:
-                out.append(
-                    f'<path d="{_path(seg)}" fill="none" stroke="{s.color}" stroke-width="1.6" stroke-linejoin="round"/>'
-                )
-            if s.dots or len(seg) == 1:
-                out.extend(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2" fill="{s.color}"/>' for cx, cy in seg)
-        for cx in crosses[:200]:
-            cy = top + 7
-            out.append(
-                f'<path d="M{cx - 4:.1f},{cy - 4:.1f}l8,8m0,-8l-8,8" stroke="{MARK_COLORS["nonfinite"]}" stroke-width="2"/>'
-            )
+        out += _series_svg(s, x0, x1, sx, sy, p.log, top)
     # the title and legend inside the panel, top-left, on a white plate so curves do not hide it
-    if not legend:
-        return out
+    if legend:
+        out += _legend_svg(p, bool(finite), left, top, w, h)
+    return out
+
+
+def _y_axis_svg(
+    log: bool, finite: list[float], left: float, top: float, w: float, h: float
+) -> tuple[list[str], Callable[[float], float] | None]:
+    """(the y grid lines and tick labels, value -> y pixel) for a panel's finite values; no lines
+    and no scale when there are none."""
+    if not finite:
+        return [], None
+    out: list[str] = []
+    ax = _log_axis(finite) if log else _linear_axis(finite)
+    span = (ax.hi - ax.lo) or 1.0
+    to_y = (lambda v: math.log10(v)) if log else (lambda v: v)
+
+    def sy(v: float) -> float:
+        return top + h - (to_y(v) - ax.lo) / span * h
+
+    for t in ax.ticks:
+        ty = top + h - (t - ax.lo) / span * h
+        out.append(f'<line x1="{left}" x2="{left + w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#eef0f3"/>')
+        out.append(
+            f'<text x="{left - 6}" y="{ty + 4:.1f}" text-anchor="end" class="t">{escape(tick_text(t, ax.log))}</text>'
+        )
+    return out, sy
+
+
+def _series_svg(
+    s: Series,
+    x0: float,
+    x1: float,
+    sx: Callable[[float], float],
+    sy: Callable[[float], float] | None,
+    log: bool,
+    top: float,
+) -> list[str]:
+    """One series within [x0, x1]: its finite runs as lines (or dots), its non-finite values as
+    crosses at the top of the panel (`sy` None: the panel has no finite value to scale by)."""
+    out: list[str] = []
+    segs: list[list[tuple[float, float]]] = [[]]
+    crosses = []
+    for x, y in s.points:
+        if not (x0 <= x <= x1):
+            continue
+        if not math.isfinite(y):
+            crosses.append(sx(x))
+            segs.append([])
+        elif sy is not None and (y > 0 or not log):
+            segs[-1].append((sx(x), sy(y)))
+    for seg in segs:
+        if len(seg) > 1:
+            out.append(
+                f'<path d="{_path(seg)}" fill="none" stroke="{s.color}" stroke-width="1.6" stroke-linejoin="round"/>'
+            )
+        if s.dots or len(seg) == 1:
+            out.extend(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2" fill="{s.color}"/>' for cx, cy in seg)
+    for cx in crosses[:200]:
+        cy = top + 7
+        out.append(
+            f'<path d="M{cx - 4:.1f},{cy - 4:.1f}l8,8m0,-8l-8,8" stroke="{MARK_COLORS["nonfinite"]}" stroke-width="2"/>'
+        )
+    return out
+
+
+def _legend_svg(p: Panel, any_finite: bool, left: float, top: float, w: float, h: float) -> list[str]:
+    """The panel's title, its series' names (when more than one), and "not recorded" when it has
+    no value at all."""
     label = escape(p.title) + (f' <tspan class="n">{escape(p.note)}</tspan>' if p.note else "")
-    out.append(
+    out = [
         f'<text x="{left + 8}" y="{top + 15}" class="pt" paint-order="stroke" stroke="#fff" stroke-width="4">{label}</text>'
-    )
+    ]
     if len(p.series) > 1:
         lx = left + w - 8
         for s in reversed(p.series):
@@ -219,7 +252,7 @@ def _panel_svg(
                 f'paint-order="stroke" stroke="#fff" stroke-width="4">{escape(s.label)}</text>'
             )
             lx -= 8 + 6.5 * len(s.label)
-    if not finite and not any(not math.isfinite(y) for s in p.series for _, y in s.points):
+    if not any_finite and not any(not math.isfinite(y) for s in p.series for _, y in s.points):
         out.append(f'<text x="{left + w / 2}" y="{top + h / 2}" text-anchor="middle" class="n">not recorded</text>')
     return out
 

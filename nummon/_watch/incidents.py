@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._types import TITLE_MAX, IncidentEvent, IncidentState
+from .._alert_text import TITLE_MAX
+from .._events import IncidentEvent
+from .._types import IncidentState
 from .text import cut_at_word, printable, raw_bytes
 
 __all__ = ["RunIncident", "Notice", "event_id"]
