@@ -38,7 +38,7 @@ from typing import Any
 from .._errors import NummonError
 from . import fs
 from .incidents import Notice
-from .output import Target
+from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
 from .text import plural, safe_url
 from .webhook import check_url
 
@@ -235,7 +235,7 @@ class AlertmanagerTarget(Target):
     def __init__(
         self,
         urls: str | list[str],
-        timeout_s: float = 5.0,
+        timeout_s: float = HTTP_TIMEOUT_S,
         retries: int = 2,
         backoff_s: float = 0.5,
         repeat_s: float = 60.0,
@@ -390,13 +390,13 @@ class AlertmanagerTarget(Target):
                     if m.queue.empty():
                         m.put(batch)
 
-    def close(self, timeout_s: float = 5.0) -> list[str]:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:
         """Send what is queued, waiting at most `timeout_s`. Firing alerts are not resolved (the
         incidents are still open): a watcher restarted with its state file re-posts them
         (`run_started`); without re-posts they end at their endsAt."""
         deadline = time.monotonic() + timeout_s
         while any(not m.queue.empty() for m in self._members) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(WAIT_STEP_S)
         self._stop.set()
         self._thread.join(0.5)
         for m in self._members:

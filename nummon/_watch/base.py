@@ -16,7 +16,7 @@ __all__ = ["NotALogError", "Follower", "OneFileFollower", "StepAssembler", "File
 
 #: Bytes one poll reads at most: a long backlog streams through in bounded memory.
 POLL_BYTES = 4 * 1024 * 1024
-_MARK_BYTES = 4096
+_MARK_BYTES = fs.HEAD_BYTES
 
 
 class NotALogError(NummonError):

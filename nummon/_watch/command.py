@@ -16,6 +16,7 @@ from .._errors import NummonError
 from . import fs
 from .readers import FORMATS
 from .targets import TARGET_SPECS, Target, parse_target
+from .watcher import IDLE_TIMEOUT_S, INTERVAL_S
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -45,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--interval",
         type=seconds(*INTERVAL_RANGE_S),
-        default=5.0,
+        default=INTERVAL_S,
         metavar="SECONDS",
-        help="seconds between polls, from {:g} to {:g} (default: 5)".format(*INTERVAL_RANGE_S),
+        help="seconds between polls, from {:g} to {:g} (default: {:g})".format(*INTERVAL_RANGE_S, INTERVAL_S),
     )
     parser.add_argument("--once", action="store_true", help="read what is there, notify, and exit")
     parser.add_argument(
@@ -66,10 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--idle-timeout",
         type=seconds(*IDLE_TIMEOUT_RANGE_S),
-        default=1800.0,
+        default=IDLE_TIMEOUT_S,
         metavar="S",
-        help="retire a run after this many seconds without new records, from {:g} to {:g} (default: 1800)".format(
-            *IDLE_TIMEOUT_RANGE_S
+        help="retire a run after this many seconds without new records, from {:g} to {:g} (default: {:g})".format(
+            *IDLE_TIMEOUT_RANGE_S, IDLE_TIMEOUT_S
         ),
     )
     _add_fleet_arguments(parser)

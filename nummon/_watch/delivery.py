@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .incidents import Notice
-from .output import Outcome, Target
+from .output import WAIT_STEP_S, Outcome, Target
 from .text import plural
 
 __all__ = ["OutboxEntry", "Delivery", "SYNC_TRIES"]
@@ -178,7 +178,7 @@ class Delivery:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         changed = False
         while self._in_flight and not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            stop.wait(0.05)
+            stop.wait(WAIT_STEP_S)
             changed = self.settle() or changed
             changed = self.deliver() or changed
         return changed

@@ -52,7 +52,7 @@ def _looks_like_steps(path: str) -> bool:
     st = fs.stat(path)
     if _not_steps.get(path) == st:
         return False
-    head = fs.read_bytes(path, 0, 4096).split(b"\n", 1)[0].strip()
+    head = fs.read_bytes(path, 0, fs.HEAD_BYTES).split(b"\n", 1)[0].strip()
     if not head or b'"step"' in head or b'"type"' in head:
         return True
     _not_steps[path] = st

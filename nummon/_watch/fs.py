@@ -50,6 +50,8 @@ class NotAFileError(NummonError):
 
 #: The most one read returns: every read of a log is bounded, whatever the file's size.
 MAX_READ = 256 * 1024 * 1024
+#: The bytes read from a file's start to tell its format (and to mark which file it is).
+HEAD_BYTES = 4096
 
 
 class Stat(tuple):

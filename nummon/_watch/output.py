@@ -11,7 +11,14 @@ from typing import Any, ClassVar
 
 from .incidents import Notice
 
-__all__ = ["Target", "Outcome", "OutcomeHandler"]
+__all__ = ["Target", "Outcome", "OutcomeHandler", "CLOSE_TIMEOUT_S", "HTTP_TIMEOUT_S", "WAIT_STEP_S"]
+
+#: Seconds a target may take to close (drain what is queued) unless the caller says otherwise.
+CLOSE_TIMEOUT_S = 5.0
+#: Seconds one HTTP request of a target may take.
+HTTP_TIMEOUT_S = 5.0
+#: Seconds between two looks at a queue being drained: short, so a close ends soon after the last send.
+WAIT_STEP_S = 0.05
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ __all__ = ["HfStateFollower", "STATE_NAME", "lineage_root", "MAX_STATE_BYTES"]
 
 STATE_NAME = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-MAX_STATE_BYTES = 256 * 1024 * 1024
+MAX_STATE_BYTES = fs.MAX_READ  # a trainer_state.json is read whole, in one bounded read
 
 
 def lineage_root(state_file: str) -> str:

@@ -66,7 +66,7 @@ def detect_format(path: str) -> str:
             if not _exists(path)
             else f"{path}: not a regular file (a FIFO or device is never read)"
         )
-    head = fs.read_bytes(path, 0, 4096)
+    head = fs.read_bytes(path, 0, fs.HEAD_BYTES)
     if head.startswith(WANDB_MAGIC):
         return "wandb"
     text = head.lstrip()

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._errors import NummonError
 from .._json import dumps
+from .fs import MAX_READ
 
 __all__ = ["StateFile", "STATE_VERSION"]
 
@@ -119,9 +120,11 @@ class StateFile:
             raise NummonError(f"--state {self.path}: not a regular file")
         try:
             with open(self.path, "rb") as fh:
-                raw = fh.read(256 * 1024 * 1024 + 1)
-            if len(raw) > 256 * 1024 * 1024:
-                raise NummonError(f"--state {self.path}: larger than 256 MiB, not a nummon watch state file")
+                raw = fh.read(MAX_READ + 1)
+            if len(raw) > MAX_READ:
+                raise NummonError(
+                    f"--state {self.path}: larger than {MAX_READ >> 20} MiB, not a nummon watch state file"
+                )
             data = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError, RecursionError) as e:
             raise NummonError(f"--state {self.path}: cannot read the state file ({str(e)[:120]})") from None

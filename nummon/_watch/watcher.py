@@ -24,7 +24,7 @@ from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .incidents import Notice, RunIncident
 from .keymap import KeyMap
-from .output import Target
+from .output import CLOSE_TIMEOUT_S, Target
 from .read_mlflow import MlflowError
 from .readers import make_follower
 from .reports import REPORTS_DIR, RunMemory, WatchReports
@@ -34,6 +34,11 @@ from .state import StateFile
 from .text import plural, printable
 
 __all__ = ["Watcher"]
+
+#: Seconds between polls (and between state-file saves) unless told otherwise.
+INTERVAL_S = 5.0
+#: Seconds without a new record after which a run is retired (its state kept; it wakes on a change).
+IDLE_TIMEOUT_S = 1800.0
 
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
@@ -49,8 +54,8 @@ class Watcher:
         format: str | None = None,
         keymap: KeyMap | None = None,
         state_path: str | None = None,
-        idle_timeout_s: float = 1800.0,
-        state_every_s: float = 5.0,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        state_every_s: float = INTERVAL_S,
         errors: IO[str] | None = None,
         exclude: Collection[str] = frozenset(),
         observer: Any = None,
@@ -422,7 +427,7 @@ class Watcher:
         self._dirty = self._outbox_changed = False
 
     # --- loop ----------------------------------------------------------------------------
-    def run(self, interval_s: float = 5.0, once: bool = False) -> None:
+    def run(self, interval_s: float = INTERVAL_S, once: bool = False) -> None:
         """Poll every `interval_s` until `stop` is set (or once); on stop, exit within one
         interval: what a slow endpoint has not taken by then stays in the outbox."""
         self._once = once
@@ -457,7 +462,7 @@ class Watcher:
             f"{self.delivery.fates(kept)}"
         )
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         try:
             self._outbox_touched(self.delivery.close_asynchronous(deadline))

@@ -23,7 +23,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 from .._errors import NummonError
 from .incidents import Notice
-from .output import Outcome, OutcomeHandler, Target
+from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Outcome, OutcomeHandler, Target
 from .text import mrkdwn, plain, plural, safe_url
 
 __all__ = ["WebhookTarget", "WebhookStats", "slack_payload", "check_url", "Outcome"]
@@ -97,7 +97,7 @@ class WebhookTarget(Target):
     def __init__(
         self,
         url: str,
-        timeout_s: float = 5.0,
+        timeout_s: float = HTTP_TIMEOUT_S,
         retries: int = 3,
         backoff_s: float = 0.5,
         queue_size: int = 100,
@@ -278,14 +278,14 @@ class WebhookTarget(Target):
         with self._cond:
             return bool(self._items) or self._in_flight is not None
 
-    def close(self, timeout_s: float = 5.0) -> list[str]:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:
         """Send what is queued, waiting at most `timeout_s`; the ids of events still not
         delivered then (queued, in flight or stopped mid-retry) are returned: the caller keeps
         them pending."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             while (self._items or self._in_flight is not None) and time.monotonic() < deadline:
-                self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                self._cond.wait(min(WAIT_STEP_S, max(0.0, deadline - time.monotonic())))
             self._stop.set()
             self._cond.notify_all()
         self._thread.join(0.2)  # a post in progress ends at its timeout; its event is kept below
