@@ -29,7 +29,7 @@ from nummon._json import dumps
 from nummon._policy import load_policy
 from nummon._sinks import BaseSink
 from nummon._watch.discovery import RunSpec
-from nummon._watch.incidents import Notice
+from nummon._watch.notices import Notice
 from nummon._watch.output import Outcome, Target
 from nummon._watch.readers import make_follower
 from nummon._watch.runs import WatchedRun

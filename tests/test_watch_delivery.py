@@ -311,7 +311,7 @@ def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
 def test_title_cut_at_a_word():
     from nummon._incidents import Contributor, IncidentEvent, IncidentState
     from nummon._types import AlertKind, Severity
-    from nummon._watch.incidents import RunIncident
+    from nummon._watch.notices import RunIncident
 
     c = Contributor(
         kind=AlertKind.RUNAWAY,

@@ -241,8 +241,8 @@ def _counts(t):
 
 
 def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switching():
-    from nummon._watch.incidents import Notice
     from nummon._watch.metrics import FleetMetrics
+    from nummon._watch.notices import Notice
     from nummon._watch.webhook import WebhookTarget
 
     ep = _CountingEndpoint()

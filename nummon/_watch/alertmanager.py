@@ -37,7 +37,7 @@ from typing import Any
 
 from .._errors import NummonError
 from . import fs
-from .incidents import Notice
+from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
 from .text import plural, safe_url
 from .webhook import check_url

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .incidents import Notice
+from .notices import Notice
 from .output import WAIT_STEP_S, Outcome, Target
 from .text import plural
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .incidents import Notice
+from .notices import Notice
 
 __all__ = ["Target", "Outcome", "OutcomeHandler", "CLOSE_TIMEOUT_S", "HTTP_TIMEOUT_S", "WAIT_STEP_S"]
 

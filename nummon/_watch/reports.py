@@ -29,7 +29,7 @@ from .._report.live import escalated_to_critical
 from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
 from .._types import StepRecord
-from .incidents import RunIncident
+from .notices import RunIncident
 from .text import raw_bytes
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]

@@ -11,7 +11,7 @@ from .._incidents import IncidentTracker
 from .._policy import Policy
 from .._types import StepRecord
 from .base import Follower
-from .incidents import RunIncident
+from .notices import RunIncident
 
 __all__ = ["WatchedRun"]
 

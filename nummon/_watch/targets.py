@@ -12,7 +12,7 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._json import dumps
-from .incidents import Notice
+from .notices import Notice
 from .output import Outcome, OutcomeHandler, Target
 from .text import cut_at_word, plain, safe_url
 

@@ -22,8 +22,8 @@ from .._errors import NummonError
 from .._policy import Policy
 from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
-from .incidents import Notice, RunIncident
 from .keymap import KeyMap
+from .notices import Notice, RunIncident
 from .output import CLOSE_TIMEOUT_S, Target
 from .read_mlflow import MlflowError
 from .readers import make_follower
