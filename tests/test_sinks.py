@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -136,8 +137,9 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{port}/data/plugin"
-        scalars = hists = None
+        scalars = hists = not_ready = None
         for _ in range(120):  # the server needs a moment to start and load the run
+            assert proc.poll() is None, f"tensorboard exited with {proc.returncode}"
             try:
                 scalars = json.load(urllib.request.urlopen(f"{base}/scalars/scalars?run=.&tag=nummon/loss", timeout=2))
                 hists = json.load(
@@ -147,9 +149,10 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
                 )
                 if len(scalars) == 25 and len(hists) == 3:
                     break
-            except Exception:
-                pass
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:  # not serving, or not loaded, yet
+                not_ready = e
             time.sleep(0.5)
+        assert scalars is not None and hists is not None, f"tensorboard never served both: {not_ready!r}"
         assert [row[1] for row in scalars] == list(range(25))
         assert [row[1] for row in hists] == [0, 10, 20]
     finally:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -230,8 +231,9 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
     base = f"http://127.0.0.1:{port}"
     want_texts = len([a for a in mon.alerts if not a.cleared]) + len(events)
     try:
-        scalars = layout = hists = texts = None
+        scalars = layout = hists = texts = not_ready = None
         for _ in range(240):  # the server needs a moment to start and load the run
+            assert proc.poll() is None, f"tensorboard exited with {proc.returncode}"
             try:
                 scalars = _get(base, "scalars/tags")["."]
                 layout = _get(base, "custom_scalars/layout")
@@ -240,9 +242,11 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
                 loss = _get(base, "scalars/scalars", run=".", tag="nummon/loss")
                 if len(loss) == len(reports) and len(texts) >= want_texts + 1 and layout:
                     break
-            except Exception:
-                pass
+            # not serving yet, or the run (".") not loaded yet; anything else is a failure of its own
+            except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError) as e:
+                not_ready = e
             time.sleep(0.5)
+        assert None not in (scalars, layout, hists, texts), f"tensorboard never served every view: {not_ready!r}"
         by_group = groups(scalars)
         assert 8 <= len(by_group["nummon"]) <= 12, by_group["nummon"]
         assert {"nummon/loss", "nummon/grad_norm", "nummon/health", "nummon/incident_state", "nummon/headroom"} <= set(
