@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from torch import nn
 
 from nummon._cli import main

@@ -8,7 +8,7 @@ import math
 import subprocess
 
 import pytest
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import ROOT, nummon_cmd
+from helpers.checkout import ROOT, nummon_cmd
 
 from nummon import Health, __version__
 from nummon._cli import build_parser, main

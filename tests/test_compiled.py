@@ -238,8 +238,8 @@ def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     forward's probes (attention logits, output log Z), with no warning."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from helpers.transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
     from transformers import Trainer
-    from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
 
     from nummon.integrations.transformers import NummonCallback
 

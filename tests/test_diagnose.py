@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 import nummon

@@ -2,7 +2,7 @@
 the flight recorder."""
 
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor

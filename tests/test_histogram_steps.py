@@ -1,7 +1,7 @@
 """Histograms where they matter: log-spaced early steps, the cadence, and every incident event's step."""
 
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
 from torch import nn
 
 from nummon import MemorySink, Monitor

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("prometheus_client")
+from helpers.prometheus_servers import wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from prometheus_servers import wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from models import CNN, MLP, data, train_step
+from helpers.models import CNN, MLP, data, train_step
 from torch import nn
 
 import nummon

@@ -4,7 +4,7 @@ passes a way to recompute the loss, and changes nothing on healthy steps."""
 import inspect
 
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor

@@ -8,7 +8,7 @@ import math
 import subprocess
 
 import torch
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("prometheus_client")
+from helpers.prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402
@@ -189,7 +189,7 @@ def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
 def test_prometheus_sink_on_a_taken_port_warns_and_training_goes_on(tmp_path, caplog):
     import socket
 
-    from models import runaway_run
+    from helpers.models import runaway_run
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -219,7 +219,7 @@ def test_prometheus_sink_serves_on_rank_0_only():
 
 def test_lightning_callback_accepts_the_prometheus_sink(tmp_path):
     pytest.importorskip("lightning.pytorch")
-    from test_lightning import fit
+    from helpers.lightning_runs import fit
 
     from nummon.integrations.lightning import NummonCallback
 

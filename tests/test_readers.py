@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_watch_logs import (
+from helpers.log_writers import (
     LR,
     csv_logger,
     runaway_rows,

@@ -7,9 +7,9 @@ import re
 import shutil
 
 import pytest
+from helpers.log_writers import runaway_rows, write_csv, write_hf_run, write_jsonl, write_tensorboard
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_watch_logs import runaway_rows, write_csv, write_hf_run, write_jsonl, write_tensorboard
 
 from nummon._errors import NummonError
 from nummon._policy import load_policy
@@ -30,7 +30,7 @@ def originals(tmp_path_factory):
     write_hf_run(base / "hf", ROWS, save_every=40)
     out["hf"] = sorted((base / "hf").glob("checkpoint-*/trainer_state.json"))[-1]
     out["csv"] = write_csv(base / "csv", ROWS)
-    from test_watch_corruption import write_wandb_records
+    from helpers.log_writers import write_wandb_records
 
     items = [
         [
@@ -176,7 +176,7 @@ def test_watcher_keeps_watching_past_every_damaged_file(originals, tmp_path):
     good = root / "good"
     good.mkdir()
     write_jsonl(good / "events.jsonl", ROWS)
-    from test_watch import read_events
+    from helpers.watching import read_events
 
     from nummon._watch.targets import JsonlTarget
 

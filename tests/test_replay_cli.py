@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CORPUS, DATA, ROOT, nummon_cmd
+from helpers.checkout import CORPUS, DATA, ROOT, nummon_cmd
 
 
 def cli(*args, **kw):
@@ -125,7 +125,7 @@ def test_the_policy_reference_lists_every_field_of_the_default_policy_as_policy_
     exactly what `nummon policy show default` prints."""
     import importlib.util
 
-    from conftest import ROOT
+    from helpers.checkout import ROOT
 
     spec = importlib.util.spec_from_file_location("nummon_docs_gen_ref", ROOT / "docs" / "gen_ref.py")
     gen = importlib.util.module_from_spec(spec)

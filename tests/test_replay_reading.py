@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import CORPUS, nummon_cmd
+from helpers.checkout import CORPUS, nummon_cmd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,8 +8,8 @@ import logging
 
 import numpy as np
 import pytest
-from wandb_reader import alerts as wandb_alerts
-from wandb_reader import find_run_file, read_records
+from helpers.wandb_reader import alerts as wandb_alerts
+from helpers.wandb_reader import find_run_file, read_records
 
 import nummon
 from nummon import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity, StepRecord

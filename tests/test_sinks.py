@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
+from helpers.wandb_reader import alerts as wb_alerts
+from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
-from wandb_reader import alerts as wb_alerts
-from wandb_reader import find_run_file, history_rows, read_records
 
 import nummon
 from nummon import AlertKind, Health, JsonlSink, Monitor, Severity

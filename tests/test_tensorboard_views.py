@@ -7,7 +7,7 @@ import math
 import re
 
 import pytest
-from models import runaway_run
+from helpers.models import runaway_run
 
 from nummon._layout import HIST_LINEAR_MAX_ABS, custom_scalars_layout, layer_groups
 

@@ -1,7 +1,7 @@
 """What only the Hugging Face callback has, on a real Trainer (CPU, a tiny GPT-2 built from a
 config): its health engine's state saved in the Trainer's checkpoints (trainer_state.json) and
 restored on resume, and a classifier's chance level. The scenarios both framework callbacks share are in
-test_framework_callbacks.py; the tiny runs are in transformers_runs.py.
+test_framework_callbacks.py; the tiny runs are in helpers/transformers_runs.py.
 """
 
 import json
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers.transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 from transformers import Trainer  # noqa: E402
-from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
 from nummon.integrations.transformers import NummonCallback  # noqa: E402
 
@@ -184,7 +184,7 @@ def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(here / "transformers_runs.py"), "progress-bar", str(tmp_path)],
+        [sys.executable, str(here / "helpers" / "transformers_runs.py"), "progress-bar", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,

@@ -16,10 +16,10 @@ import urllib.request
 
 import pytest
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
+from helpers.wandb_reader import alerts as wb_alerts
+from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
-from wandb_reader import alerts as wb_alerts
-from wandb_reader import find_run_file, history_rows, read_records
 
 from nummon import Health, IncidentEvent, IncidentState, Monitor, StepRecord
 from nummon._demo_model import DemoCNN

@@ -5,14 +5,12 @@ real trainer_state.json and metrics.csv, each damaged as disks, killed writers a
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from test_watch import read_events, two_incident_rows, write_lines
-from test_watch_logs import hf_history, write_hf_run, write_tensorboard
+from helpers.log_writers import hf_history, write_hf_run, write_tensorboard, write_wandb_records
+from helpers.watching import read_events, two_incident_rows, write_lines
 
 from nummon._policy import load_policy
 from nummon._watch import read_records
@@ -105,29 +103,6 @@ def test_csv_step_inf_and_wandb_bad_step_do_not_stop_the_other_runs(tmp_path):
     assert "is not an integer" in err and "Traceback" not in err
     assert [r.step for r in read_records(str(root / "csv" / "metrics.csv"))] == [0, 2]
     assert [r.step for r in read_records(str(root / "wb" / "run-bad.wandb"))] == [0, 3]  # step 2 holds no number
-
-
-# --- a minimal LevelDB-log writer for crafted W&B records (real files come from wandb itself) ---
-
-
-def write_wandb_records(path, rows):
-    import zlib
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    out = bytearray(b":W&B" + struct.pack("<H", 0xBEE1) + b"\x01")
-    for items in rows:
-        r = pb.Record()
-        for k, v in items:
-            it = r.history.item.add()
-            it.key, it.value_json = k, v
-        payload = r.SerializeToString()
-        left = 32768 - len(out) % 32768
-        if left < 7 + len(payload):
-            out += b"\x00" * left
-        crc = zlib.crc32(payload, zlib.crc32(bytes([1]))) & 0xFFFFFFFF
-        out += struct.pack("<IHB", crc, len(payload), 1) + payload
-    Path(path).write_bytes(bytes(out))
 
 
 # --- item 8: a JSONL log rewritten in place or rotated ------------------------------------
@@ -248,7 +223,7 @@ def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path)
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
     """A real offline W&B run of more than 4 blocks (32 KiB each), NaN in the last block."""
-    from test_watch_logs import write_wandb
+    from helpers.log_writers import write_wandb
 
     base = tmp_path_factory.mktemp("wandb")
     env = {

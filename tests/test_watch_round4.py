@@ -9,7 +9,16 @@ import sys
 import threading
 
 import pytest
-from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
+from helpers.watching import (
+    WATCH,
+    read_events,
+    reference_ids,
+    start_watch,
+    stop,
+    two_incident_rows,
+    wait_for,
+    write_lines,
+)
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
@@ -469,7 +478,7 @@ def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_eve
     import signal
     import time
 
-    import webhook_receiver
+    from helpers import webhook_receiver
 
     rows = two_incident_rows()
     full = tmp_path / "full.jsonl"
