@@ -3,11 +3,11 @@
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import overhead  # noqa: E402
 
 

@@ -274,11 +274,11 @@ def test_traces_logged_every_n_steps(every):
     """Windows are in steps and growth is per step, so sparse logs judge the same spans:
     healthy stays quiet, a recovered spike is never critical, a stall is still a stall."""
     import json
-    from pathlib import Path
+
+    from helpers.checkout import CORPUS as corpus
 
     from nummon._trace import read_trace
 
-    corpus = Path(__file__).parent / "data" / "corpus"
     judged = ("healthy", "spike_recover", "shift_recover", "stall")
     labels = json.loads((corpus / "labels.json").read_text())
     seen = set()

@@ -7,12 +7,10 @@ full `mkdocs build --strict` (links, anchors, mkdocstrings) runs in `.ci/run`.
 import argparse
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.checkout import ROOT
 
 #: Development-diary wording: work sessions, issue numbers, review rounds, "before this change".
 DIARY = [

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
 pytest.importorskip("prometheus_client")
 from helpers.prometheus_servers import wait_for  # noqa: E402
@@ -23,8 +23,6 @@ from nummon._policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import label_value, serve_metrics  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def step_lines(steps, nan_at=None):

@@ -1,10 +1,7 @@
 """A normal (non-editable) install ships every subpackage: CI installs that way."""
 
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.checkout import ROOT
 
 
 def test_every_subpackage_is_listed_in_pyproject():

@@ -10,9 +10,9 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
 pytest.importorskip("prometheus_client")
 from helpers.prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
@@ -24,7 +24,6 @@ from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 WATCH = [sys.executable, "-m", "nummon._watch"]
 
 

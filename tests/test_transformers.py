@@ -179,9 +179,10 @@ def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    here = Path(__file__).parent
+    from helpers.checkout import ROOT
+
+    here = ROOT / "tests"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(here / "helpers" / "transformers_runs.py"), "progress-bar", str(tmp_path)],
