@@ -486,6 +486,7 @@ def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
         watcher.close()
 
 
+@pytest.mark.slow
 def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     """Through the shipped alertmanager.yml: a run that opens an incident, escalates to critical,
     goes non-finite and recovers gives one message per transition (4), each with one firing

@@ -11,6 +11,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import overhead  # noqa: E402
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert (

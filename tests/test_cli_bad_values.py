@@ -110,6 +110,7 @@ def test_seed_accepts_exactly_0_to_2_63_minus_1(value):
             seed(str(value))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fmt,needle",
     [

@@ -105,6 +105,7 @@ def test_the_chart_legend_names_every_health_code():
         assert f"{h.code:g} = {h.value.replace('nonfinite', 'non-finite')}" in row, (h, row)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["watch", "--once"], ["replay"], ["demo", "--out"]])
 def test_every_command_with_a_policy_gives_the_did_you_mean_hint(tmp_path, command):
     """The same one-line error as `policy validate`, hint included; exit 2; nothing created."""

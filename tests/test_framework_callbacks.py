@@ -22,6 +22,8 @@ from helpers.wandb_reader import find_run_file, nummon_alert_titles_and_steps, r
 
 from nummon import MemorySink, Severity  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real Lightning and Hugging Face trainers, one run each
+
 FP16_MAX = 65504.0  # "blown up": a loss that half precision could no longer even represent
 FRAMEWORKS = ["lightning", "transformers"]
 

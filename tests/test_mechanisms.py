@@ -336,6 +336,7 @@ def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
     assert got["after"][1:] == pytest.approx(got["before"][1:], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
     from nummon.integrations.lightning import NummonCallback

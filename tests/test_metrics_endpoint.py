@@ -89,6 +89,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.slow
 def test_half_open_connections_never_starve_the_watcher(tmp_path):
     log = tmp_path / "runs" / "a" / "events.jsonl"
     log.parent.mkdir(parents=True)

@@ -18,6 +18,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from nummon import Health, MlflowSink, Monitor  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test uses one real MLflow tracking server (started once, seconds)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

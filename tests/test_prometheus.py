@@ -140,6 +140,7 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
         again.close()
 
 
+@pytest.mark.slow
 def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
     torch = pytest.importorskip("torch")
     from nummon import Monitor
@@ -216,6 +217,7 @@ def test_prometheus_sink_serves_on_rank_0_only():
         zero.close()
 
 
+@pytest.mark.slow
 def test_lightning_callback_accepts_the_prometheus_sink(tmp_path):
     pytest.importorskip("lightning.pytorch")
     from helpers.lightning_runs import fit
@@ -285,6 +287,7 @@ def start_shard(root, shard, tmp_path):
     raise AssertionError(f"shard {shard} did not start: exit {proc.wait()}")
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fires(tmp_path):
     root = tmp_path / "runs"
     n = 24

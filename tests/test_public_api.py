@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import nummon
 
 EXPECTED = {
@@ -87,6 +89,7 @@ def test_import_nummon_imports_no_torch_wandb_or_tensorboard():
     assert "LOADED []" in out
 
 
+@pytest.mark.slow
 def test_monitor_import_does_not_pull_backends():
     code = (
         "import sys, nummon; nummon.Monitor; nummon.diagnose; "

@@ -16,6 +16,8 @@ from nummon._policy import load_policy
 from nummon._watch import make_follower, read_records
 from nummon._watch.watcher import Watcher
 
+pytestmark = pytest.mark.slow  # real files from every writer, then hundreds of damaged copies read
+
 ROWS = runaway_rows(healthy=30, runaway=8)
 WANDB_REPEATS = 40  # the W&B file holds the rows this many times over: several 32 KiB blocks
 

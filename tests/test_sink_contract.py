@@ -149,7 +149,12 @@ DELIVERED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(DELIVERED))
+SLOW_SINKS = {"mlflow", "tensorboard", "wandb"}  # each starts a backend of its own (seconds)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SINKS else n for n in sorted(DELIVERED)]
+)
 def test_every_sink_keeps_the_contract(name, tmp_path, caplog, wandb_env):
     caplog.set_level(logging.INFO, logger="nummon")
     sink = make(name, tmp_path)

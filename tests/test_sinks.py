@@ -31,6 +31,7 @@ def first_nonfinite(reports):
     return next(r.step for r in reports if r.health is Health.NONFINITE)
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, wandb_env):
     from nummon.integrations.tensorboard import TensorBoardSink
     from nummon.integrations.wandb import WandbSink
@@ -123,6 +124,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 

@@ -35,6 +35,7 @@ def saved_nummon_state(ckpt):
     return json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"].get("NummonCallback")
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tmp_path):
     """Issue 36 item 16: a checkpoint written before nummon was added has no NummonCallback entry;
     the resumed run's first save used to die with KeyError('NummonCallback')."""
@@ -100,6 +101,7 @@ def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
     assert saved_nummon_state(tmp_path / "checkpoint-8")["nummon"]["step"] == 8  # and saves a good one
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
     """The engine's incident and re-warming records ride in the checkpoint's trainer_state.json; a
     run resumed from it starts its detectors where the first one left them, a fresh run cold."""
@@ -173,6 +175,7 @@ def screen_lines(raw):
     return shown_lines
 
 
+@pytest.mark.slow
 def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(tmp_path):
     """Issue 35 point 10: with the Trainer's tqdm bar open, nummon's line used to be glued to the
     bar (`...[00:02<02:06, 2.57s/it]nummon: run lost...`)."""

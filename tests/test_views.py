@@ -94,6 +94,7 @@ def groups(tags):
 # ---------------------------------------------------------------- histograms on by default
 
 
+@pytest.mark.slow
 def test_default_tensorboard_sink_writes_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -202,6 +203,7 @@ def _get(base, path, **query):
     return json.load(urllib.request.urlopen(url, timeout=3))
 
 
+@pytest.mark.slow
 def test_real_tensorboard_server_shows_the_views(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -290,6 +292,7 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
 # ---------------------------------------------------------------- W&B
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb_env):
     from nummon.integrations.wandb import STEP_METRIC, WandbSink
 

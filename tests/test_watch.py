@@ -86,6 +86,7 @@ def test_dead_webhook_never_blocks_reading_and_jsonl_holds_every_event(tmp_path)
     assert [e["id"] for e in read_events(notes)] == reference_ids(log)
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     rows = two_incident_rows()
     full = tmp_path / "full.jsonl"
@@ -221,6 +222,7 @@ json.dump({"notified_before_nonfinite": before, "nonfinite_step": bad_step}, ope
 """
 
 
+@pytest.mark.slow
 def test_live_runs_in_each_format_warned_before_their_first_nonfinite_step(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -325,6 +327,7 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     assert [i for i in ids if i.startswith(str(a))] == reference_ids(a)
 
 
+@pytest.mark.slow
 def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
     from helpers.wandb_reader import alerts, find_run_file, read_records
 

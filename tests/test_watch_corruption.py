@@ -140,6 +140,7 @@ def test_jsonl_rotated_is_read_from_the_new_file_start(tmp_path):
 # --- item 9: a Hugging Face run re-run into the same output_dir ----------------------------
 
 
+@pytest.mark.slow
 def test_hf_rerun_into_the_same_output_dir_is_watched(tmp_path):
     out = tmp_path / "out"
     old = [(s, 2.0 * 0.99**s, 1.0) for s in range(501)]
@@ -193,6 +194,7 @@ def _replay(path):
     return subprocess.run(CLI + ["replay", str(path)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_tensorboard_flipped_byte_is_skipped_named_and_the_nan_still_found(long_tb, tmp_path):
     bad = tmp_path / "tb" / long_tb.name
     bad.parent.mkdir()
@@ -209,6 +211,7 @@ def test_tensorboard_flipped_byte_is_skipped_named_and_the_nan_still_found(long_
     assert [e["step"] for e in nonfinite_events(notes)] == [2500]
 
 
+@pytest.mark.slow
 def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path):
     cut = tmp_path / "tb" / long_tb.name
     cut.parent.mkdir()
@@ -249,6 +252,7 @@ def wandb_run(tmp_path_factory):
     return f
 
 
+@pytest.mark.slow
 def test_wandb_flipped_byte_in_block_0_resumes_at_the_next_block(wandb_run, tmp_path):
     bad = tmp_path / wandb_run.name
     bad.write_bytes(wandb_run.read_bytes())
@@ -259,6 +263,7 @@ def test_wandb_flipped_byte_in_block_0_resumes_at_the_next_block(wandb_run, tmp_
     assert "nonfinite" in p.stdout and "step 900" in p.stdout
 
 
+@pytest.mark.slow
 def test_wandb_file_cut_mid_record_warns_of_a_torn_tail(wandb_run, tmp_path):
     cut = tmp_path / wandb_run.name
     data = wandb_run.read_bytes()
@@ -306,6 +311,7 @@ def _peak_kib(tmp_path, log):
     return int(p.stdout.strip())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
 def test_watch_once_over_a_long_log_holds_a_bounded_part_of_it(tmp_path):
     """Twice the backlog, the same peak: what is held does not grow with the log (it used to

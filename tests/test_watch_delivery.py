@@ -204,6 +204,7 @@ def test_malformed_webhook_url_exits_2_at_start(tmp_path, capsys, url):
 # --- item 7: SIGTERM with an endpoint that never answers ----------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_hanging_endpoint_keeps_the_events_for_the_next_start(tmp_path, endpoints):
     hang = threading.Event()
     ep = endpoints(hang=hang)
@@ -340,6 +341,7 @@ def test_title_cut_at_a_word():
     )
 
 
+@pytest.mark.slow
 def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
     from helpers.log_writers import write_tensorboard
 
