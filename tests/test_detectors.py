@@ -243,6 +243,7 @@ def _state_size(detector) -> int:
     return sum(len(c) for c in _containers(detector))
 
 
+@pytest.mark.slow
 def test_every_detector_keeps_bounded_memory_over_a_long_run():
     """The state each detector holds stops growing: 4x the records, no more elements."""
     engine = HealthEngine(P)

@@ -54,6 +54,7 @@ def pages(gen, tmp_path_factory):
     return {p.relative_to(out).as_posix(): p.read_text(encoding="utf-8") for p in out.rglob("*.md")}
 
 
+@pytest.mark.slow
 def test_every_policy_key_has_a_row_with_its_default(pages, gen):
     from nummon._policy import Policy
 
