@@ -26,6 +26,7 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_cpu_hot_path_reads_the_host_once_per_step():
     torch.manual_seed(0)
     model = CNN()

@@ -122,6 +122,7 @@ def _model_and_loss(kind):
     return model, loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,plan",
     [

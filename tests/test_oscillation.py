@@ -60,6 +60,7 @@ def fall_onto_floor(start, floor, tau, sigma, seed, n=300):
     return [(floor + (start - floor) * math.exp(-i / tau)) * math.exp(rng.gauss(0, sigma)) for i in range(n)]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     start=st.floats(2.0, 6.0),
