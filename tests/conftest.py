@@ -1,7 +1,5 @@
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 # hypothesis keeps its caches outside the checkout (tests write only into temporary folders)
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "nummon-tests-hypothesis"))
@@ -15,9 +13,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
-CORPUS = DATA / "corpus"
+# the checkout's paths and the CLI command live in helpers.checkout; still importable from here for
+# test_demo.py, test_distributed.py and test_real_logs.py until they import helpers (after the merge)
+from helpers.checkout import CORPUS, DATA, ROOT, nummon_cmd  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +58,10 @@ def start_ranks(fn, nprocs, args):
 
     # read when the server starts (the first call in this process); modules that fail to import
     # are skipped by the server and imported by the ranks themselves
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "nummon._monitor", "dist_workers", "models"])
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "nummon._monitor", "dist_workers", "helpers.models"]
+    )
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-
-
-def nummon_cmd():
-    """The CLI as a subprocess command (the installed console script's module)."""
-    return [sys.executable, "-m", "nummon"]
 
 
 try:  # hypothesis keeps no example database in the checkout, and draws the same examples on every run

@@ -24,6 +24,7 @@ def _bound(beta2, t):
     return math.sqrt((1 - beta2**t) / (1 - beta2))
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     beta2=st.sampled_from([0.9, 0.95, 0.99, 0.999, 0.9999]),
@@ -73,6 +74,7 @@ def test_the_bound_rises_to_one_over_sqrt_one_minus_beta2(beta2, t):
 
 
 # ------------------------------------------------------------------ README's Lightning example at lr 1.0
+@pytest.mark.slow
 def test_readme_lightning_example_at_lr_1_is_not_stopped(tmp_path):
     """README.md, "Lightning": the same module, data and trainer at lr 1.0. It spikes (loss
     ~5 -> ~2000) and recovers on its own; it used to be stopped at step 11 by a ratio of 136

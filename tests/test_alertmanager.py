@@ -14,7 +14,14 @@ from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from prometheus_servers import Receiver, free_port, get_json, shipped_alertmanager_config, start_alertmanager, wait_for
+from helpers.prometheus_servers import (
+    Receiver,
+    free_port,
+    get_json,
+    shipped_alertmanager_config,
+    start_alertmanager,
+    wait_for,
+)
 
 from nummon._errors import NummonError
 from nummon._policy import load_policy
@@ -479,12 +486,13 @@ def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
         watcher.close()
 
 
+@pytest.mark.slow
 def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     """Through the shipped alertmanager.yml: a run that opens an incident, escalates to critical,
     goes non-finite and recovers gives one message per transition (4), each with one firing
     alert at most (the escalation's ended alert rides in the same message), a title that is
     never blank, and Slack mrkdwn."""
-    import webhook_receiver
+    from helpers import webhook_receiver
 
     from nummon._json import dumps
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from torch import nn
 
 from nummon._cli import main
@@ -56,6 +56,7 @@ def ckpts(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_audit_counts_injected_nan_inf_exactly(ckpts):
     p = cli("audit", str(ckpts / "b.pt"), "--format", "json")
     assert p.returncode == 1
@@ -69,6 +70,7 @@ def test_audit_counts_injected_nan_inf_exactly(ckpts):
     assert rc == 1 and "2 with non-finite values (3 NaN, 1 +Inf, 2 -Inf)" in text
 
 
+@pytest.mark.slow
 def test_audit_clean_checkpoint_exit_0(ckpts):
     p = cli("audit", str(ckpts / "a.pt"))
     assert p.returncode == 0 and "0 with non-finite values" in p.stdout
@@ -85,6 +87,7 @@ def test_audit_compares_identical_and_different(ckpts):
     assert {n["key"] for n in nf["nonfinite_in_one_only"]} == {"model.weight", "model.bias"}
 
 
+@pytest.mark.slow
 def test_audit_refuses_pickled_code_unless_trusted(tmp_path):
     torch.save({"w": torch.ones(2), "frac": fractions.Fraction(1, 3)}, tmp_path / "p.pt")
     p = cli("audit", str(tmp_path / "p.pt"))
@@ -96,6 +99,7 @@ def test_audit_refuses_pickled_code_unless_trusted(tmp_path):
     assert rc == 0 and "w " in out
 
 
+@pytest.mark.slow
 def test_audit_truncated_and_missing_files(ckpts):
     data = (ckpts / "a.pt").read_bytes()
     (ckpts / "t.pt").write_bytes(data[: len(data) // 2])
@@ -156,6 +160,7 @@ def test_dotted_keys_do_not_collide_with_nesting(tmp_path):
     assert cmp["identical"] is False and cmp["only_in_a"] == ['["a.b"]'] and cmp["only_in_b"] == ["a.b"]
 
 
+@pytest.mark.slow
 def test_a_large_checkpoint_is_read_memory_mapped_and_in_chunks(tmp_path):
     """Peak memory of auditing a 256 MB checkpoint stays near its size: the mapped pages plus
     chunk temporaries (measured 1.5x; it was 4.3x, fully loaded and copied three times)."""
@@ -236,6 +241,7 @@ def test_safetensors_named_pt_is_read_as_safetensors(tmp_path):
     assert rc == 1 and data["format"] == "safetensors" and data["tensors"][0]["posinf"] == 1
 
 
+@pytest.mark.slow
 def test_a_healthy_lightning_checkpoint_passes_and_its_metadata_is_listed(tmp_path):
     """Lightning's ModelCheckpoint keeps kth_value = +Inf in its callback state: listed, not failing."""
     pl = pytest.importorskip("lightning.pytorch")

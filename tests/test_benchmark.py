@@ -3,14 +3,15 @@
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import overhead  # noqa: E402
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_runs_and_reports_every_ratio(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert (

@@ -8,7 +8,7 @@ import math
 import subprocess
 
 import pytest
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -110,6 +110,7 @@ def test_seed_accepts_exactly_0_to_2_63_minus_1(value):
             seed(str(value))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fmt,needle",
     [

@@ -8,7 +8,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import ROOT, nummon_cmd
+from helpers.checkout import ROOT, nummon_cmd
 
 from nummon import Health, __version__
 from nummon._cli import build_parser, main
@@ -105,6 +105,7 @@ def test_the_chart_legend_names_every_health_code():
         assert f"{h.code:g} = {h.value.replace('nonfinite', 'non-finite')}" in row, (h, row)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["watch", "--once"], ["replay"], ["demo", "--out"]])
 def test_every_command_with_a_policy_gives_the_did_you_mean_hint(tmp_path, command):
     """The same one-line error as `policy validate`, hint included; exit 2; nothing created."""

@@ -86,6 +86,7 @@ def _nummon_warnings(caught):
     return [w for w in caught if "nummon" in str(w.message)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["before", "after"])
 def test_a_compiled_model_is_measured_as_the_eager_one(how):
     eager, _ = _train("eager")
@@ -118,6 +119,7 @@ def test_a_block_compiled_in_place_is_replayed_too():
     assert recs[-1].layer_output_rms.keys() == _train("eager", steps=3)[0][-1].layer_output_rms.keys()
 
 
+@pytest.mark.slow
 def test_without_an_eager_stance_the_forward_probes_are_off_said_once(monkeypatch):
     monkeypatch.setattr(mechanisms, "can_replay", lambda: False)  # torch before 2.6
     with pytest.warns(UserWarning, match="compiled .* cannot run it eagerly .* mechanism probes .* are off") as said:
@@ -126,6 +128,7 @@ def test_without_an_eager_stance_the_forward_probes_are_off_said_once(monkeypatc
     assert graphs <= 2 and recs[-1].layer_output_rms == {} and recs[-1].adam_ratio_rms is not None
 
 
+@pytest.mark.slow
 def test_the_first_non_finite_module_of_a_compiled_model_is_named():
     eager, _ = _train("eager", steps=4, poison_at=2)
     compiled, _ = _train("before", steps=4, poison_at=2)
@@ -193,6 +196,7 @@ def _train_lm(monitor, steps=6):
     return losses, recs, model, idx, dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_a_compiled_transformer_is_probed_on_its_first_sample_and_trains_as_without_nummon():
     bare_losses, _, bare, _, bare_graphs = _train_lm(False)
     losses, recs, model, idx, graphs = _train_lm(True)
@@ -232,14 +236,15 @@ def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model
     assert (report.module, report.op) == ("blocks.1.ln", "aten::native_layer_norm")  # not `_orig_mod.blocks.1.ln`
 
 
+@pytest.mark.slow
 def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     """`TrainingArguments(torch_compile=True)`: the Trainer compiles the model itself; the
     callback's records carry the model's own names, activations, Adam's statistics and the
     forward's probes (attention logits, output log Z), with no warning."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from helpers.transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
     from transformers import Trainer
-    from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args
 
     from nummon.integrations.transformers import NummonTrainerCallback
 
@@ -326,6 +331,7 @@ class WholeBatchOnly(Net):
         return super().forward(x)
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_be_replayed_loses_only_its_forward_probes_said_once():
     errors = []
     with pytest.warns(
@@ -385,6 +391,7 @@ def _train_moe(monitor, hook, steps=6):
     return losses, len(calls), _nummon_warnings(caught)
 
 
+@pytest.mark.slow
 def test_a_forward_that_changes_its_modules_python_state_is_undone_and_not_replayed_again_said_once():
     bare, _, _ = _train_moe(False, hook=False)
     losses, _, said = _train_moe(True, hook=False)
@@ -393,6 +400,7 @@ def test_a_forward_that_changes_its_modules_python_state_is_undone_and_not_repla
     assert said[0].filename == __file__
 
 
+@pytest.mark.slow
 def test_a_model_with_a_forward_hook_of_its_own_is_not_replayed_said_once():
     bare, bare_calls, _ = _train_moe(False, hook=True)
     losses, calls, said = _train_moe(True, hook=True)
@@ -433,6 +441,7 @@ def _seq_first_entropy(compiled):
     return recs[-1].attention_entropy
 
 
+@pytest.mark.slow
 def test_a_sequence_first_model_is_replayed_on_its_sequences_not_one_token():
     eager, compiled = _seq_first_entropy(False), _seq_first_entropy(True)
     assert eager > 0.5  # 12 keys attended, far from one

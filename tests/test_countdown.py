@@ -2,7 +2,7 @@
 
 import math
 
-from conftest import CORPUS, DATA
+from helpers.checkout import CORPUS, DATA
 from hypothesis import given
 from hypothesis import strategies as st
 

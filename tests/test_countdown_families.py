@@ -25,7 +25,7 @@ import math
 import re
 
 import pytest
-from countdown_families import Family
+from helpers.countdown_families import Family
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

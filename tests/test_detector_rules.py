@@ -7,9 +7,9 @@ import random
 import re
 
 import pytest
+from helpers.loss_curves import P, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loss_curves import P, loud
 
 from nummon import AlertKind, Policy, Severity, StepRecord
 from nummon._engine import HealthEngine

@@ -4,7 +4,7 @@ blow-ups, slow fine-tunes, long stalls, plateaus), each judged through the whole
 import math
 import random
 
-from loss_curves import P, loud
+from helpers.loss_curves import P, loud
 
 from nummon import AlertKind, StepRecord
 from nummon._engine import HealthEngine

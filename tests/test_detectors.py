@@ -243,6 +243,7 @@ def _state_size(detector) -> int:
     return sum(len(c) for c in _containers(detector))
 
 
+@pytest.mark.slow
 def test_every_detector_keeps_bounded_memory_over_a_long_run():
     """The state each detector holds stops growing: 4x the records, no more elements."""
     engine = HealthEngine(P)
@@ -274,20 +275,26 @@ def test_traces_logged_every_n_steps(every):
     """Windows are in steps and growth is per step, so sparse logs judge the same spans:
     healthy stays quiet, a recovered spike is never critical, a stall is still a stall."""
     import json
-    from pathlib import Path
+
+    from helpers.checkout import CORPUS as corpus
 
     from nummon._trace import read_trace
 
-    corpus = Path(__file__).parent / "data" / "corpus"
+    judged = ("healthy", "spike_recover", "shift_recover", "stall")
     labels = json.loads((corpus / "labels.json").read_text())
+    seen = set()
     for name, lab in labels.items():
-        if lab["label"] not in ("healthy", "spike_recover", "shift_recover", "stall"):
+        if lab["label"] not in judged:
             continue
+        seen.add(lab["label"])
         engine = HealthEngine(P)
         alerts = []
+        fed = 0
         for i, rec in enumerate(read_trace(corpus / f"{name}.jsonl")):
             if i % every == 0:
                 alerts += engine.step(rec).alerts
+                fed += 1
+        assert fed >= lab["steps"] // every, (name, fed)  # the sparse log was judged, not an empty one
         loud = [a for a in alerts if a.severity is not Severity.INFO]
         if lab["label"] == "healthy":
             assert loud == [], name
@@ -295,6 +302,7 @@ def test_traces_logged_every_n_steps(every):
             assert any(a.kind is AlertKind.STALL for a in loud), name
         else:
             assert not any(a.severity is Severity.CRITICAL for a in loud), name
+    assert seen == set(judged)  # each kind of trace was judged (a renamed label would skip it)
 
 
 def test_every_detector_declares_its_section_kinds_and_shared_needs():

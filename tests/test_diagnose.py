@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 import nummon
@@ -59,6 +59,7 @@ def user():
             )
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_fails_when_the_model_cannot_learn(user):
     model, _ = user
     frozen = copy.deepcopy(model)
@@ -171,6 +172,7 @@ def test_overfit_one_batch_needs_at_least_one_step(user, steps):
         overfit_one_batch(user[0], batch(), CE, steps=steps)
 
 
+@pytest.mark.slow
 def test_diagnose_cli_prints_reports():
     import subprocess
     import sys

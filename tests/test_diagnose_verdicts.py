@@ -95,6 +95,7 @@ def healthy(kind):
     return factory(), learnable_batches(kind), classes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", HEALTHY)
 def test_every_check_passes_a_healthy_model(kind):
     model, loader, classes = healthy(kind)
@@ -145,6 +146,7 @@ def test_an_explicit_lr_is_tried_first_and_the_cost_is_reported():
     assert f"{rep.numbers['steps']} steps over {len(trials)} learning rate(s)" in str(rep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", HEALTHY)
 def test_softmax_before_cross_entropy_fails(kind):
     model, loader, _ = healthy(kind)
@@ -153,6 +155,7 @@ def test_softmax_before_cross_entropy_fails(kind):
     assert rep.numbers["best_over_reference"] > 0.3  # CE on probabilities has a floor far above 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", HEALTHY)
 def test_labels_paired_differently_on_every_fetch_fail(kind):
     """The pipeline bug: inputs and labels shuffled independently, so re-fetching the same

@@ -7,12 +7,10 @@ full `mkdocs build --strict` (links, anchors, mkdocstrings) runs in `.ci/run`.
 import argparse
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.checkout import ROOT
 
 #: Development-diary wording: work sessions, issue numbers, review rounds, "before this change".
 DIARY = [
@@ -56,6 +54,7 @@ def pages(gen, tmp_path_factory):
     return {p.relative_to(out).as_posix(): p.read_text(encoding="utf-8") for p in out.rglob("*.md")}
 
 
+@pytest.mark.slow
 def test_every_policy_key_has_a_row_with_its_default(pages, gen):
     from nummon._policy import Policy
 

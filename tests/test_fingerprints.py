@@ -1,8 +1,9 @@
 """Batch fingerprints: deterministic, sensitive to one changed input, carried into alerts and
 the flight recorder."""
 
+import pytest
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor
@@ -35,6 +36,7 @@ def _fingerprints(seed, poke=None):
     return out
 
 
+@pytest.mark.slow
 def test_fingerprints_are_deterministic_and_sensitive():
     a, b = _fingerprints(0), _fingerprints(0)
     assert a == b and len(set(a)) == 5

@@ -1,6 +1,6 @@
 """The scenarios every framework callback must pass, run over both (Lightning and the Hugging Face
 Trainer) on real trainers with tiny models built on the spot. Each framework's runs live in
-lightning_runs.py / transformers_runs.py (one adapter each: build the model, run the trainer, say
+helpers/lightning_runs.py / helpers/transformers_runs.py (one adapter each: build the model, run the trainer, say
 what happened in nummon's step numbers); what only one framework has stays in test_lightning.py
 and test_transformers.py.
 """
@@ -18,9 +18,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
+from helpers.wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
 
 from nummon import MemorySink, Severity  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real Lightning and Hugging Face trainers, one run each
 
 FP16_MAX = 65504.0  # "blown up": a loss that half precision could no longer even represent
 FRAMEWORKS = ["lightning", "transformers"]
@@ -29,7 +31,7 @@ FRAMEWORKS = ["lightning", "transformers"]
 @pytest.fixture(scope="module", params=FRAMEWORKS)
 def fw(request):
     """The framework's adapter module (skipped where the framework is not installed)."""
-    return pytest.importorskip(f"{request.param}_runs")
+    return pytest.importorskip(f"helpers.{request.param}_runs")
 
 
 @pytest.fixture(scope="module")

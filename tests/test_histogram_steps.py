@@ -1,7 +1,8 @@
 """Histograms where they matter: log-spaced early steps, the cadence, and every incident event's step."""
 
+import pytest
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
 from torch import nn
 
 from nummon import MemorySink, Monitor
@@ -13,6 +14,7 @@ class DrawsHistograms(MemorySink):
     default_histogram_every = 500
 
 
+@pytest.mark.slow
 def test_a_200_step_run_gets_histograms_at_log_spaced_early_steps(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)

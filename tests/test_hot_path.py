@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import CNN, data, train_step
+from helpers.models import CNN, data, train_step
 from torch.overrides import TorchFunctionMode
 
 from nummon import Monitor
@@ -26,6 +26,7 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_cpu_hot_path_reads_the_host_once_per_step():
     torch.manual_seed(0)
     model = CNN()
@@ -79,10 +80,10 @@ def test_cuda_default_path_never_synchronises():
 
 def test_a_deep_model_reads_the_host_once_per_step_on_and_off_the_full_cadence():
     # 80 watched modules: block boundaries most steps, every module every 2nd step
-    from test_stats_engine import _Deep
+    from helpers.models import Deep
 
     torch.manual_seed(0)
-    model = _Deep()
+    model = Deep()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(8, 4)
     mon = Monitor(model, opt, policy={"sampling": {"activations_all_every": 2}})

@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"nummon": ROOT / "nummon", "nummon.integrations": ROOT / "integrations"}
 
 # lowest first; a module's layer is that of its longest listed prefix

@@ -1,6 +1,6 @@
 """What only the Lightning callback has, on a real Trainer (CPU): bf16 mixed precision and resuming
 from the trainer's checkpoint. The scenarios both framework callbacks share are in
-test_framework_callbacks.py; the tiny runs are in lightning_runs.py.
+test_framework_callbacks.py; the tiny runs are in helpers/lightning_runs.py.
 """
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning.pytorch")
 
-from lightning_runs import TinyRegressor, fit, synthetic_data, trainer_for  # noqa: E402
+from helpers.lightning_runs import TinyRegressor, fit, synthetic_data, trainer_for  # noqa: E402
 
 from nummon import MemorySink  # noqa: E402
 from nummon.integrations.lightning import NummonLightningCallback  # noqa: E402

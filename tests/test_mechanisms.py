@@ -8,49 +8,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.attention import Attn, attention_reference
 from torch import nn
 
 import nummon
 from nummon._trace import read_trace
-
-
-class Attn(nn.Module):
-    def __init__(self, d=16, h=2, impl="manual"):
-        super().__init__()
-        self.h, self.dh, self.impl = h, d // h, impl
-        self.qkv = nn.Linear(d, 3 * d)
-        self.out = nn.Linear(d, 4)
-
-    def scores(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
-        return q, k, v
-
-    def forward(self, x):
-        q, k, v = self.scores(x)
-        T = x.shape[1]
-        if self.impl == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            s = (q @ k.transpose(-2, -1)) / math.sqrt(self.dh)
-            s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-            y = torch.softmax(s, dim=-1) @ v
-        return self.out(y.transpose(1, 2).reshape(x.shape))
-
-
-def _reference(model, x):
-    """Max causal logit and mean normalised entropy, computed directly."""
-    with torch.no_grad():
-        q, k, _ = model.scores(x)
-        T = x.shape[1]
-        s = (q @ k.transpose(-2, -1)) / math.sqrt(model.dh)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-        p = s.softmax(-1)
-        ent = -torch.special.xlogy(p, p).sum(-1)
-        n = mask.sum(-1).float()
-        norm = (ent / torch.log(n.clamp(min=2)))[..., 1:]  # rows with one key have no entropy to lose
-        return float(s.amax()), float(norm.mean())
 
 
 def _step(model, opt, mon, x, y, **kw):
@@ -82,7 +44,7 @@ def test_attention_logits_and_entropy_match_a_direct_computation(impl):
     mon = nummon.Monitor(model, opt)
     rec = _step(model, opt, mon, x, y).record
     mon.close()
-    want_max, want_ent = _reference(model, x if impl == "manual" else x[:1])  # SDPA: the first sample
+    want_max, want_ent = attention_reference(model, x if impl == "manual" else x[:1])  # SDPA: the first sample
     assert rec.attention_logit_max == pytest.approx(want_max, rel=1e-5)
     assert rec.attention_entropy == pytest.approx(want_ent, rel=1e-4)
     # the loss's logits: log Z of the (18, 4) logits that went into cross_entropy
@@ -374,6 +336,7 @@ def test_adam_second_moment_is_the_same_before_and_after_the_optimizer_step():
     assert got["after"][1:] == pytest.approx(got["before"][1:], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lightning_callback_passes_the_per_sample_losses_a_training_step_leaves(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
     from nummon.integrations.lightning import NummonLightningCallback
@@ -415,8 +378,8 @@ def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp
     """A model whose forward sets `nummon_per_sample_loss` gets its worst samples named through
     the Trainer callback (the batch that did it), with no other change to the training code."""
     pytest.importorskip("transformers")
+    from helpers.transformers_runs import RandomTokens, training_args
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer
-    from transformers_runs import RandomTokens, training_args
 
     from nummon.integrations.transformers import NummonTrainerCallback
 

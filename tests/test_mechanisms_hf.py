@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import nummon
 
 
+@pytest.mark.slow
 def test_llama_with_sdpa_records_attention_logits_per_layer_and_log_z():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

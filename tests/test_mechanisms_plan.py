@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_mechanisms import Attn
+from helpers.attention import Attn
 from torch import nn
 
 import nummon
@@ -122,6 +122,7 @@ def _model_and_loss(kind):
     return model, loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,plan",
     [
@@ -239,7 +240,7 @@ def test_a_model_that_grows_has_its_new_attention_measured_at_the_next_discovery
 
 
 def test_an_attention_module_called_twice_reports_its_largest_logit_and_its_mean_entropy():
-    from test_mechanisms import _reference
+    from helpers.attention import attention_reference
 
     torch.manual_seed(0)
     attn = Attn(d=16, impl="manual")
@@ -266,7 +267,7 @@ def test_an_attention_module_called_twice_reports_its_largest_logit_and_its_mean
         recs.append(mon.post_step(loss).record)
     mon.close()
     with torch.no_grad():
-        (m1, e1), (m2, e2) = _reference(attn, x), _reference(attn, attn(x) * 4)
+        (m1, e1), (m2, e2) = attention_reference(attn, x), attention_reference(attn, attn(x) * 4)
     for rec in recs:
         assert rec.layer_attention_logit_max["attn"] == pytest.approx(max(m1, m2), rel=1e-5)
         assert rec.layer_attention_entropy["attn"] == pytest.approx((e1 + e2) / 2, rel=1e-4)
@@ -291,9 +292,9 @@ def test_gradient_accumulation_measures_every_micro_batch_in_discovery_and_plann
     mon.close()
     assert p.heads and not (p.tail or p.whole)
     with torch.no_grad():
-        from test_mechanisms import _reference
+        from helpers.attention import attention_reference
 
-        want = max(_reference(model[1], model[0](x))[0] for x in xs)
+        want = max(attention_reference(model[1], model[0](x))[0] for x in xs)
     for rec in recs:
         assert rec.layer_attention_logit_max["1"] == pytest.approx(want, rel=1e-5)
         for f in FIELDS:

@@ -10,21 +10,19 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
 pytest.importorskip("prometheus_client")
+from helpers.prometheus_servers import wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from prometheus_servers import wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import label_value, serve_metrics  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def step_lines(steps, nan_at=None):
@@ -91,6 +89,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.slow
 def test_half_open_connections_never_starve_the_watcher(tmp_path):
     log = tmp_path / "runs" / "a" / "events.jsonl"
     log.parent.mkdir(parents=True)

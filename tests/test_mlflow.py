@@ -12,11 +12,13 @@ import torch
 pytest.importorskip("mlflow")
 
 import mlflow  # noqa: E402
+from helpers.mlflow_server import MlflowServer, Relay  # noqa: E402
+from helpers.models import runaway_run  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow_server import MlflowServer, Relay  # noqa: E402
-from models import runaway_run  # noqa: E402
 
 from nummon import Health, MlflowSink, Monitor  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test uses one real MLflow tracking server (started once, seconds)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def test_watch_follows_a_live_plain_mlflow_run_notifies_before_its_nan_and_outli
     import signal
     import time
 
-    from webhook_receiver import Receiver
+    from helpers.webhook_receiver import Receiver
 
     relay, receiver = Relay(server.port), Receiver()
     mlflow.set_tracking_uri(server.uri)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from models import CNN, MLP, data, train_step
+from helpers.models import CNN, MLP, data, train_step
 from torch import nn
 
 import nummon
@@ -16,6 +16,7 @@ def overflow_fc2(model):
         model.fc2.weight.fill_(3e38)
 
 
+@pytest.mark.slow
 def test_fc2_overflow_is_localised_to_fc2_forward_and_healthy_steps_are_quiet(tmp_path):
     torch.manual_seed(0)
     model = CNN()

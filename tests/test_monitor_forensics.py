@@ -3,8 +3,9 @@ passes a way to recompute the loss, and changes nothing on healthy steps."""
 
 import inspect
 
+import pytest
 import torch
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 from nummon import AlertKind, Monitor
@@ -39,6 +40,7 @@ def _run(policy, steps=40, explain=True):
     return mon, reports, model
 
 
+@pytest.mark.slow
 def test_log_of_zero_is_named_with_the_loss_functions_line(tmp_path):
     mon, reports, _ = _run({"recovery": {"enabled": True, "rollback": False}, "recorder": {"directory": str(tmp_path)}})
     crit = [a for r in reports for a in r.alerts if a.kind is AlertKind.NONFINITE and "cause" in a.details]

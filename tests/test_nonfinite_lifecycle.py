@@ -7,8 +7,9 @@ import json
 import math
 import subprocess
 
+import pytest
 import torch
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -131,6 +132,7 @@ def test_replay_of_the_issue_sequence_says_the_nan_came_back(tmp_path):
     assert [a["step"] for a in crit] == [4, 26] and crit[1]["message"].startswith("recurring: ")
 
 
+@pytest.mark.slow
 def test_live_monitor_nan_every_few_steps_is_one_condition_and_its_return_after_a_clear_alerts():
     """A real model whose loss goes NaN at chosen steps (the inputs poisoned there)."""
     torch.manual_seed(0)

@@ -3,7 +3,6 @@
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -61,6 +60,7 @@ def fall_onto_floor(start, floor, tau, sigma, seed, n=300):
     return [(floor + (start - floor) * math.exp(-i / tau)) * math.exp(rng.gauss(0, sigma)) for i in range(n)]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     start=st.floats(2.0, 6.0),
@@ -88,7 +88,9 @@ def test_waves_above_the_noise_after_a_fall_are_oscillation(period, floor):
 
 
 def test_the_dev_corpus_oscillation_trace_is_still_caught():
-    path = Path(__file__).parent / "data" / "corpus" / "osc_sgd_lr0.5_mom0.9_s7.jsonl"
+    from helpers.checkout import CORPUS
+
+    path = CORPUS / "osc_sgd_lr0.5_mom0.9_s7.jsonl"
     losses = [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
     assert "oscillation" in kinds(losses)
 

@@ -1,10 +1,7 @@
 """A normal (non-editable) install ships every subpackage: CI installs that way."""
 
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.checkout import ROOT
 
 
 def test_every_subpackage_is_listed_in_pyproject():
@@ -42,6 +39,7 @@ def test_the_cli_runs_from_the_checkouts_root():
     assert p.returncode == 0, p.stderr[-500:]
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_py_typed_and_the_configs(tmp_path):
     """A wheel built from the sources holds nummon/py.typed (PEP 561: users' type checkers read
     nummon's annotations) and the presets and Prometheus rules. Built without isolation from a

@@ -10,13 +10,13 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.checkout import ROOT
 
 pytest.importorskip("prometheus_client")
+from helpers.prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 
 from nummon._json import dumps  # noqa: E402
 from nummon._policy import load_policy  # noqa: E402
@@ -24,7 +24,6 @@ from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 WATCH = [sys.executable, "-m", "nummon._watch"]
 
 
@@ -141,6 +140,7 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
         again.close()
 
 
+@pytest.mark.slow
 def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
     torch = pytest.importorskip("torch")
     from nummon import Monitor
@@ -189,7 +189,7 @@ def test_prometheus_sink_serves_a_training_run_live_then_stops(tmp_path):
 def test_prometheus_sink_on_a_taken_port_warns_and_training_goes_on(tmp_path, caplog):
     import socket
 
-    from models import runaway_run
+    from helpers.models import runaway_run
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -217,9 +217,10 @@ def test_prometheus_sink_serves_on_rank_0_only():
         zero.close()
 
 
+@pytest.mark.slow
 def test_lightning_callback_accepts_the_prometheus_sink(tmp_path):
     pytest.importorskip("lightning.pytorch")
-    from test_lightning import fit
+    from helpers.lightning_runs import fit
 
     from nummon.integrations.lightning import NummonLightningCallback
 
@@ -286,6 +287,7 @@ def start_shard(root, shard, tmp_path):
     raise AssertionError(f"shard {shard} did not start: exit {proc.wait()}")
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fires(tmp_path):
     root = tmp_path / "runs"
     n = 24

@@ -6,7 +6,7 @@ import re
 import subprocess
 
 import yaml
-from prometheus_servers import CONFIGS, binary
+from helpers.prometheus_servers import CONFIGS, binary
 
 RULES = CONFIGS / "nummon-rules.yml"
 

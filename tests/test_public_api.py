@@ -90,6 +90,7 @@ def test_import_nummon_imports_no_torch_wandb_or_tensorboard():
     assert "LOADED []" in out
 
 
+@pytest.mark.slow
 def test_monitor_import_does_not_pull_backends():
     code = (
         "import sys, nummon; nummon.Monitor; nummon.diagnose; "

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_watch_logs import (
+from helpers.log_writers import (
     LR,
     csv_logger,
     runaway_rows,
@@ -53,6 +53,7 @@ def test_jsonl_event_log_skips_alert_lines(rows, reference, tmp_path):
     assert alerts_of(recs) == reference
 
 
+@pytest.mark.slow
 def test_tensorboard_same_alerts_as_jsonl(rows, reference, tmp_path):
     logdir = write_tensorboard(tmp_path / "tb", rows)
     recs = list(read_records(str(logdir)))
@@ -71,6 +72,7 @@ def test_hf_trainer_state_same_alerts_and_nan_literals(rows, reference, tmp_path
     assert alerts_of(read_records(str(newest))) == reference  # one file given directly
 
 
+@pytest.mark.slow
 def test_lightning_csv_same_alerts(rows, reference, tmp_path):
     csv = write_csv(tmp_path / "logs", rows)
     recs = list(read_records(str(csv)))
@@ -78,6 +80,7 @@ def test_lightning_csv_same_alerts(rows, reference, tmp_path):
     assert alerts_of(recs) == reference
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_same_alerts(rows, reference, wandb_env):
     run_file = write_wandb(rows)
     recs = list(read_records(str(run_file)))

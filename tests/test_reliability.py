@@ -106,6 +106,7 @@ print("FLIGHT RECORD", mon.flight_record)
 """
 
 
+@pytest.mark.slow
 def test_a_flight_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     (tmp_path / "train.py").write_text(FULL_DISK)
     out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -315,6 +316,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_wandb_explicit_mode_with_wandb_mode_set(wandb_env):
     from nummon.integrations.wandb import WandbSink
 
@@ -377,6 +379,7 @@ def _run_script(tmp_path, mode, sig=None):
     return proc.returncode, int(line[1]), events
 
 
+@pytest.mark.slow
 def test_sigkill_after_a_critical_alert_leaves_it_and_every_step_on_disk(tmp_path):
     rc, step, events = _run_script(tmp_path, "kill", signal.SIGKILL)
     assert rc == -signal.SIGKILL
@@ -384,12 +387,14 @@ def test_sigkill_after_a_critical_alert_leaves_it_and_every_step_on_disk(tmp_pat
     assert [e["step"] for e in events if e["type"] == "step"] == list(range(step + 1))
 
 
+@pytest.mark.slow
 def test_sigterm_flushes_the_event_log_then_dies_of_sigterm(tmp_path):
     rc, step, events = _run_script(tmp_path, "term", signal.SIGTERM)
     assert rc == -signal.SIGTERM
     assert [e["step"] for e in events if e["type"] == "step"] == list(range(step + 1))
 
 
+@pytest.mark.slow
 def test_a_script_that_never_closes_still_logs_its_last_nonfinite_step(tmp_path):
     rc, step, events = _run_script(tmp_path, "exit")
     assert rc == 0

@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CORPUS, DATA, ROOT, nummon_cmd
+from helpers.checkout import CORPUS, DATA, ROOT, nummon_cmd
 
 
 def cli(*args, **kw):
     return subprocess.run(nummon_cmd() + list(args), capture_output=True, text=True, timeout=300, **kw)
 
 
+@pytest.mark.slow
 def test_dev_corpus_scores_clean():
     """The project's yardstick: every expectation met, median lead >= 5 steps, no false alarm."""
     shared = ROOT.parent / "shared" / "corpus" / "score.py"
@@ -36,6 +37,7 @@ def test_motivating_table_warns_at_40_and_is_critical_by_44():
     assert all(a["source"].endswith("batch39_46.jsonl") for a in alerts)
 
 
+@pytest.mark.slow
 def test_directory_and_text_format():
     p = cli("replay", str(CORPUS))
     assert p.returncode == 0
@@ -93,6 +95,7 @@ def test_cli_errors_exit_2_with_one_line(args, needle):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_policy_show_and_validate(tmp_path):
     p = cli("policy", "show", "strict")
     assert p.returncode == 0 and "name: strict" in p.stdout and "# " in p.stdout
@@ -108,6 +111,7 @@ def test_policy_show_and_validate(tmp_path):
     assert any("spike.window" in l for l in lines) and any("stall.window" in l for l in lines)
 
 
+@pytest.mark.slow
 def test_policy_show_output_round_trips(tmp_path):
     """What `policy show` prints is itself a valid policy equal to the one shown."""
     import nummon
@@ -125,7 +129,7 @@ def test_the_policy_reference_lists_every_field_of_the_default_policy_as_policy_
     exactly what `nummon policy show default` prints."""
     import importlib.util
 
-    from conftest import ROOT
+    from helpers.checkout import ROOT
 
     spec = importlib.util.spec_from_file_location("nummon_docs_gen_ref", ROOT / "docs" / "gen_ref.py")
     gen = importlib.util.module_from_spec(spec)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from nummon._cli import main
 
 LOSSES = [2.0] * 15 + [2.0 * 6**k for k in range(1, 6)] + [float("nan")]
@@ -12,6 +14,7 @@ def _alerts(capsys, *args):
     return [{k: v for k, v in json.loads(l).items() if k != "source"} for l in capsys.readouterr().out.splitlines()]
 
 
+@pytest.mark.slow
 def test_tensorboard_hf_and_csv_logs_give_the_jsonl_alerts(tmp_path, capsys):
     from torch.utils.tensorboard import SummaryWriter
 

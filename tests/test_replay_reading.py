@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import CORPUS, nummon_cmd
+from helpers.checkout import CORPUS, nummon_cmd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +35,7 @@ def alert_lines(stdout):
     return [json.loads(l) for l in stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_torn_last_line_warns_and_keeps_every_alert(tmp_path):
     whole = cli("replay", "--format", "jsonl", str(TRACE))
     assert whole.returncode == 0 and whole.stdout
@@ -211,6 +212,7 @@ _FUZZ = settings(
 )
 
 
+@pytest.mark.slow
 @_FUZZ
 @given(data=st.binary(max_size=400))
 def test_fuzz_arbitrary_bytes_never_give_a_traceback(tmp_path, data):
@@ -254,6 +256,7 @@ _LINE = st.one_of(
 )
 
 
+@pytest.mark.slow
 @_FUZZ
 @given(lines=st.lists(_LINE, max_size=25), fmt=st.sampled_from(["text", "jsonl"]))
 def test_fuzz_arbitrary_json_lines_never_give_a_traceback(tmp_path, lines, fmt):

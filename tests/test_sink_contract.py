@@ -8,8 +8,8 @@ import logging
 
 import numpy as np
 import pytest
-from wandb_reader import alerts as wandb_alerts
-from wandb_reader import find_run_file, read_records
+from helpers.wandb_reader import alerts as wandb_alerts
+from helpers.wandb_reader import find_run_file, read_records
 
 import nummon
 from nummon import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity, StepRecord
@@ -72,8 +72,34 @@ def wandb_delivered(sink, tmp_path, caplog, wandb_env):
     assert [a.title for a in sent if a.title == INCIDENT.title] == [INCIDENT.title]
 
 
+def scrape(url):
+    """{(metric sample name, labels other than run and source): value} of one GET of a /metrics endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "source")))): s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+        if s.labels.get("run") == "contract"
+    }
+
+
 def prometheus_delivered(sink, tmp_path, caplog, wandb_env):
+    import urllib.error
+    import urllib.request
+
+    got = sink.scraped_before_close
+    assert got[("nummon_incident_state", ())] == INCIDENT.state.rank
+    assert got[("nummon_loss", ())] == 0.5 and got[("nummon_last_step", ())] == 100
+    alerts = {k: v for k, v in got.items() if k[0] == "nummon_alerts_total"}
+    assert len(alerts) == len(AlertKind) * len(Severity) and set(alerts.values()) == {1.0}
     assert sink.url is None  # the endpoint is down after close
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(sink.scraped_url, timeout=5)
 
 
 def mlflow_delivered(sink, tmp_path, caplog, wandb_env):
@@ -123,7 +149,12 @@ DELIVERED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(DELIVERED))
+SLOW_SINKS = {"mlflow", "tensorboard", "wandb"}  # each starts a backend of its own (seconds)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SINKS else n for n in sorted(DELIVERED)]
+)
 def test_every_sink_keeps_the_contract(name, tmp_path, caplog, wandb_env):
     caplog.set_level(logging.INFO, logger="nummon")
     sink = make(name, tmp_path)
@@ -152,6 +183,9 @@ def test_every_sink_keeps_the_contract(name, tmp_path, caplog, wandb_env):
     sink.on_incident(INCIDENT)
     sink.on_step(StepRecord(step=100, loss=0.5).freeze(), Health.HEALTHY)
     sink.flush()
+    if name == "prometheus":  # its user looks at the live endpoint, which close takes down
+        sink.scraped_url = sink.url
+        sink.scraped_before_close = scrape(sink.url)
     sink.close()
     sink.close()  # idempotent: the Monitor's close and an exit handler may both close it
     DELIVERED[name](sink, tmp_path, caplog, wandb_env)

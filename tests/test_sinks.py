@@ -8,15 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
+from helpers.wandb_reader import alerts as wb_alerts
+from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
-from wandb_reader import alerts as wb_alerts
-from wandb_reader import find_run_file, history_rows, read_records
 
 import nummon
 from nummon import AlertKind, Health, JsonlSink, Monitor, Severity
@@ -30,6 +31,7 @@ def first_nonfinite(reports):
     return next(r.step for r in reports if r.health is Health.NONFINITE)
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_receive_scalars_histograms_and_alerts(tmp_path, wandb_env):
     from nummon.integrations.tensorboard import TensorBoardSink
     from nummon.integrations.wandb import WandbSink
@@ -122,6 +124,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -136,8 +139,9 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{port}/data/plugin"
-        scalars = hists = None
+        scalars = hists = not_ready = None
         for _ in range(120):  # the server needs a moment to start and load the run
+            assert proc.poll() is None, f"tensorboard exited with {proc.returncode}"
             try:
                 scalars = json.load(urllib.request.urlopen(f"{base}/scalars/scalars?run=.&tag=nummon/loss", timeout=2))
                 hists = json.load(
@@ -147,9 +151,10 @@ def test_real_tensorboard_server_serves_scalars_and_histograms(tmp_path):
                 )
                 if len(scalars) == 25 and len(hists) == 3:
                     break
-            except Exception:
-                pass
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:  # not serving, or not loaded, yet
+                not_ready = e
             time.sleep(0.5)
+        assert scalars is not None and hists is not None, f"tensorboard never served both: {not_ready!r}"
         assert [row[1] for row in scalars] == list(range(25))
         assert [row[1] for row in hists] == [0, 10, 20]
     finally:

@@ -6,9 +6,9 @@ import math
 import random
 import re
 
+from helpers.loss_curves import loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loss_curves import loud
 
 from nummon import AlertKind
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.models import Deep
 from torch import nn
 
 from nummon import AlertKind, Health, Monitor, NummonError
@@ -168,27 +169,11 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
         assert k.l2_norms(ts, key="t")[i].item() == pytest.approx(ts[i].norm().item(), rel=1e-5)
 
 
-class _Deep(nn.Module):
-    """A 40-block stack of two Linears each: 80 watched modules, more than are hooked in full."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(40))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return self.head(x)
-
-
 def test_a_deep_model_hooks_block_boundaries_and_names_the_first_nonfinite_module():
     from nummon._stats.probes import block_boundaries
 
     torch.manual_seed(0)
-    model = _Deep()
+    model = Deep()
     x = torch.randn(16, 4)
     mon = Monitor(model, policy={**QUIET, "sampling": {"activations_all_every": 1000}})
     names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
@@ -223,7 +208,7 @@ def test_a_deep_model_hooks_block_boundaries_and_names_the_first_nonfinite_modul
 def test_pre_clip_statistics_use_a_few_anchor_hooks():
     from nummon._stats.preclip import ANCHORS
 
-    model = _Deep()
+    model = Deep()
     mon = Monitor(model)
     n_params = sum(1 for _ in model.parameters())
     assert n_params > ANCHORS and len(mon.stats.preclip._handles) == ANCHORS

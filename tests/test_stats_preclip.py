@@ -3,7 +3,7 @@ clip_grad_norm_ saw, and how much it clipped."""
 
 import pytest
 import torch
-from models import CNN, data
+from helpers.models import CNN, data
 from torch import nn
 
 from nummon import Monitor

@@ -7,7 +7,7 @@ import math
 import re
 
 import pytest
-from models import runaway_run
+from helpers.models import runaway_run
 
 from nummon._layout import HIST_LINEAR_MAX_ABS, custom_scalars_layout, layer_groups
 
@@ -62,6 +62,7 @@ def _tb_domain(values, ignore_outliers=True):
     return q(0.05), q(0.95)
 
 
+@pytest.mark.slow  # the real TensorBoard run (tb_run) is written once for these, seconds
 def test_incident_state_chart_shows_state_3_with_outliers_ignored(tb_run):
     mon, reports, acc = tb_run
     assert any(e.state.value == "nonfinite" for e in mon.incidents)
@@ -90,6 +91,7 @@ def test_state_companions_keep_rare_states_in_range():
     assert _tb_domain(state + companions) == (0.0, 3.0)
 
 
+@pytest.mark.slow
 def test_per_layer_charts_name_their_layers(tb_run):
     _, _, acc = tb_run
     layouts = _layouts(acc)
@@ -121,6 +123,7 @@ def test_layer_groups_fit_and_cover():
     assert layer_groups(many) == ["blocks"]
 
 
+@pytest.mark.slow
 def test_no_linear_histogram_past_the_readable_range(tb_run):
     _, _, acc = tb_run
     tags = acc.Tags()["histograms"]

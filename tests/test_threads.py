@@ -160,6 +160,7 @@ for step in range(20):
 """
 
 
+@pytest.mark.slow
 def test_sigterm_inside_post_step_is_acted_on_after_it(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(SIGTERM_SCRIPT))
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -14,10 +14,10 @@ engine here; the end-to-end run under `nummon.Monitor` runs where NUMMON_SLOW_TE
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkout
 from torch import nn
 
 import nummon
@@ -26,7 +26,7 @@ from nummon._detectors.oscillation import swing_structure
 from nummon._engine import HealthEngine
 from nummon._policy import load_policy
 
-DATA = Path(__file__).parent / "data" / "tiny_lm"
+DATA = checkout.DATA / "tiny_lm"
 SEEDS = sorted(int(p.stem[4:]) for p in DATA.glob("seed*.jsonl"))
 VOCAB, CONTEXT, WIDTH, HEADS, BATCH, STEPS = 64, 32, 128, 4, 16, 300
 

@@ -1,7 +1,7 @@
 """What only the Hugging Face callback has, on a real Trainer (CPU, a tiny GPT-2 built from a
 config): its health engine's state saved in the Trainer's checkpoints (trainer_state.json) and
 restored on resume, and a classifier's chance level. The scenarios both framework callbacks share are in
-test_framework_callbacks.py; the tiny runs are in transformers_runs.py.
+test_framework_callbacks.py; the tiny runs are in helpers/transformers_runs.py.
 """
 
 import json
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers.transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 from transformers import Trainer  # noqa: E402
-from transformers_runs import RandomTokens, optimizers, tiny_gpt2, training_args  # noqa: E402
 
 from nummon.integrations.transformers import NummonTrainerCallback  # noqa: E402
 
@@ -35,6 +35,7 @@ def saved_nummon_state(ckpt):
     return json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"].get("NummonTrainerCallback")
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tmp_path):
     """Issue 36 item 16: a checkpoint written before nummon was added has no NummonTrainerCallback entry;
     the resumed run's first save used to die with KeyError('NummonTrainerCallback')."""
@@ -100,6 +101,7 @@ def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
     assert saved_nummon_state(tmp_path / "checkpoint-8")["nummon"]["step"] == 8  # and saves a good one
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path):
     """The engine's incident and re-warming records ride in the checkpoint's trainer_state.json; a
     run resumed from it starts its detectors where the first one left them, a fresh run cold."""
@@ -173,18 +175,20 @@ def screen_lines(raw):
     return shown_lines
 
 
+@pytest.mark.slow
 def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(tmp_path):
     """Issue 35 point 10: with the Trainer's tqdm bar open, nummon's line used to be glued to the
     bar (`...[00:02<02:06, 2.57s/it]nummon: run lost...`)."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    here = Path(__file__).parent
+    from helpers.checkout import ROOT
+
+    here = ROOT / "tests"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(here / "transformers_runs.py"), "progress-bar", str(tmp_path)],
+        [sys.executable, str(here / "helpers" / "transformers_runs.py"), "progress-bar", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,

@@ -10,15 +10,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
 import pytest
 import torch
-from models import runaway_run
+from helpers.models import runaway_run
+from helpers.wandb_reader import alerts as wb_alerts
+from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
-from wandb_reader import alerts as wb_alerts
-from wandb_reader import find_run_file, history_rows, read_records
 
 from nummon import Health, IncidentEvent, IncidentState, Monitor, StepRecord
 from nummon._demo_model import DemoCNN
@@ -93,6 +94,7 @@ def groups(tags):
 # ---------------------------------------------------------------- histograms on by default
 
 
+@pytest.mark.slow
 def test_default_tensorboard_sink_writes_histograms(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -201,6 +203,7 @@ def _get(base, path, **query):
     return json.load(urllib.request.urlopen(url, timeout=3))
 
 
+@pytest.mark.slow
 def test_real_tensorboard_server_shows_the_views(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
@@ -230,8 +233,9 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
     base = f"http://127.0.0.1:{port}"
     want_texts = len([a for a in mon.alerts if not a.cleared]) + len(events)
     try:
-        scalars = layout = hists = texts = None
+        scalars = layout = hists = texts = not_ready = None
         for _ in range(240):  # the server needs a moment to start and load the run
+            assert proc.poll() is None, f"tensorboard exited with {proc.returncode}"
             try:
                 scalars = _get(base, "scalars/tags")["."]
                 layout = _get(base, "custom_scalars/layout")
@@ -240,9 +244,11 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
                 loss = _get(base, "scalars/scalars", run=".", tag="nummon/loss")
                 if len(loss) == len(reports) and len(texts) >= want_texts + 1 and layout:
                     break
-            except Exception:
-                pass
+            # not serving yet, or the run (".") not loaded yet; anything else is a failure of its own
+            except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError) as e:
+                not_ready = e
             time.sleep(0.5)
+        assert None not in (scalars, layout, hists, texts), f"tensorboard never served every view: {not_ready!r}"
         by_group = groups(scalars)
         assert 8 <= len(by_group["nummon"]) <= 12, by_group["nummon"]
         assert {"nummon/loss", "nummon/grad_norm", "nummon/health", "nummon/incident_state", "nummon/headroom"} <= set(
@@ -286,6 +292,7 @@ def test_real_tensorboard_server_shows_the_views(tmp_path):
 # ---------------------------------------------------------------- W&B
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_sections_histograms_and_summary(tmp_path, wandb_env):
     from nummon.integrations.wandb import STEP_METRIC, WandbSink
 

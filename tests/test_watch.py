@@ -2,68 +2,26 @@
 on 127.0.0.1, SIGKILL and restart with the same state file."""
 
 import json
-import math
-import signal
 import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-import webhook_receiver
+from helpers import webhook_receiver
+from helpers.watching import (
+    WATCH,
+    read_events,
+    reference_ids,
+    start_watch,
+    stop,
+    two_incident_rows,
+    wait_for,
+    write_lines,
+)
 
-from nummon._json import dumps
 from nummon._policy import load_policy
 from nummon._watch import make_follower
 from nummon._watch.runs import WatchedRun
-
-WATCH = [sys.executable, "-m", "nummon._watch"]
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def two_incident_rows():
-    """A run that runs away and recovers (incident 1: opened, escalated, resolved), then runs
-    away into NaN (incident 2: opened, escalated, escalated to non-finite)."""
-    out = []
-    for s in range(130):
-        if 40 <= s < 45:
-            loss, g = 2.0 * 4 ** (s - 39), 2.0 ** (s - 39)
-        elif s >= 120:
-            loss, g = 1.0 * 4 ** (s - 119), 2.0 ** (s - 119)
-        else:
-            loss, g = 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s)), 1 + 0.1 * math.sin(s)
-        out.append({"type": "step", "step": s, "loss": loss, "grad_norm": g})
-    out.append({"type": "step", "step": 130, "loss": math.nan, "grad_norm": math.inf})
-    return out
-
-
-def write_lines(path, rows, mode="w"):
-    with open(path, mode) as fh:
-        for r in rows:
-            fh.write(dumps(r) + "\n")
-
-
-def reference_ids(path):
-    """Incident event ids the detectors give over the whole finished log, in-process."""
-    run = WatchedRun(str(Path(path).resolve()), make_follower(str(path)), load_policy("default"))
-    return [e.id for e in run.poll(final=True)]
-
-
-def read_events(path):
-    try:
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def wait_for(cond, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Receiver(webhook_receiver.Receiver):
@@ -76,18 +34,6 @@ def receiver():
     r = Receiver()
     yield r
     r.close()
-
-
-def start_watch(*args, cwd=None):
-    return subprocess.Popen(
-        WATCH + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd or ROOT
-    )
-
-
-def stop(proc, sig=signal.SIGTERM):
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    return proc.returncode, out, err
 
 
 def test_webhook_gets_exactly_one_message_per_incident_event(tmp_path, receiver):
@@ -140,6 +86,7 @@ def test_dead_webhook_never_blocks_reading_and_jsonl_holds_every_event(tmp_path)
     assert [e["id"] for e in read_events(notes)] == reference_ids(log)
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     rows = two_incident_rows()
     full = tmp_path / "full.jsonl"
@@ -195,50 +142,59 @@ def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     assert saved["records"] == len(rows) and saved["last_step"] == rows[-1]["step"]
 
 
+FORMATS_LIVE = ["tensorboard", "csv", "hf"]
+# One training loop written live in each format at once (one torch process, one watcher): each
+# format's run lives under OUT/<format>/, and the loop waits, before it writes its first non-finite
+# step, until the watcher has opened an incident for every one of them.
 TRAINER = r"""
 import json, math, shutil, sys, time
 from pathlib import Path
 import torch
 
-fmt, out, notify, marker = sys.argv[1:5]
-out = Path(out)
+out, notify, marker = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 x = torch.randn(64, 8)
 y = x @ torch.randn(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-if fmt == "tensorboard":
-    from torch.utils.tensorboard import SummaryWriter
-    tb = SummaryWriter(str(out / "runs" / "exp1"))
-    def write(step, loss, gn, lr):
-        tb.add_scalar("train/loss", loss, step)
-        tb.add_scalar("train/grad_norm", gn, step)
-        tb.add_scalar("train/learning_rate", lr, step)
-        tb.flush()
-elif fmt == "csv":
-    from lightning.fabric.loggers import CSVLogger
-    logger = CSVLogger(str(out), name="lightning_logs", flush_logs_every_n_steps=1)
-    def write(step, loss, gn, lr):
-        logger.log_metrics({"train_loss": loss, "grad_norm": gn, "lr-SGD": lr}, step=step)
-else:
-    from transformers.trainer_callback import TrainerState
-    state = TrainerState(max_steps=400)
-    def write(step, loss, gn, lr):  # Trainer-style: log every step, save every 2 (rewrite)
-        state.log_history.append({"epoch": step / 100, "grad_norm": gn, "learning_rate": lr, "loss": loss, "step": step})
-        state.global_step = step
-        if step % 2 == 0:
-            ckpt = out / f"checkpoint-{step}"
-            ckpt.mkdir(parents=True, exist_ok=True)
-            state.save_to_json(str(ckpt / "trainer_state.json"))
-            for old in sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
-                shutil.rmtree(old)
+from torch.utils.tensorboard import SummaryWriter
+tb = SummaryWriter(str(out / "tensorboard" / "runs" / "exp1"))
+def write_tensorboard(step, loss, gn, lr):
+    tb.add_scalar("train/loss", loss, step)
+    tb.add_scalar("train/grad_norm", gn, step)
+    tb.add_scalar("train/learning_rate", lr, step)
+    tb.flush()
 
-def notified():
+from lightning.fabric.loggers import CSVLogger
+logger = CSVLogger(str(out / "csv"), name="lightning_logs", flush_logs_every_n_steps=1)
+def write_csv(step, loss, gn, lr):
+    logger.log_metrics({"train_loss": loss, "grad_norm": gn, "lr-SGD": lr}, step=step)
+
+from transformers.trainer_callback import TrainerState
+state = TrainerState(max_steps=400)
+def write_hf(step, loss, gn, lr):  # Trainer-style: log every step, save every 2 (rewrite)
+    state.log_history.append({"epoch": step / 100, "grad_norm": gn, "learning_rate": lr, "loss": loss, "step": step})
+    state.global_step = step
+    if step % 2 == 0:
+        ckpt = out / "hf" / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        state.save_to_json(str(ckpt / "trainer_state.json"))
+        for old in sorted((out / "hf").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+            shutil.rmtree(old)
+
+WRITERS = {"tensorboard": write_tensorboard, "csv": write_csv, "hf": write_hf}
+
+def opened():
+    # the formats whose run has an opened incident in the watcher's event log
     try:
-        return any(json.loads(l)["transition"] == "opened" for l in open(notify) if l.strip())
+        events = [json.loads(l) for l in open(notify) if l.strip()]
     except OSError:
-        return False
+        return set()
+    return {f for f in WRITERS for e in events if e["transition"] == "opened" and in_run_of(e, f)}
+
+def in_run_of(event, fmt):  # the run is the format's folder (hf) or a file or folder below it
+    return (event["run"] + "/").startswith(f"{out}/{fmt}/")
 
 before, bad_step = None, None
 for step in range(400):
@@ -253,10 +209,11 @@ for step in range(400):
     if bad_step is None and not (math.isfinite(l) and math.isfinite(gn)):
         bad_step = step  # before writing the first non-finite step: has the watcher warned?
         deadline = time.time() + 120
-        while not notified() and time.time() < deadline:
+        while opened() != set(WRITERS) and time.time() < deadline:
             time.sleep(0.1)
-        before = notified()
-    write(step, l, gn, opt.param_groups[0]["lr"])
+        before = sorted(opened())
+    for write in WRITERS.values():
+        write(step, l, gn, opt.param_groups[0]["lr"])
     opt.step()
     time.sleep(0.05)
     if bad_step is not None and step >= bad_step + 4:
@@ -265,8 +222,8 @@ json.dump({"notified_before_nonfinite": before, "nonfinite_step": bad_step}, ope
 """
 
 
-@pytest.mark.parametrize("fmt", ["tensorboard", "csv", "hf"])
-def test_live_run_warned_before_its_first_nonfinite_step(tmp_path, fmt):
+@pytest.mark.slow
+def test_live_runs_in_each_format_warned_before_their_first_nonfinite_step(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     notes = tmp_path / "notes.jsonl"
@@ -274,20 +231,30 @@ def test_live_run_warned_before_its_first_nonfinite_step(tmp_path, fmt):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     watcher = start_watch(out, "--interval", "0.2", "--notify", f"jsonl:{notes}", "--notify", "console")
-    trainer = subprocess.Popen([sys.executable, str(script), fmt, str(out), str(notes), str(marker)])
+    trainer = subprocess.Popen([sys.executable, str(script), str(out), str(notes), str(marker)])
+
+    def in_run_of(event, fmt):  # the run is the format's folder (hf) or a file or folder below it
+        return (event["run"] + "/").startswith(f"{out}/{fmt}/")
+
+    def escalated():
+        return {f for f in FORMATS_LIVE for e in read_events(notes) if e["state"] == "nonfinite" and in_run_of(e, f)}
+
     try:
         assert trainer.wait(timeout=300) == 0
-        wait_for(lambda: any(e["state"] == "nonfinite" for e in read_events(notes)), what="the non-finite escalation")
+        wait_for(lambda: escalated() == set(FORMATS_LIVE), what="the non-finite escalation of every format's run")
     finally:
         trainer.kill()
         rc, stdout, err = stop(watcher)
     assert rc == 0, err
     got = json.loads(marker.read_text())
-    assert got["nonfinite_step"] is not None and got["notified_before_nonfinite"] is True
+    assert got["nonfinite_step"] is not None and got["notified_before_nonfinite"] == sorted(FORMATS_LIVE)
     events = read_events(notes)
-    assert events[0]["transition"] == "opened" and events[0]["step"] < got["nonfinite_step"]
-    assert len({e["id"] for e in events}) == len(events)
-    assert "nummon: run unstable" in stdout
+    for fmt in FORMATS_LIVE:
+        mine = [e for e in events if in_run_of(e, fmt)]
+        assert mine[0]["transition"] == "opened" and mine[0]["step"] < got["nonfinite_step"], (fmt, mine[0])
+        assert len({e["id"] for e in mine}) == len(mine), fmt
+    assert len({e["run"] for e in events}) == len(FORMATS_LIVE)  # one run each, no other
+    assert stdout.count("nummon: run unstable") >= len(FORMATS_LIVE)
 
 
 def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
@@ -360,8 +327,9 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     assert [i for i in ids if i.startswith(str(a))] == reference_ids(a)
 
 
+@pytest.mark.slow
 def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
-    from wandb_reader import alerts, find_run_file, read_records
+    from helpers.wandb_reader import alerts, find_run_file, read_records
 
     from nummon._watch.command import main
 

@@ -5,14 +5,12 @@ real trainer_state.json and metrics.csv, each damaged as disks, killed writers a
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from test_watch import read_events, two_incident_rows, write_lines
-from test_watch_logs import hf_history, write_hf_run, write_tensorboard
+from helpers.log_writers import hf_history, write_hf_run, write_tensorboard, write_wandb_records
+from helpers.watching import read_events, two_incident_rows, write_lines
 
 from nummon._policy import load_policy
 from nummon._watch import read_records
@@ -107,29 +105,6 @@ def test_csv_step_inf_and_wandb_bad_step_do_not_stop_the_other_runs(tmp_path):
     assert [r.step for r in read_records(str(root / "wb" / "run-bad.wandb"))] == [0, 3]  # step 2 holds no number
 
 
-# --- a minimal LevelDB-log writer for crafted W&B records (real files come from wandb itself) ---
-
-
-def write_wandb_records(path, rows):
-    import zlib
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    out = bytearray(b":W&B" + struct.pack("<H", 0xBEE1) + b"\x01")
-    for items in rows:
-        r = pb.Record()
-        for k, v in items:
-            it = r.history.item.add()
-            it.key, it.value_json = k, v
-        payload = r.SerializeToString()
-        left = 32768 - len(out) % 32768
-        if left < 7 + len(payload):
-            out += b"\x00" * left
-        crc = zlib.crc32(payload, zlib.crc32(bytes([1]))) & 0xFFFFFFFF
-        out += struct.pack("<IHB", crc, len(payload), 1) + payload
-    Path(path).write_bytes(bytes(out))
-
-
 # --- item 8: a JSONL log rewritten in place or rotated ------------------------------------
 
 
@@ -165,6 +140,7 @@ def test_jsonl_rotated_is_read_from_the_new_file_start(tmp_path):
 # --- item 9: a Hugging Face run re-run into the same output_dir ----------------------------
 
 
+@pytest.mark.slow
 def test_hf_rerun_into_the_same_output_dir_is_watched(tmp_path):
     out = tmp_path / "out"
     old = [(s, 2.0 * 0.99**s, 1.0) for s in range(501)]
@@ -218,6 +194,7 @@ def _replay(path):
     return subprocess.run(CLI + ["replay", str(path)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_tensorboard_flipped_byte_is_skipped_named_and_the_nan_still_found(long_tb, tmp_path):
     bad = tmp_path / "tb" / long_tb.name
     bad.parent.mkdir()
@@ -234,6 +211,7 @@ def test_tensorboard_flipped_byte_is_skipped_named_and_the_nan_still_found(long_
     assert [e["step"] for e in nonfinite_events(notes)] == [2500]
 
 
+@pytest.mark.slow
 def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path):
     cut = tmp_path / "tb" / long_tb.name
     cut.parent.mkdir()
@@ -248,7 +226,7 @@ def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path)
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
     """A real offline W&B run of more than 4 blocks (32 KiB each), NaN in the last block."""
-    from test_watch_logs import write_wandb
+    from helpers.log_writers import write_wandb
 
     base = tmp_path_factory.mktemp("wandb")
     env = {
@@ -274,6 +252,7 @@ def wandb_run(tmp_path_factory):
     return f
 
 
+@pytest.mark.slow
 def test_wandb_flipped_byte_in_block_0_resumes_at_the_next_block(wandb_run, tmp_path):
     bad = tmp_path / wandb_run.name
     bad.write_bytes(wandb_run.read_bytes())
@@ -284,6 +263,7 @@ def test_wandb_flipped_byte_in_block_0_resumes_at_the_next_block(wandb_run, tmp_
     assert "nonfinite" in p.stdout and "step 900" in p.stdout
 
 
+@pytest.mark.slow
 def test_wandb_file_cut_mid_record_warns_of_a_torn_tail(wandb_run, tmp_path):
     cut = tmp_path / wandb_run.name
     data = wandb_run.read_bytes()
@@ -331,6 +311,7 @@ def _peak_kib(tmp_path, log):
     return int(p.stdout.strip())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
 def test_watch_once_over_a_long_log_holds_a_bounded_part_of_it(tmp_path):
     """Twice the backlog, the same peak: what is held does not grow with the log (it used to

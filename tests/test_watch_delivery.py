@@ -13,7 +13,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
+from helpers.watching import (
+    WATCH,
+    read_events,
+    reference_ids,
+    start_watch,
+    stop,
+    two_incident_rows,
+    wait_for,
+    write_lines,
+)
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
@@ -195,6 +204,7 @@ def test_malformed_webhook_url_exits_2_at_start(tmp_path, capsys, url):
 # --- item 7: SIGTERM with an endpoint that never answers ----------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_hanging_endpoint_keeps_the_events_for_the_next_start(tmp_path, endpoints):
     hang = threading.Event()
     ep = endpoints(hang=hang)
@@ -331,8 +341,9 @@ def test_title_cut_at_a_word():
     )
 
 
+@pytest.mark.slow
 def test_replay_without_the_extra_gives_the_install_hint(tmp_path):
-    from test_watch_logs import write_tensorboard
+    from helpers.log_writers import write_tensorboard
 
     tb = write_tensorboard(tmp_path / "tb", [(s, 1.0, 1.0) for s in range(5)])
     wb = tmp_path / "run-x.wandb"

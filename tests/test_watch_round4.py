@@ -9,7 +9,16 @@ import sys
 import threading
 
 import pytest
-from test_watch import WATCH, read_events, reference_ids, start_watch, stop, two_incident_rows, wait_for, write_lines
+from helpers.watching import (
+    WATCH,
+    read_events,
+    reference_ids,
+    start_watch,
+    stop,
+    two_incident_rows,
+    wait_for,
+    write_lines,
+)
 
 from nummon._policy import load_policy
 from nummon._watch.command import main
@@ -309,6 +318,7 @@ def test_watch_names_each_run_it_picks_up_and_its_stop_with_true_numbers(tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_watch_once_ends_with_its_summary_and_counts_what_was_lost(tmp_path):
     log = tmp_path / "run.jsonl"
     write_lines(log, _runaway_rows())
@@ -419,6 +429,7 @@ def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
     return w, notes
 
 
+@pytest.mark.slow
 def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_first(tmp_path, monkeypatch):
     root = tmp_path / "root"
     for name in ("big", "small", "third"):
@@ -465,11 +476,12 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
 # --- 36.11 (round 3): SIGKILL every second while the run writes: every event exactly once ----
 
 
+@pytest.mark.slow
 def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_event_exactly_once(tmp_path):
     import signal
     import time
 
-    import webhook_receiver
+    from helpers import webhook_receiver
 
     rows = two_incident_rows()
     full = tmp_path / "full.jsonl"

@@ -15,10 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import webhook_receiver
 import yaml
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "prometheus"
+from helpers import webhook_receiver
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "prometheus"
 ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")
 
 

@@ -10,10 +10,10 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from framework_run import Run
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.framework_run import Run
 from nummon.integrations.lightning import NummonLightningCallback
 
 NAME = "lightning"

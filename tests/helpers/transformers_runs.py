@@ -11,9 +11,9 @@ import os
 import accelerate  # noqa: F401  (the Trainer needs it)
 import torch
 import transformers
-from framework_run import Run
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from helpers.framework_run import Run
 from nummon.integrations.transformers import NummonTrainerCallback
 
 transformers.utils.logging.set_verbosity_error()
@@ -257,7 +257,9 @@ def runaway_with_progress_bar(root):
     ).train()
 
 
-if __name__ == "__main__":  # python transformers_runs.py progress-bar DIR (a real process: its stderr is read)
+if (
+    __name__ == "__main__"
+):  # python tests/helpers/transformers_runs.py progress-bar DIR (tests/ on PYTHONPATH) (a real process: its stderr is read)
     import sys
 
     assert sys.argv[1] == "progress-bar", sys.argv
