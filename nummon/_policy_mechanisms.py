@@ -141,7 +141,7 @@ class AdamMomentPolicy(_Section):
     critical_rms: float | None = Field(
         None,
         gt=1,
-        description="critical at or above this; off (None) by default: on high-LR runs of small models the ratio sits at its bound for dozens of steps in runs that recover on their own as in runs that are lost, so no level separates them and this kind only warns (tests/test_adam_moment_truth.py) (ratio)",
+        description="critical at or above this; off (None) by default: on high-LR runs of small models the ratio sits at its bound for dozens of steps in runs that recover on their own as in runs that are lost, so no level separates them and this kind only warns (tests/stats/test_adam_moment_truth.py) (ratio)",
     )
     bound_fraction: float = Field(
         0.67,

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
-import webhook_receiver
-from test_watch import ROOT, WATCH, two_incident_rows, wait_for, write_lines
+from helpers import webhook_receiver
+from helpers.checkout import ROOT
+from helpers.watching import WATCH, two_incident_rows, wait_for, write_lines
 
 from nummon._policy import load_policy
 from nummon._report import build_report
@@ -121,7 +122,7 @@ def test_a_second_escalation_soon_after_is_written_once_then_at_stop(tmp_path):
     assert w.reports.due == {str(log)}
     w.close()
     assert w.reports.writes == 2 and ("first NaN/Inf", "step 130") in facts(page.read_text())
-    from test_watch import read_events
+    from helpers.watching import read_events
 
     named = [e["id"].split("#")[1] for e in read_events(notes) if e.get("report") == str(page)]
     assert named == ["1:escalated:2", "2:escalated:2", "2:escalated:3"]

@@ -3,9 +3,9 @@
 import json
 import socket
 
-import dist_workers as W
 import pytest
 from conftest import start_ranks
+from helpers import dist_workers as W
 
 
 def _port():

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from webhook_receiver import Receiver
+from helpers.webhook_receiver import Receiver
 
 import nummon
 from nummon._json import dumps
@@ -342,7 +342,7 @@ def _wandb_sink(tmp_path):
 
 def _wandb_sink_delivered(sink, tmp_path, title):
     import wandb
-    from wandb_reader import alerts, find_run_file, read_records
+    from helpers.wandb_reader import alerts, find_run_file, read_records
 
     wandb.teardown()
     return title in [a.title for a in alerts(read_records(find_run_file(tmp_path / "wandb_dir")))]

@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 from conftest import start_ranks
-from models import MLP
+from helpers.models import MLP
 from torch import nn
 
 from nummon import Monitor, NummonError

@@ -1,6 +1,6 @@
 """A live Monitor on a tiny Hugging Face Llama built from a config with SDPA attention (never
 downloaded): the attention probe sees every SDPA layer and the output probe sees log Z.
-(GPT-2 with SDPA: tests/test_mechanisms.py.)"""
+(GPT-2 with SDPA: tests/stats/test_mechanisms.py.)"""
 
 import math
 

@@ -3,38 +3,20 @@ every log format replay reads; nothing in it is fetched; headless Chromium draws
 
 import json
 import math
-import re
 import shutil
 import subprocess
 
 import pytest
+from helpers.models import runaway_run
+from helpers.pages import external_refs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import runaway_run
 
 from nummon._cli import main
 from nummon._report import build_report, incidents_of, load_run
 from nummon._report.svg import thin
 
 LOSSES = [2.0 * 0.99**i for i in range(30)] + [2.0 * 6**k for k in range(1, 7)] + [float("nan")]
-
-
-def external_refs(html):
-    """Every way a page could fetch something: the list must stay empty."""
-    bad = []
-    for pat in (
-        r"https?://(?!www\.w3\.org/2000/svg\")",
-        r"<script",
-        r"@import",
-        r"<link",
-        r"<iframe",
-        r"<img",
-        r"""src\s*=\s*["']?(?!data:)""",
-        r"""url\(\s*["']?(?!data:)""",
-        r"""href\s*=\s*["']?(?!#)""",
-    ):
-        bad += re.findall(pat, html, flags=re.I)
-    return bad
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +80,7 @@ def _tb(path, losses):
 
 
 def _logs(tmp_path):
-    """The same run as every log format replay reads (as tests/test_replay_formats.py writes them)."""
+    """The same run as every log format replay reads (as tests/cli/test_replay_formats.py writes them)."""
     jsonl = tmp_path / "trace.jsonl"
     jsonl.write_text(
         "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))
@@ -129,7 +111,7 @@ def test_every_log_format_replay_reads_gives_the_same_incident(tmp_path, capsys)
 
 
 def test_wandb_offline_run_gives_a_page(wandb_env, tmp_path, capsys):
-    from test_watch_logs import runaway_rows, write_wandb
+    from helpers.log_writers import runaway_rows, write_wandb
 
     run_file = write_wandb(runaway_rows())
     out = tmp_path / "wandb.html"

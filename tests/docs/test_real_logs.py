@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DATA
+from helpers.checkout import DATA
 
 __all__ = []
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import nummon_cmd
+from helpers.checkout import nummon_cmd
 
 from nummon import _demo
 from nummon._cli import main
@@ -132,8 +132,8 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     assert 1 <= crit_alert["details"]["steps_to_overflow"] <= 1.5 * left + 2, (crit_alert["message"], left)
     # W&B, started on a thread of its own while the model trained, got every step from 0 and one
     # notification per incident event: opened, escalated (critical), non-finite
-    from wandb_reader import alerts as wandb_alerts
-    from wandb_reader import find_run_file, read_records
+    from helpers.wandb_reader import alerts as wandb_alerts
+    from helpers.wandb_reader import find_run_file, read_records
 
     records = read_records(find_run_file(out))
     sent = wandb_alerts(records)
@@ -151,7 +151,7 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
 
 def wandb_steps(records):
     """The training steps of a W&B run file's history rows, in the order they were logged."""
-    from wandb_reader import history_rows
+    from helpers.wandb_reader import history_rows
 
     return [row.get("nummon_step", row.get("_step")) for row in history_rows(records) if "nummon/loss" in row]
 
@@ -309,7 +309,7 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
 
 
 # ---------------------------------------------------------------- the documentation's demo section
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 QUICKSTART = DOCS / "quickstart.md"  # holds "What the demo shows"
 FORENSICS = DOCS / "guides" / "forensics.md"  # quotes the demo's "Why:" line
 README_RUN = "nummon-runs/20261201-101804"  # the output folder as the documentation shows it
@@ -359,7 +359,7 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     layer and operator, the optimizer-state column, the model and the claimed time) against one
     real run. Alert bullets are compared by severity, kind, metric and step only (their wording
     changes); every other excerpt line must be printed as shown. To refresh the excerpt after a
-    change: `python tests/test_demo.py` prints it."""
+    change: `python tests/cli/test_demo.py` prints it."""
     from nummon._demo_config import DEMO_BATCH, DEMO_SECONDS, IMAGE_SIDE, RUNAWAY_LR, SWITCH_STEP, WIDTH
 
     p, out = demo_run

@@ -111,7 +111,7 @@ def layer_of(module: str) -> int:
             if (rel == p or rel.startswith(p + ".") or (p == "" and rel == "")) and len(p) > best:
                 best, level = len(p), i
     if level is None:
-        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_import_graph.py")
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/docs/test_import_graph.py")
     return level
 
 

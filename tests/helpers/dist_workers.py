@@ -236,9 +236,8 @@ def fsdp1_grad_norm(rank, world, port, out_dir):
 
 def ddp_finite_but_extreme(rank, world, port, out_dir):
     """DDP with weights near 1e20: every value finite, every float32 sum of squares overflows."""
-    from models import train_step
-
     import nummon
+    from helpers.models import train_step
 
     setup(rank, world, port)
     model = Net()

@@ -8,8 +8,8 @@ import logging
 import sys
 
 import pytest
-from models import runaway_run
-from test_report import external_refs
+from helpers.models import runaway_run
+from helpers.pages import external_refs
 
 from nummon._report.live import escalated_to_critical
 
