@@ -18,7 +18,7 @@ from ._policy import AlertPolicy, Policy
 from ._trace import record_from_dict
 from ._types import Alert, AlertKind, Finding, Health, Severity, StepRecord
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine"]
+__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "SegmentedEngine"]
 
 Key = tuple[str, str, str]
 
@@ -347,6 +347,37 @@ class HealthEngine:
             self._first.append([rec, None])
         else:
             self._recent.append([rec, None])
+
+
+class SegmentedEngine:
+    """One health engine per segment of a log: a step that goes backwards or repeats (a resumed,
+    rewritten or re-run log appended to the same place) starts a fresh engine, so no alert of
+    one segment is raised or cleared by another's steps; incident numbers go on, so no event id
+    repeats. Serves replay and watch alike."""
+
+    def __init__(self, policy: Policy, *, warm_first: int = 32, warm_recent: int = 256) -> None:
+        self.policy = policy
+        self._warm = (warm_first, warm_recent)
+        self.engine = self._fresh()
+        self.last_step: int | None = None  # the step of the last record (None before the first)
+        self.segments = 0  # segments started after the first
+        self.restarted_after: int | None = None  # the last record began a segment: the step before it
+
+    def _fresh(self) -> HealthEngine:
+        return HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
+
+    def step(self, rec: StepRecord) -> EngineStep:
+        """The record's engine step, in a fresh engine when it starts a new segment."""
+        self.restarted_after = None
+        if self.last_step is not None and rec.step <= self.last_step:
+            number = self.engine._incidents.number
+            self.engine = self._fresh()
+            self.engine._incidents.number = number
+            self.segments += 1
+            self.restarted_after = self.last_step
+        got = self.engine.step(rec)
+        self.last_step = rec.step
+        return got
 
 
 def _saved(entry: list[Any]) -> dict[str, Any]:
