@@ -1,14 +1,19 @@
 """The shape of the detection core: one segmented engine serves replay and watch (restarts in
 one place), and the engine owns every decision (the Monitor is wiring, recovery builds no alert)."""
 
+import ast
+import dataclasses
 import json
 import math
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nummon import load_policy, replay
 from nummon._engine import HealthEngine, SegmentedEngine
+from nummon._outcome import StepEvidence
 from nummon._replay import iter_replay_records
 from nummon._trace import record_from_dict
 from nummon._watch.runs import WatchedRun
@@ -74,3 +79,58 @@ def test_incident_numbers_go_on_across_segments():
         for o in _segment(40, start, 3.0, 20):
             numbers.extend(ev.number for ev in seg.step(record_from_dict(o, "t", 0)).incidents)
     assert seg.segments == 1 and numbers and numbers == sorted(numbers) and numbers[-1] == 2
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _engine_members_used(path):
+    """The attributes the module reads off `self.engine` (the Monitor's HealthEngine)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "engine"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
+            used.add(node.attr)
+    return used
+
+
+def test_the_monitor_touches_the_health_engine_through_two_members():
+    """step (judge the record) and finish (the outcome): every other decision is the engine's."""
+    assert _engine_members_used(ROOT / "nummon" / "_monitor.py") == {"step", "finish"}
+
+
+def _alerts_built(path):
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Alert"
+    ]
+
+
+def test_recovery_forensics_and_replicas_build_no_alert():
+    """Recovery reports what it did, forensics and replica checks what they found: the engine
+    side (nummon/_engine.py, nummon/_outcome.py) builds every alert."""
+    for rel in (
+        "_recovery/_recovery.py",
+        "_forensics/verdict.py",
+        "_forensics/_alerts.py",
+        "_replicas.py",
+        "_monitor.py",
+    ):
+        assert _alerts_built(ROOT / "nummon" / rel) == [], rel
+    assert _alerts_built(ROOT / "nummon" / "_outcome.py")
+
+
+def test_the_outcome_is_immutable():
+    engine = HealthEngine(POLICY)
+    rec = record_from_dict({"step": 0, "loss": float("nan")}, "t", 0)
+    got = engine.step(rec)
+    outcome = engine.finish(got, StepEvidence(rec))
+    assert outcome.alerts and outcome.critical and outcome.stop
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outcome.stop = False
