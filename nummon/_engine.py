@@ -3,6 +3,7 @@ Monitor and replay (no torch)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,13 +13,29 @@ from ._detectors import MAGNITUDE_FIELDS, build_detectors
 from ._errors import NummonError, StateError
 from ._functional import is_finite, median
 from ._hints import hint_for
-from ._incidents import IncidentEvent, IncidentState, IncidentTracker
+from ._incidents import IncidentEvent, IncidentState, IncidentTracker, escalated_to_critical
 from ._json import json_safe
+from ._outcome import (
+    StepEvidence,
+    StepOutcome,
+    replica_alert,
+    with_cause,
+    with_flight_record,
+    with_record_facts,
+    with_recovery,
+    with_verdict,
+    without_verdict,
+)
 from ._policy import AlertPolicy, Policy
 from ._trace import record_from_dict
 from ._types import Alert, AlertKind, Finding, Health, Severity, StepRecord
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine"]
+__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
+
+#: Records a restarted engine is warmed with (`HealthEngine.state_dict`): the run's first ones
+#: (the divergence baseline) and the latest ones.
+WARM_FIRST = 32
+WARM_RECENT = 256
 
 Key = tuple[str, str, str]
 
@@ -133,20 +150,28 @@ class EngineStep:
     alerts: tuple[Alert, ...]
     health: Health
     incidents: tuple[IncidentEvent, ...] = ()
+    detail_on: bool = False  # an incident is open: watch every module's output from the next step
 
 
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
 
-    It owns its state: `rebaseline()` starts the detectors afresh (the incident goes on),
-    `mark_acted()` records what was done about the incident, and `state_dict()` /
+    Two calls a step: `step(rec)` judges the record; `finish(step, evidence)` completes every
+    alert with what the torch side found and did (cause, verdict, recovery, flight record) and
+    returns the step's one `StepOutcome` (a rollback starts the detectors afresh, the incident
+    going on; a recovery action becomes an incident event). `state_dict()` /
     `load_state_dict()` carry the incident and the records that re-warm the detectors across a
     restart (a resumed run does not start cold). `warm_first` records from the run's start (the
     divergence baseline) and the `warm_recent` latest ones are kept for that.
     """
 
     def __init__(
-        self, policy: Policy, context: dict | None = None, *, warm_first: int = 32, warm_recent: int = 256
+        self,
+        policy: Policy,
+        context: dict | None = None,
+        *,
+        warm_first: int = WARM_FIRST,
+        warm_recent: int = WARM_RECENT,
     ) -> None:
         self.policy = policy
         self.context = context or {}
@@ -277,8 +302,9 @@ class HealthEngine:
             text += f" (non-finite {span}{many})"
         return text
 
-    def step(self, rec: StepRecord) -> EngineStep:
-        """Alerts, health and incident events of one record (frozen from here on: sinks hold it)."""
+    def step(self, rec: StepRecord, replicas: Any = ()) -> EngineStep:
+        """Alerts, health and incident events of one record (frozen from here on: sinks hold it);
+        `replicas`: the record's replica mismatches (`_replicas.ReplicaMismatch`), one alert."""
         rec.freeze()
         findings: list[Finding] = []
         for d in self.detectors:
@@ -314,7 +340,61 @@ class HealthEngine:
             health = Health.INCIDENT
         else:
             health = Health.HEALTHY
-        return EngineStep(alerts, health, events)
+        if replicas:  # identical on every rank: every row was compared
+            alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
+        return EngineStep(alerts, health, events, detail_on=self._incidents.state.active)
+
+    def finish(self, got: EngineStep, ev: StepEvidence) -> StepOutcome:
+        """The step's outcome: its alerts completed with the evidence (cause, verdict, what
+        recovery did, flight record, rank, batch), its incident events (recovery's actions
+        included), whether to stop and whether to sample the next step."""
+        alerts = list(got.alerts)
+        if ev.cause is not None:
+            alerts = with_cause(alerts, ev.cause)
+        if ev.verdict is not None:
+            alerts = with_verdict(alerts, ev.verdict)
+        elif ev.verdict_unavailable is not None:
+            alerts = without_verdict(alerts, ev.verdict_unavailable)
+        handled = False  # this step's critical alerts were handled (skip/rollback)
+        if ev.recovery is not None:
+            alerts, handled = with_recovery(alerts, ev.recovery), ev.recovery.handled
+            if ev.recovery.rebaseline:
+                self.rebaseline()
+        flight_record, written = ev.flight_record, None
+        stop = False
+        for i, a in enumerate(alerts):
+            if a.severity is Severity.CRITICAL:
+                if flight_record is None and ev.write_flight_record is not None:
+                    ref = ev.write_flight_record(a)
+                    if ref is not None:
+                        a, flight_record = with_flight_record(a, ref), ref.path
+                        written = ref.path
+                stop = stop or (self.policy.alerts.stop_on_critical and not handled)
+            alerts[i] = with_record_facts(a, ev.rec, ev.distributed)
+        events = self._events(got.incidents, alerts, flight_record, ev)
+        mp = self.policy.mechanisms
+        sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
+        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written)
+
+    def _events(
+        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None, ev: StepEvidence
+    ) -> tuple[IncidentEvent, ...]:
+        """The step's incident events: explained, one per recovery action (rollback, budget
+        spent), naming the flight record and the report written for them."""
+        out = list(events)
+        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
+        if why is not None:  # the forensic explanation travels with the incident event too
+            out = [e.explained(why.details["why"], why.hint) if e.state.value == "nonfinite" else e for e in out]
+        for a in alerts:
+            if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
+                out.append(self.mark_acted(a))
+        if flight_record is not None:
+            out = [e.with_flight_record(e.flight_record or flight_record) if e.state.active else e for e in out]
+        if ev.write_report is not None and escalated_to_critical(out):
+            path = ev.write_report(alerts, out)
+            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
+                out = [dataclasses.replace(e, report=path) if e.state.active else e for e in out]
+        return tuple(out)
 
     CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
 

@@ -17,7 +17,23 @@ from ._alert_text import SUMMARY_MAX, TITLE_MAX
 from ._events import Contributor, IncidentEvent
 from ._types import Alert, AlertKind, IncidentState, Severity
 
-__all__ = ["IncidentState", "Contributor", "IncidentEvent", "IncidentTracker", "TITLE_MAX", "SUMMARY_MAX"]
+__all__ = [
+    "IncidentState",
+    "Contributor",
+    "IncidentEvent",
+    "IncidentTracker",
+    "TITLE_MAX",
+    "SUMMARY_MAX",
+    "escalated_to_critical",
+]
+
+
+def escalated_to_critical(events: Iterable[Any]) -> bool:
+    """Whether one of these incident events takes an incident to critical or non-finite."""
+    return any(
+        getattr(e.state, "rank", 0) >= 2 and e.state.rank > getattr(e.previous, "rank", 0) and not e.action
+        for e in events
+    )
 
 
 def _state_of(alert: Alert) -> IncidentState:

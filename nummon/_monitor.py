@@ -8,7 +8,7 @@ import logging
 import numbers
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +17,18 @@ from torch import nn
 
 from . import _shutdown
 from ._dispatch import SinkDispatcher
-from ._engine import HealthEngine
+from ._engine import EngineStep, HealthEngine
 from ._errors import NummonError
 from ._events import StepReport
 from ._functional import clip_ratio
 from ._incidents import IncidentEvent
+from ._outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
 from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
-from ._report.live import LiveReport, escalated_to_critical
+from ._report.live import LiveReport
 from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from ._stats import Pending, StatsEngine
-from ._types import Alert, Severity, StepRecord
+from ._types import Alert, StepRecord
 
 __all__ = ["Monitor"]
 
@@ -180,6 +181,7 @@ class Monitor:
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
         self._stop = False
+        self._sample_next = False  # the engine's directive: sample the mechanism probes at the next step
 
     def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
         """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
@@ -313,11 +315,7 @@ class Monitor:
         if probes is None:
             return
         mp = self.policy.mechanisms
-        probes.arm(
-            self.step % mp.every == 0
-            or self.engine.wants_sample()
-            or (mp.during_incident and self.engine.incident_state.active)
-        )
+        probes.arm(self.step % mp.every == 0 or self._sample_next)
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -395,36 +393,64 @@ class Monitor:
         return any(step % k == 0 for k in self._hist_every)
 
     def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
-        """The pipeline of one step: statistics -> health engine -> recovery -> incidents -> dispatch."""
+        """The pipeline of one step: statistics -> health engine -> torch-side evidence (cause,
+        verdict, recovery) -> the engine's outcome -> dispatch."""
         rec = self._resolve(pending, clip_norm)
-        got = self.engine.step(rec)  # the record is frozen from here on
-        self.stats.watch_all_modules(
-            self.engine.incident_state.active
-        )  # every module's output while an incident is open
+        found = self._replicas.take() if self._replicas is not None else ()
+        got = self.engine.step(rec, replicas=found)  # the record is frozen from here on
+        self.stats.watch_all_modules(got.detail_on)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
-        alerts = list(got.alerts)
-        if self._replicas is not None and self._replicas.last:  # identical on every rank: every row was compared
-            alerts.append(self._replica_alert())
-        if not rec.is_finite() and self.cause is None and self._recompute is not None and self.policy.forensics.enabled:
-            alerts = self._explain(alerts)
-        if self._recompute is not None and self._evidence is not None:
-            alerts = self._judge(rec, alerts)
-        recovered = False  # True when this step's critical alerts were handled (skip/rollback)
+        outcome = self.engine.finish(got, self._gather(rec, got))
+        self._sample_next = outcome.sample_next
+        self._stop = self._stop or outcome.stop
+        if outcome.flight_record is not None:
+            self.flight_record = Path(outcome.flight_record)
+        self._dispatch(rec, outcome)
+        return StepReport(
+            step=rec.step,
+            health=outcome.health,
+            alerts=outcome.alerts,
+            should_stop=self._stop,
+            record=rec,
+            incidents=outcome.incidents,
+        )
+
+    def _gather(self, rec: StepRecord, got: EngineStep) -> StepEvidence:
+        """What only torch can tell or do about this step: the cause of its first non-finite
+        value, a re-run's verdict, recovery's actions; and the writers of its files."""
+        cause = verdict = unavailable = recovery = None
+        forensics = self._recompute is not None and self.policy.forensics.enabled
+        if forensics and not rec.is_finite() and self.cause is None:
+            cause = self.cause = self._cause()
+        if self._recompute is not None and self._evidence is not None and rerun_due(got.alerts):
+            verdict, unavailable = self._verdict(rec)
         if self.recovery is not None:
-            outcome = self.recovery.on_record(rec, got.health, alerts)
-            alerts, recovered = list(outcome.alerts), outcome.handled
-            if outcome.rebaseline:
-                self.engine.rebaseline()
-        routed = [self._route(a, rec, recovered) for a in alerts]
-        events = self._incident_events(got.incidents, routed)
-        self._sinks.step(rec, got.health)
-        if any(a.severity is Severity.CRITICAL for a in routed):
+            recovery = self.recovery.on_record(rec, got.health, got.alerts, verdict)
+        return StepEvidence(
+            rec,
+            cause=cause,
+            verdict=verdict,
+            verdict_unavailable=unavailable,
+            recovery=recovery,
+            distributed=self._dist is not None,
+            flight_record=str(self.flight_record) if self.flight_record is not None else None,
+            write_flight_record=self._write_flight_record,
+            write_report=self._write_report if self._report is not None else None,
+        )
+
+    def _dispatch(self, rec: StepRecord, outcome: StepOutcome) -> None:
+        """Keep and send the step's record, alerts and incident events, in that order."""
+        self._sinks.step(rec, outcome.health)
+        for a in outcome.alerts:
+            self.alerts.append(a)
+            self._sinks.alert(a)
+        for ev in outcome.incidents:
+            self.incidents.append(ev)
+            self._sinks.incident(ev)
+        if outcome.critical:
             # the alert that precedes a crash is in the event log before post_step returns; the
             # other sinks (W&B, webhooks) get it asynchronously, so they never stall training
             self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s, durable_only=True)
-        return StepReport(
-            step=rec.step, health=got.health, alerts=tuple(routed), should_stop=self._stop, record=rec, incidents=events
-        )
 
     def _resolve(self, pending: Pending, clip_norm: float | None) -> StepRecord:
         rec = self.stats.resolve(pending)
@@ -434,67 +460,14 @@ class Monitor:
                 rec = dataclasses.replace(rec, clip_ratio=ratio)
         return rec
 
-    def _route(self, a: Alert, rec: StepRecord, recovered: bool) -> Alert:
-        """One alert, completed (flight record, rank, batch fingerprint), kept and sent."""
-        if a.severity is Severity.CRITICAL:
-            if self.flight_record is None:
-                a = self._dump_flight_record(a)
-            if self.policy.alerts.stop_on_critical and not recovered:
-                self._stop = True
-        if self._dist is not None and a.rank is None and rec.rank is not None:
-            a = dataclasses.replace(a, rank=rec.rank)
-        if rec.fingerprint and not a.cleared:  # "failed again with identical inputs" is evidence
-            a = dataclasses.replace(a, details={**a.details, "batch_fingerprint": rec.fingerprint})
-        if rec.sample_loss_top and not a.cleared:  # the batch that did it: which samples, how far out
-            a = dataclasses.replace(
-                a,
-                details={
-                    **a.details,
-                    "worst_samples": list(rec.sample_loss_top),
-                    "sample_loss_max_over_mean": rec.sample_loss_ratio,
-                },
-            )
-        self.alerts.append(a)
-        self._sinks.alert(a)
-        return a
-
-    def _incident_events(
-        self, engine_events: tuple[IncidentEvent, ...], alerts: list[Alert]
-    ) -> tuple[IncidentEvent, ...]:
-        """The engine's incident events, one per recovery action (rollback, budget spent), each
-        naming the flight record; kept and sent."""
-        events = list(engine_events)
-        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
-        if why is not None:  # the forensic explanation travels with the incident event too
-            events = [
-                ev.explained(why.details["why"], why.hint) if ev.state.value == "nonfinite" else ev for ev in events
-            ]
-        for a in alerts:
-            if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
-                events.append(self.engine.mark_acted(a))
-        if self.flight_record is not None:
-            events = [
-                ev.with_flight_record(ev.flight_record or str(self.flight_record)) if ev.state.active else ev
-                for ev in events
-            ]
-        if self._report is not None and escalated_to_critical(events):
-            path = self._report.from_memory(self.recorder.records, self.alerts, [*self.incidents, *events])
-            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
-                events = [dataclasses.replace(ev, report=str(path)) if ev.state.active else ev for ev in events]
-        for ev in events:
-            self.incidents.append(ev)
-            self._sinks.incident(ev)
-        return tuple(events)
-
-    def _explain(self, alerts: list[Alert]) -> list[Alert]:
-        """The cause of this step's first non-finite value, put into its non-finite alerts."""
-        from ._forensics import explain_into
+    def _cause(self) -> Any:
+        """The cause of this step's first non-finite value (a NonfiniteReport), or None."""
+        from ._forensics import explain_quietly
 
         assert self._recompute is not None  # post_step explains only a step that has a way to re-run
         weights = self._evidence.forward_state() if self._evidence is not None and self._evidence.faithful else None
         with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
-            self.cause, alerts = explain_into(self._recompute, alerts)
-        return alerts
+            return explain_quietly(self._recompute)
 
     def _replica_check(self, model: Any) -> Any:
         """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""
@@ -507,11 +480,6 @@ class Monitor:
         self.stats.replicas = ReplicaCheck(rp.every, self.stats.watched)
         return self.stats.replicas
 
-    def _replica_alert(self) -> Alert:
-        from ._replicas import replica_alert
-
-        return replica_alert(self._replicas.take(), self.policy.replicas.every)
-
     def _step_evidence(self) -> Any:
         """The pre-update evidence a verdict needs (forensics on, a model and an optimizer)."""
         if not (self.policy.forensics.enabled and self.stats.model is not None and self.stats.optimizer is not None):
@@ -520,22 +488,32 @@ class Monitor:
 
         return StepEvidence(self.stats.model, self.stats.optimizer, guarded=self.recovery is not None)
 
-    def _judge(self, rec: StepRecord, alerts: list[Alert]) -> list[Alert]:
-        """A critical step re-run for its verdict: reproducible (data, optimisation) or not (a fault)."""
-        from ._forensics.verdict import judge
+    def _verdict(self, rec: StepRecord) -> tuple[Any, str | None]:
+        """A critical step re-run for its verdict: reproducible (data, optimisation) or not (a
+        fault); (None, why) when it could not be re-run."""
+        from ._forensics.verdict import gather_verdict
 
+        assert self._recompute is not None and self._evidence is not None
         with self.stats.hooks_paused():  # the re-run is not a training forward
-            return judge(self, rec, alerts)
+            v, why = gather_verdict(
+                self._recompute, rec, self._step_loss, self._evidence, self.rank, current=rec.step == self.step - 1
+            )
+        if v is not None:
+            self.verdicts.append(v)
+        return v, why
 
-    def _dump_flight_record(self, alert: Alert) -> Alert:
+    def _write_flight_record(self, alert: Alert) -> FlightRecordRef | None:
+        """The run's flight record, written for its first critical alert."""
         path = self.flight_records.write(alert)
         if path is None:
-            return alert
-        self.flight_record = path
-        details = dict(alert.details)
-        details["flight_record_steps"] = [r["step"] for r in self.recorder.records]
-        details["recent"] = self.recent(8)  # plain dicts, so sinks can show the trajectory
-        return dataclasses.replace(alert, flight_record=str(path), details=details)
+            return None
+        return FlightRecordRef(str(path), [r["step"] for r in self.recorder.records], self.recent(8))
+
+    def _write_report(self, alerts: Sequence[Alert], events: Sequence[IncidentEvent]) -> str | None:
+        """The HTML incident report, written when an incident escalates to critical."""
+        assert self._report is not None
+        path = self._report.from_memory(self.recorder.records, [*self.alerts, *alerts], [*self.incidents, *events])
+        return str(path) if path is not None else None
 
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:
         """The flight recorder's last `n` step records (plain dicts)."""

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ._engine import HealthEngine
 from ._policy import Policy, PolicyLike, load_policy
+from ._segments import SegmentedEngine
 from ._trace import WarnFn, iter_steps
 from ._types import Alert, StepRecord
 
@@ -28,14 +28,14 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
     logger); TraceError when the file is not a trace or holds no readable step record."""
     pol: Policy = load_policy(policy)
     warn = warn or _log.warning
-    engine = HealthEngine(pol)
-    prev: int | None = None
+    engine = SegmentedEngine(pol)
     for lineno, rec in iter_steps(Path(path), warn):
-        if prev is not None and rec.step <= prev:
-            warn(f"{path}:{lineno}: step {rec.step} after step {prev}: a new segment, detectors restarted")
-            engine = HealthEngine(pol)
-        prev = rec.step
-        yield from engine.step(rec).alerts
+        got = engine.step(rec)
+        if engine.restarted_after is not None:
+            warn(
+                f"{path}:{lineno}: step {rec.step} after step {engine.restarted_after}: a new segment, detectors restarted"
+            )
+        yield from got.alerts
 
 
 def iter_replay_records(
@@ -44,15 +44,12 @@ def iter_replay_records(
     """Alerts over records read by any reader (TensorBoard, HF, CSV, W&B), in order; a step
     that goes backwards starts a new segment, as in `iter_replay` (named to `warn` when given)."""
     pol: Policy = load_policy(policy)
-    engine = HealthEngine(pol)
-    prev: int | None = None
+    engine = SegmentedEngine(pol)
     for rec in records:
-        if prev is not None and rec.step <= prev:
-            if warn is not None:
-                warn(f"{source}: step {rec.step} after step {prev}: a new segment, detectors restarted")
-            engine = HealthEngine(pol)
-        prev = rec.step
-        yield from engine.step(rec).alerts
+        got = engine.step(rec)
+        if engine.restarted_after is not None and warn is not None:
+            warn(f"{source}: step {rec.step} after step {engine.restarted_after}: a new segment, detectors restarted")
+        yield from got.alerts
 
 
 def replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> list[Alert]:

@@ -26,7 +26,6 @@ import torch
 
 from ._distributed import Reduce
 from ._stats.transport import Segment
-from ._types import Alert, AlertKind, Severity
 
 __all__ = ["SEGMENT", "ReplicaCheck", "ReplicaMismatch", "bits_fingerprint", "minority"]
 
@@ -133,34 +132,3 @@ class ReplicaCheck:
     def take(self) -> list[ReplicaMismatch]:
         out, self.last = self.last, []
         return out
-
-
-def replica_alert(found: list[ReplicaMismatch], every: int) -> Alert:
-    """One critical alert for a step's mismatches, identical on every rank."""
-    step = found[0].step
-    suspects = sorted({r for m in found for r in m.suspects})
-    text = "; ".join(m.text() for m in found)
-    return Alert(
-        step=step,
-        kind=AlertKind.REPLICA_MISMATCH,
-        severity=Severity.CRITICAL,
-        metric="replica_fingerprint",
-        value=float(len(suspects)),
-        rank=suspects[0] if found[0].majority and len(suspects) == 1 else None,
-        threshold=0.0,
-        location=", ".join(m.family for m in found),
-        message=(
-            f"replicas differ at step {step} (bit-pattern fingerprints after the gradient all-reduce, "
-            f"checked every {every} steps): {text}; data-parallel replicas must be bit-identical, so "
-            "this is silent data corruption or a rank that computed differently"
-        ),
-        hint=(
-            f"drain and replace the node of rank(s) {', '.join(map(str, suspects))} and resume from the last "
-            "checkpoint; do not lower the LR (the model is not at fault)"
-        ),
-        details={
-            "suspect_ranks": suspects,
-            "families": {m.family: {"suspects": list(m.suspects), "fingerprints": list(m.fingerprints)} for m in found},
-            "majority": None if not found[0].majority else list(found[0].majority),
-        },
-    )

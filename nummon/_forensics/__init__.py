@@ -4,8 +4,8 @@ of the first NaN or inf, with the numbers that show it and a remedy."""
 
 from __future__ import annotations
 
-from ._alerts import explain_into
+from ._alerts import explain_quietly
 from ._explain import explain_nonfinite
 from ._report import CAUSES, NonfiniteReport
 
-__all__ = ["CAUSES", "NonfiniteReport", "explain_into", "explain_nonfinite"]
+__all__ = ["CAUSES", "NonfiniteReport", "explain_quietly", "explain_nonfinite"]

@@ -28,11 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._types import Alert, Severity
 from ._explain import _leaves, _loss_tensors
 from ._scope import ModuleScope
 
-__all__ = ["LOSS_RTOL", "REPRODUCIBLE", "NOT_REPRODUCIBLE", "StepEvidence", "Verdict", "rerun_verdict"]
+__all__ = [
+    "LOSS_RTOL",
+    "REPRODUCIBLE",
+    "NOT_REPRODUCIBLE",
+    "StepEvidence",
+    "Verdict",
+    "gather_verdict",
+    "rerun_verdict",
+]
 
 REPRODUCIBLE = "reproducible"
 NOT_REPRODUCIBLE = "not_reproducible"
@@ -275,68 +282,25 @@ def rerun_verdict(
     )
 
 
-def due(alerts: list[Alert]) -> bool:
-    """A step is re-run for a verdict when it raised a critical alert (every non-finite step does)."""
-    return any(a.severity is Severity.CRITICAL and not a.cleared for a in alerts)
-
-
-def with_verdict(alerts: list[Alert], v: Verdict) -> list[Alert]:
-    """The step's critical alerts carrying the verdict (details, message, hint)."""
-    import dataclasses
-
-    out = []
-    for a in alerts:
-        if a.severity is Severity.CRITICAL and not a.cleared:
-            hint = a.hint
-            if not v.reproducible:
-                hint = (
-                    f"transient fault on {v.where()}: re-run or resume the step; if it recurs on this rank, "
-                    "drain and replace the node (do not lower the LR)"
-                )
-            details = {**a.details, "verdict": v.verdict, "verdict_evidence": v.to_dict()}
-            if not v.reproducible:
-                details["suspect"] = {"rank": v.rank, "host": v.host, "device": v.device}
-            a = dataclasses.replace(a, message=f"{a.message}; {v.sentence()}", hint=hint, details=details)
-        out.append(a)
-    return out
-
-
-def without_verdict(alerts: list[Alert], why: str) -> list[Alert]:
-    """The step's critical alerts saying why no verdict could be given."""
-    import dataclasses
-
-    return [
-        dataclasses.replace(a, details={**a.details, "verdict_unavailable": why})
-        if a.severity is Severity.CRITICAL and not a.cleared
-        else a
-        for a in alerts
-    ]
-
-
-def judge(monitor: Any, rec: Any, alerts: list[Alert]) -> list[Alert]:
-    """The Monitor's step: when it is due, re-run it, put the verdict into its critical alerts
-    and hand it to recovery. Never raises (a re-run must not break training)."""
+def gather_verdict(
+    recompute: Callable[[], Any], rec: Any, step_loss: Any, evidence: StepEvidence, rank: int, current: bool
+) -> tuple[Verdict | None, str | None]:
+    """(the verdict, None) of re-running the step, or (None, why no verdict could be given);
+    `current`: the record is of the step `recompute` re-runs. Never raises (a re-run must not
+    break training)."""
     import logging
 
-    evidence: StepEvidence = monitor._evidence
-    if not due(alerts):
-        return alerts
-    if rec.step != monitor.step - 1:  # lagged mode: the recompute given is the next step's
-        return without_verdict(alerts, "the step was read a step late (lagged mode): its batch is gone")
+    if not current:  # lagged mode: the recompute given is the next step's
+        return None, "the step was read a step late (lagged mode): its batch is gone"
     if not evidence.faithful:
-        return without_verdict(
-            alerts,
+        return None, (
             "the update was applied before post_step with finite gradients, so the weights of the step's "
-            "forward are gone (call post_step before optimizer.step, as the callbacks do)",
+            "forward are gone (call post_step before optimizer.step, as the callbacks do)"
         )
     try:
-        v = rerun_verdict(monitor._recompute, rec, monitor._step_loss, evidence, monitor.rank)
+        return rerun_verdict(recompute, rec, step_loss, evidence, rank), None
     except Exception as e:  # forensics must never break training
         logging.getLogger("nummon").warning(
             "nummon: could not re-run the step for a verdict (%s: %s)", type(e).__name__, e
         )
-        return without_verdict(alerts, f"the re-run raised {type(e).__name__}")
-    monitor.verdicts.append(v)
-    if monitor.recovery is not None:
-        monitor.recovery.verdict = v
-    return with_verdict(alerts, v)
+        return None, f"the re-run raised {type(e).__name__}"

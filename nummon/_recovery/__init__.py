@@ -3,7 +3,7 @@ poisoned update, host snapshots of the model and optimizer state, and rollbacks 
 learning rate on a critical runaway or a non-finite step."""
 
 from ._guard import GradientGuard, SkipDecision
-from ._recovery import Recovery, RecoveryOutcome
+from ._recovery import Recovery, RecoveryReport
 from ._snapshot import Snapshot
 
-__all__ = ["GradientGuard", "Recovery", "RecoveryOutcome", "SkipDecision", "Snapshot"]
+__all__ = ["GradientGuard", "Recovery", "RecoveryReport", "SkipDecision", "Snapshot"]

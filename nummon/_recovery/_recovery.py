@@ -7,23 +7,22 @@ updates, snapshots at the same steps and restores the same one.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._errors import NummonError
+from .._outcome import RecoveryAction, RecoveryReport, recovery_alert, rollback_message
 from .._policy import RecoveryPolicy
 from .._recorder import FlightRecords
 from .._types import Alert, AlertKind, Health, Severity, StepRecord
 from ._guard import GradientGuard, SkipDecision
 from ._snapshot import Snapshot
 
-__all__ = ["Recovery", "RecoveryOutcome"]
+__all__ = ["Recovery", "RecoveryReport"]
 
 log = logging.getLogger("nummon")
 
@@ -40,16 +39,6 @@ def _set_lr(group: dict, value: float) -> None:
         group["lr"].fill_(value)  # a tensor lr (capturable / compiled optimizers) stays a tensor
     else:
         group["lr"] = value
-
-
-@dataclass(frozen=True)
-class RecoveryOutcome:
-    """What recovery concluded from one record."""
-
-    alerts: tuple[Alert, ...]  # the record's alerts, with recovery's own (skips, rollbacks, budget spent)
-    handled: bool = False  # its critical alerts were handled (update skipped, or rolled back): no need to stop
-    rebaseline: bool = False  # the health engine must start its detectors afresh (a rollback happened)
-    actions: tuple[dict[str, Any], ...] = ()  # the entries this record added to `Recovery.log`
 
 
 class Recovery:
@@ -92,55 +81,65 @@ class Recovery:
         self._stale_through = start - 1  # records of steps launched before the last rollback
         self.snapshot = Snapshot.take(model, opt, start - 1)  # the start: always something to go back to
         self.snapshots_taken = 1
-        self._transient: Any = None
-        self.verdict: Any = None  # the Verdict of the record being decided (forensics), set just before it
+        self._transient: Any = None  # the Verdict of the record being decided (forensics)
 
     def close(self) -> None:
         self.guard.uninstall()
 
     # ------------------------------------------------------------------ per record
-    def on_record(self, rec: StepRecord, health: Health, alerts: list[Alert] | tuple[Alert, ...]) -> RecoveryOutcome:
-        """This record's alerts plus recovery's own, whether its critical alerts were handled
-        (the update was skipped, or the run rolled back) and whether the engine must re-baseline."""
+    def on_record(
+        self, rec: StepRecord, health: Health, alerts: Sequence[Alert], verdict: Any = None
+    ) -> RecoveryReport:
+        """What recovery did about this record (given its alerts and the re-run's verdict, if
+        any): the actions it took, whether the record's critical alerts were handled (the update
+        was skipped, or the run rolled back) and whether the engine must re-baseline."""
         logged = len(self.log)
-        out, handled, rebaseline = self._decide(rec, health, list(alerts))
-        return RecoveryOutcome(tuple(out), handled, rebaseline, tuple(self.log[logged:]))
-
-    def _decide(self, rec: StepRecord, health: Health, alerts: list[Alert]) -> tuple[list[Alert], bool, bool]:
-        out = list(alerts)
-        handled = False
-        self._transient, self.verdict = self.verdict, None
+        self._transient = verdict
         if self.rollbacks and rec.step <= self._stale_through:
             # launched before the last rollback (lagged mode): evidence of the old run, not a trigger
-            return out, True, True
+            return RecoveryReport(handled=True, rebaseline=True)
+        actions, covered, handled, rebaseline = self._decide(rec, health, alerts)
+        return RecoveryReport(tuple(actions), handled, rebaseline, covered, tuple(self.log[logged:]))
+
+    def _decide(
+        self, rec: StepRecord, health: Health, alerts: Sequence[Alert]
+    ) -> tuple[list[RecoveryAction], bool, bool, bool]:
+        """(actions taken, covered, handled, rebaseline)."""
+        actions: list[RecoveryAction] = []
+        covered = False
         skip = self.guard.skips.pop(rec.step, None)
         trigger: tuple[AlertKind, str] | None = None
         if skip is not None:
-            out.extend(self._report_skip(rec, skip))
+            actions.append(self._report_skip(rec, skip))
             if self._transient is not None and not self._transient.reproducible:
-                out.extend(self._retry(rec))
-            trigger = self._escalate(rec, skip, out)
-            if not rec.is_finite() and set(rec.nonfinite_parts) <= _SKIP_COVERS:
-                out = [self._covered(a) for a in out]  # the weights never saw it
-                handled = True
+                actions.extend(self._retry(rec))
+            trigger = self._escalate(rec, skip, actions)
+            # the weights never saw it
+            covered = not rec.is_finite() and set(rec.nonfinite_parts) <= _SKIP_COVERS
         if trigger is None:
-            trigger = self._trigger(rec, health, out, handled)
+            trigger = self._trigger(rec, health, alerts, covered)
         if rec.fingerprint:
             self._since_snapshot.append(rec.fingerprint)
         if trigger is not None:
-            alert = self._rollback(rec, *trigger) if self.policy.rollback else None
-            if alert is not None:
-                out.append(alert)
-                return out, True, True
-            out.append(self._budget_spent(rec, *trigger))
-            return out, False, False
-        if health is not Health.HEALTHY or any(a.severity.rank >= Severity.WARNING.rank and not a.cleared for a in out):
+            act = self._rollback(rec, *trigger) if self.policy.rollback else None
+            if act is not None:
+                return [*actions, act], covered, True, True
+            return [*actions, self._budget_spent(rec, *trigger)], covered, False, False
+        warned = any(a.action == "skips_warning" for a in actions)
+        if health is not Health.HEALTHY or warned or any(self._loud(a, covered) for a in alerts):
             self._last_unhealthy = rec.step
         self._maybe_snapshot(rec)
-        return out, handled, False
+        return actions, covered, covered, False
+
+    @staticmethod
+    def _loud(a: Alert, covered: bool) -> bool:
+        """A warning or worse that still stands (a covered non-finite alert is turned to info)."""
+        if covered and a.kind is AlertKind.NONFINITE and a.severity is Severity.CRITICAL:
+            return False
+        return a.severity.rank >= Severity.WARNING.rank and not a.cleared
 
     def _trigger(
-        self, rec: StepRecord, health: Health, alerts: list[Alert], skipped: bool
+        self, rec: StepRecord, health: Health, alerts: Sequence[Alert], skipped: bool
     ) -> tuple[AlertKind, str] | None:
         if health is Health.NONFINITE and not skipped:
             where = rec.nonfinite_location or ", ".join(rec.nonfinite_parts) or "a statistic"
@@ -153,7 +152,7 @@ class Recovery:
         return None
 
     # ------------------------------------------------------------------ skips
-    def _report_skip(self, rec: StepRecord, skip: SkipDecision) -> list[Alert]:
+    def _report_skip(self, rec: StepRecord, skip: SkipDecision) -> RecoveryAction:
         if rec.fingerprint:
             self.skipped_batches.append(rec.fingerprint)
         self._skip_steps.append(rec.step)
@@ -165,22 +164,16 @@ class Recovery:
             "batch_fingerprint": rec.fingerprint,
         }
         self.log.append(entry)
-        return [
-            Alert(
-                step=rec.step,
-                kind=AlertKind.NONFINITE if skip.nonfinite else AlertKind.EXPLOSION,
-                severity=Severity.INFO,
-                metric="grad_norm",
-                value=skip.grad_norm,
-                threshold=skip.limit,
-                location="optimizer.step",
-                message=f"recovered: skipped the update of step {rec.step}: {skip.reason}; "
-                "weights and optimizer state untouched, gradients zeroed",
-                details={"recovery": "skip", "skips": len(self._skip_steps)},
-            )
-        ]
+        kind = AlertKind.NONFINITE if skip.nonfinite else AlertKind.EXPLOSION
+        facts = {
+            "grad_norm": skip.grad_norm,
+            "limit": skip.limit,
+            "reason": skip.reason,
+            "skips": len(self._skip_steps),
+        }
+        return RecoveryAction("skip", rec.step, kind, facts)
 
-    def _retry(self, rec: StepRecord) -> list[Alert]:
+    def _retry(self, rec: StepRecord) -> list[RecoveryAction]:
         """A skipped update whose failure did not repeat (a transient fault): made again from the
         re-run's gradients (single process), so the batch is not lost and the LR stays."""
         v = self._transient
@@ -188,22 +181,10 @@ class Recovery:
             return []
         self._skip_steps.pop()  # a transient fault is no sign the gradients keep going bad
         self.log.append({"action": "retry", "step": rec.step, "suspect": v.where(), "rerun_loss": v.rerun_loss})
-        return [
-            Alert(
-                step=rec.step,
-                kind=AlertKind.NONFINITE,
-                severity=Severity.INFO,
-                metric="recovery",
-                value=v.rerun_loss,
-                location="optimizer.step",
-                message=f"recovered: retried the update of step {rec.step} from its re-run (loss "
-                f"{v.rerun_loss:.6g}, finite): the failure did not repeat, a transient fault on {v.where()}; "
-                "lr unchanged",
-                details={"recovery": "retry", "verdict": v.verdict, "suspect": v.where()},
-            )
-        ]
+        facts = {"rerun_loss": v.rerun_loss, "verdict": v.verdict, "suspect": v.where()}
+        return [RecoveryAction("retry", rec.step, AlertKind.NONFINITE, facts)]
 
-    def _escalate(self, rec: StepRecord, skip: SkipDecision, out: list[Alert]) -> tuple[AlertKind, str] | None:
+    def _escalate(self, rec: StepRecord, skip: SkipDecision, out: list[RecoveryAction]) -> tuple[AlertKind, str] | None:
         p = self.policy
         while self._skip_steps and self._skip_steps[0] <= rec.step - p.skip_window:
             self._skip_steps.popleft()
@@ -213,32 +194,9 @@ class Recovery:
             return kind, f"{n} updates skipped in the last {p.skip_window} steps"
         if n > p.max_skips and (self._skip_warned_at is None or rec.step - self._skip_warned_at >= p.skip_window):
             self._skip_warned_at = rec.step
-            out.append(
-                Alert(
-                    step=rec.step,
-                    kind=kind,
-                    severity=Severity.WARNING,
-                    metric="grad_norm",
-                    value=float(n),
-                    threshold=float(p.max_skips),
-                    location="optimizer.step",
-                    message=f"{n} updates skipped in the last {p.skip_window} steps (recovery.max_skips "
-                    f"{p.max_skips}): the gradients keep going bad",
-                    details={"recovery": "skip"},
-                )
-            )
+            facts = {"skips": n, "max_skips": p.max_skips, "window": p.skip_window}
+            out.append(RecoveryAction("skips_warning", rec.step, kind, facts))
         return None
-
-    @staticmethod
-    def _covered(a: Alert) -> Alert:
-        if a.kind is not AlertKind.NONFINITE or a.severity is not Severity.CRITICAL:
-            return a
-        return dataclasses.replace(
-            a,
-            severity=Severity.INFO,
-            message=a.message + " (this step's update was skipped: weights and optimizer state untouched)",
-            details={**a.details, "recovery": "skip", "original_severity": "critical"},
-        )
 
     # ------------------------------------------------------------------ snapshots and rollbacks
     def _maybe_snapshot(self, rec: StepRecord) -> None:
@@ -250,7 +208,7 @@ class Recovery:
         self.snapshots_taken += 1
         self._since_snapshot = []
 
-    def _rollback(self, rec: StepRecord, kind: AlertKind, cause: str) -> Alert | None:
+    def _rollback(self, rec: StepRecord, kind: AlertKind, cause: str) -> RecoveryAction | None:
         if self.rollbacks >= self.policy.max_rollbacks:
             return None
         snap, opt = self.snapshot, self.optimizer
@@ -270,56 +228,29 @@ class Recovery:
         suspects, self._since_snapshot = len(self._since_snapshot), []
         self._stale_through = self._step_of() - 1
         self._last_unhealthy = rec.step
-        to = "the start (before step 0)" if snap.step < 0 else f"step {snap.step}"
-        left = self.policy.max_rollbacks - self.rollbacks
-        lr_text = f"lr {before[0]:.4g} -> {after[0]:.4g}"
-        if transient:
-            lr_text = f"lr kept at {after[0]:.4g} (a transient fault: the step's failure did not repeat on re-run)"
-        msg = f"recovered: rolled back to {to}, {lr_text} (cause: {cause}; {left} rollback{'s' if left != 1 else ''} left)"
-
-        entry = {
-            "action": "rollback",
-            "step": rec.step,
+        facts: dict[str, Any] = {
             "to_step": snap.step,
             "cause": cause,
             "lr_before": before,
             "lr_after": after,
             "suspect_batches": suspects,
-            "rollbacks_left": left,
+            "rollbacks_left": self.policy.max_rollbacks - self.rollbacks,
         }
         if transient:
-            entry["verdict"] = "not_reproducible"
-        alert = Alert(
-            step=rec.step,
-            kind=kind,
-            severity=Severity.WARNING,
-            metric="recovery",
-            value=float(snap.step),
-            message=msg,
-            location="model and optimizer state",
-            details={"recovery": "rollback", **{k: v for k, v in entry.items() if k not in ("action", "step")}},
-        )
-        path = self.flight_records.write(alert, rollback=self.rollbacks)  # every rollback gets its own
+            facts["verdict"] = "not_reproducible"
+        # every rollback gets its own flight record, holding the alert that reports it
+        act = RecoveryAction("rollback", rec.step, kind, facts)
+        path = self.flight_records.write(recovery_alert(act), rollback=self.rollbacks)
         record = str(path) if path is not None else None
-        entry["flight_record"] = record
-        self.log.append(entry)
-        log.warning("nummon: step %d: %s", rec.step, msg)
-        return dataclasses.replace(alert, flight_record=record) if record else alert
+        self.log.append({"action": "rollback", "step": rec.step, **facts, "flight_record": record})
+        log.warning("nummon: step %d: %s", rec.step, rollback_message(facts))
+        return RecoveryAction("rollback", rec.step, kind, {**facts, "flight_record": record})
 
-    def _budget_spent(self, rec: StepRecord, kind: AlertKind, cause: str) -> Alert:
+    def _budget_spent(self, rec: StepRecord, kind: AlertKind, cause: str) -> RecoveryAction:
         why = (
             "recovery.rollback is off"
             if not self.policy.rollback
             else f"the retry budget of {self.policy.max_rollbacks} rollbacks is spent"
         )
         self.log.append({"action": "gave_up", "step": rec.step, "cause": cause})
-        # critical: the run stops as it would without recovery (even if a cooldown kept other alerts quiet)
-        return Alert(
-            step=rec.step,
-            kind=kind,
-            severity=Severity.CRITICAL,
-            metric="recovery",
-            message=f"not recovered: {cause}, and {why}",
-            location="model and optimizer state",
-            details={"recovery": "gave_up", "rollbacks": self.rollbacks},
-        )
+        return RecoveryAction("gave_up", rec.step, kind, {"cause": cause, "why": why, "rollbacks": self.rollbacks})

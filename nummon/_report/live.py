@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from .._incidents import escalated_to_critical
 from . import _version
 from .load import EVENT_LOG, from_monitor, load_run, read_flight_records
 from .page import render
@@ -20,14 +21,6 @@ __all__ = ["LiveReport", "escalated_to_critical"]
 
 _log = logging.getLogger("nummon")
 NAME = "nummon-report.html"
-
-
-def escalated_to_critical(events: Iterable[Any]) -> bool:
-    """Whether one of these incident events takes an incident to critical or non-finite."""
-    return any(
-        getattr(e.state, "rank", 0) >= 2 and e.state.rank > getattr(e.previous, "rank", 0) and not e.action
-        for e in events
-    )
 
 
 class LiveReport:

@@ -510,16 +510,3 @@ class StatsEngine:
         if self.preclip is not None:
             self.preclip.remove()
         self.watched.close()
-
-    @property
-    def named_params(self) -> list[tuple[str, nn.Parameter]]:
-        """The watched parameters with their names."""
-        return self.watched.named
-
-    @property
-    def _act_order(self) -> list[int]:  # tests check diagnostics' model copies fire no probe
-        return self.probes._order
-
-    @property
-    def _buffers(self) -> dict:  # tests check the CPU path used its preallocated buffers
-        return self.kernels.buffers

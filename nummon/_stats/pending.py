@@ -42,12 +42,3 @@ class Pending:
     gather: GatherTicket | None = None
     mech: Any = None  # MechanismStep: the names behind the sampled mechanism segments
     clip_anchors: list[int] | None = None  # positions in `grads` whose post-clip norms were packed
-
-    # read-only views kept for callers of the old dict-based fields
-    @property
-    def act_names(self) -> list[str]:
-        return self.acts.names
-
-    @property
-    def act_order(self) -> list[int]:
-        return self.acts.order

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._engine import HealthEngine
-from .._incidents import IncidentTracker
+from .._engine import WARM_FIRST, WARM_RECENT, HealthEngine
 from .._policy import Policy
+from .._segments import SegmentedEngine
 from .._types import StepRecord
 from .base import Follower
 from .notices import RunIncident
@@ -20,16 +20,15 @@ class WatchedRun:
     """Memory held is bounded: `history` recent records, `first` starting records (the
     divergence baseline), the detectors' own policy-sized windows and one follower."""
 
-    def __init__(self, run_id: str, follower: Follower, policy: Policy, history: int = 256, first: int = 32) -> None:
+    def __init__(
+        self, run_id: str, follower: Follower, policy: Policy, history: int = WARM_RECENT, first: int = WARM_FIRST
+    ) -> None:
         self.id = run_id
         self.follower = follower
         self.policy = policy
-        self._warm = (first, history)
-        self.engine = HealthEngine(policy, warm_first=first, warm_recent=history)
+        self._segmented = SegmentedEngine(policy, warm_first=first, warm_recent=history)
         self.notes: list[str] = []  # one-line warnings for the watcher to print
-        self.segments = 0
         self.records = 0  # records processed since the run was first seen (all restarts)
-        self.last_step: int | None = None
         self.last_activity = time.monotonic()
         self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
         self.memory: Any = None  # reports.RunMemory when the watcher writes reports: what a page is drawn from
@@ -49,31 +48,44 @@ class WatchedRun:
                 return events
 
     @property
+    def engine(self) -> HealthEngine:
+        """The health engine of the current segment."""
+        return self._segmented.engine
+
+    @property
+    def segments(self) -> int:
+        """Segments started after the first (a rewritten, rotated or re-run log)."""
+        return self._segmented.segments
+
+    @property
+    def last_step(self) -> int | None:
+        return self._segmented.last_step
+
+    @last_step.setter
+    def last_step(self, step: int | None) -> None:
+        self._segmented.last_step = step
+
+    @property
     def backlog(self) -> bool:
         """True while the log holds more than the last poll read."""
         return bool(self.follower.more)
 
     def process(self, rec: StepRecord) -> list[RunIncident]:
-        if self.last_step is not None and rec.step <= self.last_step:
-            # a log rewritten, rotated or re-run into the same place: its steps start over, and
-            # so do the detectors (as in replay); incident numbers go on, so no event id repeats
+        # a log rewritten, rotated or re-run into the same place: its steps start over, and so
+        # do the detectors (SegmentedEngine, as in replay)
+        got = self._segmented.step(rec)
+        if self._segmented.restarted_after is not None:
             self.notes.append(
-                f"run {self.id}: step {rec.step} after step {self.last_step}: a new segment "
+                f"run {self.id}: step {rec.step} after step {self._segmented.restarted_after}: a new segment "
                 f"(a rewritten, rotated or re-run log); detectors restarted"
             )
-            number = _tracker(self.engine).number
-            self.engine = HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
-            _tracker(self.engine).number = number
-            self.segments += 1
             if self.memory is not None:
                 self.memory.clear()
-        got = self.engine.step(rec)
         if self.on_record is not None:
             self.on_record(self.id, rec, got)
         if self.memory is not None:
             self.memory.keep(rec, got.alerts, got.incidents)
         self.records += 1
-        self.last_step = rec.step
         self.last_activity = time.monotonic()
         return [RunIncident(self.id, ev) for ev in got.incidents]
 
@@ -96,8 +108,3 @@ class WatchedRun:
 
     def close(self) -> None:
         self.follower.close()
-
-
-def _tracker(engine: HealthEngine) -> IncidentTracker:
-    """The engine's incident tracker (a fresh segment gets a fresh one that numbers on)."""
-    return engine._incidents

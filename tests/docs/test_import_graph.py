@@ -54,7 +54,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_demo_model",
         ),
     ),
-    ("stages and tools", ("_engine", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report")),
+    (
+        "stages and tools",
+        ("_engine", "_segments", "_outcome", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report"),
+    ),
     ("monitor", ("_monitor", "diagnose")),
     ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command", "_watch.__main__")),
 ]

@@ -1,0 +1,137 @@
+"""The shape of the detection core: one segmented engine serves replay and watch (restarts in
+one place), and the engine owns every decision (the Monitor is wiring, recovery builds no alert)."""
+
+import ast
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nummon import load_policy, replay
+from nummon._engine import HealthEngine
+from nummon._outcome import StepEvidence
+from nummon._replay import iter_replay_records
+from nummon._segments import SegmentedEngine
+from nummon._trace import record_from_dict
+from nummon._watch.runs import WatchedRun
+
+POLICY = load_policy("default")
+
+
+def _segment(n, start, base, spike_at):
+    """One run's records: a noisy loss and grad norm, a spike (or a NaN) at `spike_at`."""
+    out = []
+    for i in range(n):
+        g, loss = base * (1.0 + 0.1 * math.sin(i)), 2.0 / (1 + 0.01 * i)
+        if i == spike_at:
+            g, loss = (float("nan"), float("nan")) if base > 2 else (g * 1e4, loss)
+        out.append({"step": start + i, "loss": loss, "grad_norm": g})
+    return out
+
+
+segments = st.lists(
+    st.tuples(st.integers(5, 60), st.integers(0, 30), st.floats(0.5, 4.0), st.integers(0, 70)),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _key(alerts):
+    return [(a.step, a.kind, a.severity, a.message, a.cleared) for a in alerts]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(segments)
+def test_a_trace_with_restarts_replays_as_its_segments_alone(tmp_path, segs):
+    """Replay, the records path and a watched run all give, for a trace whose steps start over,
+    exactly the alerts of each segment replayed in a fresh engine of its own."""
+    rows = [_segment(*s) for s in segs]
+    alone = []
+    for seg in rows:
+        engine = HealthEngine(POLICY)
+        for o in seg:
+            alone.extend(engine.step(record_from_dict(o, "t", 0)).alerts)
+    flat = [o for seg in rows for o in seg]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(o) + "\n" for o in flat))
+    warned = []
+    assert _key(replay(trace, POLICY, warn=warned.append)) == _key(alone)
+    assert _key(iter_replay_records([record_from_dict(o, "t", 0) for o in flat], POLICY)) == _key(alone)
+    restarts = sum(1 for a, b in zip(flat, flat[1:]) if b["step"] <= a["step"])
+    assert sum("a new segment" in w for w in warned) == restarts
+
+    run, seen = WatchedRun("r", None, POLICY), []
+    run.on_record = lambda _id, rec, got: seen.extend(got.alerts)
+    for o in flat:
+        run.process(record_from_dict(o, "t", 0))
+    assert _key(seen) == _key(alone)
+    assert run.segments == restarts and len(run.notes) == restarts
+
+
+def test_incident_numbers_go_on_across_segments():
+    """A fresh segment's incidents number on from the last one's (no event id repeats)."""
+    seg = SegmentedEngine(POLICY)
+    numbers = []
+    for start in (0, 0):
+        for o in _segment(40, start, 3.0, 20):
+            numbers.extend(ev.number for ev in seg.step(record_from_dict(o, "t", 0)).incidents)
+    assert seg.segments == 1 and numbers and numbers == sorted(numbers) and numbers[-1] == 2
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine_members_used(path):
+    """The attributes the module reads off `self.engine` (the Monitor's HealthEngine)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "engine"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
+            used.add(node.attr)
+    return used
+
+
+def test_the_monitor_touches_the_health_engine_through_two_members():
+    """step (judge the record) and finish (the outcome): every other decision is the engine's."""
+    assert _engine_members_used(ROOT / "nummon" / "_monitor.py") == {"step", "finish"}
+
+
+def _alerts_built(path):
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Alert"
+    ]
+
+
+def test_recovery_forensics_and_replicas_build_no_alert():
+    """Recovery reports what it did, forensics and replica checks what they found: the engine
+    side (nummon/_engine.py, nummon/_outcome.py) builds every alert."""
+    for rel in (
+        "_recovery/_recovery.py",
+        "_forensics/verdict.py",
+        "_forensics/_alerts.py",
+        "_replicas.py",
+        "_monitor.py",
+    ):
+        assert _alerts_built(ROOT / "nummon" / rel) == [], rel
+    assert _alerts_built(ROOT / "nummon" / "_outcome.py")
+
+
+def test_the_outcome_is_immutable():
+    engine = HealthEngine(POLICY)
+    rec = record_from_dict({"step": 0, "loss": float("nan")}, "t", 0)
+    got = engine.step(rec)
+    outcome = engine.finish(got, StepEvidence(rec))
+    assert outcome.alerts and outcome.critical and outcome.stop
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outcome.stop = False
