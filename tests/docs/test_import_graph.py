@@ -195,10 +195,10 @@ MAX_FUNCTION_LINES = 60
 #: grow, and an entry that fits again must be deleted (the list only shrinks). Keys: a module's
 #: path, or "path:qualified.function".
 OVERSIZE_ALLOWED = {
-    "nummon/_monitor.py": 543,
+    "nummon/_monitor.py": 521,
     "nummon/_stats/adam_stats.py:AdamStatistics.measure": 72,
     "nummon/_stats/capture.py": 670,
-    "nummon/_stats/engine.py": 525,
+    "nummon/_stats/engine.py": 512,
     "nummon/_stats/engine.py:StatsEngine.__init__": 82,
     "nummon/_watch/watcher.py": 505,
     "nummon/_watch/watcher.py:Watcher.__init__": 65,
