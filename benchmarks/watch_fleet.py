@@ -86,7 +86,8 @@ def start_watchers(root: Path, tmp: Path, shards: int, am_url: str | None, inter
         cmd = [
             sys.executable,
             "-m",
-            "nummon._watch",
+            "nummon",
+            "watch",
             str(root),
             "--interval",
             str(interval),

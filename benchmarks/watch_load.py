@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "nummon._watch",
+        "nummon",
+        "watch",
         str(root),
         "--interval",
         "1",

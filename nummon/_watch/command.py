@@ -1,5 +1,5 @@
-"""`nummon watch PATH...`: the command (registered by the CLI as `nummon watch`; also runs as
-`python -m nummon._watch`). Exit codes: 0 ok; 2 bad input (one line on stderr), and with
+"""`nummon watch PATH...`: what the command does (its one front end is `nummon._cli.watch`). Exit
+codes: 0 ok; 2 bad input (one line on stderr), and with
 --once a run that could not be read; 1 with --once when a notification was lost."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from .._cli._common import non_empty, seconds
 from .._errors import NummonError
@@ -18,7 +17,7 @@ from .readers import FORMATS
 from .targets import TARGET_SPECS, Target, parse_target
 from .watcher import IDLE_TIMEOUT_S, INTERVAL_S
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 #: Polls more often than every 10 ms spin a core for nothing; a day is the longest wait that means
 #: anything (and Event.wait overflows far beyond it).
@@ -253,29 +252,8 @@ def _stop_on_signals(watcher: Any) -> dict[signal.Signals, Any]:
     return previous
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        self.exit(2, f"nummon watch: error: {message}\n")
-
-
 def _wandb_sink(**kwargs: Any) -> Any:
-    """The W&B sink, from the integrations layer (this module is the watch command's front end)."""
+    """The W&B sink, from the integrations layer ."""
     from ..integrations.wandb import WandbSink
 
     return WandbSink(**kwargs)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
-        prog="nummon watch", description="Follow training logs written by other tools and notify incidents."
-    )
-    add_arguments(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # a usage error (2) or --help (0): the status, as every other outcome
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        return run(args)
-    except NummonError as e:
-        print(f"nummon: error: {e}", file=sys.stderr)
-        return 2

@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("_engine", "_segments", "_outcome", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report"),
     ),
     ("monitor", ("_monitor", "diagnose")),
-    ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command", "_watch.__main__")),
+    ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command")),
 ]
 
 

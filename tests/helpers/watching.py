@@ -15,7 +15,7 @@ from nummon._policy import load_policy
 from nummon._watch import make_follower
 from nummon._watch.runs import WatchedRun
 
-WATCH = [sys.executable, "-m", "nummon._watch"]
+WATCH = [sys.executable, "-m", "nummon", "watch"]
 
 
 def two_incident_rows():
@@ -72,3 +72,14 @@ def stop(proc, sig=signal.SIGTERM):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err
+
+
+def watch_main(argv):
+    """`nummon watch ARGV...` in this process, through the CLI's one front end: its exit status
+    (a usage error's 2 included, as a shell would see it)."""
+    from nummon._cli import main
+
+    try:
+        return main(["watch", *argv])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2

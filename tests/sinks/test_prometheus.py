@@ -24,7 +24,7 @@ from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
 
-WATCH = [sys.executable, "-m", "nummon._watch"]
+WATCH = [sys.executable, "-m", "nummon", "watch"]
 
 
 def rows(n=125, runaway_at=100, nan_at=None, layers=0):
@@ -249,7 +249,7 @@ def test_missing_prometheus_client_names_the_extra(monkeypatch):
     ],
 )
 def test_bad_metrics_or_shard_exits_2_with_one_line(tmp_path, capsys, argv, needle):
-    from nummon._watch.command import main
+    from helpers.watching import watch_main as main
 
     (tmp_path / "log.jsonl").write_text("")
     rc = main([str(tmp_path), "--once"] + argv)
@@ -330,7 +330,7 @@ def test_prometheus_scrapes_two_shards_each_run_once_and_the_nonfinite_rule_fire
 def test_metrics_port_in_use_exits_2_naming_it(tmp_path, capsys):
     import socket
 
-    from nummon._watch.command import main
+    from helpers.watching import watch_main as main
 
     (tmp_path / "log.jsonl").write_text("")
     with socket.socket() as taken:

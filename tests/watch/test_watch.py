@@ -290,7 +290,7 @@ def test_not_a_log_is_named_once_and_the_others_are_watched(tmp_path):
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
-    from nummon._watch.command import main
+    from helpers.watching import watch_main as main
 
     log = tmp_path / "events.jsonl"
     write_lines(log, two_incident_rows()[:3])
@@ -330,8 +330,7 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
 @pytest.mark.slow
 def test_wandb_target_sends_one_alert_per_event(tmp_path, wandb_env):
     from helpers.wandb_reader import alerts, find_run_file, read_records
-
-    from nummon._watch.command import main
+    from helpers.watching import watch_main as main
 
     log = tmp_path / "events.jsonl"
     write_lines(log, two_incident_rows())

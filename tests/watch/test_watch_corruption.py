@@ -294,7 +294,7 @@ def test_half_written_trainer_state_is_read_once_complete(tmp_path):
 
 PEAK = r"""
 import resource, subprocess, sys
-subprocess.run([sys.executable, "-m", "nummon._watch", sys.argv[1], "--once", "--notify", "jsonl:" + sys.argv[2]],
+subprocess.run([sys.executable, "-m", "nummon", "watch", sys.argv[1], "--once", "--notify", "jsonl:" + sys.argv[2]],
                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB on Linux
 """

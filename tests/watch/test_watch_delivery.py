@@ -23,9 +23,9 @@ from helpers.watching import (
     wait_for,
     write_lines,
 )
+from helpers.watching import watch_main as main
 
 from nummon._policy import load_policy
-from nummon._watch.command import main
 from nummon._watch.watcher import Watcher
 from nummon._watch.webhook import WebhookTarget
 
@@ -126,8 +126,8 @@ def test_fifo_in_the_tree_never_blocks_and_sigterm_stops_the_watcher(tmp_path):
 LIMITED = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # the state file is larger: EFBIG
-from nummon._watch.command import main
-sys.exit(main(sys.argv[1:]))
+from nummon._cli import main
+sys.exit(main(["watch", *sys.argv[1:]]))
 """
 
 

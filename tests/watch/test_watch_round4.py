@@ -19,9 +19,9 @@ from helpers.watching import (
     wait_for,
     write_lines,
 )
+from helpers.watching import watch_main as main
 
 from nummon._policy import load_policy
-from nummon._watch.command import main
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
@@ -169,8 +169,8 @@ FSIZE_LIMITED = r"""
 import resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail with EFBIG, as on a full disk
-from nummon._watch.command import main
-sys.exit(main(sys.argv[2:]))
+from nummon._cli import main
+sys.exit(main(["watch", *sys.argv[2:]]))
 """
 
 
