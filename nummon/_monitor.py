@@ -484,9 +484,9 @@ class Monitor:
         """The pre-update evidence a verdict needs (forensics on, a model and an optimizer)."""
         if not (self.policy.forensics.enabled and self.stats.model is not None and self.stats.optimizer is not None):
             return None
-        from ._forensics.verdict import StepEvidence
+        from ._forensics.verdict import ForwardState
 
-        return StepEvidence(self.stats.model, self.stats.optimizer, guarded=self.recovery is not None)
+        return ForwardState(self.stats.model, self.stats.optimizer, guarded=self.recovery is not None)
 
     def _verdict(self, rec: StepRecord) -> tuple[Any, str | None]:
         """A critical step re-run for its verdict: reproducible (data, optimisation) or not (a

@@ -9,7 +9,7 @@ weights and RNG state of its forward, and compared with what the step produced:
   process (hardware, memory, a nondeterministic kernel); rank, host and device are named.
 
 The documented loop calls `post_step` after `optimizer.step()`, and a non-finite update has
-written NaN into a plain SGD model's weights by then. `StepEvidence` therefore looks at the
+written NaN into a plain SGD model's weights by then. `ForwardState` therefore looks at the
 gradients in an optimizer step pre-hook (before the update) and, only when one is non-finite,
 keeps a copy of the weights the forward used; the re-run swaps them in and puts the current
 ones back. A healthy step costs one finiteness check of the gradients (a host read, free on
@@ -35,7 +35,7 @@ __all__ = [
     "LOSS_RTOL",
     "REPRODUCIBLE",
     "NOT_REPRODUCIBLE",
-    "StepEvidence",
+    "ForwardState",
     "Verdict",
     "gather_verdict",
     "rerun_verdict",
@@ -57,7 +57,7 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-class StepEvidence:
+class ForwardState:
     """What a re-run needs from before the update: installed on the model (a root forward
     pre-hook) and the optimizer (a step pre-hook), removed by `close()`.
 
@@ -256,7 +256,7 @@ def rerun_verdict(
     recompute: Callable[[], Any],
     rec: Any,
     step_loss: Any,
-    evidence: StepEvidence,
+    evidence: ForwardState,
     rank: int,
 ) -> Verdict:
     """Re-run the step (in the weights and RNG state of its forward) and compare."""
@@ -283,7 +283,7 @@ def rerun_verdict(
 
 
 def gather_verdict(
-    recompute: Callable[[], Any], rec: Any, step_loss: Any, evidence: StepEvidence, rank: int, current: bool
+    recompute: Callable[[], Any], rec: Any, step_loss: Any, evidence: ForwardState, rank: int, current: bool
 ) -> tuple[Verdict | None, str | None]:
     """(the verdict, None) of re-running the step, or (None, why no verdict could be given);
     `current`: the record is of the step `recompute` re-runs. Never raises (a re-run must not
