@@ -147,10 +147,21 @@ def _sampled(mon: Any, step: int) -> bool:
 
 
 def count_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
-    """Per ordinary and per sampled step of workload `name`: Python calls and host reads (a run
-    under the profiler), aten ops (a second, identical run under the dispatch mode too)."""
-    calls = _count_run(name, steps, warmup, ops_pass=False)
-    ops = _count_run(name, steps, warmup, ops_pass=True)
+    """Per ordinary and per sampled step of workload `name` (overhead_scale's): see `count_workload`."""
+
+    def make() -> tuple[Any, Any, Any]:
+        model, make_opt, loss_fn = workload(name, torch.device("cpu"))
+        return model, make_opt(model), loss_fn
+
+    return count_workload(make, steps, warmup)
+
+
+def count_workload(make: Any, steps: int, warmup: int = 3, policy: Any = "default") -> dict[str, Any]:
+    """Per ordinary and per sampled step: Python calls and host reads (a run under the
+    profiler), aten ops (a second, identical run under the dispatch mode too). `make()` returns
+    a fresh (model, optimizer, loss_fn(model)), the same each time."""
+    calls = _count_run(make, steps, warmup, policy, ops_pass=False)
+    ops = _count_run(make, steps, warmup, policy, ops_pass=True)
     for kind, c in calls.items():
         for field in ("ops", "ops_by_name", "ops_total"):
             c[field] = ops[kind][field]
@@ -160,11 +171,10 @@ def count_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
     return calls
 
 
-def _count_run(name: str, steps: int, warmup: int, ops_pass: bool) -> dict[str, Any]:
+def _count_run(make: Any, steps: int, warmup: int, policy: Any, ops_pass: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model, make_opt, loss_fn = workload(name, torch.device("cpu"))
-    opt = make_opt(model)
-    mon = nummon.Monitor(model, opt, policy="default")
+    model, opt, loss_fn = make()
+    mon = nummon.Monitor(model, opt, policy=policy)
     counter = StepCounter()
     counter.ops_pass = ops_pass
     per: dict[str, list[dict[str, Any]]] = {"ordinary": [], "sampled": []}
@@ -206,6 +216,8 @@ def _median_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for field in ("calls", "ops", "reads", "calls_by_module", "ops_by_name"):
         keys = sorted({k for r in rows for k in r[field]})
         out[field] = {k: statistics.median(r[field].get(k, 0) for r in rows) for k in keys}
+        if field in ("calls", "ops", "reads"):  # budgets hold on every step, not only the median one
+            out[f"{field}_max"] = {k: max(r[field].get(k, 0) for r in rows) for k in keys}
     for field in ("calls", "ops", "reads"):
         out[f"{field}_total"] = sum(out[field].values())
     return out
