@@ -4,7 +4,8 @@ Stages: `forward_hooks` (activation probes' forward hooks), `probes` (the mechan
 forward pre-hook, capture, take, decode, arming), `end_of_backward` (the pre-clip capture's
 gradient hook and end-of-backward callback), `launch` (the step's reductions and the packing),
 `read_decode` (the one host read and the record), `detectors` (HealthEngine.step), `dispatch`
-(the sinks), `post_step` (the Monitor's own Python around them).
+(the sinks), `post_step` (the Monitor's own Python around them), `other` (nummon code reached
+outside those: a hook of a new kind).
 
 Counts mode (default) runs each model under `sys.setprofile` and a `TorchDispatchMode` and
 counts, per step and stage, Python function calls (by nummon module), torch (aten) ops and host
@@ -50,6 +51,7 @@ STAGES = (
     "detectors",
     "dispatch",
     "post_step",
+    "other",
 )
 #: (file suffix, function name) -> the stage it starts ("*": any function of that file)
 ENTRIES = {
@@ -59,12 +61,15 @@ ENTRIES = {
     ("nummon/_dispatch.py", "*"): "dispatch",
     ("_stats/mechanisms.py", "*"): "probes",
     ("_stats/capture.py", "*"): "probes",
+    ("_stats/adam_stats.py", "*"): "probes",
     ("_stats/preclip.py", "*"): "end_of_backward",
     ("nummon/_monitor.py", "post_step"): "post_step",
     ("_stats/probes.py", "hook"): "forward_hooks",
 }
 HOST_READS = {"tolist", "numpy", "cpu", "synchronize"}  # item(), float(t): the aten op
 NUMMON = os.sep + "nummon" + os.sep
+#: nummon's files that are the training loop's, not the monitor's (the demo's model)
+USER_CODE = ("nummon/_demo_model.py",)
 
 
 def _entry_stage(code: Any) -> str | None:
@@ -72,7 +77,8 @@ def _entry_stage(code: Any) -> str | None:
     for (suffix, name), stage in ENTRIES.items():
         if fn.endswith(suffix) and (name == "*" or code.co_name == name):
             return stage
-    return None
+    # any other nummon code the training loop reaches (a new hook): counted, never unseen
+    return "other" if NUMMON in code.co_filename and not fn.endswith(USER_CODE) else None
 
 
 class StepCounter(TorchDispatchMode):
@@ -105,7 +111,7 @@ class StepCounter(TorchDispatchMode):
             st = self._entry_cache.get(code, "?")
             if st == "?":
                 st = self._entry_cache[code] = _entry_stage(code)
-            if st is not None and st != self.stage and not (self.stage and st == "post_step"):
+            if st is not None and st != self.stage and not (self.stage and st in ("post_step", "other")):
                 self.stack.append((frame, st))
             stage = self.stage
             if stage is not None and not self.ops_pass:
@@ -163,10 +169,11 @@ def count_workload(make: Any, steps: int, warmup: int = 3, policy: Any = "defaul
     calls = _count_run(make, steps, warmup, policy, ops_pass=False)
     ops = _count_run(make, steps, warmup, policy, ops_pass=True)
     for kind, c in calls.items():
-        for field in ("ops", "ops_by_name", "ops_total"):
+        for field in ("ops", "ops_max", "ops_by_name", "ops_total"):
             c[field] = ops[kind][field]
-        for stage, n in ops[kind]["reads"].items():  # item() / float(t): seen as aten ops only
-            c["reads"][stage] = c["reads"].get(stage, 0) + n
+        for field in ("reads", "reads_max"):  # item() / float(t): seen as aten ops only
+            for stage, n in ops[kind][field].items():
+                c[field][stage] = c[field].get(stage, 0) + n
         c["reads_total"] = sum(c["reads"].values())
     return calls
 

@@ -32,6 +32,7 @@ CNN_CALLS = {
     "detectors": 115,
     "dispatch": 3,
     "post_step": 69,
+    "other": 0,  # nummon code outside the stages above (a new kind of hook): none
 }
 #: per stage, the most aten ops an ordinary demo-CNN step may dispatch (exact: one more op is
 #: one more launch per step on a GPU)
@@ -44,6 +45,7 @@ CNN_OPS = {
     "detectors": 0,
     "dispatch": 0,
     "post_step": 0,
+    "other": 0,
 }
 
 
