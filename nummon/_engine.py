@@ -176,6 +176,7 @@ class HealthEngine:
         self.policy = policy
         self.context = context or {}
         self.detectors = build_detectors(policy)
+        self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(policy.alerts)
         self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
         # [record, its strict-JSON dict once made]: a record is converted once, not at every save
@@ -192,7 +193,7 @@ class HealthEngine:
     def wants_sample(self) -> bool:
         """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
         confirm at the next step: the Monitor then samples the mechanism probes there too."""
-        return any(getattr(d, "wants_sample", False) for d in self.detectors)
+        return any(d.wants_sample for d in self._samplers)
 
     @property
     def incident_state(self) -> IncidentState:
@@ -208,6 +209,7 @@ class HealthEngine:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
         self.detectors = build_detectors(self.policy)
+        self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(self.policy.alerts)
         self._first.clear()
         self._recent.clear()
@@ -427,6 +429,12 @@ class HealthEngine:
             self._first.append([rec, None])
         else:
             self._recent.append([rec, None])
+
+
+def _samplers(detectors: list[Any]) -> list[Any]:
+    """The detectors that can ask for a mechanism sample (a `wants_sample` of their own): found
+    once, not by an attribute lookup per detector per step."""
+    return [d for d in detectors if hasattr(type(d), "wants_sample")]
 
 
 def _saved(entry: list[Any]) -> dict[str, Any]:

@@ -162,7 +162,9 @@ class Monitor:
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         self.recovery = self._recovery()
-        self._evidence = self._step_evidence()  # forensics: the weights a failing step's re-run needs
+        # forensics: the weights a failing step's re-run needs; installed at the first post_step given a
+        # `recompute` (a loop without one pays nothing: no hooks, no per-step check)
+        self._evidence: Any = None
         # the HTML incident report (policy `report`, rank 0): written on a critical escalation and at close only
         self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled and self.rank == 0 else None
         self._arm_mechanisms()
@@ -271,6 +273,8 @@ class Monitor:
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
             self._recompute, self._step_loss = recompute, loss
+            if recompute is not None and self._evidence is None:
+                self._evidence = self._step_evidence()
             try:
                 return self._post_step(loss, batch, clip_norm, per_sample_loss)
             finally:

@@ -37,7 +37,9 @@ class AdamMomentDetector:
     @property
     def wants_sample(self) -> bool:
         """A condition seen but not held for `patience` samples yet: sample the next step too."""
-        return any(0 < n < self._p.patience for n in self._held.values())
+        # over the distinct counts (a few), not every (condition, layer): asked on every step
+        p = self._p.patience
+        return any(0 < n < p for n in set(self._held.values()))
 
     def _hold(self, key: str, on: bool) -> int:
         n = self._held.get(key, 0) + 1 if on else 0

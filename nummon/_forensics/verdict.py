@@ -12,8 +12,11 @@ The documented loop calls `post_step` after `optimizer.step()`, and a non-finite
 written NaN into a plain SGD model's weights by then. `ForwardState` therefore looks at the
 gradients in an optimizer step pre-hook (before the update) and, only when one is non-finite,
 keeps a copy of the weights the forward used; the re-run swaps them in and puts the current
-ones back. A healthy step costs one finiteness check of the gradients (a host read, free on
-CPU) and, with dropout in the model, one copy of the CPU generator's state per forward.
+ones back. It is installed at the first `post_step` given a `recompute` (a loop without one pays
+nothing). A healthy step then costs two hook calls and, only where `post_step` comes after the
+update (the documented loop; the callbacks call it before), one finiteness check of the gradients
+(one fused norm and a host read, free on CPU); with dropout in the model, one copy of the CPU
+generator's state per forward.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ class ForwardState:
         self.saved: list[torch.Tensor] | None = None
         self.rng: torch.Tensor | None = None
         self.paused = False  # the re-run's own forward is no training forward
+        # installed mid-step (at a post_step): not faithful until a forward has been seen
+        self._seen_forward = False
+        # did post_step come after the update? None until the first step says; the check before
+        # an update is needed only then (the callbacks call post_step before it: no check)
+        self.post_after_update: bool | None = None
         self._random = _has_randomness(model)
         # on CUDA the finiteness check is a host sync: only where recovery's guard syncs anyway
         self._check = guarded or all(p.device.type == "cpu" for p in self.params)
@@ -89,6 +97,7 @@ class ForwardState:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if self.paused:
             return
+        self._seen_forward = True
         if self.updated:  # a new step's first forward
             self.updated, self.saved = False, None
         if self._random:
@@ -96,7 +105,7 @@ class ForwardState:
 
     def _on_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.updated = True
-        if not self._check:
+        if not self._check or self.post_after_update is False:
             return
         grads = [p.grad for p in self.params if p.grad is not None and not p.grad.is_sparse]
         if grads and not _finite(torch.stack([n.float() for n in torch._foreach_norm(grads)])):
@@ -105,11 +114,14 @@ class ForwardState:
     @property
     def faithful(self) -> bool:
         """The weights a re-run gets are those of the step's forward."""
-        return not self.updated or self.saved is not None
+        return self._seen_forward and (not self.updated or self.saved is not None)
 
     def step_done(self) -> None:
-        """post_step has judged the step: its copy is no longer needed."""
+        """post_step has judged the step: its copy is no longer needed; whether post_step came
+        after the update is learnt (a loop keeps its order)."""
         self.saved = None
+        if self._seen_forward:
+            self.post_after_update = self.updated
 
     @contextlib.contextmanager
     def forward_state(self) -> Iterator[None]:

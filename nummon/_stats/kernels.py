@@ -5,13 +5,17 @@ A `_Plan` per list (made once, re-made when a tensor's shape changes) sorts the 
 groups. CPU: small tensors of one shape are concatenated (one `cat`, which costs ~0.2 us per
 tensor where a view, a `dot` or an `aminmax` per tensor costs 1-4 us) and reduced row-wise in
 one kernel per group; the few large tensors get a BLAS dot / `aminmax` each into a
-preallocated buffer (their own kernel dwarfs the launch). Other devices: one fused
+preallocated buffer (their own kernel dwarfs the launch); small tensors with no other of their
+shape (a CNN's biases and small layers) are measured by one `torch._foreach_norm` over all of
+them (its loop runs in C: one Python-level op where a group each cost a reshape and a norm
+through Python). Other devices: one fused
 `torch._foreach_norm` per dtype. The per-group results are put back in the list's order with
 one `index_select`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +34,9 @@ SMALL_NUMEL = 1 << 12
 #: torch's intra-op grain (at::internal::GRAIN_SIZE): groups stay below it, so their reductions
 #: run on the calling thread
 GRAIN = 1 << 15
+
+#: dtypes `_foreach_norm(..., dtype=float32)` measures in float32 (at least as wide as theirs)
+_FOREACH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: takes a group's tensors out of a list, as a list (`_picker`)
 _Pick = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
@@ -60,11 +67,13 @@ class _Plan:
     totals: list[int]  # per group, its elements in all (checked per step: one number per group)
     groups: list[list[int]]  # CPU: small tensors of one shape; fused: one dtype and device
     big: list[int]  # CPU: tensors measured one by one
+    singles: list[int]  # CPU: small tensors alone with their shape, measured by one _foreach_norm
     inverse: torch.Tensor | None  # result position of each list position (None: already in order)
     device: torch.device
     fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
     pick: list[_Pick]  # per group, a function taking its tensors out of the list (in C)
     pick_big: _Pick | None  # None when `big` is empty
+    pick_singles: _Pick | None  # None when `singles` is empty
 
     @staticmethod
     def make(tensors: Sequence[torch.Tensor], fused: bool) -> _Plan:
@@ -91,7 +100,14 @@ class _Plan:
                 chunk.append(i)
                 size += n
             groups.append(chunk)
-        order = [i for g in groups for i in g] + big
+        singles: list[int] = []
+        if cpu:  # alone with their shape: one C loop for all of them instead of a group each
+            singles = [
+                g[0] for g in groups if len(g) == 1 and tensors[g[0]].numel() and tensors[g[0]].dtype in _FOREACH_DTYPES
+            ]
+            alone = set(singles)
+            groups = [g for g in groups if not (len(g) == 1 and g[0] in alone)]
+        order = [i for g in groups for i in g] + singles + big
         inverse = None
         if order != list(range(len(tensors))):
             inv = [0] * len(order)
@@ -104,11 +120,13 @@ class _Plan:
             totals,
             groups,
             big,
+            singles,
             inverse,
             dev,
             fused,
             [_picker(g) for g in groups],
             _picker(big) if big else None,
+            _picker(singles) if singles else None,
         )
 
 
@@ -203,6 +221,16 @@ class NormKernels:
             if absmax:
                 # abs + amax: NaN propagates; aminmax(dim=1) is ~1000x slower on CPU
                 mparts.append(x.abs().amax(dim=1).float())
+        if plan.singles:
+            assert plan.pick_singles is not None  # made whenever `singles` is not empty
+            ts = plan.pick_singles(tensors)
+            try:  # (an empty tensor has no max: it went stale, and is re-planned into the empty group)
+                if norms:
+                    nparts.append(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)))
+                if absmax:  # the inf-norm is max |x|, NaN propagating
+                    mparts.append(torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)))
+            except RuntimeError:
+                raise _Stale from None
         if plan.big:
             assert plan.pick_big is not None  # made whenever `big` is not empty
             big = plan.pick_big(tensors)

@@ -100,6 +100,7 @@ class ActivationProbes:
         self._src: list[torch.dtype | None] = []  # the buffer each module wrote to this step
         self._order: list[int] = []
         self._dtype: str | None = None
+        self._step_dtypes: set[torch.dtype] = set()  # the output dtypes seen this step
         self.paused = False  # forensics re-runs a forward that is not a training step
         self.want_tensors = False  # keep the outputs for histograms
         self.tensors: dict[str, torch.Tensor] = {}
@@ -172,12 +173,18 @@ class ActivationProbes:
                 t = t.view(-1)[:ACT_BUDGET]
             src = self._src[idx]
             if src is None:  # the first call of this module in this step
-                lo, hi = self._buffer_views(t.dtype, t.device)[idx]
+                dtype = t.dtype
+                views = self._views.get(dtype)  # (inline: a Python call per hooked module saved)
+                if views is None or views[0][0].device != t.device:
+                    views = self._buffer_views(dtype, t.device)
+                lo, hi = views[idx]
                 # one kernel, no conversion: min and max of bf16/fp16 values are exact in their own dtype
                 torch.aminmax(t, out=(lo, hi))
-                self._src[idx] = t.dtype
+                self._src[idx] = dtype
                 self._order.append(idx)
-                self._dtype = narrowest(self._dtype, dtype_name(t.dtype))
+                if dtype not in self._step_dtypes:  # the narrowest output dtype: once per dtype and step
+                    self._step_dtypes.add(dtype)
+                    self._dtype = narrowest(self._dtype, dtype_name(dtype))
             else:  # a module called twice in one step (weight sharing, loops)
                 lo, hi = self._buffer_views(src, t.device)[idx]
                 mn, mx = torch.aminmax(t)
@@ -204,6 +211,7 @@ class ActivationProbes:
         on every rank; a module not called reads as NaN-free zeros)."""
         step = ActivationStep(self.names, self._order, self._src, self._dtype, self._always)
         self._order, self._src, self._dtype = [], [None] * len(self.names), None
+        self._step_dtypes = set()
         segments = []
         for dtype in {d for d in step.src if d is not None}:
             buf = self._bufs[dtype]

@@ -1,0 +1,111 @@
+"""The host work of an ordinary monitored step, pinned by counts (no timing): Python calls per
+stage, torch (aten) ops per stage, Python-level hook calls and host reads. A change that adds
+per-step work fails here; raise a budget only with the reason (and benchmarks/RESULTS.md, #42).
+
+Counts come from benchmarks/step_budget.py (sys.setprofile and a TorchDispatchMode) on the
+README's demo CNN (batch 8: the counts do not depend on the batch) and a 40-tensor chain."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import step_budget  # noqa: E402
+
+from nummon._demo_model import DemoCNN  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a profiled run of a few steps: seconds on a busy machine
+
+#: per stage, the most Python function calls (nummon's and the torch Python they call) an
+#: ordinary demo-CNN step may make: the counts of this release plus ~20% headroom
+CNN_CALLS = {
+    "forward_hooks": 8,  # 4 activation hooks (one call each, and the dtype's name once a step)
+    "probes": 26,  # the mechanism probes' unarmed pre-hook / forward hook / optimizer hooks
+    "end_of_backward": 36,
+    "launch": 85,
+    "read_decode": 107,
+    "detectors": 115,
+    "dispatch": 3,
+    "post_step": 69,
+    "other": 0,  # nummon code outside the stages above (a new kind of hook): none
+}
+#: per stage, the most aten ops an ordinary demo-CNN step may dispatch (exact: one more op is
+#: one more launch per step on a GPU)
+CNN_OPS = {
+    "forward_hooks": 12,  # per hooked module: detach, aminmax (+ view and slice of a large output)
+    "probes": 0,
+    "end_of_backward": 11,
+    "launch": 13,
+    "read_decode": 0,
+    "detectors": 0,
+    "dispatch": 0,
+    "post_step": 0,
+    "other": 0,
+}
+
+
+def _cnn():
+    model = DemoCNN()
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    return (
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        lambda m: nn.functional.cross_entropy(m(x), y),
+    )
+
+
+def _chain(n_tensors: int):
+    def make():
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(n_tensors // 2)])
+        x = torch.randn(4, 8)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), lambda m: m(x).square().mean()
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def cnn_counts():
+    return step_budget.count_workload(_cnn, steps=4, warmup=2)["ordinary"]
+
+
+@pytest.mark.parametrize("stage", list(CNN_CALLS))
+def test_an_ordinary_demo_cnn_step_keeps_each_stage_within_its_python_call_budget(cnn_counts, stage):
+    assert cnn_counts["calls_max"].get(stage, 0) <= CNN_CALLS[stage], (
+        stage,
+        {k: v for k, v in cnn_counts["calls_by_module"].items() if k.startswith(stage + ":")},
+    )
+
+
+@pytest.mark.parametrize("stage", list(CNN_OPS))
+def test_an_ordinary_demo_cnn_step_dispatches_no_more_torch_ops_per_stage_than_its_budget(cnn_counts, stage):
+    assert cnn_counts["ops_max"].get(stage, 0) <= CNN_OPS[stage], (
+        stage,
+        {k: v for k, v in cnn_counts["ops_by_name"].items() if k.startswith(stage + ":")},
+    )
+
+
+def test_an_ordinary_step_reads_the_host_once_and_only_where_the_record_is_built(cnn_counts):
+    # one device->host copy per step: the packed vector's tolist(); no item() per parameter
+    assert cnn_counts["reads_max"] == {"read_decode": 1}
+
+
+def test_an_ordinary_step_calls_one_activation_hook_per_hooked_module(cnn_counts):
+    hooks = {k: v for k, v in cnn_counts["calls_by_module"].items() if k.endswith("_stats/probes.py:hook")}
+    assert hooks == {"forward_hooks:_stats/probes.py:hook": 4}  # conv1, conv2, fc1, fc2
+
+
+def test_the_host_work_of_an_ordinary_step_does_not_grow_with_the_number_of_tensors():
+    # 20 vs 60 parameter tensors in one shape group each: every stage but the forward hooks (one
+    # per hooked module, at most the boundaries on a large model) makes the same Python calls
+    # and dispatches the same ops; a per-tensor Python loop or op shows as a difference here
+    small = step_budget.count_workload(_chain(20), steps=3, warmup=2)["ordinary"]
+    large = step_budget.count_workload(_chain(60), steps=3, warmup=2)["ordinary"]
+    for stage in ("end_of_backward", "launch", "read_decode", "detectors", "dispatch", "post_step"):
+        assert large["calls_max"].get(stage, 0) == small["calls_max"].get(stage, 0), stage
+        assert large["ops_max"].get(stage, 0) == small["ops_max"].get(stage, 0), stage
+    assert large["reads_max"] == small["reads_max"] == {"read_decode": 1}
