@@ -36,12 +36,12 @@ WIDTH = 8  # conv1's channels (conv2 has twice as many)
 HIDDEN = 64  # fc1's outputs
 IMAGE_SIDE = 28  # pixels per side
 #: What the README claims `nummon demo` takes on a quiet 2-core machine, imports included
-#: (seconds; measured by hand on 2026-12-02 as `time nummon demo` with the demo's process at the
-#: highest priority on a shared 2-core machine: 7.7-7.8 s, where the previous demo took 14.4 s and
-#: a quiet machine 14-16 s. Of it: ~3 s importing torch, ~2.3 s torch.optim's first import of
-#: torch._dynamo, ~0.6 s nummon's own imports, ~1.8 s training; W&B's ~3 s of client start-up
-#: run in a child process on the other core. The tests time nothing).
-DEMO_SECONDS = 8
+#: (seconds; measured by hand on 2026-12-02 on an idle 2-core machine, `time nummon demo`: 11.5,
+#: 12.3 and 12.4 s; with --no-wandb 12.5 s, the W&B client's start-up running in a child process on
+#: the other core. Of it: ~3.2 s importing torch, ~2.2 s torch.optim's first import of
+#: torch._dynamo, ~0.6 s nummon's own imports, ~5 s training and monitoring, of which ~2 s the
+#: incident pictures drawn with matplotlib in the sinks' threads. The tests time nothing).
+DEMO_SECONDS = 12
 
 
 @dataclass(frozen=True)
