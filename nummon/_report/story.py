@@ -296,6 +296,9 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
             f"The first non-finite value appeared at step {v.nonfinite}{where}: "
             f"{lead} step{'s' if lead != 1 else ''} after the first warning."
         )
+    rerun = _rerun_sentence(v)
+    if rerun:
+        out.append(rerun)
     for act in v.actions:
         out.append(f"nummon acted: {act}.")
     if v.resolved is not None:
@@ -308,6 +311,28 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
         said = f"{figure} steps to overflow on {c.metric} at step {c.step}"
         out.append(f"The first countdown said {said}" + (f"; {c.left} were left." if c.left is not None else "."))
     return out
+
+
+def _rerun_sentence(v: IncidentView) -> str | None:
+    """The re-run's verdict on the incident's first judged step: hardware or algorithm."""
+    for a in v.alerts:
+        d = a.get("details") or {}
+        verdict = d.get("verdict")
+        if verdict == "reproducible":
+            batch = d.get("batch_fingerprint")
+            named = f" (batch {batch})" if batch else ""
+            return (
+                f"Re-run at step {_step(a)} on the same batch{named} and weights, it failed again: reproducible, "
+                "the data or the optimisation, not the hardware."
+            )
+        if verdict == "not_reproducible":
+            suspect = d.get("suspect") or {}
+            where = ", ".join(f"{k} {suspect[k]}" for k in ("rank", "host", "device") if suspect.get(k) is not None)
+            return (
+                f"Re-run at step {_step(a)} on the same batch and weights, it did not fail again: not reproducible, "
+                f"a transient fault{f' on {where}' if where else ''} (hardware, memory or a nondeterministic kernel)."
+            )
+    return None
 
 
 def _names(kinds: list[str]) -> str:
