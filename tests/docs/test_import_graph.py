@@ -199,8 +199,6 @@ OVERSIZE_ALLOWED = {
     "nummon/_stats/capture.py": 670,
     "nummon/_stats/engine.py": 512,
     "nummon/_stats/engine.py:StatsEngine.__init__": 82,
-    "nummon/_watch/watcher.py": 505,
-    "nummon/_watch/watcher.py:Watcher.__init__": 65,
 }
 
 
