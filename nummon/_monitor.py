@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import numbers
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -16,89 +15,23 @@ import torch
 from torch import nn
 
 from . import _shutdown
-from ._dispatch import SinkDispatcher
 from ._engine import EngineStep, HealthEngine
 from ._errors import NummonError
 from ._events import StepReport
 from ._functional import clip_ratio
 from ._incidents import IncidentEvent
+from ._monitor_checks import check_clip_norm, check_loss, check_parts, check_per_sample
+from ._monitor_sinks import histogram_cadences, policy_sinks, sink_dispatcher
 from ._outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
 from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
 from ._report.live import LiveReport
-from ._sinks import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from ._stats import Pending, StatsEngine
 from ._types import Alert, StepRecord
 
 __all__ = ["Monitor"]
 
 log = logging.getLogger("nummon")
-
-
-def _check_loss(loss: Any) -> Any:
-    """A python number or a one-element tensor; anything else is rejected without side effects."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise NummonError(f"loss must be a scalar (0-d or one-element) tensor, got shape {tuple(loss.shape)}")
-        if loss.dtype == torch.bool or loss.is_complex():
-            raise NummonError(f"loss tensor must be numeric, got dtype {loss.dtype}")
-        if loss.is_meta:  # a shape without a value: nothing to read
-            raise NummonError("loss is on the meta device (it has no value): pass the loss of a materialised model")
-        return loss
-    if isinstance(loss, numbers.Complex) and not isinstance(loss, numbers.Real):  # numpy complex has __float__
-        raise NummonError(f"loss must be a real number, got {type(loss).__name__} {loss!r:.40}")
-    # python and numpy numbers (anything with __float__), but not bools or strings
-    if isinstance(loss, (bool, str, bytes)) or not hasattr(loss, "__float__"):
-        raise NummonError(f"loss must be a float or a 0-d tensor, got {type(loss).__name__} {loss!r:.40}")
-    try:
-        return float(loss)
-    except OverflowError:  # e.g. 10**400: an integer beyond float's range
-        raise NummonError(
-            f"loss must fit in a float (magnitude at most 1.8e308), got a {type(loss).__name__} beyond that"
-        ) from None
-    except (TypeError, ValueError) as e:  # e.g. a numpy array with several elements
-        raise NummonError(f"loss must be a single number, got {type(loss).__name__} ({e})") from None
-
-
-def _check_per_sample(losses: Any) -> Any:
-    """None, or a non-empty real tensor / sequence of per-sample losses; else rejected here."""
-    if losses is None:
-        return None
-    if not isinstance(losses, torch.Tensor):
-        try:
-            losses = torch.as_tensor(losses, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise NummonError(
-                f"per_sample_loss must be a tensor or a sequence of numbers, got {type(losses).__name__} ({e})"
-            ) from None
-    if (
-        losses.numel() == 0
-        or losses.dtype == torch.bool
-        or losses.is_complex()
-        or not (losses.is_floating_point() or losses.dtype in (torch.int32, torch.int64))
-    ):
-        raise NummonError(
-            f"per_sample_loss must be a non-empty real tensor, got dtype {losses.dtype} shape {tuple(losses.shape)}"
-        )
-    return losses
-
-
-def _check_parts(model: Any, optimizer: Any) -> None:
-    if model is not None and not isinstance(model, nn.Module):
-        raise NummonError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise NummonError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-
-
-def _check_clip_norm(clip_norm: Any) -> float | None:
-    if clip_norm is None:
-        return None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
-        raise NummonError(f"clip_norm must be a number (the max gradient norm), got {type(clip_norm).__name__}")
-    try:
-        return float(clip_norm)
-    except OverflowError:
-        raise NummonError(f"clip_norm is too large for a float: {clip_norm!r:.40}") from None
 
 
 def _reducer(process_group: Any) -> Any:
@@ -142,9 +75,9 @@ class Monitor:
         run_dir: str | os.PathLike[str] | None = None,
         start_step: int = 0,
     ) -> None:
-        _check_parts(model, optimizer)
+        check_parts(model, optimizer)
         self.policy = load_policy(policy)
-        sink_list = self._policy_sinks(sinks)
+        sink_list = policy_sinks(self.policy, sinks)
         self._dist = _reducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
         self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
@@ -156,9 +89,9 @@ class Monitor:
         self.flight_records = FlightRecords(
             self.recorder, self.run_folder, enabled=self.policy.recorder.write, rank=self.rank if self._dist else None
         )
-        self._sinks = self._dispatcher(sink_list)
+        self._sinks = sink_dispatcher(self.policy, sink_list, self._dist, self.rank, self.run_folder.known)
         self._start_run_state(start_step)
-        self._hist_every = self._histogram_cadences(sink_list)
+        self._hist_every, self._hist_early = histogram_cadences(self.policy, sink_list, self._sinks.wants_histograms)
         if self._hist_every:
             self.stats.want_activation_histograms(self._hist_due(self.step))
         self.recovery = self._recovery()
@@ -184,45 +117,6 @@ class Monitor:
         self._closed = False
         self._stop = False
         self._sample_next = False  # the engine's directive: sample the mechanism probes at the next step
-
-    def _policy_sinks(self, sinks: Iterable[Any]) -> list[Sink]:
-        """The user's sinks as complete `Sink`s, and the policy's own (`sinks.jsonl`, `sinks.console`)."""
-        sp = self.policy.sinks
-        sink_list = [as_sink(s) for s in sinks]
-        if sp.jsonl:
-            sink_list.append(JsonlSink(sp.jsonl))
-        if sp.console:
-            sink_list.append(ConsoleSink())
-        return sink_list
-
-    def _dispatcher(self, sink_list: list[Sink]) -> SinkDispatcher:
-        sp = self.policy.sinks
-        if self._dist is not None and sp.rank0_only and self.rank != 0:
-            sink_list = []  # sinks run on rank 0 only (the decisions are identical everywhere)
-        dispatcher = SinkDispatcher(
-            sink_list, sp.queue_size, block_timeout_s=sp.block_timeout_s if sp.when_full == "block" else None
-        )
-        world = self._dist.world if self._dist else 1
-        dispatcher.bind(
-            RunContext(
-                rank=self.rank, world_size=world, run_dir=self.run_folder.known, flush_every_steps=sp.flush_every_steps
-            )
-        )
-        return dispatcher
-
-    def _histogram_cadences(self, sink_list: list[Sink]) -> list[int]:
-        """The steps histograms are taken at: the policy's cadence and any sink's own (e.g.
-        TensorBoardSink(histogram_every=50)); when neither sets one, the default of the sinks that
-        draw them (cost bounded: nummon/_layout.py). Empty when no sink wants histograms."""
-        if not self._sinks.wants_histograms:
-            return []
-        cadences = [self.policy.sampling.histogram_every] + [
-            getattr(s, "histogram_every", None) or 0 for s in sink_list
-        ]
-        self._hist_early = not any(cadences)  # the default cadence: log-spaced early steps as well
-        if not any(cadences):
-            cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
-        return sorted({c for c in cadences if c > 0})
 
     def _recovery(self) -> Any:
         """Recovery (opt-in, policy `recovery`): guard on optimizer.step, snapshots, rollbacks."""
@@ -264,9 +158,9 @@ class Monitor:
         any shape) puts the max/mean ratio and the indices of the worst samples into the record,
         and so into alerts, incidents and the flight record ("the batch that did it").
         """
-        loss = _check_loss(loss)
-        clip_norm = _check_clip_norm(clip_norm)
-        per_sample_loss = _check_per_sample(per_sample_loss)
+        loss = check_loss(loss)
+        clip_norm = check_clip_norm(clip_norm)
+        per_sample_loss = check_per_sample(per_sample_loss)
         if recompute is not None and not callable(recompute):
             raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
         with _shutdown.safe_point(), self._lock:  # a SIGTERM within it is acted on after it

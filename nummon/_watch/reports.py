@@ -30,7 +30,7 @@ from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
 from .._types import StepRecord
 from .notices import RunIncident
-from .text import raw_bytes
+from .text import plural, raw_bytes
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]
 
@@ -119,6 +119,11 @@ class WatchReports:
         self.failed: str | None = None  # the last failure, said once
         self.clock = time.monotonic
 
+    @classmethod
+    def beside(cls, state_path: str, say: Callable[[str], None] | None = None) -> WatchReports:
+        """The reports of a watcher whose state file is `state_path`: in REPORTS_DIR beside it."""
+        return cls(os.path.join(os.path.dirname(os.path.abspath(state_path)), REPORTS_DIR), say=say)
+
     def path_for(self, run_id: str, name: str) -> Path:
         """A file name from the run's short name (readable) and a hash of its id (unique)."""
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[-80:] or "run"
@@ -171,3 +176,20 @@ class WatchReports:
             return None
         self.writes += 1
         return path
+
+    def refresh_at_stop(self, runs: dict[str, Any], names: Any, deadline: float) -> None:
+        """The pages of the runs that have one, drawn once more at the watcher's stop, until
+        `deadline` (time.monotonic(), s: a run left over keeps its last page, and is counted)."""
+        left = 0
+        for rid, run in runs.items():
+            if rid not in self.written and rid not in self.due:
+                continue
+            if time.monotonic() >= deadline:
+                left += 1
+                continue
+            self.refresh(run, names(rid))
+        if self.writes and self.say is not None:
+            self.say(
+                f"{plural(len(self.written), 'incident report')} under {self.folder}"
+                + (f" ({left} not refreshed at stop: no time left)" if left else "")
+            )

@@ -19,11 +19,22 @@ from .._errors import NummonError
 from .._json import dumps
 from .fs import MAX_READ
 
-__all__ = ["StateFile", "STATE_VERSION"]
+__all__ = ["StateFile", "STATE_VERSION", "runs_state"]
 
 STATE_VERSION = 1
 _LINKED = "--state {path}: {lock} is a symbolic link; refused (the lock file is written: remove the link)"
 _INT_FIELDS = ("offset", "lineno", "count", "rows", "records", "number", "opened_step", "quiet_since")
+
+
+def runs_state(saved: dict[str, dict[str, Any]], live: dict[str, Any], gone: dict[str, float]) -> dict[str, Any]:
+    """The state file's `runs`: the saved (retired, not seen again) runs' states, the live runs'
+    own (`to_state()`), each with the wall-clock time its files went missing when they did."""
+    runs = dict(saved)
+    runs.update({rid: r.to_state() for rid, r in live.items()})
+    for rid, since in gone.items():
+        if rid in runs:
+            runs[rid] = {**runs[rid], "gone_since": since}
+    return runs
 
 
 def _is_int(v: Any) -> bool:
@@ -57,6 +68,10 @@ class StateFile:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._lock_fd: int | None = None
+
+    def own_files(self) -> set[str]:
+        """The state file and its lock, absolute (empty without a state file)."""
+        return {os.path.abspath(self.path), os.path.abspath(f"{self.path}.lock")} if self.path else set()
 
     @property
     def lock_path(self) -> str | None:

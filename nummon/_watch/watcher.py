@@ -11,7 +11,6 @@ about once; the watcher goes on in memory and retries at each poll."""
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
+from .announce import forgot_line, started_lines, watching_lines
 from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
 from .keymap import KeyMap
@@ -27,11 +27,11 @@ from .notices import Notice, RunIncident
 from .output import CLOSE_TIMEOUT_S, Target
 from .read_mlflow import MlflowError
 from .readers import make_follower
-from .reports import REPORTS_DIR, RunMemory, WatchReports
+from .reports import RunMemory, WatchReports
 from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
-from .state import StateFile
-from .text import plural, printable
+from .state import StateFile, runs_state
+from .text import plural
 
 __all__ = ["Watcher"]
 
@@ -42,7 +42,6 @@ IDLE_TIMEOUT_S = 1800.0
 
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
 FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
-_LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
 
 
 class Watcher:
@@ -80,9 +79,7 @@ class Watcher:
         self.idle_timeout_s = idle_timeout_s
         self.state_every_s = state_every_s
         self.errors = errors or sys.stderr
-        self.exclude = set(exclude)
-        if state_path:
-            self.exclude |= {os.path.abspath(state_path), os.path.abspath(f"{state_path}.lock")}
+        self.exclude = set(exclude) | self.state.own_files()  # the state file is never a run
         self.runs: dict[str, WatchedRun] = {}
         self.bad: dict[str, Any] = {}  # unhealthy runs (and problem lines) -> their files' signature then
         self.stop = threading.Event()
@@ -106,11 +103,7 @@ class Watcher:
         self.stop_reason: str | None = None  # set with `stop` by whoever stops the loop ("SIGTERM")
         self._seen: set[str] = set()  # runs picked up in this session
         # incident reports beside the state file (reports.py: on critical, at retire and stop)
-        self.reports = (
-            WatchReports(os.path.join(os.path.dirname(os.path.abspath(state_path)), REPORTS_DIR), say=self.say)
-            if state_path and policy.report.enabled
-            else None
-        )
+        self.reports = WatchReports.beside(state_path, say=self.say) if state_path and policy.report.enabled else None
 
     def _load_state(self) -> dict[str, Any]:
         """Lock the state file and read it (the lock is let go again when it cannot be read)."""
@@ -200,49 +193,19 @@ class Watcher:
                 forgotten.append(rid)
         if forgotten:
             self._dirty = self._outbox_changed = True  # saved at the end of this pass
-            hours = self.forget_after_s / 3600
-            self.say(
-                f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
-                f"(e.g. {printable(run_name(forgotten[0], self.roots))}); read from the start if they come back"
-            )
+            self.say(forgot_line(forgotten, self.forget_after_s, self.roots))
 
     def _name_started(self, started: list[tuple[RunSpec, bool]], first: bool) -> None:
-        """One line per run picked up: those found at the start (the first _LISTED of them), a
-        run that appears later, a retired run that writes again."""
-        for i, (spec, revived) in enumerate(started):
-            name = printable(run_name(spec.id, self.roots))
-            self._seen.add(spec.id)
-            if first and i == _LISTED and len(started) > _LISTED + 1:
-                self.say(f"  … and {plural(len(started) - _LISTED, 'more run')}")
-                self._seen.update(s.id for s, _ in started)
-                return
-            if first:
-                self.say(f"  run {name} ({spec.format})")
-            elif revived:
-                self.say(f"run {name}: written again; watched again")
-            else:
-                self.say(f"new run {name} ({spec.format}): watched from now on")
+        self._seen.update(spec.id for spec, _ in started)
+        for line in started_lines(started, self.roots, first):
+            self.say(line)
 
     def _announce(self) -> None:
         self._announced = True
-        formats = sorted({s.format for s in self.specs.values()})
-        targets = ", ".join(t.shown for t in self.targets)
-        n = len(self.specs)
-        self.say(
-            f"watching {plural(n, 'run')} under {', '.join(self.roots)}"
-            f"{' (' + ', '.join(formats) + ')' if formats else ''}; notifying {targets}"
-        )
-        for root in self.roots:
-            if (
-                not any(under(rid, root) for rid in self.specs)
-                and root not in self.bad
-                and not any(root in b for b in self.bad)
-            ):
-                self._empty_roots.add(root)
-                self.say(
-                    f"{root}: no runs yet (looking for TensorBoard event files, trainer_state.json, metrics.csv, "
-                    f"run-*.wandb and nummon *.jsonl logs); new ones are picked up as they appear"
-                )
+        lines, empty = watching_lines(self.specs, self.roots, self.targets, self.bad)
+        self._empty_roots.update(empty)
+        for line in lines:
+            self.say(line)
 
     def _start(self, spec: RunSpec) -> None:
         try:
@@ -403,11 +366,7 @@ class Watcher:
         if not self.state.path:
             self._dirty = False
             return
-        runs = dict(self.saved_runs)
-        runs.update({rid: r.to_state() for rid, r in self.runs.items()})
-        for rid, since in self.gone_since.items():
-            if rid in runs:
-                runs[rid] = {**runs[rid], "gone_since": since}
+        runs = runs_state(self.saved_runs, self.runs, self.gone_since)
         try:
             self.state.save({"runs": runs, "outbox": self.delivery.to_state()})
         except OSError as e:
@@ -477,29 +436,13 @@ class Watcher:
                     self.delivery.lost += pending
                     self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
             self.save()
-            self._final_reports(time.monotonic() + timeout_s)
+            if self.reports is not None:
+                self.reports.refresh_at_stop(
+                    self.runs, lambda rid: run_name(rid, self.roots), time.monotonic() + timeout_s
+                )
             self.say(self._summary(pending if self.state.path else 0))
         finally:
             for run in self.runs.values():
                 run.close()
             self.delivery.close_synchronous(deadline)
             self.state.release()
-
-    def _final_reports(self, deadline: float) -> None:
-        """The pages of the runs that have one, drawn once more at stop (within one more
-        interval: a run left over keeps its last page, and is counted)."""
-        if self.reports is None:
-            return
-        left = 0
-        for rid, run in self.runs.items():
-            if rid not in self.reports.written and rid not in self.reports.due:
-                continue
-            if time.monotonic() >= deadline:
-                left += 1
-                continue
-            self.reports.refresh(run, run_name(rid, self.roots))
-        if self.reports.writes:
-            self.say(
-                f"{plural(len(self.reports.written), 'incident report')} under {self.reports.folder}"
-                + (f" ({left} not refreshed at stop: no time left)" if left else "")
-            )

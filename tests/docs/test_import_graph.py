@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "stages and tools",
         ("_engine", "_segments", "_outcome", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report"),
     ),
-    ("monitor", ("_monitor", "diagnose")),
+    ("monitor", ("_monitor", "_monitor_checks", "_monitor_sinks", "diagnose")),
     ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command")),
 ]
 
@@ -195,13 +195,10 @@ MAX_FUNCTION_LINES = 60
 #: grow, and an entry that fits again must be deleted (the list only shrinks). Keys: a module's
 #: path, or "path:qualified.function".
 OVERSIZE_ALLOWED = {
-    "nummon/_monitor.py": 521,
     "nummon/_stats/adam_stats.py:AdamStatistics.measure": 72,
     "nummon/_stats/capture.py": 670,
     "nummon/_stats/engine.py": 512,
     "nummon/_stats/engine.py:StatsEngine.__init__": 82,
-    "nummon/_watch/watcher.py": 505,
-    "nummon/_watch/watcher.py:Watcher.__init__": 65,
 }
 
 

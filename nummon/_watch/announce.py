@@ -1,0 +1,66 @@
+"""What the watcher says about the runs it finds: the opening lines, each run picked up, the
+runs it forgets. Pure text: the watcher says the lines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .discovery import RunSpec
+from .runpaths import run_name, under
+from .text import plural, printable
+
+__all__ = ["LISTED", "forgot_line", "started_lines", "watching_lines"]
+
+LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
+
+
+def watching_lines(
+    specs: dict[str, RunSpec], roots: list[str], targets: Iterable[Any], bad: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(the opening lines, the roots with no run yet): what is watched and notified, then one
+    line per root where nothing was found (and no problem was said about it)."""
+    formats = sorted({s.format for s in specs.values()})
+    shown = ", ".join(t.shown for t in targets)
+    lines = [
+        f"watching {plural(len(specs), 'run')} under {', '.join(roots)}"
+        f"{' (' + ', '.join(formats) + ')' if formats else ''}; notifying {shown}"
+    ]
+    empty = [
+        root
+        for root in roots
+        if not any(under(rid, root) for rid in specs) and root not in bad and not any(root in b for b in bad)
+    ]
+    lines += [
+        f"{root}: no runs yet (looking for TensorBoard event files, trainer_state.json, metrics.csv, "
+        f"run-*.wandb and nummon *.jsonl logs); new ones are picked up as they appear"
+        for root in empty
+    ]
+    return lines, empty
+
+
+def started_lines(started: list[tuple[RunSpec, bool]], roots: list[str], first: bool) -> list[str]:
+    """One line per run picked up (spec, revived): those found at the start (the first LISTED of
+    them, the rest counted), a run that appears later, a retired run that writes again."""
+    lines = []
+    for i, (spec, revived) in enumerate(started):
+        if first and i == LISTED and len(started) > LISTED + 1:
+            lines.append(f"  … and {plural(len(started) - LISTED, 'more run')}")
+            break
+        name = printable(run_name(spec.id, roots))
+        if first:
+            lines.append(f"  run {name} ({spec.format})")
+        elif revived:
+            lines.append(f"run {name}: written again; watched again")
+        else:
+            lines.append(f"new run {name} ({spec.format}): watched from now on")
+    return lines
+
+
+def forgot_line(forgotten: list[str], forget_after_s: float, roots: list[str]) -> str:
+    """The one line for the runs forgotten in a pass (their files gone `forget_after_s` or more)."""
+    hours = forget_after_s / 3600
+    return (
+        f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
+        f"(e.g. {printable(run_name(forgotten[0], roots))}); read from the start if they come back"
+    )
