@@ -32,7 +32,7 @@ from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
 from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
-from .replay import ForwardReplay
+from .eager_replay import ForwardReplay
 from .transport import Layout, Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]

@@ -1,7 +1,7 @@
-"""The statistics engine's orchestrator: per step, launch every reduction on the device and
+"""The statistics collector: per step, launch every reduction on the device and
 start the single device->host copy (`launch`); later, read it and build the record (`resolve`).
 
-The parts: `watch` (which parameters), `optim` (state tensors, LR, kind), `kernels` (norms,
+The parts: `params` (which parameters are watched), `optim` (state tensors, LR, kind), `kernels` (norms,
 extremes), `probes` (activation hooks), `fingerprints`, `transport` (segments, packing, the
 lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
 """
@@ -31,13 +31,13 @@ from .histograms import histograms
 from .kernels import NormKernels, as_real
 from .mechanisms import MechanismProbes
 from .optim import OptimizerView
+from .params import WatchedParams
 from .pending import GatherTicket, Pending
 from .preclip import PreClipCapture
 from .probes import ActivationProbes
 from .transport import PinnedPool, Segment, pack, rules_of, signature
-from .watch import WatchedParams
 
-__all__ = ["LaunchStep", "StatsEngine", "check_grad_scaler"]
+__all__ = ["LaunchStep", "StatsCollector", "check_grad_scaler"]
 
 log = logging.getLogger("nummon")
 
@@ -93,7 +93,7 @@ def check_grad_scaler(scaler: Any) -> None:
         )
 
 
-class StatsEngine:
+class StatsCollector:
     """Computes one step's health statistics for a model and optimizer."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The statistics engine on real models: late-added parameters, dtypes, complex parameters,
+"""The statistics collector on real models: late-added parameters, dtypes, complex parameters,
 argument checks."""
 
 import math
@@ -225,7 +225,7 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     """The demo CNN has 8 tensors: the 8 smallest would be all of them, fc1's 1.6M elements
     included; the clip ratio comes from the small ones."""
     from nummon._demo_model import DemoCNN
-    from nummon._stats.engine import CLIP_ANCHOR_ELEMENTS
+    from nummon._stats.collector import CLIP_ANCHOR_ELEMENTS
 
     torch.manual_seed(0)
     model = DemoCNN()
