@@ -36,7 +36,7 @@ from .preclip import PreClipCapture
 from .probes import ActivationProbes
 from .transport import PinnedPool, pack, rules_of, signature
 
-__all__ = ["StatsCollector", "check_grad_scaler"]
+__all__ = ["StatsCollector", "check_grad_scaler", "refuse_unwatchable"]
 
 log = logging.getLogger("nummon")
 
@@ -55,6 +55,24 @@ def check_grad_scaler(scaler: Any) -> None:
     if not all(callable(getattr(scaler, m, None)) for m in ("is_enabled", "get_scale")):
         raise NummonError(
             f"grad_scaler must be a torch.amp.GradScaler (with is_enabled() and get_scale()), got {type(scaler).__name__}"
+        )
+
+
+def refuse_unwatchable(watched: WatchedParams, distributed: bool) -> None:
+    """A NummonError (the watch closed) for parameters with no values yet: on the meta device,
+    or of lazy modules under torch.distributed (every rank sizes its buffers from the model now)."""
+    meta = [n for n, p in watched.named if p.is_meta]
+    if meta:
+        watched.close()
+        raise NummonError(
+            f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
+            "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
+        )
+    if watched.lazy and distributed:
+        watched.close()
+        raise NummonError(
+            f"{len(watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
+            "torch.distributed run one forward before Monitor(...)"
         )
 
 
@@ -81,19 +99,7 @@ class StatsCollector:
         self.grad_scaler = grad_scaler  # non-finite grads under an enabled scaler mean a skipped step
         self.optim = OptimizerView(optimizer)
         self.watched = WatchedParams(model, self.optim)
-        meta = [n for n, p in self.watched.named if p.is_meta]
-        if meta:
-            self.watched.close()
-            raise NummonError(
-                f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
-                "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
-            )
-        if self.watched.lazy and dist is not None:  # every rank sizes its buffers from the model now
-            self.watched.close()
-            raise NummonError(
-                f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
-                "torch.distributed run one forward before Monitor(...)"
-            )
+        refuse_unwatchable(self.watched, distributed=dist is not None)
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()

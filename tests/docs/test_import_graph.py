@@ -198,7 +198,6 @@ OVERSIZE_ALLOWED = {
     "nummon/_monitor.py": 521,
     "nummon/_stats/adam_stats.py:AdamStatistics.measure": 72,
     "nummon/_stats/capture.py": 670,
-    "nummon/_stats/collector.py:StatsCollector.__init__": 82,
     "nummon/_watch/watcher.py": 505,
     "nummon/_watch/watcher.py:Watcher.__init__": 65,
 }
