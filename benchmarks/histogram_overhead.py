@@ -3,7 +3,7 @@
 On the demo CNN (batch 64, SGD momentum, CPU) it measures, interleaved round by round:
 - the bare training step (forward, backward, optimizer step);
 - the monitored step without histograms (`Monitor.post_step`, every-step statistics);
-- one histogram pass: `StatsEngine.histograms()` (weights, gradients, activations, log10|x|)
+- one histogram pass: `StatsCollector.histograms()` (weights, gradients, activations, log10|x|)
   plus `TensorBoardSink.on_histograms` writing them (the sink's thread shares the CPU).
 Then the smallest cadence N with monitored + pass/N <= 1.05 x bare, and the ratio at
 `DEFAULT_HISTOGRAM_EVERY`.

@@ -240,7 +240,7 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
     import functools
 
     from nummon._engine import HealthEngine
-    from nummon._stats import engine as stats_engine
+    from nummon._stats import collector as stats_collector
 
     model, make_opt, loss_fn = workload(name, dev)
     opt = make_opt(model)
@@ -259,8 +259,8 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
         return wrapper
 
     patches = [
-        (stats_engine.StatsEngine, "launch", "statistics launch (kernels, packing, copy)"),
-        (stats_engine.StatsEngine, "resolve", "decode (values -> StepRecord)"),
+        (stats_collector.StatsCollector, "launch", "statistics launch (kernels, packing, copy)"),
+        (stats_collector.StatsCollector, "resolve", "decode (values -> StepRecord)"),
         (HealthEngine, "step", "health engine (detectors, incidents)"),
     ]
     try:

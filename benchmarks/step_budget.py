@@ -55,8 +55,8 @@ STAGES = (
 )
 #: (file suffix, function name) -> the stage it starts ("*": any function of that file)
 ENTRIES = {
-    ("_stats/engine.py", "_launch"): "launch",
-    ("_stats/engine.py", "resolve"): "read_decode",
+    ("_stats/collector.py", "_launch"): "launch",
+    ("_stats/collector.py", "resolve"): "read_decode",
     ("nummon/_engine.py", "step"): "detectors",
     ("nummon/_dispatch.py", "*"): "dispatch",
     ("_stats/mechanisms.py", "*"): "probes",

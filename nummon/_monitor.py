@@ -26,7 +26,7 @@ from ._outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
 from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
 from ._report.live import LiveReport
-from ._stats import Pending, StatsEngine
+from ._stats import Pending, StatsCollector
 from ._types import Alert, StepRecord
 
 __all__ = ["Monitor"]
@@ -80,7 +80,7 @@ class Monitor:
         sink_list = policy_sinks(self.policy, sinks)
         self._dist = _reducer(process_group)
         self.rank = self._dist.rank if self._dist else 0
-        self.stats = StatsEngine(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
+        self.stats = StatsCollector(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
         self._replicas = self._replica_check(model)
         self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
         self.recorder = FlightRecorder(self.policy.recorder.steps)

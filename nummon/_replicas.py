@@ -90,7 +90,7 @@ class ReplicaMismatch:
 class ReplicaCheck:
     """Packs the fingerprints on due steps and compares every rank's (identically on every rank).
 
-    `watched` (the statistics engine's WatchedParams): its `param_rules` say which parameters
+    `watched` (the statistics collector's WatchedParams): its `param_rules` say which parameters
     (and gradients) are full replicas on every rank (MAX) and which are shards (SUM_SQ).
     """
 

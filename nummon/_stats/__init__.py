@@ -1,4 +1,4 @@
-"""The statistics engine: the only part of the training-loop path that touches tensors.
+"""The statistics collector: the only part of the training-loop path that touches tensors.
 
 Per step it launches reductions on the device: L2 norms of gradients, parameters and optimizer
 state (one fused ``torch._foreach_norm`` on CUDA; a BLAS dot per tensor into a preallocated
@@ -9,8 +9,8 @@ output's dtype). It packs every scalar into one vector, copies that to the host 
 the only thing that leaves here.
 """
 
+from .collector import StatsCollector
 from .dtypes import dtype_name
-from .engine import StatsEngine
 from .pending import Pending
 
-__all__ = ["Pending", "StatsEngine", "dtype_name"]
+__all__ = ["Pending", "StatsCollector", "dtype_name"]

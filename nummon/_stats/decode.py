@@ -18,7 +18,21 @@ from .kernels import as_real
 from .pending import Pending
 from .probes import act_values
 
-__all__ = ["Decoder", "exact_where_overflowed", "locate", "origin_rank"]
+__all__ = [
+    "Decoder",
+    "RecordBuild",
+    "decode_activations",
+    "decode_clip_ratio",
+    "decode_grads",
+    "decode_inputs",
+    "decode_loss",
+    "decode_mechanisms",
+    "decode_optimizer",
+    "decode_params",
+    "exact_where_overflowed",
+    "locate",
+    "origin_rank",
+]
 
 Sources = dict[str, list["int | None"]]  # per segment, the rank each element came from
 
@@ -75,7 +89,7 @@ def _all_finite(values: Iterable[float]) -> bool:
 
 
 @dataclass
-class _Build:
+class RecordBuild:
     """One record while the family decoders fill it in, and what localisation will need."""
 
     pending: Pending
@@ -88,7 +102,7 @@ class _Build:
     first_bad_act: str | None = None
 
 
-def _decode_loss(b: _Build) -> None:
+def decode_loss(b: RecordBuild) -> None:
     p = b.pending
     if p.loss_host is not None:
         b.rec.loss = p.loss_host
@@ -100,7 +114,7 @@ def _decode_loss(b: _Build) -> None:
         b.parts.append("loss")
 
 
-def _decode_grads(b: _Build) -> None:
+def decode_grads(b: RecordBuild) -> None:
     gn, gmax = b.get("grad_norms"), b.get("grad_absmax")
     if gn is None:
         return
@@ -122,7 +136,7 @@ def _decode_grads(b: _Build) -> None:
             b.parts.append("gradients")
 
 
-def _decode_clip_ratio(b: _Build) -> None:
+def decode_clip_ratio(b: RecordBuild) -> None:
     post, rec = b.get("grad_norms_post"), b.rec
     if post is None or rec.grad_norm is None:  # grad_norm was measured before clipping
         return
@@ -137,7 +151,7 @@ def _decode_clip_ratio(b: _Build) -> None:
         rec.clip_ratio = post_norm / pre_norm
 
 
-def _family_norm(b: _Build, segment: str, tensors: Sequence[torch.Tensor], part: str) -> float | None:
+def _family_norm(b: RecordBuild, segment: str, tensors: Sequence[torch.Tensor], part: str) -> float | None:
     vals = b.get(segment)
     if vals is None:
         return None
@@ -147,12 +161,13 @@ def _family_norm(b: _Build, segment: str, tensors: Sequence[torch.Tensor], part:
     return _l2(vals)
 
 
-def _decode_params(b: _Build) -> None:
+def decode_params(b: RecordBuild) -> None:
     b.rec.param_norm = _family_norm(b, "param_norms", b.pending.params, "parameters")
 
 
-def _decode_state(b: _Build) -> None:
-    rec = b.rec
+def decode_optimizer(b: RecordBuild) -> None:
+    rec, lr = b.rec, b.get("lr")
+    rec.lr = b.pending.lr if lr is None else lr[0]
     rec.optim_state_norm = _family_norm(b, "state_norms", b.pending.state, "optimizer state")
     if rec.lr is None or not rec.param_norm:
         return
@@ -163,7 +178,7 @@ def _decode_state(b: _Build) -> None:
         rec.update_ratio = rec.lr * applied / rec.param_norm
 
 
-def _decode_activations(b: _Build) -> None:
+def decode_activations(b: RecordBuild) -> None:
     acts, rec = b.pending.acts, b.rec
     if not acts.order:
         return
@@ -178,7 +193,7 @@ def _decode_activations(b: _Build) -> None:
         b.parts.append("activations")
 
 
-def _decode_inputs(b: _Build) -> None:
+def decode_inputs(b: RecordBuild) -> None:
     inp, fp = b.get("input_nonfinite"), b.get("fingerprint")
     if inp is not None and inp[0]:
         b.rec.input_nonfinite = int(inp[0])
@@ -186,30 +201,56 @@ def _decode_inputs(b: _Build) -> None:
         b.rec.fingerprint = "-".join(f"{int(v):013x}" for v in fp)
 
 
-#: one decoder per statistic family, in the order the step computed them (later families may
-#: read what earlier ones set: the clip ratio needs the gradient norm, the update ratio both)
-FAMILIES: tuple[Callable[[_Build], None], ...] = (
-    _decode_loss,
-    _decode_grads,
-    _decode_clip_ratio,
-    _decode_params,
-    _decode_state,
-    _decode_activations,
-    _decode_inputs,
-)
+def decode_mechanisms(b: RecordBuild) -> None:
+    """The sampled mechanism probes' fields (attention, output log Z, layer RMS, Adam)."""
+    ms, rec, get = b.pending.mech, b.rec, b.get
+    if ms is None:
+        return
+    if ms.samples and (v := get("mech_samples")) is not None:
+        rec.sample_loss_ratio = v[0]
+        rec.sample_loss_top = tuple(int(i) for i in v[1:])
+    if ms.attention and (mx := get("mech_attn_max")) is not None:
+        ent = get("mech_attn_entropy") or []
+        rec.layer_attention_logit_max = dict(zip(ms.attention, mx))
+        rec.layer_attention_entropy = dict(zip(ms.attention, ent))
+        rec.attention_logit_max = max(mx)
+        rec.attention_entropy = min(ent) if ent else None
+    if ms.output and (m := get("mech_lse_mean")) is not None:
+        lse_max, logit_max = get("mech_lse_max"), get("mech_logit_max")
+        assert lse_max is not None and logit_max is not None  # packed with mech_lse_mean
+        rec.output_logsumexp_mean = m[0]
+        rec.output_logsumexp_max = lse_max[0]
+        rec.output_logit_max = logit_max[0]
+    if ms.linear and (r := get("mech_linear_rms")) is not None:
+        rec.layer_output_rms = dict(zip(ms.linear, r))
+    if ms.adam and (r := get("mech_adam_rms")) is not None:
+        small, upd = get("mech_adam_small"), get("mech_adam_update")
+        assert small is not None and upd is not None  # packed with mech_adam_rms
+        rec.layer_adam_ratio_rms = dict(zip(ms.adam, r))
+        rec.layer_update_ratio = dict(zip(ms.adam, upd))
+        rec.adam_ratio_rms = max(r)
+        rec.update_ratio_max = max(upd)
+        rec.adam_small_grad_fraction = sum(small) / ms.adam_elements if ms.adam_elements else None
+        rec.adam_ratio_bound = ms.adam_bound or None
 
 
 class Decoder:
     """Builds StepRecords. `dist` (a DistributedReducer or None) is needed for the exact
     recomputation of overflowed norms across ranks; `count_nonfinite` counts on the failure
-    path (a sync, which no longer matters once a run is failing). `families` is the table of
-    family decoders (a new statistic adds its own)."""
+    path (a sync, which no longer matters once a run is failing). `decoders`: the statistic
+    families' decoders, in the order of `families.FAMILIES` (the one list of families)."""
 
-    def __init__(self, dist: Any, grad_scaler: Any, count_nonfinite: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        dist: Any,
+        grad_scaler: Any,
+        count_nonfinite: Callable[[], int],
+        decoders: Sequence[Callable[[RecordBuild], None]],
+    ) -> None:
         self.dist = dist
         self.grad_scaler = grad_scaler
         self.count_nonfinite = count_nonfinite
-        self.families: list[Callable[[_Build], None]] = list(FAMILIES)
+        self.decoders = tuple(decoders)
 
     def record(self, pending: Pending, vals: list[float], sources: Sources | None) -> StepRecord:
         lay = pending.layout
@@ -220,11 +261,8 @@ class Decoder:
             s = lay.get(name)
             return None if s is None else vals[s.start : s.stop]
 
-        lr = get("lr")
-        b = _Build(
-            pending, get, StepRecord(step=pending.step, lr=pending.lr if lr is None else lr[0]), local=self.dist is None
-        )
-        for decode in self.families:
+        b = RecordBuild(pending, get, StepRecord(step=pending.step), local=self.dist is None)
+        for decode in self.decoders:
             decode(b)
         rec = b.rec
         self._headroom(rec, pending, b.grad_bound)
@@ -242,7 +280,7 @@ class Decoder:
             rec.rank = sources["grad_absmax"][max(range(len(gm)), key=gm.__getitem__)] if gm else None
         return rec
 
-    def _scaler_skip(self, b: _Build) -> None:
+    def _scaler_skip(self, b: RecordBuild) -> None:
         if b.parts == ["gradients"] and self.grad_scaler is not None and self.grad_scaler.is_enabled():
             # after scaler.step() gradients are unscaled; non-finite ones mean the scaler found
             # an overflow and skipped the update: the run is fine, the statistics meaningless

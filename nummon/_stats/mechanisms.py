@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from .._distributed import Reduce
-from .._types import StepRecord
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
 from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
-from .replay import ForwardReplay
-from .transport import Layout, Segment
+from .eager_replay import ForwardReplay
+from .transport import Segment
 
 __all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
 
@@ -259,43 +258,6 @@ class MechanismProbes:
         if self.model is None:
             return {}
         return {id(p): n for n, p in self.model.named_parameters()}
-
-    # ------------------------------------------------------------------ host side
-    def decode(self, rec: StepRecord, layout: Layout, vals: list[float], ms: MechanismStep | None) -> None:
-        """Write the mechanism fields of `rec` from the packed values."""
-        if ms is None:
-            return
-
-        def get(name: str) -> list[float] | None:
-            s = layout.get(name)
-            return None if s is None else vals[s.start : s.stop]
-
-        if ms.samples and (v := get("mech_samples")) is not None:
-            rec.sample_loss_ratio = v[0]
-            rec.sample_loss_top = tuple(int(i) for i in v[1:])
-        if ms.attention and (mx := get("mech_attn_max")) is not None:
-            ent = get("mech_attn_entropy") or []
-            rec.layer_attention_logit_max = dict(zip(ms.attention, mx))
-            rec.layer_attention_entropy = dict(zip(ms.attention, ent))
-            rec.attention_logit_max = max(mx)
-            rec.attention_entropy = min(ent) if ent else None
-        if ms.output and (m := get("mech_lse_mean")) is not None:
-            lse_max, logit_max = get("mech_lse_max"), get("mech_logit_max")
-            assert lse_max is not None and logit_max is not None  # packed with mech_lse_mean
-            rec.output_logsumexp_mean = m[0]
-            rec.output_logsumexp_max = lse_max[0]
-            rec.output_logit_max = logit_max[0]
-        if ms.linear and (r := get("mech_linear_rms")) is not None:
-            rec.layer_output_rms = dict(zip(ms.linear, r))
-        if ms.adam and (r := get("mech_adam_rms")) is not None:
-            small, upd = get("mech_adam_small"), get("mech_adam_update")
-            assert small is not None and upd is not None  # packed with mech_adam_rms
-            rec.layer_adam_ratio_rms = dict(zip(ms.adam, r))
-            rec.layer_update_ratio = dict(zip(ms.adam, upd))
-            rec.adam_ratio_rms = max(r)
-            rec.update_ratio_max = max(upd)
-            rec.adam_small_grad_fraction = sum(small) / ms.adam_elements if ms.adam_elements else None
-            rec.adam_ratio_bound = ms.adam_bound or None
 
     def remove(self) -> None:
         if self.capture is not None:

@@ -19,7 +19,7 @@ class OptimizerView:
     def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = optimizer
         self._state_cache: tuple[Any, int, list[torch.Tensor]] = (None, -1, [])
-        self.all_sharded = False  # FSDP1: every state tensor is a shard (set by the engine)
+        self.all_sharded = False  # FSDP1: every state tensor is a shard (set by the collector)
         self.state_rules: tuple[str, ...] = ()  # each state tensor's cross-rank norm rule
 
     def state_tensors(self) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 
 from .._functional import spaced
 from .kernels import NormKernels
-from .watch import WatchedParams
+from .params import WatchedParams
 
 __all__ = ["PreClipCapture", "PreClipGrads"]
 
@@ -63,7 +63,7 @@ class PreClipCapture:
         self.install()
 
     paused = False  # forensics re-runs a backward that is not a training step
-    absmax = True  # whether the next backward measures max |g| too (the engine decides, per step)
+    absmax = True  # whether the next backward measures max |g| too (the collector decides, per step)
 
     def install(self) -> None:
         """Hook the anchors not hooked yet (also after the model grew)."""

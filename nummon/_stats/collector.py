@@ -1,7 +1,7 @@
-"""The statistics engine's orchestrator: per step, launch every reduction on the device and
+"""The statistics collector: per step, launch every reduction on the device and
 start the single device->host copy (`launch`); later, read it and build the record (`resolve`).
 
-The parts: `watch` (which parameters), `optim` (state tensors, LR, kind), `kernels` (norms,
+The parts: `params` (which parameters are watched), `optim` (state tensors, LR, kind), `kernels` (norms,
 extremes), `probes` (activation hooks), `fingerprints`, `transport` (segments, packing, the
 lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
 """
@@ -11,75 +11,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import operator
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._distributed import LayoutHeader, Reduce
+from .._distributed import LayoutHeader
 from .._errors import NummonError
 from .._policy import Policy
 from .._types import StepRecord
 from .compiled import has_compiled_parts, unwrap_compiled
 from .decode import Decoder, exact_where_overflowed
-from .dtypes import dtype_name, narrowest
-from .fingerprints import Fingerprinter, tensors_in
+from .families import FAMILIES, decoders
+from .fingerprints import Fingerprinter
 from .histograms import histograms
 from .kernels import NormKernels, as_real
+from .launch import ClipAnchors, LaunchStep
 from .mechanisms import MechanismProbes
 from .optim import OptimizerView
+from .params import WatchedParams
 from .pending import GatherTicket, Pending
 from .preclip import PreClipCapture
 from .probes import ActivationProbes
-from .transport import PinnedPool, Segment, pack, rules_of, signature
-from .watch import WatchedParams
+from .transport import PinnedPool, pack, rules_of, signature
 
-__all__ = ["LaunchStep", "StatsEngine", "check_grad_scaler"]
+__all__ = ["StatsCollector", "check_grad_scaler", "refuse_unwatchable"]
 
 log = logging.getLogger("nummon")
 
 #: after a non-finite step, every module's output is hooked for this many steps
 DETAIL_AFTER_NONFINITE = 50
-#: the clip ratio is measured on this many gradients, the smallest (clip_grad_norm_ scales
-#: every gradient by one factor, so a few tell it; a second read of all of them would cost a
-#: full pass over the gradients' memory)
-CLIP_ANCHORS = 8
-#: ... holding at most this many elements together (at least one gradient): on a small model the
-#: 8 smallest can include its largest matrix (the demo CNN's fc1, 1.6M of its 1.6M)
-CLIP_ANCHOR_ELEMENTS = 1 << 16
 #: gradient dtypes whose range is narrow enough that max |g| is measured on every step (for the
 #: others the L2 norm, an upper bound of max |g|, stands for it between the sampled steps)
 NARROW_GRAD_DTYPES = ("float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-
-
-@dataclass
-class LaunchStep:
-    """One step's inputs while the segment families launch, and what each notes for decoding."""
-
-    step: int
-    loss: Any
-    batch: Any
-    params_due: bool
-    optim_due: bool
-    extremes_due: bool  # max |g| this step (with the parameters, or every step for narrow dtypes)
-    dev: torch.device
-    distributed: bool
-    segments: list[Segment] = field(default_factory=list)
-    loss_host: float | None = None
-    loss_dtype: str = "float32"
-    grads: list[torch.Tensor] = field(default_factory=list)
-    grad_names: list[str] = field(default_factory=list)
-    grad_dtype: str | None = None
-    clip_anchors: list[int] | None = None  # positions in `grads` the post-clip norms measured
-    params: list[torch.Tensor] = field(default_factory=list)  # the measured parameters (rank-local)
-    state: list[torch.Tensor] = field(default_factory=list)
-    lr: float | None = None
-    acts: Any = None  # an ActivationStep
-    mech: Any = None  # a MechanismStep: the names behind the sampled mechanism segments
-    batch_tensors: list[torch.Tensor] | None = None
 
 
 def check_grad_scaler(scaler: Any) -> None:
@@ -93,7 +58,25 @@ def check_grad_scaler(scaler: Any) -> None:
         )
 
 
-class StatsEngine:
+def refuse_unwatchable(watched: WatchedParams, distributed: bool) -> None:
+    """A NummonError (the watch closed) for parameters with no values yet: on the meta device,
+    or of lazy modules under torch.distributed (every rank sizes its buffers from the model now)."""
+    meta = [n for n, p in watched.named if p.is_meta]
+    if meta:
+        watched.close()
+        raise NummonError(
+            f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
+            "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
+        )
+    if watched.lazy and distributed:
+        watched.close()
+        raise NummonError(
+            f"{len(watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
+            "torch.distributed run one forward before Monitor(...)"
+        )
+
+
+class StatsCollector:
     """Computes one step's health statistics for a model and optimizer."""
 
     def __init__(
@@ -116,19 +99,7 @@ class StatsEngine:
         self.grad_scaler = grad_scaler  # non-finite grads under an enabled scaler mean a skipped step
         self.optim = OptimizerView(optimizer)
         self.watched = WatchedParams(model, self.optim)
-        meta = [n for n, p in self.watched.named if p.is_meta]
-        if meta:
-            self.watched.close()
-            raise NummonError(
-                f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]}), with no values to watch: "
-                "materialise the model (e.g. model.to_empty(device=...) and initialise it) before Monitor(...)"
-            )
-        if self.watched.lazy and dist is not None:  # every rank sizes its buffers from the model now
-            self.watched.close()
-            raise NummonError(
-                f"{len(self.watched.lazy)} parameter(s) of lazy modules are not materialised yet: under "
-                "torch.distributed run one forward before Monitor(...)"
-            )
+        refuse_unwatchable(self.watched, distributed=dist is not None)
         self.device = self.watched.params[0].device if self.watched.params else torch.device("cpu")
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
@@ -136,19 +107,7 @@ class StatsEngine:
         self.probes = ActivationProbes(policy.sampling.activations_exclude)
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
-        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite)
-        # the segment families of a step, in order (a new statistic adds its function here and
-        # its decoder to `decoder.families`)
-        self.families: list[Callable[[LaunchStep], list[Segment]]] = [
-            self._loss_segments,
-            self._grad_segments,
-            self._param_segments,
-            self._state_segments,
-            self._lr_segments,
-            self._activation_segments,
-            self._mechanism_segments,
-            self._batch_segments,
-        ]
+        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, decoders())
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = (
             MechanismProbes(
@@ -168,8 +127,8 @@ class StatsEngine:
         self._incident_open = False
         self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
-        self._anchor_cache: tuple[int, list[int], Any] = (-1, [], None)
-        self._said_no_grads = False  # the warning that no parameter has a gradient, given once
+        self.anchors = ClipAnchors()
+        self.said_no_grads = False  # the warning that no parameter has a gradient, given once
         self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_replicas.py)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
@@ -204,8 +163,8 @@ class StatsEngine:
             dev,
             self.dist is not None,
         )
-        for family in self.families:
-            s.segments += family(s)
+        for family in FAMILIES:
+            s.segments += family.launch(self, s)
         if self.replicas is not None:  # fingerprints of the replicated gradients and parameters, when due
             s.segments += self.replicas.segments(step, s.grads, self.watched.local(params), s.dev)
         self._narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
@@ -254,23 +213,6 @@ class StatsEngine:
         while the run is watched closely; the L2 norm bounds it (and shows NaN/Inf) between."""
         return params_due or self._narrow_grads or self._watch_closely(step)
 
-    def _clip_anchors(self, grads: list[torch.Tensor]) -> tuple[list[int], Any]:
-        """The positions of the smallest non-empty gradients (at most CLIP_ANCHORS, holding at
-        most CLIP_ANCHOR_ELEMENTS but for the first), and a picker for them (chosen once per
-        list length)."""
-        n = len(grads)
-        if self._anchor_cache[0] != n:
-            chosen: list[int] = []
-            total = 0
-            for size, i in sorted((g.numel(), i) for i, g in enumerate(grads) if g.numel())[:CLIP_ANCHORS]:
-                if chosen and total + size > CLIP_ANCHOR_ELEMENTS:
-                    break
-                chosen.append(i)
-                total += size
-            idx = sorted(chosen) or [0]
-            self._anchor_cache = (n, idx, operator.itemgetter(*idx))
-        return self._anchor_cache[1], self._anchor_cache[2]
-
     def _refresh(self) -> None:
         if self.watched.refresh():
             if self.model is not None and self.policy.sampling.activations:
@@ -278,115 +220,6 @@ class StatsEngine:
             if self.preclip is not None:  # its last backward missed the new parameters
                 self.preclip.take()
                 self.preclip.install()
-
-    # one function per segment family: each reads the step's inputs, notes what decoding needs
-    # and returns its segments, in this order (later families may use what earlier ones noted)
-    def _loss_segments(self, s: LaunchStep) -> list[Segment]:
-        params = self.watched.params
-        s.loss_dtype = dtype_name(params[0].dtype) if params else "float32"
-        if isinstance(s.loss, torch.Tensor):
-            s.loss_dtype = dtype_name(s.loss.dtype)
-            return [Segment("loss", s.loss.detach().reshape(1), Reduce.MEAN)]
-        if s.distributed:  # every rank must pack the same layout
-            return [Segment("loss", torch.tensor([float(s.loss)], device=s.dev), Reduce.MEAN)]
-        s.loss_host = float(s.loss)
-        return []
-
-    def _grad_segments(self, s: LaunchStep) -> list[Segment]:
-        """Gradient norms and max |g|: the pre-clip capture's when a backward left one (today's
-        gradients are then measured only for the clip ratio), else today's gradients."""
-        grads, names, raw = self.watched.grads(s.dev, s.distributed)
-        rules = self.watched.param_rules
-        pre = self.preclip.take() if self.preclip is not None else None
-        segs = []
-        if pre is not None:
-            segs.append(Segment("grad_norms", pre.norms, Reduce.LOCAL))  # single process only
-            if pre.extremes is not None:
-                segs.append(Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL))
-            if grads and names == pre.names:  # the clip ratio: a few gradients again, after clipping
-                idx, pick = self._clip_anchors(grads)
-                picked = pick(grads)
-                s.clip_anchors = idx
-                segs.append(
-                    Segment(
-                        "grad_norms_post",
-                        self.kernels.l2_norms(list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"),
-                        Reduce.LOCAL,
-                    )
-                )
-            elif grads:  # other gradients than the backward left (replaced, or more): all of them
-                segs.append(
-                    Segment("grad_norms_post", self.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL)
-                )
-            s.grads, s.grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
-        else:
-            if grads and s.extremes_due:
-                norms, absmax = self.kernels.norms_and_absmax(grads, key="grads")
-                segs += [Segment("grad_norms", norms, rules), Segment("grad_absmax", absmax, Reduce.MAX)]
-            elif grads:
-                segs.append(Segment("grad_norms", self.kernels.l2_norms(grads, key="grads"), rules))
-            s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
-        for dt in raw_dtypes:
-            s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
-        if not s.grads and self.watched.params and not self._said_no_grads:
-            self._say_no_grads(s.step)
-        return segs
-
-    def _say_no_grads(self, step: int) -> None:
-        """Once per run: no watched parameter has a gradient (post_step before any backward, or
-        after zero_grad); the record then shows the gradient statistics as missing (None)."""
-        self._said_no_grads = True
-        log.warning(
-            "nummon: no gradients at step %d on any of the %d watched parameters (first: %s): post_step ran "
-            "before backward or after optimizer.zero_grad(); call it after optimizer.step() and before "
-            "zero_grad(). Gradient statistics are missing from the record (grad_norm None) while this lasts",
-            step,
-            len(self.watched.params),
-            self.watched.names[0],
-        )
-
-    def _param_segments(self, s: LaunchStep) -> list[Segment]:
-        watched = self.watched
-        if not (s.params_due and watched.params):
-            return []
-        s.params = watched.local(watched.params)
-        measured = [as_real(p) for p in s.params] if watched.has_complex else s.params
-        return [Segment("param_norms", self.kernels.l2_norms(measured, key="param_norms"), watched.param_rules)]
-
-    def _state_segments(self, s: LaunchStep) -> list[Segment]:
-        state = self.optim.state_tensors() if s.optim_due else []
-        if not state:
-            return []
-        s.state = state
-        local = self.watched.local(state)
-        measured = [as_real(t) for t in local] if self.watched.has_complex else local
-        return [Segment("state_norms", self.kernels.l2_norms(measured, key="state_norms"), self.optim.state_rules)]
-
-    def _lr_segments(self, s: LaunchStep) -> list[Segment]:
-        s.lr, lr_tensor = self.optim.lr()
-        return [] if lr_tensor is None else [Segment("lr", lr_tensor, Reduce.LOCAL)]
-
-    def _activation_segments(self, s: LaunchStep) -> list[Segment]:
-        s.acts, segs = self.probes.take(s.distributed)
-        return segs
-
-    def _mechanism_segments(self, s: LaunchStep) -> list[Segment]:
-        if self.mechanisms is None:
-            return []
-        s.mech, segs = self.mechanisms.take(s.distributed, s.loss)
-        return segs
-
-    def _batch_segments(self, s: LaunchStep) -> list[Segment]:
-        s.batch_tensors = tensors_in(s.batch) if s.batch is not None else None
-        if not s.batch_tensors:
-            return []
-        segs = []
-        fl = [t for t in s.batch_tensors if t.is_floating_point() or t.is_complex()]
-        if fl:
-            bad = torch.stack([(~torch.isfinite(t)).sum() for t in fl]).sum().reshape(1)
-            segs.append(Segment("input_nonfinite", bad, Reduce.SUM))
-        segs.append(Segment("fingerprint", torch.stack([self.fingerprint(t) for t in s.batch_tensors]), Reduce.LOCAL))
-        return segs
 
     def _arm_probes(self, next_step: int) -> None:
         """Every module's output hooked on the next forward (not only the block boundaries) on
@@ -423,8 +256,6 @@ class StatsEngine:
         rec = self.decoder.record(pending, vals, sources)
         if rec.nonfinite_parts and not pending.params and self.dist is None:
             self._check_params(rec)
-        if self.mechanisms is not None:
-            self.mechanisms.decode(rec, pending.layout, vals, pending.mech)
         if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
             self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
             self.probes.set_detail(True)

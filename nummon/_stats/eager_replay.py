@@ -152,7 +152,7 @@ class ForwardReplay:
         self.failed = False  # `REPLAY_FAILURES` replays in a row failed: no more (said once)
         self.running = False  # a replay is under way: the model's own hooks stand aside
         self.errors = 0
-        #: within it, the other probes record nothing (the engine pauses its activation probes)
+        #: within it, the other probes record nothing (the collector pauses its activation probes)
         self.others_paused: Callable[[], AbstractContextManager] = contextlib.nullcontext
         self._kept: tuple | None = None  # (args, kwargs, autocast regions) of the step's first forward
         self._samples: int | None = None  # samples a replay takes (found at the first)
