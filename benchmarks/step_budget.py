@@ -61,6 +61,7 @@ ENTRIES = {
     ("nummon/_dispatch.py", "*"): "dispatch",
     ("_stats/mechanisms.py", "*"): "probes",
     ("_stats/capture.py", "*"): "probes",
+    ("_stats/capture_maths.py", "*"): "probes",
     ("_stats/adam_stats.py", "*"): "probes",
     ("_stats/preclip.py", "*"): "end_of_backward",
     ("nummon/_monitor.py", "post_step"): "post_step",
