@@ -124,6 +124,46 @@ class _Group:
         self.fixed = self.sample.views(ps) + self.sample.views(ms) + self.sample.views(vs)
 
 
+def _group_statistics(
+    flat: torch.Tensor,
+    s: _Sample,
+    t: Any,
+    betas: tuple[float, float],
+    eps_lr: tuple[float, float],
+    stepped: bool,
+    present: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tensor of one parameter group: (RMS of g / sqrt(v_hat_t), the estimated count of
+    |g| < eps, ||update|| / ||param||), from `flat`, the group's sampled (parameter, exp_avg,
+    exp_avg_sq, gradient) end to end; `t`: the state's step count (host float or device tensor),
+    `stepped`: whether the state already holds this gradient; `present`: the tensors to keep
+    (those with a gradient), or None for all."""
+    b1, b2 = betas
+    eps, lr = eps_lr
+    P, M, V, G = flat.float().reshape(4, s.width).unbind(0)
+    if isinstance(t, torch.Tensor):
+        t = t.to(G.device, torch.float32)
+    g2 = G * G
+    # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
+    # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
+    # ratio g²/v_hat_t is at most (1 - beta2^t)/(1 - beta2): no tensor whose v is still ~0 (a
+    # layer that had no gradient yet) can make it explode, and before/after give the same value
+    vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
+    # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
+    ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
+    # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
+    step = M / ((V / (1.0 - b2**t)).sqrt() + eps)
+    mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
+    sizes = s.sizes
+    if present is not None:
+        mean, sizes = mean[:, present], sizes[present]
+    return (
+        mean[0].sqrt(),
+        mean[1] * sizes,  # (estimated) count of |g| < eps
+        mean[2].sqrt() * (lr / (1.0 - b1**t)) / mean[3].sqrt().clamp(min=1e-30),
+    )
+
+
 class AdamStatistics:
     """Per tensor of an Adam-like optimizer (state `exp_avg` and `exp_avg_sq`, group `betas` and
     `eps`): the segments `mech_adam_rms`, `mech_adam_small`, `mech_adam_update`."""
@@ -256,26 +296,12 @@ class AdamStatistics:
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
-            P, M, V, G = flat.float().reshape(4, s.width).unbind(0)
-            if isinstance(t, torch.Tensor):
-                t = t.to(G.device, torch.float32)
-            g2 = G * G
-            # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
-            # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
-            # ratio g²/v_hat_t is at most (1 - beta2^t)/(1 - beta2): no tensor whose v is still ~0 (a
-            # layer that had no gradient yet) can make it explode, and before/after give the same value
-            vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
-            # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
-            ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
-            # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
-            step = M / ((V / (1.0 - b2**t)).sqrt() + eps)
-            mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
-            sizes = s.sizes
-            if missing:
-                mean, sizes = mean[:, present], sizes[present]
-            rms.append(mean[0].sqrt())
-            small.append(mean[1] * sizes)  # (estimated) count of |g| < eps
-            upd.append(mean[2].sqrt() * (lr / (1.0 - b1**t)) / mean[3].sqrt().clamp(min=1e-30))
+            group_rms, group_small, group_upd = _group_statistics(
+                flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None
+            )
+            rms.append(group_rms)
+            small.append(group_small)
+            upd.append(group_upd)
         if not names:
             return [], [], 0.0, 0.0
         return (
