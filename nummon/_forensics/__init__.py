@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from ._alerts import explain_quietly
 from ._explain import explain_nonfinite
-from ._report import CAUSES, NonfiniteReport
+from ._explanation import CAUSES, NonfiniteReport
 
 __all__ = ["CAUSES", "NonfiniteReport", "explain_quietly", "explain_nonfinite"]

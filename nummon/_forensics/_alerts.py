@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._explain import explain_nonfinite
-from ._report import NonfiniteReport
+from ._explanation import NonfiniteReport
 
 __all__ = ["explain_quietly"]
 

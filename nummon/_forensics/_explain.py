@@ -17,8 +17,8 @@ from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
 
 from .._errors import NummonError
+from ._explanation import NonfiniteReport
 from ._interceptor import NonfiniteInterceptor, Origin, _checked, _finite, describe_outside
-from ._report import NonfiniteReport
 from ._scope import ModuleScope, source_text
 
 __all__ = ["explain_nonfinite"]

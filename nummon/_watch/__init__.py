@@ -3,7 +3,7 @@ trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and n
 
 from __future__ import annotations
 
-from .base import Follower, NotALogError
+from .follow import Follower, NotALogError
 from .keymap import DEFAULT_KEYS, KeyMap
 from .readers import FORMATS, detect_format, make_follower, read_records
 

@@ -37,9 +37,9 @@ from typing import Any
 
 from .._errors import NummonError
 from . import fs
+from .display import plural, safe_url
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
-from .text import plural, safe_url
 from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .discovery import RunSpec
+from .display import plural, printable
 from .runpaths import run_name, under
-from .text import plural, printable
 
 __all__ = ["LISTED", "forgot_line", "started_lines", "watching_lines"]
 

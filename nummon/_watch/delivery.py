@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .display import plural
 from .notices import Notice
 from .output import WAIT_STEP_S, Outcome, Target
-from .text import plural
 
 __all__ = ["OutboxEntry", "Delivery", "SYNC_TRIES"]
 

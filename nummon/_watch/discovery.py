@@ -8,12 +8,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from . import fs
+from .display import printable
 from .read_hf import STATE_NAME, lineage_root
 from .read_mlflow import MLFLOW_PREFIX, MlflowError, MlflowServer, is_mlflow_source, parse_source, safe_uri
 from .read_tb import is_event_file
 from .read_wandb import is_wandb_file
 from .readers import detect_format
-from .text import printable
 
 __all__ = ["RunSpec", "discover", "root_is_here"]
 

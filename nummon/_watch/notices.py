@@ -12,7 +12,7 @@ from typing import Any
 from .._alert_text import TITLE_MAX
 from .._events import IncidentEvent
 from .._types import IncidentState
-from .text import cut_at_word, printable, raw_bytes
+from .display import cut_at_word, printable, raw_bytes
 
 __all__ = ["RunIncident", "Notice", "event_id"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError, StepAssembler, as_step
+from .follow import Follower, NotALogError, StepAssembler, as_step
 
 __all__ = ["CsvFollower"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError, as_step
+from .follow import Follower, NotALogError, as_step
 
 __all__ = ["HfStateFollower", "STATE_NAME", "lineage_root", "MAX_STATE_BYTES"]
 

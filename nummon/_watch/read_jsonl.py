@@ -9,7 +9,7 @@ from typing import Any
 from .._trace import UnreadableLine, parse_step_line
 from .._types import StepRecord
 from . import fs
-from .base import NotALogError, OneFileFollower
+from .follow import NotALogError, OneFileFollower
 
 __all__ = ["JsonlFollower", "MAX_LINE"]
 

@@ -19,7 +19,7 @@ import urllib.request
 from typing import Any
 
 from .._types import StepRecord
-from .base import Follower, NotALogError, as_step
+from .follow import Follower, NotALogError, as_step
 from .keymap import KeyMap
 
 __all__ = ["MLFLOW_PREFIX", "MlflowError", "MlflowFollower", "MlflowServer", "is_mlflow_source", "parse_source"]

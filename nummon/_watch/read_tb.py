@@ -13,7 +13,7 @@ from typing import Any
 from .._errors import NummonError
 from .._types import StepRecord
 from . import fs
-from .base import FileMark, Follower, NotALogError, StepAssembler
+from .follow import FileMark, Follower, NotALogError, StepAssembler
 
 __all__ = ["TensorBoardFollower", "is_event_file", "EVENT_PREFIX", "check_event_header"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._types import StepRecord
 from . import fs
-from .base import NotALogError, OneFileFollower, as_step
+from .follow import NotALogError, OneFileFollower, as_step
 from .read_tb import _require
 
 __all__ = ["WandbFollower", "is_wandb_file", "WANDB_MAGIC"]

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 from .._types import StepRecord
 from . import fs
-from .base import Follower, NotALogError
+from .follow import Follower, NotALogError
 from .keymap import KeyMap
 from .read_csv import CsvFollower
 from .read_hf import STATE_NAME, HfStateFollower

@@ -29,8 +29,8 @@ from .._report.live import escalated_to_critical
 from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
 from .._types import StepRecord
+from .display import plural, raw_bytes
 from .notices import RunIncident
-from .text import plural, raw_bytes
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]
 

@@ -10,7 +10,7 @@ from .._engine import WARM_FIRST, WARM_RECENT, HealthEngine
 from .._policy import Policy
 from .._segments import SegmentedEngine
 from .._types import StepRecord
-from .base import Follower
+from .follow import Follower
 from .notices import RunIncident
 
 __all__ = ["WatchedRun"]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 from .._errors import NummonError
-from .text import raw_bytes
+from .display import raw_bytes
 
 __all__ = ["Shard", "parse_shard", "shard_of", "run_key"]
 

@@ -12,9 +12,9 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._json import dumps
+from .display import cut_at_word, plain, safe_url
 from .notices import Notice
 from .output import Outcome, OutcomeHandler, Target
-from .text import cut_at_word, plain, safe_url
 
 __all__ = [
     "Target",

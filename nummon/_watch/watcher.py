@@ -22,6 +22,7 @@ from .._policy import Policy
 from .announce import forgot_line, started_lines, watching_lines
 from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
+from .display import plural
 from .keymap import KeyMap
 from .notices import Notice, RunIncident
 from .output import CLOSE_TIMEOUT_S, Target
@@ -31,7 +32,6 @@ from .reports import RunMemory, WatchReports
 from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
 from .state import StateFile, runs_state
-from .text import plural
 
 __all__ = ["Watcher"]
 

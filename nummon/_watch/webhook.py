@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from .._errors import NummonError
+from .display import mrkdwn, plain, plural, safe_url
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Outcome, OutcomeHandler, Target
-from .text import mrkdwn, plain, plural, safe_url
 
 __all__ = ["WebhookTarget", "WebhookStats", "slack_payload", "check_url", "Outcome"]
 

@@ -255,3 +255,46 @@ def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path, monkeyp
     assert found == {"_long.py:C.f": MAX_FUNCTION_LINES + 1, "_big.py": MAX_MODULE_LINES + 1}
     with pytest.raises(AssertionError):
         test_no_module_or_function_outgrows_its_room()
+
+
+# --- one meaning per name -------------------------------------------------------------------
+#: A command's front end in nummon/_cli/ shares its name with what it runs, and a package may
+#: hold a module of its own name: those pairs mean one thing. Any other two modules or packages
+#: called alike (engine and _stats/engine, replay and _stats/replay, ...) mean two.
+SAME_THING = {"_cli/"}
+
+
+def names_used_twice(roots: dict[str, Path] = PACKAGES) -> dict[str, list[str]]:
+    """{name without leading underscores: the modules and packages called so} where two or more
+    that are neither a command and its front end nor a package and its own module share it."""
+    places: dict[str, list[str]] = {}
+    for root in roots.values():
+        for p in sorted(root.rglob("*")):
+            if "__pycache__" in p.parts or not (p.is_dir() or p.suffix == ".py"):
+                continue
+            if p.stem in ("__init__", "__main__"):
+                continue
+            rel = p.relative_to(root.parent).as_posix() + ("/" if p.is_dir() else "")
+            if any(part in rel for part in SAME_THING):
+                continue
+            places.setdefault(p.stem.lstrip("_"), []).append(rel)
+    clash = {}
+    for name, where in places.items():
+        # a package's own module (_recovery/_recovery.py) is the package
+        alone = [w for w in where if not (not w.endswith("/") and w.rsplit("/", 2)[-2].lstrip("_") == name)]
+        if len(alone) > 1:
+            clash[name] = where
+    return clash
+
+
+def test_no_two_modules_share_a_name():
+    assert names_used_twice() == {}, "rename one of each pair: a name means one thing"
+
+
+def test_the_name_check_sees_two_modules_called_alike(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "_stats").mkdir(parents=True)
+    (pkg / "_recovery").mkdir()
+    for f in ("__init__.py", "_engine.py", "_stats/__init__.py", "_stats/engine.py", "_recovery/_recovery.py"):
+        (pkg / f).write_text("")
+    assert names_used_twice({"pkg": pkg}) == {"engine": ["pkg/_engine.py", "pkg/_stats/engine.py"]}
