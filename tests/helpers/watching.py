@@ -83,3 +83,16 @@ def watch_main(argv):
         return main(["watch", *argv])
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+
+
+def slow_writer(src, dst, pause_s):
+    """A child process appending `src`'s lines to `dst` one at a time, `pause_s` seconds apart
+    (a run writing its log while the watcher reads it); the caller waits for it or kills it."""
+    script = (
+        "import sys, time\n"
+        "src, dst, pause = sys.argv[1], sys.argv[2], float(sys.argv[3])\n"
+        "with open(dst, 'a') as out:\n"
+        "    for line in open(src):\n"
+        "        out.write(line); out.flush(); time.sleep(pause)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", script, str(src), str(dst), str(pause_s)])

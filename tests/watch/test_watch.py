@@ -12,6 +12,7 @@ from helpers.watching import (
     WATCH,
     read_events,
     reference_ids,
+    slow_writer,
     start_watch,
     stop,
     two_incident_rows,
@@ -94,21 +95,7 @@ def test_sigkill_and_restart_no_duplicate_no_missed_record(tmp_path, receiver):
     log = tmp_path / "run" / "events.jsonl"
     log.parent.mkdir()
     log.touch()
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            (
-                "import sys, time\n"
-                "src, dst = sys.argv[1:3]\n"
-                "with open(dst, 'a') as out:\n"
-                "    for line in open(src):\n"
-                "        out.write(line); out.flush(); time.sleep(0.05)\n"
-            ),
-            str(full),
-            str(log),
-        ]
-    )
+    writer = slow_writer(full, log, pause_s=0.05)
     state = tmp_path / "watch-state.json"
     notes = tmp_path / "notes.jsonl"
     args = (

@@ -13,6 +13,7 @@ from helpers.watching import (
     WATCH,
     read_events,
     reference_ids,
+    slow_writer,
     start_watch,
     stop,
     two_incident_rows,
@@ -489,21 +490,7 @@ def test_a_watcher_sigkilled_every_second_while_its_run_writes_notifies_each_eve
     log = tmp_path / "run" / "events.jsonl"
     log.parent.mkdir()
     log.touch()
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            (
-                "import sys, time\n"
-                "src, dst = sys.argv[1:3]\n"
-                "with open(dst, 'a') as out:\n"
-                "    for line in open(src):\n"
-                "        out.write(line); out.flush(); time.sleep(0.06)\n"
-            ),
-            str(full),
-            str(log),
-        ]
-    )
+    writer = slow_writer(full, log, pause_s=0.06)
     receiver = webhook_receiver.Receiver()
     state, notes = tmp_path / "state.json", tmp_path / "notes.jsonl"
     args = (
