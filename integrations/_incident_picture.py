@@ -8,14 +8,16 @@ process) rather than a hand-made rasteriser: a PNG people read needs axis number
 legend, i.e. text, which matplotlib draws well and a zlib+struct rasteriser would need a font
 for. matplotlib is the `plot` extra and comes with the `tensorboard` extra; without it the
 picture is skipped with a one-line install hint (the text entries and the HTML report are not).
-It costs one figure (about 0.1-0.3 s, plus matplotlib's first import) per escalation, at most
+It costs one figure (about 0.3 s, plus matplotlib's first import, 0.8 s) per escalation, at most
 two per incident, never on a healthy step. Memory: the drawn values of the last `WINDOW` steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 from collections import deque
 from typing import Any
 
@@ -25,11 +27,28 @@ from nummon._report.page import SIGNALS
 from nummon._report.svg import MARK_COLORS, MARK_WORDS
 from nummon._types import StepRecord
 
-__all__ = ["IncidentPicture", "WINDOW"]
+__all__ = ["IncidentPicture", "WINDOW", "warm_imports"]
 
 log = logging.getLogger("nummon")
 WINDOW = 512  # steps drawn before the incident step (the lead-up)
 _HINT = "nummon: incident picture skipped: pip install 'nummon[plot]' (matplotlib) to draw it"
+
+
+def warm_imports() -> threading.Thread:
+    """Import matplotlib (about 0.8 s on one core) in a daemon thread, now, rather than in the
+    sink's thread at the first picture, where it would delay that picture and the sink's close.
+    Worth it where a picture is expected soon and a core is idle (the demo; its W&B process).
+    While torch runs a kernel the training thread holds no interpreter lock, so the import
+    costs the training little."""
+
+    def work() -> None:
+        with contextlib.suppress(ImportError):
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+
+    thread = threading.Thread(target=work, name="nummon-picture-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 class IncidentPicture:
@@ -84,6 +103,7 @@ class IncidentPicture:
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
         except ImportError:
             if not self._hinted:
                 self._hinted = True
@@ -95,15 +115,25 @@ class IncidentPicture:
         panels = [s for s in SIGNALS if any(s[0] in v for _, v in steps)]
         if not panels:
             return None
-        fig = Figure(figsize=(8.0, 0.4 + 1.45 * len(panels)), dpi=100)
+        height = 0.4 + 1.45 * len(panels)  # inches
+        fig = Figure(figsize=(8.0, height), dpi=100)
+        # fixed margins (inches turned into fractions) rather than tight_layout, which measured
+        # every tick label twice and cost half of each picture
+        fig.subplots_adjust(left=0.1, right=0.98, bottom=0.45 / height, top=1 - 0.35 / height, hspace=0.12)
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        plain = FuncFormatter(lambda v, _pos: f"{v:.0e}" if v and (abs(v) >= 1e4 or abs(v) < 1e-2) else f"{v:g}")
         for ax, (field, title, color, log_scale, _note) in zip(axes, panels, strict=True):
             pts = [(s, v[field]) for s, v in steps if field in v]
             ok = [(s, y) for s, y in pts if math.isfinite(y) and (y > 0 or not log_scale)]
             if ok:
                 ax.plot([s for s, _ in ok], [y for _, y in ok], color=color, linewidth=1.3)
             if log_scale and ok:
+                # plain "1e+05" labels, no minor ticks: matplotlib's default log labels are
+                # mathtext ($10^{5}$), whose parser cost more than the rest of the figure
                 ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(numticks=4))
+                ax.yaxis.set_minor_locator(NullLocator())
+                ax.yaxis.set_major_formatter(plain)
             bad = [s for s, y in pts if not math.isfinite(y)]
             if bad:  # NaN/Inf: a cross at the top edge of the panel
                 ax.plot(bad, [1.0] * len(bad), "x", color=MARK_COLORS["nonfinite"], transform=ax.get_xaxis_transform())
@@ -116,7 +146,6 @@ class IncidentPicture:
         axes[-1].set_xlabel("step", fontsize=8)
         lead = marks.get("nonfinite", event.step) - marks["warning"]
         fig.suptitle(f"{event.title} (step {event.step}; {lead} steps after the first warning)", fontsize=9)
-        fig.tight_layout()
         canvas = FigureCanvasAgg(fig)
         canvas.draw()
         return np.asarray(canvas.buffer_rgba())[..., :3].copy()

@@ -1,9 +1,7 @@
 """`python -m nummon`: the command line."""
 
-import sys
-
-from ._cli import main
+from ._cli import entry
 
 __all__: list[str] = []
 
-sys.exit(main())
+entry()

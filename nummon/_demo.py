@@ -295,6 +295,10 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
     opt = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=0.9)
     data = SyntheticDigits(cfg.seed, side=IMAGE_SIDE)
     mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
+    if tb_dir is not None:  # after torch.optim's import of torch._dynamo, which it would slow
+        from .integrations._incident_picture import warm_imports
+
+        warm_imports()
     first_nonfinite = None
     steps_run = 0
     t0 = time.perf_counter()

@@ -36,12 +36,13 @@ WIDTH = 8  # conv1's channels (conv2 has twice as many)
 HIDDEN = 64  # fc1's outputs
 IMAGE_SIDE = 28  # pixels per side
 #: What the README claims `nummon demo` takes on a quiet 2-core machine, imports included
-#: (seconds; measured by hand on 2026-12-02 on an idle 2-core machine, `time nummon demo`: 11.5,
-#: 12.3 and 12.4 s; with --no-wandb 12.5 s, the W&B client's start-up running in a child process on
-#: the other core. Of it: ~3.2 s importing torch, ~2.2 s torch.optim's first import of
-#: torch._dynamo, ~0.6 s nummon's own imports, ~5 s training and monitoring, of which ~2 s the
-#: incident pictures drawn with matplotlib in the sinks' threads. The tests time nothing).
-DEMO_SECONDS = 12
+#: (seconds; measured by hand on 2026-12-02 on an idle 2-core machine, `time nummon demo`, six
+#: runs: 7.6-9.1 s, median 8.7; with --no-wandb 8.8-8.9 s, the W&B client's start-up running in a
+#: child process on the other core. Of it: ~2.4 s importing torch, ~1.7-2.1 s torch.optim's first
+#: import of torch._dynamo, ~0.5 s nummon's own imports and ~3-4.5 s training and monitoring, the
+#: two incident pictures included. Exiting skips the interpreter's last collections (`entry`):
+#: they cost 1.2 s. The tests time nothing).
+DEMO_SECONDS = 9
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class Contributor:
     location: str | None = None
     rank: int | None = None
     overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
+    overflow_floor: bool = False  # steps_to_overflow is a lower bound (the growth rate is falling)
     value_text: str | None = None  # the value with its name and unit (see `value_text`)
 
     @classmethod
@@ -52,6 +53,7 @@ class Contributor:
             a.location,
             a.rank,
             bool(d.get("overflow_bound")),
+            bool(d.get("overflow_floor")),
             value_text(a.kind, a.metric, a.value, d, a.location),
         )
 
@@ -65,9 +67,10 @@ class Contributor:
             ov = self.steps_to_overflow
             if ov is not None and math.isfinite(ov):
                 n = max(1, round(ov))
-                parts[-1] += (
-                    f", {'at most ' if self.overflow_bound else ''}~{n} step{'' if n == 1 else 's'} to overflow)"
-                )
+                # the alert's own qualifier: beside the streak's mean rate a figure from today's
+                # slower rate reads as a contradiction unless it says it is a lower bound
+                bound = "at most " if self.overflow_bound else "at least " if self.overflow_floor else ""
+                parts[-1] += f", {bound}~{n} step{'' if n == 1 else 's'} to overflow)"
             else:
                 parts[-1] += ")"
         if self.location and self.location not in (said or ""):

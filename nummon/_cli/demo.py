@@ -4,6 +4,7 @@ table and the commands to look further. Every option is checked before anything 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import pickle
@@ -206,9 +207,11 @@ def wandb_child(calls: IO[bytes], out: TextIO) -> dict[str, Any]:
     result: dict[str, Any]
     try:
         _, (init_kwargs,) = pickle.load(calls)
+        from ..integrations._incident_picture import warm_imports
         from ..integrations.wandb import WandbSink
 
         sink = WandbSink(**init_kwargs)
+        warm_imports()  # this process idles while the demo trains: the pictures come at its end
         failed = False
         while True:
             try:
@@ -237,3 +240,4 @@ def wandb_child_main() -> None:
     nummon's messages on stderr (the demo's own)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     wandb_child(sys.stdin.buffer, sys.stdout)
+    gc.freeze()  # the run is finished and its files closed: skip the final collections the demo waits for

@@ -99,3 +99,20 @@ def test_a_single_jump_assumes_no_acceleration():
     assert c.steps == c.at_rate and not c.rising
     # the range is said, today's rate at its far end: "~2-25 steps left ... (~25 at today's rate, ..."
     assert c.phrase("float32").startswith(f"~{round(c.range[0])}-{round(c.steps)} steps left until float32 overflow (~")
+
+
+def test_the_incident_line_qualifies_the_countdown_as_the_alert_does():
+    """The demo's loss at step 46 (1.7, 18.6, 104, 220 after a flat start: the rate falling) got
+    "(x5.08/step, ~212 steps to overflow)" in the incident's bullet: today's slowed rate beside
+    the streak's mean rate, without the "at least" the alert's own text said."""
+    from nummon._events import Contributor
+
+    engine = HealthEngine(load_policy("default"))
+    losses = [2.3, 2.1, 2.2, 2.0, 1.9, 2.0, 1.8, 1.9, 1.7, 1.8, 1.6, 1.7, 1.675, 18.59, 103.7, 220.1]
+    said = [a for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts]
+    (runaway,) = [a for a in said if a.kind.value == "runaway" and a.step == len(losses) - 1][-1:]
+    assert "at least" in runaway.message and "falling" in runaway.message, runaway.message
+    line = Contributor.from_alert(runaway).line()
+    assert f"at least ~{round(runaway.details['steps_to_overflow'])} steps to overflow" in line, line
+    rising = countdown([(t, 0.1 * t * t) for t in range(6)], F32_DECADES)
+    assert rising.rising  # and its bullet says "at most", as before
