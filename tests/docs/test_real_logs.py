@@ -99,14 +99,17 @@ def test_the_dev_set_is_real_and_large_enough():
             assert first_bad == lab["first_nonfinite_step"], name
 
 
+@pytest.mark.slow
 def test_no_warning_on_healthy_runs(verdicts):
     assert not _failures(verdicts, [n for n in _names("healthy") if n not in KNOWN_FALSE_ALARMS])
 
 
+@pytest.mark.slow
 def test_no_critical_on_spikes_that_recover(verdicts):
     assert not _failures(verdicts, _names("spike_recover", "shift_recover"))
 
 
+@pytest.mark.slow
 def test_stalls_are_found(verdicts):
     """Frozen at 0.6931 (= ln 2) for 20 per-step records: a stall however short the run is in steps."""
     names = [n for n in _names("stall") if n not in NEEDS_CLASS_COUNT and n not in KNOWN_MISSES]
@@ -114,6 +117,7 @@ def test_stalls_are_found(verdicts):
     assert not _failures(verdicts, names)
 
 
+@pytest.mark.slow
 def test_a_stall_at_chance_needs_the_class_count_and_is_found_with_it(verdicts, tmp_path):
     """With the default policy the ViT plateau at ~1.15 is not called a stall (see NEEDS_CLASS_COUNT); with
     `stall.chance_loss: ln 3` in a policy file, `nummon replay` warns of a stall by its last record."""
@@ -144,16 +148,19 @@ def test_a_stall_at_chance_needs_the_class_count_and_is_found_with_it(verdicts, 
         assert not [a for a in alerts if a["kind"] != "stall"], alerts
 
 
+@pytest.mark.slow
 def test_abrupt_divergences_are_critical_by_the_first_nonfinite_record(verdicts):
     assert not _failures(verdicts, _names("diverge", "diverge_abrupt"))
 
 
+@pytest.mark.slow
 def test_finite_blowups_are_warned(verdicts):
     """Including the LoRA loss 1.41 -> 3.3 -> 6.4 -> 4.6..5.5 (mlx_issue620): only ~3x its start, but ~3x the
     best it had reached, held for five reports; and a Whisper LoRA held 2.3x above its best with little noise."""
     assert not _failures(verdicts, [n for n in _names("diverged_finite", "explode_finite") if n not in KNOWN_MISSES])
 
 
+@pytest.mark.slow
 def test_known_misses_and_false_alarms_are_still_there(verdicts):
     """Each is a real failure the detectors miss, or a healthy run they warn on, for the reason given
     (KNOWN_MISSES, KNOWN_FALSE_ALARMS); one that is now right leaves its list (and moves into the test of its

@@ -7,6 +7,9 @@ import pytest
 from conftest import start_ranks
 from helpers import dist_workers as W
 
+# gloo process groups from a fork server (about 5 s to start per xdist worker): the full suite's
+pytestmark = pytest.mark.slow
+
 
 def _port():
     with socket.socket() as s:
@@ -104,7 +107,6 @@ def test_a_compiled_ddp_model_gets_its_forward_probes_from_a_replay_that_joins_n
     assert res[0]["weights"] == res[1]["weights"]  # still one model
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant, fault_step, suspects, family",
     [("nudge", 7, [1], "parameters"), ("grad", 10, [1], "gradients"), ("bitflip", 12, [2], "parameters")],
@@ -124,7 +126,6 @@ def test_a_replica_fault_on_one_rank_is_named_within_the_cadence_on_every_rank(
     assert {r["stopped_at"] for r in res} == {first["step"]}  # critical: every rank stops at that step
 
 
-@pytest.mark.slow
 def test_two_ranks_that_differ_are_said_to_disagree(tmp_path):
     res = spawn(W.replica_faults, 2, tmp_path, "nudge", 20, 5, 7)
     first = res[0]["alerts"][0]
@@ -132,7 +133,6 @@ def test_two_ranks_that_differ_are_said_to_disagree(tmp_path):
     assert "ranks 0 and 1 disagree on their parameters" in first["message"]
 
 
-@pytest.mark.slow
 def test_a_healthy_three_rank_run_has_no_replica_mismatch(tmp_path):
     res = spawn(W.replica_faults, 3, tmp_path, "healthy", 300, 5, -1)
     for r in res:

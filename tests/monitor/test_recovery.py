@@ -338,6 +338,7 @@ def _ddp_worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_two_gloo_ranks_skip_and_restore_the_same_step(tmp_path):
     start_ranks(_ddp_worker, 2, (2, _port(), str(tmp_path)))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -325,6 +325,7 @@ def test_wandb_explicit_mode_with_wandb_mode_set(wandb_env):
     sink.close()
 
 
+@pytest.mark.slow
 def test_wandb_bogus_mode_is_one_line_and_online_without_key_goes_offline(wandb_env, monkeypatch, caplog):
     from nummon.integrations.wandb import WandbSink
 

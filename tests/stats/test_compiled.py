@@ -111,6 +111,7 @@ def test_a_compiled_model_is_measured_as_the_eager_one(how):
     assert compiled[-1].output_logsumexp_mean is not None
 
 
+@pytest.mark.slow
 def test_a_block_compiled_in_place_is_replayed_too():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -274,6 +274,7 @@ def test_refused_notifications_make_once_exit_non_zero_with_plural_right(tmp_pat
 # --- item 17: a slow receiver gets each event once, nothing delivered is called lost ---------
 
 
+@pytest.mark.slow
 def test_slow_receiver_gets_each_event_once_and_close_keeps_the_last(tmp_path, endpoints):
     ep = endpoints(slow_s=0.6)
     log = run_log(tmp_path)
