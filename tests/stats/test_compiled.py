@@ -199,8 +199,9 @@ def _train_lm(monitor, steps=6):
 
 @pytest.mark.slow
 def test_a_compiled_transformer_is_probed_on_its_first_sample_and_trains_as_without_nummon():
-    bare_losses, _, bare, _, bare_graphs = _train_lm(False)
-    losses, recs, model, idx, graphs = _train_lm(True)
+    # five steps: the samples at 0, 2 and 4, and the weights after step 4 for the values below
+    bare_losses, _, bare, _, bare_graphs = _train_lm(False, steps=5)
+    losses, recs, model, idx, graphs = _train_lm(True, steps=5)
     # no trace on training: the replay's dropout draws and everything else leave the run bit-identical
     assert losses == bare_losses
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
@@ -211,14 +212,13 @@ def test_a_compiled_transformer_is_probed_on_its_first_sample_and_trains_as_with
     assert not [r for r in recs if r not in sampled and r.layer_attention_logit_max]
     # the values: the first sample of the step's batch through the weights after its update
     # (post_step comes after optimizer.step here), in train mode, with the dropout draws the
-    # next step will make (the generators are put back after the replay): step 4 of 5 runs
-    _, recs5, model5, idx5, _ = _train_lm(True, steps=5)
-    for a in model5.attn:
+    # next step would make (the generators are put back after the replay): step 4, the last
+    for a in model.attn:
         a.keep = True
     with torch.no_grad():
-        model5(idx5[:1], idx5[:1])
-    assert recs5[4].layer_attention_logit_max == pytest.approx(
-        {"attn.0": model5.attn[0].kept, "attn.1": model5.attn[1].kept}, rel=1e-5
+        model(idx[:1], idx[:1])
+    assert recs[4].layer_attention_logit_max == pytest.approx(
+        {"attn.0": model.attn[0].kept, "attn.1": model.attn[1].kept}, rel=1e-5
     )
 
 
