@@ -133,6 +133,8 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
 
     main = {
         "bare": bare,
+        # the A/A control: the bare step again, as a variant; its ratio is the run's noise floor
+        "bare (A/A)": bare,
         "nummon default": monitor("default"),
         "nummon + histograms/100": monitor({"sampling": {"histogram_every": 100}}, [_NullHistSink()]),
         # the short-step setting: gradients every step, parameters / optimizer state every 10
@@ -430,13 +432,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="also time ways of reducing the hooked outputs (on by default on CUDA)",
     )
-    ap.add_argument("--only", default=None, help="comma-separated variant names to run (the bare step always runs)")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated variant names to run (the bare step and its A/A control always run)",
+    )
     a = ap.parse_args(argv)
     steady = False if a.system_malloc else steady_allocator()
     cuda = a.device.startswith("cuda")
     rounds = a.rounds or (7 if cuda else 60)
     steps = a.steps or (10 if cuda else 5)
-    only = {v.strip() for v in a.only.split(",")} | {"bare"} if a.only else None
+    only = {v.strip() for v in a.only.split(",")} | {"bare", "bare (A/A)"} if a.only else None
     res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda)
     res["steady_allocator"] = steady
     print(
