@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.checkout import nummon_cmd
+from helpers.shared_once import once_per_session
 
 from nummon import _demo
 from nummon._cli import main
@@ -37,8 +38,12 @@ WANDB_ENV = {
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """One `nummon demo` as a user runs it (a real process, every sink, hermetic offline W&B),
-    shared by the tests that read what it printed and wrote: (process, output folder)."""
-    root = tmp_path_factory.mktemp("demo")
+    shared by the tests that read what it printed and wrote (and by the xdist workers):
+    (process, output folder)."""
+    return once_per_session(tmp_path_factory, "demo", _demo_run)
+
+
+def _demo_run(root):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update(WANDB_ENV)
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):

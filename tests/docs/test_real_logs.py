@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from helpers.checkout import DATA
+from helpers.shared_once import once_per_session
 
 __all__ = []
 
@@ -53,8 +54,13 @@ LINE = re.compile(r"^(ok|FAIL)\s+(\S+)\s+(\S+)\s+(.*)$")
 
 
 @pytest.fixture(scope="module")
-def verdicts():
-    """{trace name: (met, label, why)} from one scorer run over the whole directory."""
+def verdicts(tmp_path_factory):
+    """{trace name: (met, label, why)} from one scorer run over the whole directory (one per
+    session: the xdist workers share it)."""
+    return once_per_session(tmp_path_factory, "real-log-verdicts", _score)
+
+
+def _score(_folder):
     p = subprocess.run(
         [sys.executable, str(SCORER), str(REAL), "--cmd", f"{sys.executable} -m nummon replay", "-v"],
         capture_output=True,
