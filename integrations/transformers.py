@@ -20,6 +20,7 @@ from typing import Any
 from nummon._events import StepReport
 from nummon._lazy import require
 from nummon._policy import PolicyLike
+from nummon._stats.compiled import untraced
 
 from ._callback_common import (
     StepAsMetric,
@@ -256,7 +257,9 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
             else 1.0
         )
         self._loss.reset()
-        self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        # untraced: under TrainingArguments(torch_compile=True) the step's loss count would be a
+        # guard, recompiling the forward at every micro-batch of an accumulated step
+        self._loss_hook = model.register_forward_hook(untraced(self._capture_loss), with_kwargs=True)
         self._model = model  # a model that sets `nummon_per_sample_loss` in forward names its worst samples
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

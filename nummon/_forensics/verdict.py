@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._stats.compiled import untraced
 from ._explain import _leaves, _loss_tensors
 from ._scope import ModuleScope
 
@@ -85,7 +86,7 @@ class ForwardState:
         # on CUDA the finiteness check is a host sync: only where recovery's guard syncs anyway
         self._check = guarded or all(p.device.type == "cpu" for p in self.params)
         self._handles = [
-            model.register_forward_pre_hook(self._on_forward),
+            model.register_forward_pre_hook(untraced(self._on_forward)),  # reads flags, get_rng_state
             optimizer.register_step_pre_hook(self._on_update),
         ]
 

@@ -17,7 +17,7 @@ import itertools
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, cast
 
@@ -37,6 +37,7 @@ __all__ = [
     "is_compile_wrapper",
     "replayed",
     "tracing",
+    "untraced",
     "unwrap_compiled",
     "warn_at_user_line",
 ]
@@ -72,6 +73,15 @@ def tracing() -> bool:
     """Whether this code is being traced by `torch.compile` (not run eagerly)."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` kept out of `torch.compile`'s trace (`torch.compiler.disable`): on a compiled model a
+    module hook runs inside the compiled forward, where its reads of Python state become guards
+    (a recompile each time a counter or flag changes; a cache of 8 recompiles, then eager) and
+    calls dynamo skips break the graph. Untraced, it runs eagerly between graphs."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if callable(disable) else hook
 
 
 def warn_at_user_line(message: str) -> None:

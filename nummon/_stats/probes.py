@@ -32,6 +32,8 @@ from .transport import Segment
 
 __all__ = ["ACT_BUDGET", "ActivationProbes", "ActivationStep", "block_boundaries"]
 
+_OUTPUT_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # buffers made at install
+
 #: models with at most this many watched modules are hooked in full on every step
 FULL_LIMIT = 64
 #: at most this many blocks of the main stack are hooked on every step (evenly spaced)
@@ -126,6 +128,14 @@ class ActivationProbes:
                 self._src.append(None)
         self._always = None if bounds is None else frozenset(self._index[id(m)] for n, m in chosen if n in bounds)
         self._views.clear()  # buffers sized for the new module count
+        # made now for the float dtypes outputs come in, not in the first forward: on a compiled
+        # model dynamo traces the hook, and a buffer made while tracing changed what it guards
+        # on, recompiling the whole model at its second forward (HF GPT-2: twice the compile)
+        device = next((p.device for p in model.parameters()), None)
+        if device is not None and self._modules:
+            params = {p.dtype for p in model.parameters() if p.is_floating_point()}
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, *sorted(params - _OUTPUT_DTYPES, key=str)):
+                self._buffer_views(dtype, device)
         for i, m in enumerate(self._modules):
             if self._always is None or i in self._always:
                 self._hooks.append(m.register_forward_hook(self._make_hook(i)))

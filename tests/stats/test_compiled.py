@@ -6,6 +6,7 @@ with no trace left on training (random generators, buffers, graphs).
 `aot_eager` traces and functionalises like inductor, without compiling kernels (seconds, not a
 minute per model on this CPU)."""
 
+import logging
 import math
 import warnings
 
@@ -237,6 +238,15 @@ def test_explain_nonfinite_names_the_operator_and_module_inside_a_compiled_model
     assert (report.module, report.op) == ("blocks.1.ln", "aten::native_layer_norm")  # not `_orig_mod.blocks.1.ln`
 
 
+class _Recorded(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.slow
 def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     """`TrainingArguments(torch_compile=True)`: the Trainer compiles the model itself; the
@@ -252,14 +262,26 @@ def test_the_hugging_face_trainer_with_torch_compile_is_watched(tmp_path):
     dynamo.reset()
     model = tiny_gpt2()
     cb = NummonTrainerCallback(policy=QUIET, console=False)
-    args = training_args(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
+    args = training_args(tmp_path, steps=3, torch_compile=True, torch_compile_backend="aot_eager")
     trainer = Trainer(
         model=model, args=args, train_dataset=RandomTokens(), optimizers=optimizers(model, False), callbacks=[cb]
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
+    recompiles = _Recorded()
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo").addHandler(recompiles)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(recompiles)
+        torch._logging.set_logs()
     assert not _nummon_warnings(caught)
+    # nummon's hooks add no recompile: a buffer made while tracing (the activation probes' first
+    # forward) recompiled GPT-2's whole forward, and the callback's loss count, traced, was a
+    # guard. (With gradient accumulation the probes' hooks still take another path at a step's
+    # second forward, and the mechanism probes' entry hook too: one more compile each, cached.)
+    assert not [m for m in recompiles.messages if "Recompiling" in m], recompiles.messages
     rec = cb.last_report.record
     assert list(rec.layer_grad_norms) == [n for n, p in model.named_parameters() if p.requires_grad]
     assert rec.layer_activation_max and all(not n.startswith("_orig_mod") for n in rec.layer_activation_max)
