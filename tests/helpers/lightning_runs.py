@@ -21,7 +21,6 @@ EXTRA, MODULE = "lightning", "lightning"  # the install extra and the package it
 RUNAWAY_STEPS = 28
 MIN_HEALTHY_STEPS = 6  # the runaway stays healthy this long without nummon
 HEALTHY_STEPS = 30
-ENDS_NONFINITE = True  # the unmonitored runaway's last loss is not finite
 STOP_MARGIN = 0  # nummon stops the runaway by the step its loss passes FP16_MAX
 CLIP = 0.05  # the accumulation scenario's clipping threshold: below every step's norm
 TB_TAGS = ("nummon/clip_ratio",)  # scalars only this framework's callback writes

@@ -1,6 +1,6 @@
 """A real MLflow tracking server for tests: `mlflow server` with a SQLite backend and an artifact
 folder under a temporary directory, on 127.0.0.1 and a free port, stopped by its PID (its process
-group: the server runs uvicorn in a child)."""
+group: the server runs uvicorn in a child); `shared_server` gives the session one of them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,56 @@ class MlflowServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+@dataclass(frozen=True)
+class SharedServer:
+    """Where the session's shared server listens (`shared_server`)."""
+
+    uri: str
+    port: int
+    pid: int
+
+
+#: stops a server's process group when the process that owns the test session is gone
+_WATCHDOG = """
+import os, signal, sys, time
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    time.sleep(0.5)
+    try:
+        os.kill(owner, 0)
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        break
+try:
+    os.killpg(group, signal.SIGTERM)
+except ProcessLookupError:
+    pass
+"""
+
+
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> SharedServer:
+    """One MLflow server for the whole test session, shared by the xdist workers (it costs
+    seconds of CPU to start, once per worker before): the first worker to ask starts it, and a
+    watchdog process stops it, by its process group, when the session's main process has exited
+    (a worker cannot know it is the last one to need it)."""
+    from helpers.shared_once import once_per_session
+
+    def start(folder: Path) -> SharedServer:
+        srv = MlflowServer(folder)
+        # the session's main process: the xdist controller (each worker's parent), else this one
+        owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(owner), str(srv.proc.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return SharedServer(srv.uri, srv.port, srv.proc.pid)
+
+    return once_per_session(tmp_path_factory, "mlflow-server", start)
 
 
 class Relay:

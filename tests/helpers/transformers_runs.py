@@ -21,7 +21,6 @@ transformers.utils.logging.set_verbosity_error()
 NAME = "transformers"
 EXTRA, MODULE = "transformers", "transformers"
 RUNAWAY_STEPS = 32
-ENDS_NONFINITE = False  # the unmonitored loss: NaN within 32 steps with one CPU thread, near 1e17 with two
 MIN_HEALTHY_STEPS = 7  # the runaway stays healthy this long without nummon (global steps 1..7)
 HEALTHY_STEPS = 20
 STOP_MARGIN = 1  # nummon stops the runaway at least one step before its loss passes FP16_MAX

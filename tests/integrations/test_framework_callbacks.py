@@ -48,11 +48,9 @@ def warnings_of(cb):
 
 def test_runaway_without_nummon_is_lost(fw, unmonitored_runaway):
     losses, first_bad = unmonitored_runaway
-    # far beyond what any precision can train on (whether it reaches NaN in time depends on the
-    # CPU's summation order for the tiny GPT-2)
+    # far beyond what any precision can train on (whether it reaches NaN within the run depends
+    # on the CPU's summation order: one thread or two, AVX2 or AVX-512 kernels)
     assert any(math.isnan(v) or v > 1e15 for v in losses.values()), losses
-    if fw.ENDS_NONFINITE:
-        assert not math.isfinite(losses[max(losses)]), losses
     assert first_bad >= fw.MIN_HEALTHY_STEPS, "the run must stay healthy long enough for a warning to mean something"
 
 

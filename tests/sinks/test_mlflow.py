@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("mlflow")
 
 import mlflow  # noqa: E402
-from helpers.mlflow_server import MlflowServer, Relay  # noqa: E402
+from helpers.mlflow_server import Relay, shared_server  # noqa: E402
 from helpers.models import runaway_run  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow  # every test uses one real MLflow tracking server
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    yield srv
-    srv.stop()
+    """The session's one real MLflow server (shared by the xdist workers; each test uses an
+    experiment of its own)."""
+    return shared_server(tmp_path_factory)
 
 
 def test_a_runaway_shows_in_the_run_metrics_tags_and_artifacts(server, tmp_path):
