@@ -34,7 +34,8 @@ class Contributor:
     location: str | None = None
     rank: int | None = None
     overflow_bound: bool = False  # steps_to_overflow is an upper bound (the growth rate is rising)
-    overflow_floor: bool = False  # steps_to_overflow is a lower bound (the growth rate is falling)
+    # (if it keeps speeding up, at today's rate) in steps, while the alert cannot tell them apart
+    steps_to_overflow_range: tuple[float, float] | None = None
     value_text: str | None = None  # the value with its name and unit (see `value_text`)
 
     @classmethod
@@ -53,7 +54,7 @@ class Contributor:
             a.location,
             a.rank,
             bool(d.get("overflow_bound")),
-            bool(d.get("overflow_floor")),
+            _range(d.get("steps_to_overflow_range")),
             value_text(a.kind, a.metric, a.value, d, a.location),
         )
 
@@ -67,10 +68,14 @@ class Contributor:
             ov = self.steps_to_overflow
             if ov is not None and math.isfinite(ov):
                 n = max(1, round(ov))
-                # the alert's own qualifier: beside the streak's mean rate a figure from today's
-                # slower rate reads as a contradiction unless it says it is a lower bound
-                bound = "at most " if self.overflow_bound else "at least " if self.overflow_floor else ""
-                parts[-1] += f", {bound}~{n} step{'' if n == 1 else 's'} to overflow)"
+                bound = "at most " if self.overflow_bound else ""  # the alert's own qualifier
+                rng = self.steps_to_overflow_range
+                if rng is not None and max(1, round(rng[0])) < max(1, round(rng[1])):
+                    # the headline alone would drop the other reading the alert names
+                    said = f"~{max(1, round(rng[0]))}-{max(1, round(rng[1]))} steps"
+                else:
+                    said = f"~{n} step{'' if n == 1 else 's'}"
+                parts[-1] += f", {bound}{said} to overflow)"
             else:
                 parts[-1] += ")"
         if self.location and self.location not in (said or ""):
@@ -90,7 +95,16 @@ class Contributor:
             v = getattr(self, k)
             if v is not None:
                 d[k] = json_float(v) if isinstance(v, float) else v
+        if self.steps_to_overflow_range is not None:
+            d["steps_to_overflow_range"] = [json_float(x) for x in self.steps_to_overflow_range]
         return d
+
+
+def _range(v: Any) -> tuple[float, float] | None:
+    """An alert's `steps_to_overflow_range` detail as a (low, high) pair, or None."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v):
+        return float(v[0]), float(v[1])
+    return None
 
 
 _HEADLINE = {

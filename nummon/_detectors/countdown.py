@@ -13,8 +13,9 @@ the metric's own record-to-record noise before the streak, and `NOISE_FLOOR`).
   geometrically: |x| double-exponential), "at most ~N steps (the growth rate is rising)".
 - Steady: the flat rate of a line fitted over the streak, "~N steps at today's rate (steady)",
   when the fastest acceleration the data still allow would not shorten it by more than 1.5x.
-- Falling: the rate's measured decay is extrapolated ("not on course to overflow" when the
-  growth levels off below the dtype's max).
+- Falling, over more than `MIN_POINTS` points: the flat rate of the line over the streak, early
+  while the rate keeps falling; no floor is promised (a noisy runaway that slowed can speed up
+  again). Over fewer points a slowing rate is not yet a measurement, and the range below is said.
 - Otherwise (too few points, or too much noise to tell): the range, "~A-F steps: ~F at today's
   rate, ~A if it keeps speeding up"; the headline is the flat rate unless the points already
   show a significant rise (then the accelerated figure).
@@ -81,7 +82,7 @@ class Countdown:
         if self.trend == "steady":
             return f"{steps} left until {dtype} overflow at today's rate (steady)"
         if self.trend == "falling":
-            return f"at least {steps} left until {dtype} overflow at today's rate (the growth rate is falling)"
+            return f"{steps} left until {dtype} overflow at today's rate (the growth rate is falling)"
         if self.range is None:
             return f"{steps} left until {dtype} overflow at today's rate"
         low, high = (_n(x) for x in self.range)
@@ -141,11 +142,12 @@ def countdown(points: Sequence[tuple[int, float]], log10_max: float, noise: floa
     if curv > SIGNIFICANCE * se and slope > 0:
         best = _best_accelerating(points, left, slope, curv, sigma)
         return _made(best, "rising", now, spacing, _clamp(left / now), best)
-    if curv < -SIGNIFICANCE * se:
-        # a slowing rate: today's rate (the fit's slope now) reaches the max first, so the flat
-        # figure is a lower bound
-        at_now = _clamp(left / slope) if slope > 0 else flat
-        return _made(at_now, "falling", slope if slope > 0 else rate, spacing, at_now, None)
+    if curv < -SIGNIFICANCE * se and len(points) > MIN_POINTS:
+        # a slowing rate, measured over more points than a rise needs (a claim that buys time
+        # needs more evidence): the streak's rate heads, early while the rate keeps falling. No
+        # floor is promised: a noisy runaway that slowed speeds up again (the demo's loss grew
+        # 11x, 5.6x, 2.1x, then 6.7x, and overflowed 5 steps after a floor of ~212 was said)
+        return _made(flat, "falling", rate, spacing, flat, None)
     # the fastest acceleration the data still allow: does it matter?
     hi = _clamp(_quadratic_steps(now, max(curv, 0.0) + SIGNIFICANCE * se, left))
     if hi * 1.5 >= flat:

@@ -154,7 +154,6 @@ class RunawayDetector:
                 "streak": streak,
                 "records": records,
                 "overflow_bound": left.rising,
-                "overflow_floor": left.trend == "falling",
                 # (if it keeps speeding up, at today's rate) while the two readings cannot be told apart
                 "steps_to_overflow_range": list(left.range) if left.range else None,
             },

@@ -101,18 +101,33 @@ def test_a_single_jump_assumes_no_acceleration():
     assert c.phrase("float32").startswith(f"~{round(c.range[0])}-{round(c.steps)} steps left until float32 overflow (~")
 
 
-def test_the_incident_line_qualifies_the_countdown_as_the_alert_does():
-    """The demo's loss at step 46 (1.7, 18.6, 104, 220 after a flat start: the rate falling) got
-    "(x5.08/step, ~212 steps to overflow)" in the incident's bullet: today's slowed rate beside
-    the streak's mean rate, without the "at least" the alert's own text said."""
+def test_a_rate_that_slowed_over_four_points_promises_no_floor():
+    """The demo's loss at step 46 (1.7, 18.6, 104, 220 after a flat start: 11x, 5.6x, 2.1x) was
+    said to have "at least ~212 steps" left; it grew 6.7x at the next step and overflowed 5 steps
+    later. Four points do not measure a falling rate: the range is said, and it holds the truth."""
     from nummon._events import Contributor
 
     engine = HealthEngine(load_policy("default"))
     losses = [2.3, 2.1, 2.2, 2.0, 1.9, 2.0, 1.8, 1.9, 1.7, 1.8, 1.6, 1.7, 1.675, 18.59, 103.7, 220.1]
     said = [a for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts]
     (runaway,) = [a for a in said if a.kind.value == "runaway" and a.step == len(losses) - 1][-1:]
-    assert "at least" in runaway.message and "falling" in runaway.message, runaway.message
+    assert "at least" not in runaway.message and "falling" not in runaway.message, runaway.message
+    low, high = runaway.details["steps_to_overflow_range"]
+    assert low <= 5 <= high and runaway.details["steps_to_overflow"] == low, runaway.message
+    # the incident's bullet says the range too, not the headline alone
     line = Contributor.from_alert(runaway).line()
-    assert f"at least ~{round(runaway.details['steps_to_overflow'])} steps to overflow" in line, line
+    assert f", ~{round(low)}-{round(high)} steps to overflow)" in line, line
+    assert Contributor.from_alert(runaway).to_dict()["steps_to_overflow_range"] == [low, high]
     rising = countdown([(t, 0.1 * t * t) for t in range(6)], F32_DECADES)
     assert rising.rising  # and its bullet says "at most", as before
+
+
+def test_a_rate_measured_to_fall_heads_with_the_streaks_rate_not_a_floor():
+    """Six points of a steadily slowing growth: "falling" is said, with the flat figure of the
+    line over the streak (sooner than the fit's slowed slope now would say), and no "at least"."""
+    pts = [(t, 3.0 * t - 0.12 * t * t) for t in range(6)]
+    c = countdown(pts, F32_DECADES)
+    assert c.trend == "falling" and c.steps == c.at_rate
+    slope_now = 3.0 - 0.24 * 5
+    assert c.steps < (F32_DECADES - pts[-1][1]) / slope_now
+    assert "at least" not in c.phrase("float32") and "(the growth rate is falling)" in c.phrase("float32")
