@@ -7,6 +7,7 @@ torch.optim.Adam / AdamW runs on tiny models built here.
 """
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -155,19 +156,21 @@ def _adam(alerts):
 
 
 def test_a_high_lr_run_that_recovers_is_warned_at_most_never_made_critical(tmp_path):
-    """lr 1.0: the loss spikes past 100x its start and comes back below it. The ratio reaches its
+    """lr 1.0: the loss spikes past 100x its start and comes back below it (the median of its last
+    30 steps: the exact path after the spike differs between CPUs' kernels). The ratio reaches its
     bound as in a lost run (so no level could tell them apart): a warning, no critical."""
-    losses, alerts, worst = _regressor_run(1.0, 1, tmp_path)
-    assert max(losses) > 100 * losses[0] and sum(losses[-10:]) / 10 < losses[0]
+    losses, alerts, worst = _regressor_run(1.0, 0, tmp_path)
+    assert max(losses) > 100 * losses[0] and statistics.median(losses[-30:]) < losses[0]
     assert worst > 0.95
     found = _adam(alerts)
     assert any(a.severity.name == "WARNING" for a in found) and all(a.severity.name != "CRITICAL" for a in found)
 
 
 def test_a_lost_high_lr_run_is_still_warned_about(tmp_path):
-    """lr 30: the loss goes from ~9 to 1e8 and stays above 100x its start (never back); the ratio pins at its
-    bound and the rule warns, naming the bound that holds."""
-    losses, alerts, _ = _regressor_run(30.0, 0, tmp_path)
+    """lr 100: the loss goes from ~4 to 1e6 and stays above 100x its start (never back, by 5x or more
+    on AVX2 and AVX-512 kernels alike); the ratio pins at its bound and the rule warns, naming
+    the bound that holds."""
+    losses, alerts, _ = _regressor_run(100.0, 1, tmp_path)
     assert min(losses[-20:]) > 100 * losses[0]
     found = _adam(alerts)
     assert found and found[0].severity.name == "WARNING"
