@@ -72,10 +72,10 @@ class Contributor:
                 rng = self.steps_to_overflow_range
                 if rng is not None and max(1, round(rng[0])) < max(1, round(rng[1])):
                     # the headline alone would drop the other reading the alert names
-                    said = f"~{max(1, round(rng[0]))}-{max(1, round(rng[1]))} steps"
+                    left = f"~{max(1, round(rng[0]))}-{max(1, round(rng[1]))} steps"
                 else:
-                    said = f"~{n} step{'' if n == 1 else 's'}"
-                parts[-1] += f", {bound}{said} to overflow)"
+                    left = f"~{n} step{'' if n == 1 else 's'}"
+                parts[-1] += f", {bound}{left} to overflow)"
             else:
                 parts[-1] += ")"
         if self.location and self.location not in (said or ""):

@@ -131,3 +131,24 @@ def test_a_rate_measured_to_fall_heads_with_the_streaks_rate_not_a_floor():
     slope_now = 3.0 - 0.24 * 5
     assert c.steps < (F32_DECADES - pts[-1][1]) / slope_now
     assert "at least" not in c.phrase("float32") and "(the growth rate is falling)" in c.phrase("float32")
+
+
+def test_an_incident_bullet_with_a_range_names_its_location_once():
+    """The bullet's range is its own text: the location it adds is still judged against the value's."""
+    from nummon._events import Contributor
+    from nummon._types import AlertKind, Severity
+
+    c = Contributor(
+        step=43,
+        kind=AlertKind.RUNAWAY,
+        severity=Severity.WARNING,
+        metric="activation_max",
+        value=317.1,
+        rate_per_step=4.04,
+        steps_to_overflow=5.0,
+        location="fc1",
+        steps_to_overflow_range=(5.0, 60.0),
+        value_text="activation_max 317.1 at fc1",
+    )
+    line = c.line()
+    assert "~5-60 steps to overflow" in line and line.count("fc1") == 1, line
