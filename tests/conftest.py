@@ -1,4 +1,5 @@
 import os
+import platform
 import tempfile
 
 # hypothesis keeps its caches outside the checkout (tests write only into temporary folders)
@@ -17,8 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # line by line against a fresh run) says `fc2`. Every other test passes on either (checked with
 # ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO ONEDNN_MAX_CPU_ISA=ALL, which override these), and
 # the demo's story is checked on the machine's own kernels too (tests/cli/test_demo.py).
-for _var, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
-    os.environ.setdefault(_var, _isa)
+if platform.machine().lower() in ("x86_64", "amd64"):  # the names are x86's (elsewhere torch warns)
+    for _var, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
+        os.environ.setdefault(_var, _isa)
 
 import pytest  # noqa: E402
 
