@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -69,7 +70,23 @@ ENTRIES = {
     ("_stats/probes.py", "hook"): "forward_hooks",
 }
 HOST_READS = {"tolist", "numpy", "cpu", "synchronize"}  # item(), float(t): the aten op
-NUMMON = os.sep + "nummon" + os.sep
+#: nummon's own source folders: the package and its integrations (a checkout keeps integrations/ beside
+#: nummon/). Matched by folder, not by a "/nummon/" in the path: a clone named nummon holds its .venv, torch
+#: included, under ".../nummon/.venv/...".
+_PACKAGE_DIRS = {
+    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep: prefix
+    for m, prefix in ((nummon, ""), (importlib.import_module("nummon.integrations"), "integrations/"))
+}
+
+
+def _nummon_part(filename: str) -> str | None:
+    """`filename` inside nummon's sources ("_stats/probes.py", "integrations/wandb.py"), or None outside them."""
+    for folder, prefix in _PACKAGE_DIRS.items():
+        if filename.startswith(folder):
+            return prefix + filename[len(folder) :].replace(os.sep, "/")
+    return None
+
+
 #: nummon's files that are the training loop's, not the monitor's (the demo's model)
 USER_CODE = ("nummon/_demo_model.py",)
 
@@ -80,7 +97,7 @@ def _entry_stage(code: Any) -> str | None:
         if fn.endswith(suffix) and (name == "*" or code.co_name == name):
             return stage
     # any other nummon code the training loop reaches (a new hook): counted, never unseen
-    return "other" if NUMMON in code.co_filename and not fn.endswith(USER_CODE) else None
+    return "other" if _nummon_part(code.co_filename) is not None and not fn.endswith(USER_CODE) else None
 
 
 class StepCounter(TorchDispatchMode):
@@ -118,11 +135,8 @@ class StepCounter(TorchDispatchMode):
             stage = self.stage
             if stage is not None and not self.ops_pass:
                 self.calls[stage] += 1
-                mod = (
-                    f"{code.co_filename.rsplit(NUMMON, 1)[-1]}:{code.co_name}"
-                    if NUMMON in code.co_filename
-                    else f"{code.co_filename.rsplit(os.sep, 2)[-1]}:{code.co_name}"
-                )
+                part = _nummon_part(code.co_filename)
+                mod = f"{part if part is not None else code.co_filename.rsplit(os.sep, 2)[-1]}:{code.co_name}"
                 self.calls_by_module[(stage, mod)] += 1
         elif event == "return":
             if self.stack and self.stack[-1][0] is frame:

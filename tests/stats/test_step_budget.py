@@ -109,3 +109,24 @@ def test_the_host_work_of_an_ordinary_step_does_not_grow_with_the_number_of_tens
         assert large["calls_max"].get(stage, 0) == small["calls_max"].get(stage, 0), stage
         assert large["ops_max"].get(stage, 0) == small["ops_max"].get(stage, 0), stage
     assert large["reads_max"] == small["reads_max"] == {"read_decode": 1}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/home/me/nummon/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py",
+        "/srv/nummon/build/lib/nummon_helpers/x.py",
+        "/opt/nummon/site-packages/numpy/core/fromnumeric.py",
+    ],
+)
+def test_code_outside_nummons_sources_is_not_counted_as_nummons_even_under_a_folder_named_nummon(path):
+    # the README's clone is a folder named nummon with .venv inside: torch lives under ".../nummon/..."
+    code = compile("def f():\n    pass\n", path, "exec")
+    assert step_budget._entry_stage(code) is None
+
+
+def test_nummons_own_files_are_found_by_their_folder():
+    import nummon._engine
+
+    code = compile("def g():\n    pass\n", nummon._engine.__file__.replace("_engine.py", "_new_hook.py"), "exec")
+    assert step_budget._entry_stage(code) == "other"
