@@ -6,7 +6,10 @@ rounds after warm-up, and each variant's median step time is divided by the bare
 CPU by default (the demo CNN, batch 64); CUDA when available (a GPT-2-small-shaped transformer
 in bf16 autocast with fused AdamW).
 
-    python benchmarks/overhead.py [--device cpu|cuda] [--rounds N] [--steps K] [--json out.json]
+    python benchmarks/overhead.py [--device cpu|cuda] [--shape mlp|lm2|lm8|cnn] [--rounds N] [--steps K] [--json out.json]
+
+`--shape` picks one of the four shapes of the host-cost bar (nummon's added time at most 1.5x the
+per-parameter `.item()` monitor's added time + 0.25 ms), printed at the end with both added times.
 """
 
 from __future__ import annotations
@@ -47,6 +50,38 @@ def cnn_workload(device):
 
     def loss_fn(m):
         return nn.functional.cross_entropy(m(x), y)
+
+    return model, make_opt, loss_fn, contextlib.nullcontext
+
+
+def mlp_workload(device):
+    """A 3-layer MLP with Adam: a launch-bound step, where per-step host work shows most."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    x = torch.randn(64, 64, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+
+    def make_opt(m):
+        return torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def loss_fn(m):
+        return nn.functional.cross_entropy(m(x), y)
+
+    return model, make_opt, loss_fn, contextlib.nullcontext
+
+
+def lm_workload(device, layers: int):
+    """A tiny pre-LN transformer LM (d 128, 4 heads, vocab 512, batch 8x64) with AdamW."""
+    torch.manual_seed(0)
+    model = GPT(vocab=512, d=128, layers=layers, heads=4, ctx=64).to(device)
+    idx = torch.randint(0, 512, (8, 65), device=device)
+
+    def make_opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def loss_fn(m):
+        logits = m(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
 
     return model, make_opt, loss_fn, contextlib.nullcontext
 
@@ -96,6 +131,29 @@ def gpt_workload(device, batch=16, ctx=1024):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
 
     return model, make_opt, loss_fn, lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+
+
+#: the shapes of the host-cost bar (--shape): name -> (workload(device), what it is)
+SHAPES: dict[str, tuple[Callable, str]] = {
+    "mlp": (mlp_workload, "3-layer MLP 64-256-256-10, batch 64, Adam"),
+    "lm2": (lambda dev: lm_workload(dev, 2), "2-block transformer LM d128, batch 8x64, AdamW"),
+    "lm8": (lambda dev: lm_workload(dev, 8), "8-block transformer LM d128, batch 8x64, AdamW"),
+    "cnn": (cnn_workload, "DemoCNN 28x28, batch 64, SGD momentum 0.9"),
+}
+#: the bar for nummon on every shape: its added time at most this times the per-parameter
+#: `.item()` monitor's added time, plus `BAR_MS` (ms)
+BAR_FACTOR, BAR_MS = 1.5, 0.25
+PEER = "per-parameter .item()"
+
+
+def host_cost_bar(median_ms: dict[str, float], variant: str = "nummon default") -> dict | None:
+    """nummon's and the peer's added ms over the bare step, and whether nummon meets the bar."""
+    if not {"bare", variant, PEER} <= set(median_ms):
+        return None
+    added = median_ms[variant] - median_ms["bare"]
+    peer = median_ms[PEER] - median_ms["bare"]
+    limit = BAR_FACTOR * max(peer, 0.0) + BAR_MS
+    return {"added_ms": added, "peer_added_ms": peer, "limit_ms": limit, "meets_bar": added <= limit}
 
 
 # ---------------------------------------------------------------- variants
@@ -192,7 +250,13 @@ class _NullHistSink(nummon.BaseSink):
 
 
 def measure(
-    device: str, rounds: int, steps: int, warmup: int, only: set[str] | None = None, probe_hooks: bool = False
+    device: str,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    only: set[str] | None = None,
+    probe_hooks: bool = False,
+    shape: str | None = None,
 ) -> dict:
     """Every variant trains the same model with the same optimizer, in turn.
 
@@ -204,7 +268,14 @@ def measure(
     (wandb's service) are measured in a second phase, so they cannot slow the others.
     """
     dev = torch.device(device)
-    workload = gpt_workload if dev.type == "cuda" else cnn_workload
+    if shape is None:
+        workload, described = (
+            (gpt_workload, "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW")
+            if dev.type == "cuda"
+            else SHAPES["cnn"]
+        )
+    else:
+        workload, described = SHAPES[shape]
     model, make_opt, loss_fn, autocast = workload(dev)
     opt = make_opt(model)
     tmp = tempfile.mkdtemp()
@@ -272,9 +343,9 @@ def measure(
         "stats_bandwidth": res_bw,
         "hook_reductions": probe,
         "device": str(dev),
-        "workload": "GPT-2-small bf16 autocast, batch 16x1024, fused AdamW"
-        if dev.type == "cuda"
-        else "DemoCNN 28x28, batch 64, SGD momentum 0.9",
+        "workload": described,
+        "shape": shape,
+        "host_cost_bar": host_cost_bar({k: v * 1e3 for k, v in med.items()}),
         "torch": torch.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
         "rounds": rounds,
@@ -426,6 +497,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per round; default: 5 on CPU, 10 on CUDA")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        choices=sorted(SHAPES),
+        help="the workload (default: the CNN on CPU, GPT-2-small on CUDA); each is one shape of the host-cost bar",
+    )
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
     ap.add_argument(
         "--probe-hooks",
@@ -443,7 +520,7 @@ def main(argv=None) -> int:
     rounds = a.rounds or (7 if cuda else 60)
     steps = a.steps or (10 if cuda else 5)
     only = {v.strip() for v in a.only.split(",")} | {"bare", "bare (A/A)"} if a.only else None
-    res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda)
+    res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda, shape=a.shape)
     res["steady_allocator"] = steady
     print(
         f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
@@ -453,6 +530,12 @@ def main(argv=None) -> int:
     for k, r in res["ratio_to_bare"].items():
         print(
             f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f} {res['mean_ratio'][k]:7.3f}"
+        )
+    if res["host_cost_bar"]:
+        b = res["host_cost_bar"]
+        print(
+            f"nummon adds {b['added_ms']:+.3f} ms, the peer {b['peer_added_ms']:+.3f} ms; bar "
+            f"{BAR_FACTOR} x peer + {BAR_MS} ms = {b['limit_ms']:.3f} ms: {'met' if b['meets_bar'] else 'NOT met'}"
         )
     if res["stats_bandwidth"]:
         b = res["stats_bandwidth"]

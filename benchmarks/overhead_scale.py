@@ -44,6 +44,7 @@ except ImportError:  # a bare checkout
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import GPT, steady_allocator  # noqa: E402
 from overhead import cnn_workload as overhead_cnn  # noqa: E402
+from overhead import mlp_workload as overhead_mlp  # noqa: E402
 
 #: the clock of a timed block (wall time; --cpu-time: this thread's CPU time)
 CLOCK = time.perf_counter
@@ -133,6 +134,8 @@ def workload(name: str, dev: torch.device):
         return lm_workload(dev, int(name[2:] or 12))
     if name == "cnn":
         return cnn_workload(dev)
+    if name == "mlp":  # the host-cost bar's launch-bound shape (overhead.py --shape mlp)
+        return overhead_mlp(dev)[:3]
     if name == "proxy":
         return proxy_workload(dev)
     raise SystemExit(f"unknown workload {name!r}")

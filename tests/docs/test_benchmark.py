@@ -70,3 +70,25 @@ def test_scale_benchmark_runs_and_reports_the_ratio_per_tensor(tmp_path, capsys)
     ratio = res["variants"]["nummon default"]["paired_ratio"]
     assert math.isfinite(ratio) and ratio > 0  # reported; its size is the benchmark's business, not a test's
     assert "us/tensor" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", ["mlp", "lm2"])
+def test_overhead_benchmark_measures_each_shape_against_the_host_cost_bar(tmp_path, shape):
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--shape", shape, "--rounds", "1", "--steps", "1", "--warmup", "1"]
+    assert overhead.main([*argv, "--only", "nummon default,per-parameter .item()", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    bar = res["host_cost_bar"]
+    ms = res["median_step_ms"]
+    # the bar's numbers are the medians' differences, and its verdict follows from them
+    assert bar["added_ms"] == pytest.approx(ms["nummon default"] - ms["bare"])
+    assert bar["peer_added_ms"] == pytest.approx(ms["per-parameter .item()"] - ms["bare"])
+    assert bar["limit_ms"] == pytest.approx(1.5 * max(bar["peer_added_ms"], 0.0) + 0.25)
+    assert bar["meets_bar"] == (bar["added_ms"] <= bar["limit_ms"])
+    assert res["shape"] == shape and res["workload"] == overhead.SHAPES[shape][1]
+
+
+def test_the_host_cost_bar_is_absent_without_the_peer():
+    assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.2}) is None
+    assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.3, "per-parameter .item()": 1.1})["meets_bar"]
+    assert not overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.5, "per-parameter .item()": 1.1})["meets_bar"]
