@@ -5,29 +5,30 @@ A source is ``mlflow:<tracking-uri>#<run-id>`` for one run. Each poll asks the s
 latest metrics (one small request) and fetches the history only of the metrics that moved, page by
 page, resuming at the page that was last read: a live run is never re-read from its start.
 Credentials come from MLflow's own variables (``MLFLOW_TRACKING_TOKEN``, or
-``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``) and never appear in a message.
+``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``), never appear in a message and never
+leave the tracking URI's origin (a redirect elsewhere is not followed). Every request has a total
+deadline and a cap on the bytes of its answer; a history whose page tokens repeat is not read
+further. MLflow's +-max double (its +-inf) and values beyond float's range read as +-inf, and
+nummon's ``nummon/nonfinite/<stat>`` markers as the value they mark.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
 import http.client
 import json
 import math
 import os
-import socket
-import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
 from .._types import StepRecord
+from .deadline import Deadline
 from .follow import Follower, NotALogError, as_step
 from .keymap import KeyMap
-from .redirects import NoRedirect, origin
+from .redirects import origin
 
 __all__ = [
     "MLFLOW_PREFIX",
@@ -118,76 +119,6 @@ def nonfinite_marker(key: str) -> str:
     return NONFINITE_PREFIX + key[len("nummon/") :]
 
 
-class _Deadline:
-    """One request's deadline: when it passes, every socket the request opened is shut down,
-    which ends a read that is blocked or fed one byte at a time, in headers or body alike."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-        self.expired = False
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-    def watch(self, sock: socket.socket) -> socket.socket:
-        with self._lock:
-            self._socks.append(sock)
-            if self.expired:
-                _shut(sock)
-        return sock
-
-    def _expire(self) -> None:
-        with self._lock:
-            self.expired = True
-            for s in self._socks:
-                _shut(s)
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def opener(self) -> urllib.request.OpenerDirector:
-        """urllib with redirects left to the caller and every connection under this deadline."""
-        return urllib.request.build_opener(NoRedirect(), _HTTPHandler(self), _HTTPSHandler(self))
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _connection(cls: type, deadline: _Deadline, *args: Any, **kwargs: Any) -> http.client.HTTPConnection:
-    conn = cls(*args, **kwargs)
-    create = conn._create_connection
-    conn._create_connection = lambda *a, **k: deadline.watch(create(*a, **k))
-    return conn
-
-
-class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self.deadline = deadline
-
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_connection, http.client.HTTPConnection, self.deadline), req)
-
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self.deadline = deadline
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        conn = functools.partial(_connection, http.client.HTTPSConnection, self.deadline)
-        return self.do_open(conn, req, context=self._context)  # type: ignore[attr-defined]
-
-
 class MlflowServer:
     """A tracking server's REST API: the few calls replay and watch need."""
 
@@ -217,7 +148,7 @@ class MlflowServer:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         else:
             data = json.dumps(params).encode()
-        deadline = _Deadline(self.deadline_s)
+        deadline = Deadline(self.deadline_s)
         try:
             for _ in range(_MAX_REDIRECTS + 1):
                 req = urllib.request.Request(url, data=data, method=method, headers=self._headers())
@@ -229,7 +160,7 @@ class MlflowServer:
         finally:
             deadline.cancel()
 
-    def _fetch(self, req: urllib.request.Request, endpoint: str, deadline: _Deadline) -> bytes:
+    def _fetch(self, req: urllib.request.Request, endpoint: str, deadline: Deadline) -> bytes:
         """The body of one answer, read in chunks of at most `_MAX_BODY` bytes in all, before
         the deadline (a server trickling bytes cannot hold the caller)."""
         try:
