@@ -72,7 +72,6 @@ class AnswerServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        ThreadingHTTPServer.daemon_threads = True
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.block_on_close = False
         self.port = self.server.server_address[1]

@@ -77,6 +77,7 @@ def test_a_server_that_stops_answering_delays_neither_the_monitor_nor_training_a
     tmp_path, answered
 ):
     tracker = StallingTracker(answered_batches=answered)
+    mon = None
     try:
         sink = MlflowSink(tracking_uri=tracker.uri, experiment="stalled", batch_steps=10)
         mon = Monitor(sinks=[sink], run_dir=tmp_path, policy={"sinks": {"close_timeout_s": 1.0}})
@@ -89,6 +90,9 @@ def test_a_server_that_stops_answering_delays_neither_the_monitor_nor_training_a
         assert delivered == 10 * answered
         assert mon.sink_stats["MlflowSink"]["dropped"] == 100 - delivered  # every step it did not take
     finally:
+        tracker.release.set()  # the sink's thread, refused from here on, ends before the test does
+        for w in mon._sinks.workers if mon is not None else []:
+            w.thread.join(60)
         tracker.close()
 
 
