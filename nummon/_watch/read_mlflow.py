@@ -189,8 +189,8 @@ class MlflowServer:
 
     def _too_big(self, endpoint: str) -> MlflowError:
         return MlflowError(
-            f"mlflow:{self.name}: {endpoint} answered more than {_MAX_BODY >> 20} MB "
-            f"(a page of {PAGE_ROWS} values is far less): not read"
+            f"mlflow:{self.name}: {endpoint} answered more than {_MAX_BODY >> 20} MB: not read "
+            f"(nummon asks for at most {PAGE_ROWS} values a page, far less)"
         )
 
     def _redirected(self, endpoint: str, e: urllib.error.HTTPError, url: str) -> str:
