@@ -3,7 +3,10 @@
 Each sink runs on its own worker thread behind a bounded queue, so a slow sink delays only
 itself. Every wait on a sink is bounded (policy `sinks.*_timeout_s`) and logged when it is hit:
 a full queue in block mode, a critical alert being written, `close()`. Step records may be
-dropped (counted); alerts never are. A sink that raises, even `SystemExit`, is isolated: the
+dropped (counted); alerts never are. A sink may count the step records it took but could not
+deliver (`undelivered(final)`: a failed batch; with `final`, what it still holds): they are
+counted as dropped too, and so is every step record still queued for a sink that `close()`
+gave up on. A sink that raises, even `SystemExit`, is isolated: the
 error is logged once, counted, and the other sinks keep running.
 """
 
@@ -40,6 +43,7 @@ class _Worker:
         self.errors = 0
         self.dropped = 0
         self.stuck = False  # a bounded wait on this sink timed out and it has not caught up since
+        self.gave_up = False  # close() stopped waiting for this sink: what it holds is lost with the process
         self._reported: set[str] = set()
         self.thread = threading.Thread(target=self._run, name=f"nummon-sink-{name}", daemon=True)
         self.thread.start()
@@ -93,9 +97,19 @@ class _Worker:
             self.stuck = stuck
 
     def counts(self) -> tuple[int, int]:
-        """(errors, dropped step records), read together."""
+        """(errors, dropped step records), read together: those dropped at a full queue, those
+        the sink says it could not deliver, and once close gave up on it, those still queued."""
         with self.cv:
-            return self.errors, self.dropped
+            errors, dropped, final = self.errors, self.dropped, self.gave_up
+            if final:
+                dropped += sum(1 for item in self.steps if item[0] == "step")
+        undelivered = getattr(self.sink, "undelivered", None)
+        if callable(undelivered):
+            try:
+                dropped += int(undelivered(final))
+            except Exception:  # a sink's own count must never break the statistics
+                pass
+        return errors, dropped
 
     def call(self, method: str, *args: Any) -> None:
         try:
@@ -254,6 +268,8 @@ class SinkDispatcher:
         for w in self.workers:
             w.thread.join(max(0.0, deadline - time.monotonic()))
             if w.thread.is_alive():
+                with w.cv:
+                    w.gave_up = True
                 log.warning(
                     "nummon: sink %s did not close within %.1f s (sinks.close_timeout_s); closing without it",
                     w.name,

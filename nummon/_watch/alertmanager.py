@@ -40,6 +40,7 @@ from . import fs
 from .display import plural, safe_url
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
+from .redirects import NoRedirect as _NoRedirect
 from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]
@@ -64,14 +65,6 @@ def _basic_auth(url: str) -> tuple[str, str | None]:
         f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}".encode()
     ).decode()
     return urllib.parse.urlunsplit(p._replace(netloc=netloc)), f"Basic {token}"
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A 3xx answer is final: urllib would re-send the POST as a body-less GET, with the
-    Authorization header, to wherever `Location` points."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
-        return None
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect())

@@ -5,13 +5,19 @@ A source is ``mlflow:<tracking-uri>#<run-id>`` for one run. Each poll asks the s
 latest metrics (one small request) and fetches the history only of the metrics that moved, page by
 page, resuming at the page that was last read: a live run is never re-read from its start.
 Credentials come from MLflow's own variables (``MLFLOW_TRACKING_TOKEN``, or
-``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``) and never appear in a message.
+``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``), never appear in a message and never
+leave the tracking URI's origin (a redirect elsewhere is not followed). Every request has a total
+deadline and a cap on the bytes of its answer; a history whose page tokens repeat is not read
+further. MLflow's +-max double (its +-inf) and values beyond float's range read as +-inf, and
+nummon's ``nummon/nonfinite/<stat>`` markers as the value they mark.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import math
 import os
 import urllib.error
 import urllib.parse
@@ -19,16 +25,44 @@ import urllib.request
 from typing import Any
 
 from .._types import StepRecord
+from .deadline import Deadline
 from .follow import Follower, NotALogError, as_step
 from .keymap import KeyMap
+from .redirects import origin
 
-__all__ = ["MLFLOW_PREFIX", "MlflowError", "MlflowFollower", "MlflowServer", "is_mlflow_source", "parse_source"]
+__all__ = [
+    "MLFLOW_PREFIX",
+    "NONFINITE_PREFIX",
+    "MlflowError",
+    "MlflowFollower",
+    "MlflowServer",
+    "is_mlflow_source",
+    "nonfinite_marker",
+    "parse_source",
+    "value_of",
+]
 
 MLFLOW_PREFIX = "mlflow:"
 #: Rows asked for per history page; a poll reads at most `_PAGES_PER_POLL` pages per metric.
 PAGE_ROWS = 1000
 _PAGES_PER_POLL = 25
 _TIMEOUT_S = 10.0
+#: A request's whole time, however slowly the server sends its bytes.
+_DEADLINE_S = 30.0
+#: What one answer may hold: a page of `PAGE_ROWS` values is well under 1 MB.
+_MAX_BODY = 32 << 20
+_CHUNK = 1 << 16
+_MAX_REDIRECTS = 5
+#: Pages read of one metric's history in all: 10 million values. A server whose page tokens
+#: never end (a gateway that drops ``page_token`` and answers the first page again) is stopped
+#: by the repeated token at once, and by this bound whatever its tokens.
+_MAX_PAGES = 10_000
+#: MLflow stores +-inf as +-max double (1.7976931348623157e308): at or beyond this, an overflow.
+_MAX_DOUBLE = 1.79e308
+#: nummon's marker series: ``nummon/nonfinite/<stat>`` at a step where ``nummon/<stat>`` was
+#: NaN (1), +inf (2) or -inf (-2); the stat's own series holds finite values only.
+NONFINITE_PREFIX = "nummon/nonfinite/"
+_NONFINITE_CODES = {1: math.nan, 2: math.inf, -2: -math.inf}
 
 
 class MlflowError(NotALogError):
@@ -60,13 +94,39 @@ def safe_uri(uri: str) -> str:
     return f"{p.scheme}://{host}{p.path}" if p.scheme else "<tracking uri>"
 
 
+def _json_int(text: str) -> int | float:
+    """A JSON integer: Python's int up to 19 digits, a float beyond (1e400 is +inf, never an
+    int too large for float or for int()'s digit limit)."""
+    return int(text) if len(text.lstrip("-")) <= 19 else float(text)
+
+
+def value_of(v: Any) -> Any:
+    """A metric value as the detectors must see it: MLflow's +-max double (how it stores +-inf)
+    and numbers beyond float's range are +-inf; anything that is no number is passed on."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        return v
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond float's range
+        return math.inf if v > 0 else -math.inf  # type: ignore[operator]
+    except ValueError:
+        return v
+    return math.copysign(math.inf, f) if abs(f) >= _MAX_DOUBLE else f
+
+
+def nonfinite_marker(key: str) -> str:
+    """The marker series of a ``nummon/`` metric: nummon/loss -> nummon/nonfinite/loss."""
+    return NONFINITE_PREFIX + key[len("nummon/") :]
+
+
 class MlflowServer:
     """A tracking server's REST API: the few calls replay and watch need."""
 
-    def __init__(self, uri: str, timeout_s: float = _TIMEOUT_S) -> None:
+    def __init__(self, uri: str, timeout_s: float = _TIMEOUT_S, deadline_s: float = _DEADLINE_S) -> None:
         self.uri = uri.rstrip("/")
         self.name = safe_uri(self.uri)
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # per read
+        self.deadline_s = deadline_s  # per request, in all (connecting, redirects and every read)
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -79,25 +139,80 @@ class MlflowServer:
         return h
 
     def call(self, method: str, endpoint: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One API call (GET with a query, POST with a JSON body); MlflowError on any failure."""
+        """One API call (GET with a query, POST with a JSON body) within `deadline_s` in all;
+        MlflowError on any failure. A redirect is followed within the tracking URI's origin only:
+        credentials never go to another scheme, host or port."""
         url = f"{self.uri}/api/2.0/mlflow/{endpoint}"
         data = None
         if method == "GET":
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         else:
             data = json.dumps(params).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers=self._headers())
+        deadline = Deadline(self.deadline_s)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            raise MlflowError(f"mlflow:{self.name}: {endpoint} answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError):
+            for _ in range(_MAX_REDIRECTS + 1):
+                req = urllib.request.Request(url, data=data, method=method, headers=self._headers())
+                try:
+                    return self._parse(endpoint, self._fetch(req, endpoint, deadline))
+                except urllib.error.HTTPError as e:
+                    url = self._redirected(endpoint, e, url)
+            raise MlflowError(f"mlflow:{self.name}: {endpoint} redirected more than {_MAX_REDIRECTS} times")
+        finally:
+            deadline.cancel()
+
+    def _fetch(self, req: urllib.request.Request, endpoint: str, deadline: Deadline) -> bytes:
+        """The body of one answer, read in chunks of at most `_MAX_BODY` bytes in all, before
+        the deadline (a server trickling bytes cannot hold the caller)."""
+        try:
+            with deadline.opener().open(req, timeout=max(0.001, min(self.timeout_s, deadline.left()))) as resp:
+                length = resp.headers.get("Content-Length")
+                if length and length.strip().isdigit() and int(length) > _MAX_BODY:
+                    raise self._too_big(endpoint)
+                chunks, size = [], 0
+                while chunk := resp.read(_CHUNK):
+                    size += len(chunk)
+                    if size > _MAX_BODY:
+                        raise self._too_big(endpoint)
+                    if deadline.left() <= 0:
+                        raise TimeoutError
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except urllib.error.HTTPError:
+            raise
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            if deadline.expired or deadline.left() <= 0:
+                raise MlflowError(
+                    f"mlflow:{self.name}: {endpoint} did not answer within {self.deadline_s:g} s"
+                ) from None
             # one wording whatever the socket said (refused, reset, timed out): a watcher says it once
             raise MlflowError(f"mlflow:{self.name}: not reachable") from None
+
+    def _too_big(self, endpoint: str) -> MlflowError:
+        return MlflowError(
+            f"mlflow:{self.name}: {endpoint} answered more than {_MAX_BODY >> 20} MB: not read "
+            f"(nummon asks for at most {PAGE_ROWS} values a page, far less)"
+        )
+
+    def _redirected(self, endpoint: str, e: urllib.error.HTTPError, url: str) -> str:
+        """Where a redirect leads, when it stays within the tracking URI's origin; MlflowError
+        for any other HTTP error, and for a redirect to another origin (never followed)."""
+        e.close()
+        where = e.headers.get("Location") if 300 <= e.code < 400 and e.headers is not None else None
+        if not where:
+            raise MlflowError(f"mlflow:{self.name}: {endpoint} answered HTTP {e.code}") from None
+        target = urllib.parse.urljoin(url, where)
+        if origin(target) != origin(self.uri):
+            raise MlflowError(
+                f"mlflow:{self.name}: {endpoint} answered HTTP {e.code}, a redirect to {safe_uri(target)} "
+                "(another origin): not followed, so that credentials stay with the tracking URI; "
+                "name that server in the source if it is the tracking server"
+            ) from None
+        return target
+
+    def _parse(self, endpoint: str, body: bytes) -> dict[str, Any]:
         try:
-            out = json.loads(body or b"{}")
-        except ValueError:
+            out = json.loads(body or b"{}", parse_int=_json_int)
+        except (ValueError, RecursionError):
             raise MlflowError(
                 f"mlflow:{self.name}: {endpoint} did not answer JSON (is this an MLflow server?)"
             ) from None
@@ -157,6 +272,8 @@ class _History:
         self.token: str | None = None
         self.taken = 0
         self.seen: tuple[int, int] | None = None  # (step, timestamp) of the latest value read
+        self.pages = 0  # pages read in all
+        self.tokens: set[str] = set()  # every page token met: one met twice never ends
 
 
 class MlflowFollower(Follower):
@@ -182,7 +299,7 @@ class MlflowFollower(Follower):
         latest, self.status = self.server.latest_metrics(self.run_id)
         fresh = False
         for key, seen in latest.items():
-            if self.keymap.field(key) is None:
+            if self._series(key) is None:
                 continue
             h = self._hist.setdefault(key, _History())
             if h.seen == seen:
@@ -202,23 +319,52 @@ class MlflowFollower(Follower):
             self._emitted = step
         return out
 
+    def _series(self, key: str) -> str | None:
+        """The mapped metric a key feeds: itself, or for a marker (``nummon/nonfinite/loss``)
+        the metric it marks; None when neither is mapped."""
+        if key.startswith(NONFINITE_PREFIX):
+            base = "nummon/" + key[len(NONFINITE_PREFIX) :]
+            return base if self.keymap.field(base) is not None else None
+        return key if self.keymap.field(key) is not None else None
+
     def _read(self, key: str, h: _History) -> bool:
         """Read the metric's new rows into the pending steps; True when any row was new."""
         new = False
+        base = self._series(key) or key
         for _ in range(_PAGES_PER_POLL):
             rows, nxt = self.server.history_page(self.run_id, key, h.token)
+            h.pages += 1
             for m in rows[h.taken :]:
                 step = as_step(m.get("step", 0))
                 if step is None or (self._emitted is not None and step <= self._emitted):
                     continue  # a late value for a step already judged: the detectors moved on
-                self._pending.setdefault(step, {})[key] = m.get("value")
+                row = self._pending.setdefault(step, {})
+                if base != key:  # a marker: the metric was non-finite at this step
+                    row[base] = _NONFINITE_CODES.get(as_step(value_of(m.get("value"))) or 1, math.nan)
+                elif not (isinstance(row.get(base), float) and not math.isfinite(row[base])):
+                    row[base] = value_of(m.get("value"))
                 new = True
             if nxt is None:
                 h.taken = len(rows)
                 return new
-            h.token, h.taken = nxt, 0
+            self._check_token(key, h, str(nxt))
+            h.token, h.taken = str(nxt), 0
         self.more = True  # a long backlog: the rest on the next poll
         return new
+
+    def _check_token(self, key: str, h: _History, token: str) -> None:
+        """A page token met before, or a history past `_MAX_PAGES`, is a history that never ends."""
+        if token in h.tokens or token == h.token:
+            raise MlflowError(
+                f"mlflow:{self.server.name}: the history of {key!r} gave the same page token twice "
+                "(is a proxy dropping page_token?): not read further"
+            )
+        if h.pages >= _MAX_PAGES:
+            raise MlflowError(
+                f"mlflow:{self.server.name}: the history of {key!r} passed {_MAX_PAGES:,} pages "
+                f"({_MAX_PAGES * PAGE_ROWS:,} values): not read further"
+            )
+        h.tokens.add(token)
 
     def position(self) -> dict[str, Any]:
         return {

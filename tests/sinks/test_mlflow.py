@@ -1,4 +1,4 @@
-"""MLflow as a home for nummon (issue 41), against a real `mlflow server` (SQLite backend, local
+"""MLflow as a home for nummon, against a real `mlflow server` (SQLite backend, local
 artifacts) on 127.0.0.1: the sink's metrics, tags and artifacts read back through MlflowClient;
 a run logged with plain mlflow (no nummon) replayed; a server gone mid-run leaves training unharmed."""
 
@@ -40,8 +40,12 @@ def test_a_runaway_shows_in_the_run_metrics_tags_and_artifacts(server, tmp_path)
     assert tags["nummon.first_nonfinite"] and int(tags["nummon.first_nonfinite_step"]) == reports[-1].step
     assert run.info.status == "FAILED"  # a run the sink started, lost to non-finite values
     history = client.get_metric_history(sink.run_id, "nummon/loss")
-    assert [m.step for m in history] == [r.step for r in reports]  # every step, none twice
-    assert math.isnan(history[-1].value) and history[0].value == pytest.approx(reports[0].record.loss)
+    finite = [r.step for r in reports if math.isfinite(r.record.loss)]
+    assert [m.step for m in history] == finite  # every finite step, none twice
+    assert all(math.isfinite(m.value) and abs(m.value) < 1e308 for m in history)  # a chart a person can read
+    assert history[0].value == pytest.approx(reports[0].record.loss)
+    marker = client.get_metric_history(sink.run_id, "nummon/nonfinite/loss")
+    assert [m.step for m in marker] == [r.step for r in reports if not math.isfinite(r.record.loss)] != []
     assert all(k.startswith("nummon/") for k in run.data.metrics)
     # batched: one log_batch per `batch_steps` steps (plus the flushes of critical incidents and close)
     assert sink.batches_sent <= len(reports) // 10 + 6 < len(reports)
@@ -52,6 +56,66 @@ def test_a_runaway_shows_in_the_run_metrics_tags_and_artifacts(server, tmp_path)
     assert "Incident 1" in open(text).read() and "nonfinite" in open(text).read()
     assert [a.path for a in client.list_artifacts(sink.run_id, "nummon/flight-records")]
     assert "nummon/nummon-report.html" in names  # the incident report, as of its critical escalation
+
+
+def test_a_run_that_overflows_is_replayed_from_mlflow_naming_the_first_non_finite_value_as_the_live_run_did(
+    server, tmp_path
+):
+    """The parts the live run found non-finite (the loss first) are what `nummon replay mlflow:`
+    names at the same step; every series nummon logged stays chartable (no NaN,
+    no +-1.797e308) and the non-finite steps are in the `nummon/nonfinite/` markers."""
+    import json
+
+    from nummon import MemorySink
+
+    sink, live = MlflowSink(tracking_uri=server.uri, experiment="overflow", batch_steps=10), MemorySink()
+    mon, reports = runaway_run([sink, live], tmp_path)
+    first_live = next(a for a in live.alerts if a.kind.value == "nonfinite")
+    client = MlflowClient(server.uri)
+    run = client.get_run(sink.run_id)
+    markers = [k for k in run.data.metrics if k.startswith("nummon/nonfinite/")]
+    assert markers and "nummon/nonfinite/loss" in markers
+    for key in [k for k in run.data.metrics if not k.startswith("nummon/nonfinite/")]:
+        values = [m.value for m in client.get_metric_history(sink.run_id, key)]
+        assert all(math.isfinite(v) and abs(v) < 1.79e308 for v in values), key
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", "--format", "jsonl", f"mlflow:{server.uri}#{sink.run_id}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    replayed = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    first = next(a for a in replayed if a["kind"] == "nonfinite")
+    assert first["step"] == first_live.step == reports[-1].step
+    assert first["details"]["parts"][0] == first_live.details["parts"][0] == "loss"
+    assert first["location"] == "loss"  # the live run names a tensor (its forensics); the logs, the loss
+
+
+def test_an_infinite_loss_logged_with_plain_mlflow_is_replayed_as_an_overflow(server):
+    """MLflow stores +inf as 1.7976931348623157e308: read back, that is an overflow, not a finite
+    value 1e306 times the loss's median."""
+    import json
+
+    mlflow.set_tracking_uri(server.uri)
+    mlflow.set_experiment("plain-inf")
+    with mlflow.start_run() as run:
+        for step in range(30):
+            mlflow.log_metrics({"train_loss": 2.0 * 0.98**step, "grad_norm": 1.0}, step=step)
+        mlflow.log_metrics({"train_loss": float("inf"), "grad_norm": 1.0}, step=30)
+    stored = MlflowClient(server.uri).get_metric_history(run.info.run_id, "train_loss")[-1].value
+    assert stored > 1.79e308 and math.isfinite(stored)  # what the server made of +inf
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "replay", "--format", "jsonl", f"mlflow:{server.uri}#{run.info.run_id}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    replayed = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    first = next(a for a in replayed if a["kind"] == "nonfinite")
+    assert (first["step"], first["location"]) == (30, "loss")
+    assert not [a for a in replayed if a["step"] == 30 and a["kind"] != "nonfinite"], replayed
 
 
 def test_inside_an_active_run_the_sink_logs_into_it(server, tmp_path):
@@ -117,11 +181,14 @@ def test_a_server_gone_mid_run_leaves_training_unharmed(server, tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = Monitor(model, opt, sinks=[sink], run_dir=tmp_path, policy={"sinks": {"close_timeout_s": 3.0}})
+    mon = Monitor(
+        model, opt, sinks=[sink], run_dir=tmp_path, policy={"sinks": {"close_timeout_s": 3.0, "flush_timeout_s": 60.0}}
+    )
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     steps = 0
     for step in range(40):
         if step == 10:
+            mon.flush()  # the first ten steps are in the run
             relay.cut()  # the tracking server is unreachable from here on
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
@@ -131,9 +198,10 @@ def test_a_server_gone_mid_run_leaves_training_unharmed(server, tmp_path):
         steps += 1
     mon.close()
     assert steps == 40
-    assert sink.batches_sent <= 2  # the two batches of the steps before the cut, at most
+    assert sink.batches_sent == 2  # the two batches of the steps before the cut
     got = MlflowClient(server.uri).get_metric_history(sink.run_id, "nummon/loss")
-    assert [m.step for m in got] == list(range(len(got))) and len(got) <= 10
+    assert [m.step for m in got] == list(range(10))
+    assert mon.sink_stats["MlflowSink"]["dropped"] == 30  # every step after the cut, each counted
 
 
 def test_watch_follows_a_live_plain_mlflow_run_notifies_before_its_nan_and_outlives_the_server(server, tmp_path):
