@@ -14,7 +14,7 @@ from .read_hf import STATE_NAME, HfStateFollower
 from .read_jsonl import JsonlFollower
 from .read_mlflow import MlflowFollower, is_mlflow_source
 from .read_tb import TensorBoardFollower, is_event_file
-from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file
+from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file, wandb_run_files
 
 __all__ = ["FORMATS", "detect_format", "make_follower", "read_records"]
 
@@ -44,7 +44,7 @@ def detect_format(path: str) -> str:
             return "hf"
         if "metrics.csv" in top:
             return "csv"
-        if any(is_wandb_file(f) for f in top):
+        if any(is_wandb_file(f) for f in top) or wandb_run_files(path):
             return "wandb"
         raise NotALogError(f"{path}: a folder with no log nummon reads (use the folder as a watch root, or --format)")
     if _exists(path) and fs.stat(path) is None:
