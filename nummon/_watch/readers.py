@@ -66,7 +66,10 @@ def detect_format(path: str) -> str:
             if not _exists(path)
             else f"{path}: not a regular file (a FIFO or device is never read)"
         )
-    head = fs.read_bytes(path, 0, fs.HEAD_BYTES)
+    try:
+        head = fs.read_bytes(path, 0, fs.HEAD_BYTES)
+    except OSError as e:  # EIO (a failing disk, /proc/self/mem), a permission taken away
+        raise NotALogError(f"{path}: cannot be read ({e.strerror or e})") from None
     if head.startswith(WANDB_MAGIC):
         return "wandb"
     text = head.lstrip()
@@ -106,7 +109,10 @@ def read_records(
     try:
         empty = 0
         while empty < 2:  # a whole-file format that fails to parse raises NotALogError
-            got = follower.poll(final=True)
+            try:
+                got = follower.poll(final=True)
+            except OSError as e:  # EIO while reading: one line naming the file, never a traceback
+                raise NotALogError(f"{path}: cannot be read ({e.strerror or e})") from None
             if warn is not None:
                 for line in follower.notes:
                     warn(line)
