@@ -64,7 +64,9 @@ def test_report_refuses_a_fifo_or_device_in_one_line(tmp_path, make):
     assert not (tmp_path / "page.html").exists()
 
 
-@pytest.mark.parametrize("make", [lambda d: _fifo(d / "x.jsonl"), lambda d: _zero_link(d / "x.jsonl")])
+@pytest.mark.parametrize(
+    "make", [lambda d: _fifo(d / "x.jsonl"), lambda d: _zero_link(d / "x.jsonl")], ids=["fifo", "dev-zero"]
+)
 def test_replay_forced_to_jsonl_refuses_a_fifo_or_device_in_one_line(tmp_path, make):
     p = run("replay", "--input-format", "jsonl", make(tmp_path), cwd=tmp_path)
     assert_one_line(p, "not a regular file")
@@ -78,6 +80,7 @@ def test_replay_forced_to_jsonl_refuses_a_fifo_or_device_in_one_line(tmp_path, m
         ("replay", "/proc/self/mem"),
         ("replay", "--input-format", "jsonl", "/proc/self/mem"),
     ],
+    ids=["report", "replay", "replay-forced-jsonl"],
 )
 def test_a_read_error_is_one_line_naming_the_file(tmp_path, args):
     p = run(*args, "-o", tmp_path / "page.html", cwd=tmp_path) if args[0] == "report" else run(*args, cwd=tmp_path)
