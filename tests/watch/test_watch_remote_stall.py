@@ -66,12 +66,13 @@ def stalling():
     server.close()
 
 
-def test_a_local_nan_is_notified_while_a_remote_request_stalls(tmp_path, stalling):
+@pytest.mark.parametrize("query", ["#stalled-run", "?experiment=stalled"], ids=["one-run", "search"])
+def test_a_local_nan_is_notified_while_a_remote_request_stalls(tmp_path, stalling, query):
     local = tmp_path / "local" / "events.jsonl"
     local.parent.mkdir()
     write_lines(local, two_incident_rows())
     notes = tmp_path / "notes.jsonl"
-    remote = f"mlflow:{stalling.uri}#stalled-run"
+    remote = f"mlflow:{stalling.uri}{query}"  # a run, or a search for an experiment's running runs
     proc = start_watch(remote, local.parent, "--interval", "0.2", "--notify", f"jsonl:{notes}", cwd=tmp_path)
     try:
         wait_for(
@@ -82,7 +83,7 @@ def test_a_local_nan_is_notified_while_a_remote_request_stalls(tmp_path, stallin
             opened, abandoned = stalling.opened, stalling.abandoned
     finally:
         rc, _, err = stop(proc)
-    assert opened >= 1, "the remote run was never asked"
+    assert opened >= 1, "the remote source was never asked"
     assert abandoned == 0, "the local NaN waited for the stalled request to time out"
     assert {e["run"] for e in read_events(notes)} == {str(local)}
     assert rc == 0, err
