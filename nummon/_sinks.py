@@ -138,7 +138,8 @@ class JsonlSink(BaseSink):
     group (set the policy's ``sinks.rank0_only: false`` for one log per rank). Alerts are flushed
     at once (critical ones fsync'ed); step records at least every ``flush_every_steps`` steps.
     The file is opened at the first write. A durable event log: a critical alert is on disk
-    before `post_step` returns.
+    before `post_step` returns. A path that can never be a file (a folder, a name ending in a
+    separator, a parent that is a file) is refused when the sink is made (`NummonError`, one line).
     """
 
     durable = True
