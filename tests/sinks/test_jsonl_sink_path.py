@@ -21,19 +21,15 @@ def test_a_folder_is_refused_as_the_log(tmp_path):
     assert str(tmp_path) in line and "a folder, not a file" in line
 
 
-def test_a_name_ending_in_a_separator_is_refused(tmp_path):
+def test_a_name_ending_in_a_separator_is_refused_and_a_file_in_it_accepted(tmp_path):
     line = _refused(str(tmp_path / "not-yet") + os.sep)
     assert "a folder, not a file" in line
-    assert not (tmp_path / "not-yet").exists()
+    sink = JsonlSink(tmp_path / "not-yet" / "events-rank{rank}.jsonl")
+    assert sink.path == tmp_path / "not-yet" / "events-rank0.jsonl"
+    assert not (tmp_path / "not-yet").exists()  # nothing is made before the first write
 
 
 def test_a_parent_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     line = _refused(tmp_path / "notes.txt" / "deeper" / "events.jsonl")
     assert f"{str(tmp_path / 'notes.txt')!r} is not a folder" in line
-
-
-def test_a_rank_template_in_a_folder_still_to_be_made_is_accepted(tmp_path):
-    sink = JsonlSink(tmp_path / "runs" / "x" / "events-rank{rank}.jsonl")
-    assert sink.path == tmp_path / "runs" / "x" / "events-rank0.jsonl"
-    assert not (tmp_path / "runs").exists()  # nothing is made before the first write
