@@ -8,7 +8,7 @@ so no alert of one segment is raised or cleared by the other's steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ._policy import Policy, PolicyLike, load_policy
@@ -21,15 +21,23 @@ __all__ = ["iter_replay", "iter_replay_records", "replay"]
 _log = logging.getLogger("nummon")
 
 
-def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None) -> Iterator[Alert]:
+OnRecord = Callable[[StepRecord], None]
+
+
+def iter_replay(
+    path: str | Path, policy: PolicyLike = None, warn: WarnFn | None = None, on_record: OnRecord | None = None
+) -> Iterator[Alert]:
     """Alerts as the detectors raise them over one JSONL trace, in step order, streaming.
 
     Warnings (unreadable lines skipped, a new segment) go to `warn` (default: the "nummon"
-    logger); TraceError when the file is not a trace or holds no readable step record."""
+    logger); TraceError when the file is not a trace or holds no readable step record.
+    `on_record` sees each record read (e.g. to tell an empty log from a healthy one)."""
     pol: Policy = load_policy(policy)
     warn = warn or _log.warning
     engine = SegmentedEngine(pol)
     for lineno, rec in iter_steps(Path(path), warn):
+        if on_record is not None:
+            on_record(rec)
         got = engine.step(rec)
         if engine.restarted_after is not None:
             warn(
@@ -39,13 +47,19 @@ def iter_replay(path: str | Path, policy: PolicyLike = None, warn: WarnFn | None
 
 
 def iter_replay_records(
-    records: Iterable[StepRecord], policy: PolicyLike = None, warn: WarnFn | None = None, source: str = "log"
+    records: Iterable[StepRecord],
+    policy: PolicyLike = None,
+    warn: WarnFn | None = None,
+    source: str = "log",
+    on_record: OnRecord | None = None,
 ) -> Iterator[Alert]:
     """Alerts over records read by any reader (TensorBoard, HF, CSV, W&B), in order; a step
     that goes backwards starts a new segment, as in `iter_replay` (named to `warn` when given)."""
     pol: Policy = load_policy(policy)
     engine = SegmentedEngine(pol)
     for rec in records:
+        if on_record is not None:
+            on_record(rec)
         got = engine.step(rec)
         if engine.restarted_after is not None and warn is not None:
             warn(f"{source}: step {rec.step} after step {engine.restarted_after}: a new segment, detectors restarted")

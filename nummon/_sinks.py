@@ -138,13 +138,15 @@ class JsonlSink(BaseSink):
     group (set the policy's ``sinks.rank0_only: false`` for one log per rank). Alerts are flushed
     at once (critical ones fsync'ed); step records at least every ``flush_every_steps`` steps.
     The file is opened at the first write. A durable event log: a critical alert is on disk
-    before `post_step` returns.
+    before `post_step` returns. A path that can never be a file (a folder, a name ending in a
+    separator, a parent that is a file) is refused when the sink is made (`NummonError`, one line).
     """
 
     durable = True
 
     def __init__(self, path: str | os.PathLike[str], steps: bool = True) -> None:
         self.template = os.fspath(path)
+        _refuse_unwritable_log(self.template)
         self._rank = int(os.environ.get("RANK", "0") or 0) if "{rank}" in self.template else 0
         self._steps = steps
         self._fh: IO[str] | None = None
@@ -200,6 +202,22 @@ class JsonlSink(BaseSink):
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
+
+
+def _refuse_unwritable_log(template: str) -> None:
+    """NummonError (one line) when the log's path can never be a file: a folder, a name ending in a
+    separator, or a parent that exists and is not a folder (every event would be lost)."""
+    text = template.replace("{rank}", "0")
+    path = Path(text)
+    if not text.strip() or text.endswith(("/", os.sep)) or path.is_dir():
+        raise NummonError(f"JsonlSink({template!r}): a folder, not a file; name the log file in it (e.g. events.jsonl)")
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NummonError(
+                    f"JsonlSink({template!r}): {str(parent)!r} is not a folder; the log cannot be written"
+                )
+            return
 
 
 class ConsoleSink(BaseSink):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,10 +28,12 @@ from ._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, Ste
 __all__ = [
     "NONFINITE_WORDS",
     "TraceError",
+    "LogFile",
     "UnreadableLine",
     "WarnFn",
     "expand_paths",
     "iter_steps",
+    "open_log",
     "parse_step_line",
     "read_trace",
     "record_from_dict",
@@ -149,15 +153,52 @@ def parse_step_line(raw: bytes, where: str, default_step: int) -> StepRecord | N
         raise UnreadableLine(where, str(e)[len(where) + 2 :], False) from None
 
 
-def _open(path: Path):
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise TraceError(f"trace not found: {path}") from None
-    except IsADirectoryError:
-        raise TraceError(f"trace is a directory: {path}") from None
-    except OSError as e:
-        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+class LogFile:
+    """A log opened for reading, line by line: refused unless it is a regular file (a FIFO never
+    blocks the reader, a device such as /dev/zero never floods it), and a read that fails (EIO) is
+    a TraceError naming the file. The one guard of every JSONL reader (replay, report)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:  # non-blocking: opening a FIFO with no writer must not wait for one
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        except FileNotFoundError:
+            raise TraceError(f"trace not found: {self.path}") from None
+        except IsADirectoryError:
+            raise TraceError(f"trace is a directory: {self.path}") from None
+        except OSError as e:
+            raise TraceError(f"cannot read trace {self.path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            kind = "a directory" if os.path.isdir(self.path) else "not a regular file (a FIFO or device is never read)"
+            raise TraceError(f"{self.path}: {kind}")
+        os.set_blocking(fd, True)
+        self._fh = os.fdopen(fd, "rb")
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            try:
+                line = self._fh.readline()
+            except OSError as e:  # EIO from a failing disk or a special file
+                raise TraceError(f"cannot read trace {self.path}: {e.strerror or e}") from None
+            if not line:
+                return
+            yield line
+
+    def __enter__(self) -> LogFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def open_log(path: str | os.PathLike[str]) -> LogFile:
+    """`path` opened for reading through the guard (`LogFile`): TraceError, one line, when it is
+    missing, a folder, a FIFO or a device, or cannot be read."""
+    return LogFile(path)
 
 
 def iter_steps(path: str | Path, warn: WarnFn | None = None) -> Iterator[tuple[int, StepRecord]]:
@@ -172,7 +213,7 @@ def iter_steps(path: str | Path, warn: WarnFn | None = None) -> Iterator[tuple[i
     first_line = True
     skipped: list[tuple[int, UnreadableLine]] = []  # (line number, why)
     last_lineno = 0  # the last non-empty line: a skipped line there is a torn tail
-    with _open(path) as fh:
+    with open_log(path) as fh:
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue

@@ -6,6 +6,8 @@ Lightning metrics.csv and W&B offline run files are read (detected, or `--input-
 Unreadable lines (a torn line, a corrupt record) are skipped as the watcher skips them, with
 one warning per file naming the first one's file:line and the count; a step that goes
 backwards (a new segment) is a one-line warning. A missing extra (tensorboard, wandb) is a one-line hint, exit 2.
+A log from which no step record was read is said in one line and the exit is 2: nothing read is
+never "no alerts". Alerts below --min-severity are counted where "no alerts" would stand.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from ._common import non_empty, warn
+from ._common import EXIT_ERROR, error, non_empty, warn
 from .policy import load_policy_with_hints
 
 __all__ = ["add_parser", "run"]
@@ -57,36 +59,72 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .._format import clean_text
-    from .._replay import iter_replay, iter_replay_records
-    from .._types import Severity
-    from .._watch.readers import read_records
 
     policy = load_policy_with_hints(args.policy)
     paths = _expand(args.paths, args.input_format)
-    floor = Severity(args.min_severity).rank
-    n_alerts = 0
+    n_alerts, unread = 0, 0
     for path in paths:
-        shown = 0
-        fmt = args.input_format or _format_of(path)
-        alerts = (
-            iter_replay(path, policy, warn=warn)
-            if fmt == "jsonl"
-            else iter_replay_records(read_records(str(path), fmt, warn=warn), policy, warn=warn, source=str(path))
-        )
-        for a in alerts:
-            if a.severity.rank < floor:
+        tally = _Tally(args.min_severity)
+        for a in _alerts(path, args.input_format, policy, tally):
+            if not tally.shown(a):
                 continue
-            shown += 1
             if args.format == "jsonl":
                 print(json.dumps({"source": str(path), **a.to_dict()}, allow_nan=False), flush=True)
             else:
                 print(clean_text(f"{path}: {a}"), flush=True)
-        n_alerts += shown
-        if args.format == "text" and not shown:
-            print(clean_text(f"{path}: no alerts"))
+        n_alerts += tally.n_shown
+        if not tally.records:  # nothing was checked: never read as healthy
+            unread += 1
+            error(f"{path}: no step records read (an empty log, or none nummon reads in it); nothing was checked")
+        elif args.format == "text" and not tally.n_shown:
+            print(clean_text(f"{path}: {tally.no_alerts()}"))
     if args.format == "text":
-        print(f"{len(paths)} trace(s), {n_alerts} alert(s)")
-    return 0
+        empty = f"; {unread} with no step records" if unread else ""
+        print(f"{len(paths)} trace(s), {n_alerts} alert(s){empty}")
+    return EXIT_ERROR if unread else 0
+
+
+class _Tally:
+    """One log's count of records read, of alerts shown, and of alerts below the shown severity."""
+
+    def __init__(self, min_severity: str) -> None:
+        from .._types import Severity
+
+        self.floor = Severity(min_severity)
+        self.records = self.n_shown = 0
+        self.hidden: dict[Any, int] = {}
+
+    def count(self, _rec: Any) -> None:
+        self.records += 1
+
+    def shown(self, alert: Any) -> bool:
+        if alert.severity.rank < self.floor.rank:
+            self.hidden[alert.severity] = self.hidden.get(alert.severity, 0) + 1
+            return False
+        self.n_shown += 1
+        return True
+
+    def no_alerts(self) -> str:
+        """'no alerts', or, when alerts below the shown severity were left out, how many."""
+        from .._text import plural
+
+        if not self.hidden:
+            return "no alerts"
+        below = sorted(self.hidden.items(), key=lambda kv: -kv[0].rank)
+        words = {"warning": ("warning", "warnings"), "info": ("info alert", "info alerts")}
+        counts = ", ".join(plural(n, *words.get(sev.value, (sev.value, sev.value + "s"))) for sev, n in below)
+        return f"no alerts at or above {self.floor.value} ({counts})"
+
+
+def _alerts(path: Any, forced: str | None, policy: Any, tally: _Tally) -> Any:
+    from .._replay import iter_replay, iter_replay_records
+    from .._watch.readers import read_records
+
+    fmt = forced or _format_of(path)
+    if fmt == "jsonl":
+        return iter_replay(path, policy, warn=warn, on_record=tally.count)
+    records = read_records(str(path), fmt, warn=warn)
+    return iter_replay_records(records, policy, warn=warn, source=str(path), on_record=tally.count)
 
 
 def _format_of(path: Any) -> str:
@@ -96,12 +134,14 @@ def _format_of(path: Any) -> str:
 
 
 def _expand(paths: list[str], forced: str | None) -> list[Any]:
-    """Files and run folders as given; a folder holding *.jsonl traces means each of them, and a
-    TensorBoard logdir whose runs are its subfolders (`tensorboard --logdir` style) each run."""
+    """Files and run folders as given; a folder holding *.jsonl traces means each of them, a
+    TensorBoard logdir whose runs are its subfolders (`tensorboard --logdir` style) each run, and
+    a W&B folder of several runs (`wandb/offline-run-*/run-*.wandb`) each run file."""
     from pathlib import Path
 
     from .._trace import TraceError, expand_paths
     from .._watch.read_tb import is_event_file
+    from .._watch.read_wandb import wandb_run_files
 
     out: list[Any] = []
     for p in paths:
@@ -122,6 +162,8 @@ def _expand(paths: list[str], forced: str | None) -> list[Any]:
             )
         ):
             out.extend(runs)
+        elif path.is_dir() and forced in (None, "wandb") and len(files := wandb_run_files(p)) > 1:
+            out.extend(Path(f) for f in files)  # a `wandb/` folder: each of its runs
         elif path.exists():
             out.append(path)
         else:

@@ -18,7 +18,7 @@ from typing import Any
 from .._engine import HealthEngine
 from .._errors import NummonError
 from .._policy import PolicyLike, load_policy
-from .._trace import TraceError, record_from_dict
+from .._trace import TraceError, open_log, record_from_dict
 from .._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 
 __all__ = ["RunData", "ReportError", "load_run", "from_monitor", "FLIGHT_GLOB", "EVENT_LOG"]
@@ -153,10 +153,10 @@ def _from_event_log(path: Path, source: str, warn: Warn | None) -> RunData:
     and named (a report is best effort: the rest of the run is still worth seeing)."""
     run = RunData(source=source, format="jsonl")
     records: list[StepRecord] = []
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read ({e.strerror})") from None
+    try:  # the readers' guard: a FIFO or device is refused, a read error (EIO) is one line
+        fh = open_log(path)
+    except TraceError as e:
+        raise ReportError(str(e)) from None
     broken = 0
     with fh:
         for lineno, raw in enumerate(fh, 1):

@@ -10,7 +10,7 @@ from .discovery import RunSpec
 from .display import plural, printable
 from .runpaths import run_name, under
 
-__all__ = ["LISTED", "forgot_line", "started_lines", "watching_lines"]
+__all__ = ["LISTED", "forgot_line", "pending_line", "started_lines", "stopped_line", "watching_lines"]
 
 LISTED = 20  # runs named one per line at the start (a root with thousands of runs: the rest counted)
 
@@ -48,13 +48,23 @@ def started_lines(started: list[tuple[RunSpec, bool]], roots: list[str], first: 
             lines.append(f"  … and {plural(len(started) - LISTED, 'more run')}")
             break
         name = printable(run_name(spec.id, roots))
+        fmt = _source(spec)
         if first:
-            lines.append(f"  run {name} ({spec.format})")
+            lines.append(f"  run {name} ({fmt})")
         elif revived:
             lines.append(f"run {name}: written again; watched again")
         else:
-            lines.append(f"new run {name} ({spec.format}): watched from now on")
+            lines.append(f"new run {name} ({fmt}): watched from now on")
     return lines
+
+
+def _source(spec: RunSpec) -> str:
+    """The run's format, and where the same run's other logs lie beside it, which one is read."""
+    beside = getattr(spec, "beside", None)
+    if not beside:
+        return spec.format
+    others = " and ".join(sorted(beside))
+    return f"{spec.format}: nummon's own log, read in place of the same run's {others} logs in its folder"
 
 
 def forgot_line(forgotten: list[str], forget_after_s: float, roots: list[str]) -> str:
@@ -64,3 +74,15 @@ def forgot_line(forgotten: list[str], forget_after_s: float, roots: list[str]) -
         f"forgot {plural(len(forgotten), 'run')} whose files are gone for {hours:g} h or more "
         f"(e.g. {printable(run_name(forgotten[0], roots))}); read from the start if they come back"
     )
+
+
+def pending_line(pending: int, state_path: str | None) -> str:
+    """What becomes of the notifications still undelivered at the stop: kept in the state file, or lost."""
+    if state_path:
+        return f"{plural(pending, 'notification')} not delivered yet: kept in {state_path}, sent at the next start"
+    return f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)"
+
+
+def stopped_line(why: str, runs: int, records: int, fates: str) -> str:
+    """The watcher's last line: why it stops and what it did in this session."""
+    return f"stopped ({why}): {plural(runs, 'run')} watched, {plural(records, 'record')} read, {fates}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import fs
 from .display import printable
@@ -25,6 +26,8 @@ class RunSpec:
     id: str
     format: str
     files: list[str] = field(default_factory=list)
+    beside: list[str] = field(default_factory=list)  # formats of the same run's other logs, not read
+    covered: list[str] = field(default_factory=list)  # those logs' run ids
 
 
 def _kind(path: str) -> tuple[str, str] | None:
@@ -74,10 +77,11 @@ def root_is_here(root: str) -> bool:
     return fs.is_dir(root) or fs.stat(root) is not None
 
 
-def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> None:
+def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str], ask: Any = None) -> None:
     """An MLflow root: one run (``mlflow:<uri>#<run-id>``), or the server's RUNNING runs
     (``mlflow:<uri>``, ``?experiment=NAME`` for one experiment). A server that cannot be asked is
-    a problem line (said once by the watcher) and the root counts as away."""
+    a problem line (said once by the watcher) and the root counts as away. With `ask` (a
+    remote.BackgroundAsk) the search runs on its own thread and its last answer is used."""
     try:
         uri, run_id, query = parse_source(root)
         if run_id is not None:
@@ -85,7 +89,14 @@ def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> No
             runs.setdefault(spec_id, RunSpec(spec_id, "mlflow", [spec_id]))
             _answered[root] = True
             return
-        for info in MlflowServer(uri).search_runs(query.get("experiment")):
+        search = lambda: MlflowServer(uri).search_runs(query.get("experiment"))  # noqa: E731
+        found, error = ask.latest(root, search) if ask is not None else (search(), None)
+        if error is not None:
+            raise error
+        if found is None:  # not answered yet: the root counts as away
+            _answered[root] = False
+            return
+        for info in found:
             rid = str(info.get("run_id") or info.get("run_uuid") or "")
             if rid:
                 spec_id = f"{MLFLOW_PREFIX}{safe_uri(uri)}#{rid}"  # credentials come from MLflow's variables
@@ -97,17 +108,18 @@ def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str]) -> No
 
 
 def discover(
-    roots: list[str], format: str | None = None, exclude: Collection[str] = frozenset()
+    roots: list[str], format: str | None = None, exclude: Collection[str] = frozenset(), ask: Any = None
 ) -> tuple[dict[str, RunSpec], list[str]]:
     """Runs under `roots` by id, and one line per root that does not exist or holds no log.
 
     A root that is a file is one run (its format detected from its content when its name says
-    nothing); a folder is searched (8 levels deep); an MLflow root is asked for its runs."""
+    nothing); a folder is searched (8 levels deep); an MLflow root is asked for its runs (on
+    `ask`'s threads when given: see `_mlflow_runs`)."""
     runs: dict[str, RunSpec] = {}
     problems: list[str] = []
     for root in roots:
         if is_mlflow_source(root):
-            _mlflow_runs(root, runs, problems)
+            _mlflow_runs(root, runs, problems, ask)
             continue
         root = _norm(root)
         if fs.stat(root) is None and not fs.is_dir(root):
@@ -136,7 +148,7 @@ def discover(
             fmt, run_id = kind
             spec = runs.setdefault(run_id, RunSpec(run_id, fmt))
             spec.files.append(f)
-    return _one_run_per_output_dir(runs), problems
+    return _one_source_per_run_folder(_one_run_per_output_dir(runs)), problems
 
 
 def _one_run_per_output_dir(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
@@ -152,3 +164,48 @@ def _one_run_per_output_dir(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
                 continue
         out[rid] = spec
     return out
+
+
+def _own_log(spec: RunSpec) -> bool:
+    """A Monitor's event log (JsonlSink's `events.jsonl`, or a first line typed `"step"`): the
+    richest log of its run."""
+    if spec.format != "jsonl":
+        return False
+    if fs.basename(spec.id) == "events.jsonl":
+        return True
+    try:
+        head = fs.read_bytes(spec.id, 0, 64).lstrip()
+    except OSError:
+        return False
+    return head.startswith((b'{"type": "step"', b'{"type":"step"'))  # how JsonlSink opens every step line
+
+
+def _one_source_per_run_folder(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
+    """The logs of one run in one folder are one run: where a folder holds nummon's own event log,
+    the TensorBoard, W&B, CSV and trainer-state logs under that folder (the same run written by
+    the Monitor's other sinks, as the demo writes them) are not read again; the event log names
+    their formats (`beside`)."""
+    folders = {fs.dirname(rid): spec for rid, spec in runs.items() if _own_log(spec)}
+    if not folders:
+        return runs
+    out = {}
+    for rid, spec in runs.items():
+        owner = None if spec.format == "jsonl" else _owner(rid, folders)
+        if owner is None:
+            out[rid] = spec
+            continue
+        owner.covered.append(rid)
+        if spec.format not in owner.beside:
+            owner.beside.append(spec.format)
+    return out
+
+
+def _owner(run_id: str, folders: dict[str, RunSpec]) -> RunSpec | None:
+    """The event log whose folder `run_id` lies in, if any (the nearest folder)."""
+    best = None
+    for folder, spec in folders.items():
+        prefix = folder.rstrip("/").rstrip(os.sep)
+        if run_id.startswith(prefix + os.sep) or run_id.startswith(prefix + "/"):
+            if best is None or len(folder) > len(best[0]):
+                best = (folder, spec)
+    return best[1] if best else None

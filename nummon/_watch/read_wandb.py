@@ -8,6 +8,7 @@ a value that is not JSON is skipped with a warning."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from typing import Any
@@ -17,7 +18,7 @@ from . import fs
 from .follow import NotALogError, OneFileFollower, as_step
 from .read_tb import _require
 
-__all__ = ["WandbFollower", "is_wandb_file", "WANDB_MAGIC"]
+__all__ = ["WandbFollower", "is_wandb_file", "wandb_run_files", "WANDB_MAGIC"]
 
 WANDB_MAGIC = b":W&B"
 _BLOCK = 32 * 1024
@@ -31,6 +32,34 @@ def is_wandb_file(path: str) -> bool:
     return name.startswith("run-") and name.endswith(".wandb")
 
 
+def wandb_run_files(folder: str) -> list[str]:
+    """The W&B run files a folder holds, sorted: its own (`offline-run-*/` holds `run-<id>.wandb`),
+    one per run folder in it (a `wandb/` folder), or one per run of its `wandb/` folder (the
+    folder `wandb.init(dir=...)` was given). The `latest-run` link is not followed (no run twice)."""
+    base = folder.rstrip("/").rstrip(os.sep)
+    out = []
+    for f in fs.walk_files(folder, max_depth=3):
+        parts = f[len(base) :].replace(os.sep, "/").strip("/").split("/")
+        if is_wandb_file(f) and (len(parts) <= 2 or (len(parts) == 3 and parts[0] == "wandb")):
+            out.append(f)
+    return sorted(out)
+
+
+def _run_file(path: str) -> str:
+    """The run file to read: `path` itself, or the one run file of a run folder (NotALogError,
+    one line, when the folder holds none or several)."""
+    if not fs.is_dir(path):
+        return path
+    files = wandb_run_files(path)
+    if not files:
+        raise NotALogError(f"{path}: a folder with no W&B run file (run-<id>.wandb) in it; nothing was read")
+    if len(files) > 1:
+        raise NotALogError(
+            f"{path}: a folder of {len(files)} W&B runs; name one run folder or run file (e.g. {files[-1]})"
+        )
+    return files[0]
+
+
 def _pb():
     _require("wandb", "wandb")
     from wandb.proto import wandb_internal_pb2
@@ -42,7 +71,7 @@ class WandbFollower(OneFileFollower):
     format = "wandb"
 
     def __init__(self, path: str, keymap=None) -> None:
-        super().__init__(path, keymap)
+        super().__init__(_run_file(path), keymap)
         self._pb = _pb()
         self.offset = 0  # at a record boundary (after the file header once read)
         self.count = 0

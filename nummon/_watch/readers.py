@@ -14,7 +14,7 @@ from .read_hf import STATE_NAME, HfStateFollower
 from .read_jsonl import JsonlFollower
 from .read_mlflow import MlflowFollower, is_mlflow_source
 from .read_tb import TensorBoardFollower, is_event_file
-from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file
+from .read_wandb import WANDB_MAGIC, WandbFollower, is_wandb_file, wandb_run_files
 
 __all__ = ["FORMATS", "detect_format", "make_follower", "read_records"]
 
@@ -44,7 +44,7 @@ def detect_format(path: str) -> str:
             return "hf"
         if "metrics.csv" in top:
             return "csv"
-        if any(is_wandb_file(f) for f in top):
+        if any(is_wandb_file(f) for f in top) or wandb_run_files(path):
             return "wandb"
         raise NotALogError(f"{path}: a folder with no log nummon reads (use the folder as a watch root, or --format)")
     if _exists(path) and fs.stat(path) is None:
@@ -66,7 +66,10 @@ def detect_format(path: str) -> str:
             if not _exists(path)
             else f"{path}: not a regular file (a FIFO or device is never read)"
         )
-    head = fs.read_bytes(path, 0, fs.HEAD_BYTES)
+    try:
+        head = fs.read_bytes(path, 0, fs.HEAD_BYTES)
+    except OSError as e:  # EIO (a failing disk, /proc/self/mem), a permission taken away
+        raise NotALogError(f"{path}: cannot be read ({e.strerror or e})") from None
     if head.startswith(WANDB_MAGIC):
         return "wandb"
     text = head.lstrip()
@@ -106,7 +109,10 @@ def read_records(
     try:
         empty = 0
         while empty < 2:  # a whole-file format that fails to parse raises NotALogError
-            got = follower.poll(final=True)
+            try:
+                got = follower.poll(final=True)
+            except OSError as e:  # EIO while reading: one line naming the file, never a traceback
+                raise NotALogError(f"{path}: cannot be read ({e.strerror or e})") from None
             if warn is not None:
                 for line in follower.notes:
                     warn(line)

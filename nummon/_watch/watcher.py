@@ -19,15 +19,16 @@ from typing import IO, Any
 
 from .._errors import NummonError
 from .._policy import Policy
-from .announce import forgot_line, started_lines, watching_lines
+from .announce import forgot_line, pending_line, started_lines, stopped_line, watching_lines
 from .delivery import Delivery
 from .discovery import RunSpec, discover, root_is_here
-from .display import plural
+from .display import printable
 from .keymap import KeyMap
 from .notices import Notice, RunIncident
 from .output import CLOSE_TIMEOUT_S, Target
-from .read_mlflow import MlflowError
+from .read_mlflow import MlflowError, is_mlflow_source
 from .readers import make_follower
+from .remote import BackgroundAsk, RemoteFollower
 from .reports import RunMemory, WatchReports
 from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
@@ -104,6 +105,7 @@ class Watcher:
         self._seen: set[str] = set()  # runs picked up in this session
         # incident reports beside the state file (reports.py: on critical, at retire and stop)
         self.reports = WatchReports.beside(state_path, say=self.say) if state_path and policy.report.enabled else None
+        self.asks: BackgroundAsk | None = None  # live (set by `run`): remote sources are asked on their own threads
 
     def _load_state(self) -> dict[str, Any]:
         """Lock the state file and read it (the lock is let go again when it cannot be read)."""
@@ -138,7 +140,7 @@ class Watcher:
 
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
-        specs, problems = discover(self.roots, self.format, self.exclude)
+        specs, problems = discover(self.roots, self.format, self.exclude, self.asks)
         started: list[tuple[RunSpec, bool]] = []
         if self.shard is not None:
             specs = self.shard.select(specs, self.roots)
@@ -148,6 +150,9 @@ class Watcher:
                 self.say(p)
         self.specs = specs
         for run_id, spec in specs.items():
+            for rid in set(spec.covered) & set(self.runs):  # the same run's other log, read until its own appeared
+                self._retire(rid, keep=False)
+                self.say(printable(f"run {run_name(rid, self.roots)}: the same run as {run_name(run_id, self.roots)}"))
             if run_id in self.runs:
                 continue
             if run_id in self.bad:
@@ -209,8 +214,7 @@ class Watcher:
 
     def _start(self, spec: RunSpec) -> None:
         try:
-            follower = self._bounded(make_follower(spec.id, spec.format, self.keymap))
-            run = WatchedRun(spec.id, follower, self.policy)
+            run = WatchedRun(spec.id, self._follower(spec), self.policy)
         except (NummonError, ImportError, OSError) as e:  # not a log, a missing extra, a FIFO
             self._unhealthy(spec.id, str(e), spec)
             return
@@ -220,7 +224,7 @@ class Watcher:
             except (NummonError, ValueError, TypeError, KeyError) as e:
                 self.say(f"run {spec.id}: its saved state is not usable ({e}); reading it from the start")
                 run.close()
-                run = WatchedRun(spec.id, self._bounded(follower.__class__(spec.id, self.keymap)), self.policy)
+                run = WatchedRun(spec.id, self._follower(spec), self.policy)
         self.retired_sig.pop(spec.id, None)
         if self.reports is not None:
             run.memory = RunMemory()
@@ -234,9 +238,13 @@ class Watcher:
                     f"run {spec.id}: an observer failed on its start ({type(e).__name__}: {e})",
                 )
 
-    def _bounded(self, follower: Any) -> Any:
+    def _follower(self, spec: RunSpec) -> Any:
+        """The run's reader, bounded per pass; a remote run's, when live, on a thread of its own."""
+        follower = make_follower(spec.id, spec.format, self.keymap)
         if self.poll_bytes:
             follower.poll_bytes = int(self.poll_bytes)
+        if self.asks is not None and is_mlflow_source(spec.id):
+            return RemoteFollower(follower, self.asks.interval_s)
         return follower
 
     def _unhealthy(self, run_id: str, why: str, spec: RunSpec | None = None) -> None:
@@ -398,6 +406,7 @@ class Watcher:
                 self._drain(self.stop, _ONCE_DRAIN_S)
                 return
             found_at = 0.0
+            self.asks = BackgroundAsk(interval_s)
             while not self.stop.is_set():
                 # a pass that only goes on with backlogs finds no new runs (a big root is walked once an interval)
                 look = not self.backlog or time.monotonic() - found_at >= interval_s
@@ -407,6 +416,8 @@ class Watcher:
                 if not self.backlog:
                     self.stop.wait(interval_s)
         finally:
+            if self.asks is not None:
+                self.asks.close()
             self.close(timeout_s=interval_s)
 
     def _drain(self, stop: threading.Event, timeout_s: float | None) -> None:
@@ -416,10 +427,7 @@ class Watcher:
     def _summary(self, kept: int) -> str:
         """The last line: why the watcher stops and what it did in this session."""
         why = self.stop_reason or ("the --once pass is done" if self._once else "closed")
-        return (
-            f"stopped ({why}): {plural(len(self._seen), 'run')} watched, {plural(self.records_read, 'record')} read, "
-            f"{self.delivery.fates(kept)}"
-        )
+        return stopped_line(why, len(self._seen), self.records_read, self.delivery.fates(kept))
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -427,14 +435,8 @@ class Watcher:
             self._outbox_touched(self.delivery.close_asynchronous(deadline))
             pending = self.delivery.pending()
             if pending:
-                if self.state.path:
-                    self.say(
-                        f"{plural(pending, 'notification')} not delivered yet: kept in {self.state.path}, "
-                        "sent at the next start"
-                    )
-                else:
-                    self.delivery.lost += pending
-                    self.say(f"{plural(pending, 'notification')} not delivered and lost (no --state to keep them)")
+                self.delivery.lost += 0 if self.state.path else pending
+                self.say(pending_line(pending, self.state.path))
             self.save()
             if self.reports is not None:
                 self.reports.refresh_at_stop(

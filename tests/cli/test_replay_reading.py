@@ -132,9 +132,11 @@ def _tensorboard_event_file(tmp_path):
     return next((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_a_tensorboard_event_file_is_replayed_not_refused(tmp_path):
+def test_a_tensorboard_event_file_is_read_not_refused_and_its_emptiness_said(tmp_path):
     p = cli("replay", str(_tensorboard_event_file(tmp_path)))
-    assert p.returncode == 0 and "no alerts" in p.stdout and not p.stderr
+    assert p.returncode == 2 and "no alerts" not in p.stdout
+    (line,) = p.stderr.splitlines()
+    assert "no step records read" in line and "not a log" not in line
 
 
 @pytest.mark.parametrize(
