@@ -140,13 +140,22 @@ class StatsCollector:
 
     # ------------------------------------------------------------------ the step
     def launch(
-        self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True
+        self,
+        step: int,
+        loss: Any,
+        batch: Any = None,
+        params_due: bool = True,
+        optim_due: bool = True,
+        clip_norm: float | None = None,
     ) -> Pending:
-        """Launch this step's reductions and start the single device->host copy."""
+        """Launch this step's reductions and start the single device->host copy; `clip_norm`: the
+        max total gradient norm the loop clips to after this call (None: no clipping after it)."""
         with torch.no_grad():  # out= reductions over parameters; and nothing here is for autograd
-            return self._launch(step, loss, batch, params_due, optim_due)
+            return self._launch(step, loss, batch, params_due, optim_due, clip_norm)
 
-    def _launch(self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool) -> Pending:
+    def _launch(
+        self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool, clip_norm: float | None
+    ) -> Pending:
         self._refresh()
         params = self.watched.params
         dev = params[0].device if params else self.device  # the model may have moved
@@ -162,6 +171,7 @@ class StatsCollector:
             self._extremes_due(step, params_due),
             dev,
             self.dist is not None,
+            clip_norm=clip_norm,
         )
         for family in FAMILIES:
             s.segments += family.launch(self, s)
