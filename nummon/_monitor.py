@@ -236,6 +236,9 @@ class Monitor:
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 self._evaluate(*pending)
+            for ev in self.engine.close(self.step - 1):  # an incident whose run became healthy again ends
+                self.incidents.append(ev)
+                self._sinks.incident(ev)
             self._closed = True
             self.stats.remove_hooks()
             if self.recovery is not None:  # recovery: give optimizer.step back
