@@ -116,3 +116,91 @@ def test_a_falling_or_wobbling_start_with_one_hard_batch_stays_quiet(seed, start
     if at < n:
         losses[at] *= hard
     assert [a for a in loud(losses, every=10) if a.kind in INSTABILITY] == []
+
+
+GRAD_MESSAGE = re.compile(
+    r"grad_norm climbed (\d+) records in a row within its first (\d+), each above every earlier one, and stands "
+    r"at (\S+): (\S+)x the highest before the climb \((\S+)\), while the loss stands (\S+)x its highest before "
+    r"its own climb \((\S+)\); a start too short for a window"
+)
+
+
+def test_a_lora_grad_norm_60x_up_over_six_records_while_the_loss_doubles_warns():
+    """From the first record: grad norm 0.27 -> 23 over six records, the loss 1.2 -> 2.4."""
+    norms = [0.27, 0.6, 1.5, 4.0, 9.0, 17.0, 23.0, 21.0, 19.0]
+    losses = [1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.4, 2.4]
+    got = [a for a in loud(losses, norms, every=10) if a.kind is AlertKind.EXPLOSION]
+    assert got and got[0].step == 30, [str(a) for a in got]
+    m = GRAD_MESSAGE.fullmatch(got[0].message)
+    assert m and m.groups() == ("3", "4", "4", "14.8", "0.27", "1.5", "1.2"), got[0].message
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    pre=st.integers(0, 4),
+    g0=st.floats(1e-3, 1e3),
+    grad_rate=st.floats(1.5, 4.0),
+    loss_rate=st.floats(1.02, 1.3),
+    length=st.integers(3, 6),
+)
+def test_a_gradient_climb_beside_a_climbing_loss_warns_with_true_numbers(seed, pre, g0, grad_rate, loss_rate, length):
+    """`pre` falling records, then `length` records where the grad norm and the loss each climb
+    (every record a new high of both): an explosion warning comes by the first record where the grad norm has climbed 3 records to 10x its highest earlier value and
+    the loss 1.5x its own; when the climb rule says it, there and with the records' numbers."""
+    rng = random.Random(seed)
+    norms = sorted((g0 * math.exp(0.1 * rng.uniform(-1, 1)) for _ in range(pre + 1)), reverse=True)
+    losses = [3.0 * 0.98**i for i in range(pre + 1)]
+    gbase, lbase = norms[0], losses[0]
+    norms += [gbase * grad_rate ** (k + 1) for k in range(length)]
+    losses += [lbase * loss_rate ** (k + 1) for k in range(length)]
+    want = next(
+        (k for k in range(3, length + 1) if norms[pre + k] >= 10 * gbase and losses[pre + k] >= 1.5 * lbase),
+        None,
+    )
+    eng = HealthEngine(P)
+    found = [
+        f
+        for i, (v, g) in enumerate(zip(losses, norms))
+        for f in eng.step(StepRecord(step=i, loss=v, grad_norm=g)).alerts
+        if f.kind is AlertKind.EXPLOSION and not f.cleared
+    ]
+    if want is None:
+        assert [f for f in found if f.details.get("rule") == "early_climb"] == []
+        return
+    first = found[0]
+    assert first.step <= pre + want
+    if first.details.get("rule") != "early_climb":  # the jump rule saw it first (25x the median)
+        return
+    assert first.step == pre + want
+    m = GRAD_MESSAGE.fullmatch(first.message)
+    assert m, first.message
+    records, seen, now, ratio, before, lratio, lbefore = m.groups()
+    v, lv = norms[pre + want], losses[pre + want]
+    assert int(records) == want and int(seen) == pre + 1 + want
+    assert _close(now, v) and _close(before, gbase) and _close(ratio, v / gbase, 3)
+    assert _close(lratio, lv / lbase, 3) and _close(lbefore, lbase)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(4, 12),
+    g0=st.floats(1e-3, 1e3),
+    up=st.floats(10.0, 200.0),
+    wobble=st.floats(0.0, 0.1),
+)
+def test_a_warm_up_whose_grad_norm_climbs_under_a_level_loss_is_no_gradient_climb(seed, n, g0, up, wobble):
+    """The gradient norm climbs 10-200x over the first records as the learning rate ramps up,
+    while the loss stays within 10% of where it started: the climb rule stays quiet."""
+    rng = random.Random(seed)
+    norms = [g0 * up ** (i / (n - 1)) for i in range(n)]
+    losses = [2.0 * math.exp(wobble * rng.uniform(-1, 1)) for _ in range(n)]
+    eng = HealthEngine(P)
+    found = [
+        a
+        for i, (v, g) in enumerate(zip(losses, norms))
+        for a in eng.step(StepRecord(step=i, loss=v, grad_norm=g)).alerts
+        if a.details.get("rule") == "early_climb"
+    ]
+    assert found == []
