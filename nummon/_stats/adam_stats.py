@@ -263,24 +263,22 @@ class AdamStatistics:
     def measure(
         self, stepped: bool, steps_seen: int, clip_scale: Callable[[], torch.Tensor | None] | None = None
     ) -> tuple[list[str], list[Segment], float, float]:
-        """(tensor names, segments, gradient elements the |g| < eps counts are out of, the
-        largest bound sqrt((1 - beta2^t) / (1 - beta2)) of the ratio over the groups measured);
-        `stepped`: the caller's guess whether optimizer.step() already ran for this gradient (the
-        hooks' answer wins where they have one); `steps_seen`: a host count of the optimizer's
-        steps (for a fused / capturable one, whose step count is on the device); `clip_scale`:
-        gives the factor the loop's norm clipping will scale the gradients by before the step
-        (only read when the step has not run yet: Adam will see the clipped gradient)."""
+        """(tensor names, segments, gradient elements the |g| < eps counts are out of, the largest
+        bound sqrt((1 - beta2^t) / (1 - beta2)) of the ratio over the groups measured); `stepped`:
+        the caller's guess whether optimizer.step() already ran for this gradient (the hooks' answer
+        wins); `steps_seen`: a host count of the optimizer's steps (a fused / capturable one keeps
+        its count on the device); `clip_scale`: the loop's clipping factor, read only before the
+        step (Adam will see the clipped gradient)."""
         stepped = self.stepped(stepped)
         scale = clip_scale() if clip_scale is not None and not stepped else None
         names: list[str] = []
-        rms, small, upd = [], [], []
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rms, small, update) per group
         elements, bound = 0.0, 0.0
         for gi, group in enumerate(self.optimizer.param_groups):
             betas = group.get("betas")
             if betas is None or "eps" not in group:
                 continue
-            g = self._group(gi, group)
-            if g is None:
+            if (g := self._group(gi, group)) is None:
                 continue
             grads = list(map(_grad_of, g.ps))
             missing = {k for k, x in enumerate(grads) if x is None or x.is_sparse}
@@ -305,14 +303,12 @@ class AdamStatistics:
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
-            group_rms, group_small, group_upd = _group_statistics(
-                flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None, scale
+            parts.append(
+                _group_statistics(flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None, scale)
             )
-            rms.append(group_rms)
-            small.append(group_small)
-            upd.append(group_upd)
         if not names:
             return [], [], 0.0, 0.0
+        rms, small, upd = zip(*parts)
         return (
             names,
             [

@@ -158,9 +158,8 @@ class StatsCollector:
     ) -> Pending:
         self._refresh()
         params = self.watched.params
-        dev = params[0].device if params else self.device  # the model may have moved
-        if isinstance(loss, torch.Tensor):
-            dev = loss.device
+        # the loss's device, else the model's (it may have moved)
+        dev = loss.device if isinstance(loss, torch.Tensor) else params[0].device if params else self.device
         close = self._watch_closely(step)  # while an incident is open or after a non-finite step
         s = LaunchStep(
             step,
