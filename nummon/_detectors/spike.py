@@ -11,12 +11,24 @@ from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
 from .climb import Climb
 
-__all__ = ["SpikeDetector", "LOSS_MIN_FACTOR", "NOISE_MULTIPLE", "GRAD_CLIMB_RECORDS", "LOSS_CLIMB_FACTOR"]
+__all__ = [
+    "SpikeDetector",
+    "LOSS_MIN_FACTOR",
+    "LOSS_NOISE_FLOOR",
+    "NOISE_MULTIPLE",
+    "GRAD_CLIMB_RECORDS",
+    "LOSS_CLIMB_FACTOR",
+]
 
 #: The smallest jump of a smooth loss that is a spike (ratio to its recent median), and how many
 #: of its robust standard deviations (log10) a jump must exceed to count below `loss_factor`.
 LOSS_MIN_FACTOR = 2.0
 NOISE_MULTIPLE = 8.0
+#: ... and with a full window, down to this factor where the jump is `NOISE_MULTIPLE` of the loss's
+#: own sigmas (an LM pretraining loss near 3.8 nats, 1-2% noise, that jumps 1.9x in one record is
+#: 40 of them). The healthy tuning logs' largest such jump is 1.39x (at 14 sigmas); the largest at
+#: 1.5x or more stands 5.4 sigmas.
+LOSS_NOISE_FLOOR = 1.6
 #: While the history is short the factors are raised (a baseline of a few records is uncertain),
 #: unless the gradient norm bears the loss out: a smooth loss (at least `SHORT_RUN` records) that
 #: doubles while grad_norm stands `grad_factor` x its level or more at that record or within the
@@ -99,7 +111,7 @@ class SpikeDetector:
         lv = F.log10_safe(v)
         # the loss's threshold scales with its own noise: a smooth loss that doubles has
         # spiked (a large model's 2.2 -> 5), a noisy one needs up to `loss_factor`
-        floor = factor if short or not is_loss else min(factor, LOSS_MIN_FACTOR)
+        floor = factor if short or not is_loss else min(factor, LOSS_NOISE_FLOOR)
         # cheap pre-check: below floor x the smallest recent value it cannot be a jump
         if len(hist) < p.min_history or lv - min(hist) < math.log10(floor):
             return None
@@ -113,6 +125,12 @@ class SpikeDetector:
             return None
         base = F.pow10(m_log)
         why = ""
+        if is_loss and not short and F.pow10(up) < LOSS_MIN_FACTOR:  # under 2x: the noise says it
+            why = (
+                f", {up / sigma:.3g} times its recent noise (1.4826 MAD of log10 loss: {sigma:.3g})"
+                if sigma > 0
+                else ", on a loss that had not varied at all"
+            )
         if borne_out:
             why = (
                 f", with grad_norm {witness:.3g}x its level within the last {GRAD_WITNESS_RECORDS} "
