@@ -24,11 +24,12 @@ __all__ = [
 #: of its robust standard deviations (log10) a jump must exceed to count below `loss_factor`.
 LOSS_MIN_FACTOR = 2.0
 NOISE_MULTIPLE = 8.0
-#: ... and with a full window, down to this factor where the jump is `NOISE_MULTIPLE` of the loss's
-#: own sigmas (an LM pretraining loss near 3.8 nats, 1-2% noise, that jumps 1.9x in one record is
-#: 40 of them). The healthy tuning logs' largest such jump is 1.39x (at 14 sigmas); the largest at
-#: 1.5x or more stands 5.4 sigmas.
+#: ... and, once `NOISE_FLOOR_RECORDS` losses have measured the noise, down to this factor where the
+#: jump is `NOISE_MULTIPLE` of the loss's own sigmas (an LM pretraining loss near 3.8 nats, 1-2%
+#: noise, that jumps 1.9x in one record is 40 of them). The healthy tuning logs' largest such jump
+#: is 1.39x (at 14 sigmas); the largest at 1.5x or more stands 5.4 sigmas.
 LOSS_NOISE_FLOOR = 1.6
+NOISE_FLOOR_RECORDS = 20
 #: While the history is short the factors are raised (a baseline of a few records is uncertain),
 #: unless the gradient norm bears the loss out: a smooth loss (at least `SHORT_RUN` records) that
 #: doubles while grad_norm stands `grad_factor` x its level or more at that record or within the
@@ -111,7 +112,11 @@ class SpikeDetector:
         lv = F.log10_safe(v)
         # the loss's threshold scales with its own noise: a smooth loss that doubles has
         # spiked (a large model's 2.2 -> 5), a noisy one needs up to `loss_factor`
-        floor = factor if short or not is_loss else min(factor, LOSS_NOISE_FLOOR)
+        floor = (
+            factor
+            if short or not is_loss
+            else min(factor, LOSS_NOISE_FLOOR if len(hist) >= NOISE_FLOOR_RECORDS else LOSS_MIN_FACTOR)
+        )
         # cheap pre-check: below floor x the smallest recent value it cannot be a jump
         if len(hist) < p.min_history or lv - min(hist) < math.log10(floor):
             return None

@@ -93,3 +93,10 @@ def test_a_smooth_loss_with_a_bump_of_at_most_1_4x_stays_quiet(seed, n, level, n
     losses = _curve(seed, n, level, max(noise, 1e-4))
     losses[at] *= bump
     assert [a for a in _loud(losses) if a.kind is AlertKind.LOSS_SPIKE] == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(8, 19), jump=st.floats(1.6, 1.95))
+def test_before_twenty_records_have_measured_the_noise_a_jump_under_2x_is_not_a_spike(seed, n, jump):
+    losses = _curve(seed, n, 3.8, 0.01)
+    assert [a for a in _loud(losses + [losses[-1] * jump]) if a.kind is AlertKind.LOSS_SPIKE] == []
