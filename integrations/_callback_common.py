@@ -208,6 +208,12 @@ def summary_line(monitor: Any, first_step: int, events_path: Path) -> str:
             f": {count} incident{'s' if count != 1 else ''}, worst state {worst.state.value}; "
             f"the worst moment: step {worst.step}, {what}" + (f" in {plain_text(where)}" if where else "")
         )
+        last = monitor.incidents[-1]
+        text += (
+            f"; incident {last.number} ended at step {last.step}"
+            if last.state.value == "resolved"
+            else f"; incident {last.number} still open at the end"
+        )
     text += f"; events in {events_path}"
     if monitor.flight_record is not None:
         text += f", flight record {monitor.flight_record}"

@@ -346,6 +346,11 @@ class HealthEngine:
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
         return EngineStep(alerts, health, events, detail_on=self._incidents.state.active)
 
+    def close(self, step: int) -> tuple[IncidentEvent, ...]:
+        """The run ended at `step` (its last record): the incident event that ends an incident
+        whose conditions had all cleared (none when one is still open or none was)."""
+        return tuple(self._incidents.close(step))
+
     def finish(self, got: EngineStep, ev: StepEvidence) -> StepOutcome:
         """The step's outcome: its alerts completed with the evidence (cause, verdict, what
         recovery did, flight record, rank, batch), its incident events (recovery's actions

@@ -28,7 +28,7 @@ _BASE = {
     AlertKind.OUTPUT_LOGITS: "add z-loss to the loss: 1e-4 * logsumexp(logits, -1).pow(2).mean() (PaLM; OLMo 2 uses 1e-5); "
     "or lower the LR",
     AlertKind.ADAM_SECOND_MOMENT: "lower the LR or Adam's beta2 (0.95 tracks g² faster than 0.999), lengthen the warm-up, "
-    "and clip gradients; a loss spike often follows within 1-8 steps",
+    "and clip gradients; in large transformers a loss spike often follows within 1-8 steps (Wortsman et al. 2023)",
     AlertKind.REPLICA_MISMATCH: "drain and replace the node of the named rank(s) and resume from the last checkpoint: "
     "replicas that should be bit-identical differ (silent data corruption); lowering the LR will not help",
     AlertKind.VANISHING: "some layers get no gradient: check activations (saturating sigmoid/tanh), "

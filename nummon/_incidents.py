@@ -111,6 +111,17 @@ class IncidentTracker:
             return []
         return [self._event(step, previous)]
 
+    def close(self, step: int) -> list[IncidentEvent]:
+        """The run ended at `step`: an incident whose every condition had cleared, with no alert
+        since, ends here (resolved) rather than staying open for want of `quiet_steps` more
+        steps; one still open stays open. Zero or one event."""
+        if not self.state.active or self._settled_at is None or step < self._settled_at:
+            return []
+        previous, self.state = self.state, IncidentState.RESOLVED
+        self._open.clear()
+        self._settled_at = None
+        return [self._event(step, previous)]
+
     def acted(self, step: int, alert: Alert, action: str) -> IncidentEvent:
         """An event saying what was done about the incident (a rollback, a recovery that gave
         up): always one, whatever the state; the incident stays open, at least as a warning."""

@@ -154,7 +154,7 @@ class Monitor:
         `optimizer.step()`, or recovery skipped the poisoned update. `clip_norm` (optional: the
         max total gradient norm the loop clips to, e.g. Lightning's `gradient_clip_val`) gives
         the record its `clip_ratio`, min(1, clip_norm / grad_norm), when nummon did not see the
-        clipping itself. `per_sample_loss` (optional: a tensor of this batch's losses per sample,
+        clipping itself, and Adam's statistics the clipped gradient the optimizer will apply. `per_sample_loss` (optional: a tensor of this batch's losses per sample,
         any shape) puts the max/mean ratio and the indices of the worst samples into the record,
         and so into alerts, incidents and the flight record ("the batch that did it").
         """
@@ -181,7 +181,9 @@ class Monitor:
         sp = self.policy.sampling
         if per_sample_loss is not None and self.stats.mechanisms is not None:
             self.stats.mechanisms.per_sample(per_sample_loss)
-        pending = self.stats.launch(s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s))
+        pending = self.stats.launch(
+            s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s), clip_norm=clip_norm
+        )
         hist = None
         if self._hist_every and self._hist_due(s):
             hist = self.stats.histograms()
@@ -234,6 +236,9 @@ class Monitor:
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 self._evaluate(*pending)
+            for ev in self.engine.close(self.step - 1):  # an incident whose run became healthy again ends
+                self.incidents.append(ev)
+                self._sinks.incident(ev)
             self._closed = True
             self.stats.remove_hooks()
             if self.recovery is not None:  # recovery: give optimizer.step back

@@ -136,7 +136,7 @@ class AdamMomentPolicy(_Section):
     warning_rms: float = Field(
         3.0,
         gt=1,
-        description="warning when a tensor's RMS(g_t / sqrt(v_hat_t)) exceeds this, where v_t = beta2 v_{t-1} + (1 - beta2) g_t^2 includes the gradient itself and v_hat_t = v_t / (1 - beta2^t): about 1 when v tracks g², at most sqrt((1 - beta2^t) / (1 - beta2)) at Adam step t (3.3 at step 11 and 31.6 in the long run for beta2 0.999; 4.5 for 0.95) (ratio)",
+        description="warning when a tensor's RMS(g_t / sqrt(v_hat_t)) exceeds this, where v_t = beta2 v_{t-1} + (1 - beta2) g_t^2 includes the gradient itself and v_hat_t = v_t / (1 - beta2^t): about 1 when v tracks g², at most sqrt((1 - beta2^t) / (1 - beta2)) at Adam step t (3.3 at step 11 and 31.6 in the long run for beta2 0.999; 4.5 for 0.95); g_t is the gradient Adam applies, after the loop's norm clipping when post_step gets clip_norm. Measured over every step of a tiny AdamW regressor (tests/detectors/test_adam_clip_quiet.py), the highest of two consecutive steps' ratio over the level (3 or bound_fraction of the bound): healthy runs (112 seeds, lr 1e-3 to 1e-2, with and without clipping, and 12 that spike and recover) at most 0.70, runaways (learning rate growing 1.1x and 1.2x a step, 24 seeds) at least 1.11 (ratio)",
     )
     critical_rms: float | None = Field(
         None,

@@ -9,9 +9,20 @@ from .. import _functional as F
 from .._policy import DivergencePolicy
 from .._text import fmt_num
 from .._types import AlertKind, Finding, Severity, StepRecord
+from .climb import Climb
 from .trend import StartLevel
 
-__all__ = ["DivergenceDetector"]
+__all__ = ["DivergenceDetector", "CLIMB_RECORDS", "CLIMB_FACTOR", "JUMP_FACTOR"]
+
+#: A run's first records (a climb that began within `EARLY_RECORDS`), judged without a window:
+#: a warning when `CLIMB_RECORDS` records in a row each stand above every earlier loss and the
+#: last is `CLIMB_FACTOR` x the highest loss before them (a CE loss up 75% over 5 records into
+#: NaN), or when two records in a row each stand `JUMP_FACTOR` x above every earlier loss (one
+#: hard batch doubles a fine-tune's first loss and is gone the next record: two in a row are a
+#: climb). A falling or wobbling start has no such run of new highs.
+CLIMB_RECORDS = 4
+CLIMB_FACTOR = 1.5
+JUMP_FACTOR = 2.0
 
 
 class DivergenceDetector:
@@ -44,12 +55,24 @@ class DivergenceDetector:
         self._steps: deque[float] = deque(maxlen=p.noise_records)  # |change of ln loss| per record
         self._last: float | None = None
         self._candidates = 0  # smoothed medians the best is the lowest of
+        self._climb = Climb()  # the loss's run of new highs at the start
+        # (highest loss before the climb, the factor crossed, peak, records, losses seen) once warned
+        self._climbed: tuple[float, float, float, int, int] | None = None
 
     def update(self, rec: StepRecord) -> list[Finding]:
         base = self._level.observe(rec)
         if not F.is_finite(rec.loss):
             return []
         loss = float(rec.loss)
+        self._climb.add(loss)
+        held = self._held(base, loss)
+        if held:
+            return held
+        climb = self._early_climb(loss)
+        return [climb] if climb is not None else []
+
+    def _held(self, base: float | None, loss: float) -> list[Finding]:
+        """The held median far above the starting level (or, a warning, far above the best)."""
         self._recent.append(loss)
         self._smooth.append(loss)
         if self._last is not None and self._last > 0 and loss > 0:
@@ -72,19 +95,51 @@ class DivergenceDetector:
         elif warn:
             sev, thr = Severity.WARNING, self._p.warning_factor
         else:
-            return self._rebound(held, base, rec.loss)
+            return self._rebound(held, base, loss)
         return [
             Finding(
                 AlertKind.DIVERGENCE,
                 sev,
                 "loss",
-                rec.loss,
+                loss,
                 base * thr,
                 f"loss has held around {fmt_num(held)} (median of the last {self._p.patience} records), "
                 f"{ratio:.3g}x its starting level {fmt_num(base)}",
                 details={"ratio": ratio, "baseline": base},
             )
         ]
+
+    def _early_climb(self, loss: float) -> Finding | None:
+        """Warning: at the start of a run, a climb of new highs (see `CLIMB_RECORDS`); it holds
+        while the loss stays at or above the level it crossed."""
+        c = self._climb
+        if c.early and c.records >= 2:
+            if c.records >= CLIMB_RECORDS and c.ratio(loss) >= CLIMB_FACTOR:
+                self._climbed = (c.base, CLIMB_FACTOR, loss, c.records, c.seen)
+            elif c.low >= JUMP_FACTOR * c.base:
+                self._climbed = (c.base, JUMP_FACTOR, loss, c.records, c.seen)
+        if self._climbed is None:
+            return None
+        base, thr, peak, records, seen = self._climbed
+        if loss < base * thr:
+            self._climbed = None
+            return None
+        if loss > peak:  # still climbing: a new high
+            if c.base == base:
+                records, seen = c.records, c.seen
+            peak = loss
+            self._climbed = (base, thr, peak, records, seen)
+        return Finding(
+            AlertKind.DIVERGENCE,
+            Severity.WARNING,
+            "loss",
+            loss,
+            base * thr,
+            f"loss climbed {records} records in a row within its first {seen}, each above every earlier one, "
+            f"to {fmt_num(peak)}, and stands at {fmt_num(loss)}: {loss / base:.3g}x the highest before the climb "
+            f"({fmt_num(base)}); a start too short for a window",
+            details={"ratio": loss / base, "baseline": base, "records": records, "peak": peak, "rule": "early_climb"},
+        )
 
     def _noise(self) -> float:
         """The loss's typical change from one record to the next (median |change of ln loss|)."""

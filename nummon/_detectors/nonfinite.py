@@ -260,11 +260,25 @@ class NonfiniteDetector:
             parts[0],
             None,
             None,
-            f"non-finite {', '.join(dict.fromkeys(parts))} beside a finite loss within its noise{in_a_row}: in a log, "
+            f"non-finite {', '.join(dict.fromkeys(parts))} beside a finite loss {self._loss_words(rec.loss)}{in_a_row}: "
+            "in a log, "
             "the mark of a loss scaler (fp16 AMP) skipping the step; critical if the loss jumps or shifts after it, or "
             f"if it lasts {self._p.log_skip_records} records",
             location=parts[0],
             details={"parts": list(dict.fromkeys(parts)), "records": self._skips, "rule": "log_skip"},
+        )
+
+    def _loss_words(self, loss: float) -> str:
+        """How the loss beside a skip reading stands: within its noise, or (fewer than
+        `_MIN_LOSSES` earlier losses) against a history too short to measure a noise."""
+        n = len(self._losses)
+        if n >= _MIN_LOSSES:
+            return "within its noise"
+        if n == 0:
+            return "(no earlier loss: no history to measure its noise)"
+        ratio = loss / median([10.0**x for x in self._losses])
+        return (
+            f"({ratio:.3g}x the median of the {n} loss{'es' if n != 1 else ''} before it: too few to measure its noise)"
         )
 
     def _shift_reference(self, step: int) -> tuple[int, float, float, list[float]] | None:

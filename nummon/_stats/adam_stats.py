@@ -132,17 +132,21 @@ def _group_statistics(
     eps_lr: tuple[float, float],
     stepped: bool,
     present: list[int] | None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tensor of one parameter group: (RMS of g / sqrt(v_hat_t), the estimated count of
     |g| < eps, ||update|| / ||param||), from `flat`, the group's sampled (parameter, exp_avg,
     exp_avg_sq, gradient) end to end; `t`: the state's step count (host float or device tensor),
     `stepped`: whether the state already holds this gradient; `present`: the tensors to keep
-    (those with a gradient), or None for all."""
+    (those with a gradient), or None for all; `scale`: the clipping factor the gradient will be
+    multiplied by before the step (None: 1)."""
     b1, b2 = betas
     eps, lr = eps_lr
     P, M, V, G = flat.float().reshape(4, s.width).unbind(0)
     if isinstance(t, torch.Tensor):
         t = t.to(G.device, torch.float32)
+    if scale is not None:  # the gradient Adam will divide by its second moment: after clipping
+        G = G * scale.to(G.device, G.dtype)
     g2 = G * G
     # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
     # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
@@ -256,22 +260,25 @@ class AdamStatistics:
         )
         return out
 
-    def measure(self, stepped: bool, steps_seen: int) -> tuple[list[str], list[Segment], float, float]:
-        """(tensor names, segments, gradient elements the |g| < eps counts are out of, the
-        largest bound sqrt((1 - beta2^t) / (1 - beta2)) of the ratio over the groups measured);
-        `stepped`: the caller's guess whether optimizer.step() already ran for this gradient (the
-        hooks' answer wins where they have one); `steps_seen`: a host count of the optimizer's
-        steps (for a fused / capturable one, whose step count is on the device)."""
+    def measure(
+        self, stepped: bool, steps_seen: int, clip_scale: Callable[[], torch.Tensor | None] | None = None
+    ) -> tuple[list[str], list[Segment], float, float]:
+        """(tensor names, segments, gradient elements the |g| < eps counts are out of, the largest
+        bound sqrt((1 - beta2^t) / (1 - beta2)) of the ratio over the groups measured); `stepped`:
+        the caller's guess whether optimizer.step() already ran for this gradient (the hooks' answer
+        wins); `steps_seen`: a host count of the optimizer's steps (a fused / capturable one keeps
+        its count on the device); `clip_scale`: the loop's clipping factor, read only before the
+        step (Adam will see the clipped gradient)."""
         stepped = self.stepped(stepped)
+        scale = clip_scale() if clip_scale is not None and not stepped else None
         names: list[str] = []
-        rms, small, upd = [], [], []
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rms, small, update) per group
         elements, bound = 0.0, 0.0
         for gi, group in enumerate(self.optimizer.param_groups):
             betas = group.get("betas")
             if betas is None or "eps" not in group:
                 continue
-            g = self._group(gi, group)
-            if g is None:
+            if (g := self._group(gi, group)) is None:
                 continue
             grads = list(map(_grad_of, g.ps))
             missing = {k for k, x in enumerate(grads) if x is None or x.is_sparse}
@@ -296,14 +303,12 @@ class AdamStatistics:
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
-            group_rms, group_small, group_upd = _group_statistics(
-                flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None
+            parts.append(
+                _group_statistics(flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None, scale)
             )
-            rms.append(group_rms)
-            small.append(group_small)
-            upd.append(group_upd)
         if not names:
             return [], [], 0.0, 0.0
+        rms, small, upd = zip(*parts)
         return (
             names,
             [

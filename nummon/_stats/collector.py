@@ -140,18 +140,26 @@ class StatsCollector:
 
     # ------------------------------------------------------------------ the step
     def launch(
-        self, step: int, loss: Any, batch: Any = None, params_due: bool = True, optim_due: bool = True
+        self,
+        step: int,
+        loss: Any,
+        batch: Any = None,
+        params_due: bool = True,
+        optim_due: bool = True,
+        clip_norm: float | None = None,
     ) -> Pending:
-        """Launch this step's reductions and start the single device->host copy."""
+        """Launch this step's reductions and start the single device->host copy; `clip_norm`: the
+        max total gradient norm the loop clips to after this call (None: no clipping after it)."""
         with torch.no_grad():  # out= reductions over parameters; and nothing here is for autograd
-            return self._launch(step, loss, batch, params_due, optim_due)
+            return self._launch(step, loss, batch, params_due, optim_due, clip_norm)
 
-    def _launch(self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool) -> Pending:
+    def _launch(
+        self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool, clip_norm: float | None
+    ) -> Pending:
         self._refresh()
         params = self.watched.params
-        dev = params[0].device if params else self.device  # the model may have moved
-        if isinstance(loss, torch.Tensor):
-            dev = loss.device
+        # the loss's device, else the model's (it may have moved)
+        dev = loss.device if isinstance(loss, torch.Tensor) else params[0].device if params else self.device
         close = self._watch_closely(step)  # while an incident is open or after a non-finite step
         s = LaunchStep(
             step,
@@ -162,6 +170,7 @@ class StatsCollector:
             self._extremes_due(step, params_due),
             dev,
             self.dist is not None,
+            clip_norm=clip_norm,
         )
         for family in FAMILIES:
             s.segments += family.launch(self, s)

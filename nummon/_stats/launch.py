@@ -76,6 +76,7 @@ class LaunchStep:
     acts: Any = None  # an ActivationStep
     mech: Any = None  # a MechanismStep: the names behind the sampled mechanism segments
     batch_tensors: list[torch.Tensor] | None = None
+    clip_norm: float | None = None  # the max total norm the loop clips to after post_step (None: none)
 
 
 class ClipAnchors:
@@ -212,8 +213,22 @@ def launch_activations(c: Collecting, s: LaunchStep) -> list[Segment]:
 def launch_mechanisms(c: Collecting, s: LaunchStep) -> list[Segment]:
     if c.mechanisms is None:
         return []
-    s.mech, segs = c.mechanisms.take(s.distributed, s.loss)
+    s.mech, segs = c.mechanisms.take(s.distributed, s.loss, lambda: _clip_scale(s))
     return segs
+
+
+def _clip_scale(s: LaunchStep) -> torch.Tensor | None:
+    """The factor the loop's norm clipping will scale today's gradients by, on the device, as
+    torch.nn.utils.clip_grad_norm_ computes it: min(1, clip_norm / (total norm + 1e-6)); None
+    when the loop does not clip after post_step. Adam divides that clipped gradient by its second
+    moment, so its statistics must see it, not the gradient before clipping."""
+    if s.clip_norm is None:
+        return None
+    norms = next((seg.tensor for seg in s.segments if seg.name == "grad_norms"), None)
+    if norms is None:
+        return None
+    total = norms.float().square().sum().sqrt()
+    return (s.clip_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def launch_batch(c: Collecting, s: LaunchStep) -> list[Segment]:

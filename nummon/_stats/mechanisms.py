@@ -21,6 +21,7 @@ capture, leaving no trace (random generators, buffers, activation probes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,9 +187,12 @@ class MechanismProbes:
         self._samples = torch.cat([ratio, top])
 
     # ------------------------------------------------------------------ the step
-    def take(self, distributed: bool, loss: Any = None) -> tuple[MechanismStep, list[Segment]]:
+    def take(
+        self, distributed: bool, loss: Any = None, clip_scale: Callable[[], torch.Tensor | None] | None = None
+    ) -> tuple[MechanismStep, list[Segment]]:
         """This step's segments (empty when it was not sampled); resets for the next step.
-        `loss`: the step's loss, as `post_step` got it."""
+        `loss`: the step's loss, as `post_step` got it; `clip_scale`: gives the factor the loop's
+        clipping will scale today's gradients by before the optimizer step (None: no clipping)."""
         replay = self.replay
         if self._traced and replay is not None and not replay.active and not self.forward_off:
             self._compiled()
@@ -213,7 +217,7 @@ class MechanismProbes:
                 cap.reset()
             if self.adam is not None:
                 try:
-                    names, adam_segs, elements, bound = self.adam.measure(self._stepped, self._steps_seen)
+                    names, adam_segs, elements, bound = self.adam.measure(self._stepped, self._steps_seen, clip_scale)
                 except Exception:  # a probe must never break the user's step (e.g. a group across devices)
                     self._errors += 1
                     names, adam_segs, elements, bound = [], [], 0.0, 0.0

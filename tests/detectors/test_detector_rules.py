@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon._detectors import DivergenceDetector, StartLevel
 from nummon._engine import HealthEngine
+from nummon._hints import hint_for
 
 
 def kinds(alerts):
@@ -104,8 +106,15 @@ def test_a_loss_held_three_times_above_its_best_is_a_divergence_warning():
     got = loud(zip(range(25, 225, 25), losses))
     assert kinds(got) == [AlertKind.DIVERGENCE]
     assert got[0].severity is Severity.WARNING and got[0].step <= 175
-    assert got[0].details["rule"] == "rebound"
-    assert "best it had reached" in got[0].hint  # not "far above where it started"
+    # two records in a row each 2x above every earlier loss: the start's climb warns first, and the
+    # condition stays open (no clear, no second alert) while the rebound rule takes over
+    assert got[0].details["rule"] == "early_climb" and got[0].step == 100
+    eng = HealthEngine(P)
+    held = [eng.step(StepRecord(step=s, loss=v)) for s, v in zip(range(25, 225, 25), losses)][-1]
+    assert held.health.value == "incident"
+    rebound = DivergenceDetector(P.divergence, StartLevel(P.trend.baseline_records))
+    found = [f for s, v in zip(range(25, 225, 25), losses) for f in rebound.update(StepRecord(step=s, loss=v))]
+    assert found[-1].details["rule"] == "rebound" and "best it had reached" in hint_for(found[-1])
 
 
 def test_a_spike_of_two_records_that_recovers_is_no_rebound():

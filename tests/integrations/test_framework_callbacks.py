@@ -181,7 +181,8 @@ START = re.compile(
 )
 SUMMARY = re.compile(
     r"nummon: finished watching (\d+) steps?: (?:no incident|(\d+) incidents?, worst state (\w+); the worst "
-    r"moment: step (\d+), (.+?)); events in (.+?)(?:, flight record (.+))?$"
+    r"moment: step (\d+), (.+?); incident (\d+) (?:ended at step (\d+)|still open at the end)); events in (.+?)"
+    r"(?:, flight record (.+))?$"
 )
 
 
@@ -208,13 +209,17 @@ def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path)
     )
     assert Path(events).is_file() and Path(flight_dir).is_dir()
 
-    steps, count, worst_state, worst_step, what, events_again, flight = end.groups()
+    steps, count, worst_state, worst_step, what, last_number, ended_at, events_again, flight = end.groups()
     opened = [e for e in cb.monitor.incidents if e.state.rank >= 1]
     worst = max(e.state.rank for e in opened)
     assert int(steps) == len(memory.records)
     assert int(count) == len({e.number for e in opened}) >= 1
     assert worst_state == next(e.state.value for e in opened if e.state.rank == worst)
     assert int(worst_step) == min(e.step for e in opened if e.state.rank == worst)
+    last = cb.monitor.incidents[-1]
+    assert int(last_number) == last.number
+    assert (ended_at is not None) == (last.state.value == "resolved")
+    assert ended_at is None or int(ended_at) == last.step
     assert what.startswith("run ") and not any("`" in t or "**" in t for t in (texts[0], texts[-1]))  # plain text
     assert events_again == events and Path(flight).is_file() and Path(flight).parent == Path(flight_dir)
 

@@ -100,9 +100,10 @@ def _engine_members_used(path):
     return used
 
 
-def test_the_monitor_touches_the_health_engine_through_two_members():
-    """step (judge the record) and finish (the outcome): every other decision is the engine's."""
-    assert _engine_members_used(ROOT / "nummon" / "_monitor.py") == {"step", "finish"}
+def test_the_monitor_touches_the_health_engine_through_three_members():
+    """step (judge the record), finish (the outcome) and close (the run's end): every other
+    decision is the engine's."""
+    assert _engine_members_used(ROOT / "nummon" / "_monitor.py") == {"step", "finish", "close"}
 
 
 def _alerts_built(path):
