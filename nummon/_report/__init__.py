@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .._files import write_atomic
+from .._watch.display import printable
 from .load import EVENT_LOG, FLIGHT_GLOB, ReportError, RunData, from_monitor, load_run
 from .page import render
 from .story import IncidentView, incidents_of
@@ -47,15 +49,13 @@ def build_report(
 
 
 def write_html(html: str, out: str | os.PathLike[str]) -> Path:
-    """Write `html` to `out` whole (a temporary file renamed over it: a reader never sees half)."""
+    """Write `html` to `out` whole (a temporary file of an unpredictable name, created without
+    following a link, renamed over it: a reader never sees half, a planted link is never written)."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, out)
+        write_atomic(out, html)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ReportError(f"{out}: cannot write the report ({e.strerror or e})") from None
+        raise ReportError(f"{printable(str(out))}: cannot write the report ({e.strerror or e})") from None
     return out
 
 
