@@ -34,6 +34,7 @@ __all__ = [
     "render",
     "write_report",
     "write_html",
+    "refuse_input",
     "EVENT_LOG",
     "FLIGHT_GLOB",
 ]
@@ -68,11 +69,40 @@ def write_report(
 ) -> Path:
     """Write the report of the run at `path` to `out` (default: nummon-report.html in the run
     folder, or next to the log); returns its path."""
-    html = build_report(path, format, policy, warn)
     if out is None:
         p = Path(path)
         out = (p if p.is_dir() else p.parent) / REPORT_NAME
+    refuse_input(path, out)
+    html = build_report(path, format, policy, warn)
     return write_html(html, out)
+
+
+def refuse_input(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """ReportError when writing `out` would replace what the report reads: the log `path` itself
+    (the same file by identity: a hard link, a link, another spelling), or any file but an HTML
+    page inside the run folder `path`."""
+    text = os.fspath(path)
+    if text.startswith("mlflow:"):
+        return
+    src, dst = Path(text), Path(out)
+    try:
+        if not dst.exists():
+            return
+        same = src.is_file() and os.path.samefile(src, dst)
+        inside = src.is_dir() and dst.suffix.lower() not in (".html", ".htm") and _under(dst, src)
+    except OSError:
+        return  # nothing there to lose: the write itself says what is wrong
+    if same or inside:
+        raise ReportError(
+            f"{printable(str(dst))}: is {'the log' if same else 'a file of the run folder'} the report reads "
+            "(give another file to write)"
+        )
+
+
+def _under(f: Path, folder: Path) -> bool:
+    """`f` is `folder` or lies inside it (paths resolved; also the same file under another name)."""
+    real, top = f.resolve(), folder.resolve()
+    return real == top or top in real.parents or any(os.path.samefile(top, p) for p in real.parents if p.exists())
 
 
 def _version() -> str:

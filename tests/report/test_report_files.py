@@ -58,3 +58,35 @@ def test_a_flight_record_never_follows_a_link_planted_at_its_temporary_name(tmp_
 def test_the_page_keeps_the_permissions_a_reader_needs(tmp_path):
     out = write_html("x", tmp_path / "r.html")
     assert out.stat().st_mode & 0o044 == 0o044  # group and others may read, as with a plain write
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["{log}", "{folder}/events.jsonl", "{folder}/./events.jsonl", "{folder}/hard.jsonl", "{folder}/flight.json"],
+)
+@pytest.mark.parametrize("give_folder", [False, True])
+def test_the_report_never_writes_over_what_it_reads(tmp_path, capsys, target, give_folder):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    log = _trace(folder / "events.jsonl")
+    os.link(log, folder / "hard.jsonl")
+    (folder / "flight.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    src = folder if give_folder else log
+    out = target.format(log=log, folder=folder)
+    if not give_folder and out.endswith("flight.json"):
+        pytest.skip("a file beside a log given alone is not read")
+    assert main(["report", str(src), "-o", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the report reads" in err[0]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_the_default_page_and_a_new_file_in_the_run_folder_are_written(tmp_path, capsys):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    _trace(folder / "events.jsonl")
+    assert main(["report", str(folder)]) == 0
+    assert main(["report", str(folder)]) == 0  # its own page, written again
+    assert main(["report", str(folder), "-o", str(folder / "page.html")]) == 0
+    assert {p.name for p in folder.iterdir()} == {"events.jsonl", "nummon-report.html", "page.html"}
