@@ -9,6 +9,7 @@ non-finite value); any other log is run through the same detectors as `replay` t
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .._errors import NummonError
 from .._policy import PolicyLike, load_policy
 from .._trace import TraceError, record_from_dict
 from .._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
+from .fields import clean_alert, clean_event, step_of
 
 __all__ = ["RunData", "ReportError", "load_run", "from_monitor", "FLIGHT_GLOB", "EVENT_LOG"]
 
@@ -94,10 +96,18 @@ def from_monitor(
     return RunData(
         source=source,
         records=_in_step_order(recs),
-        alerts=list(alerts),
-        incidents=list(incidents),
+        alerts=[a for a in map(_first, map(clean_alert, alerts)) if a is not None],
+        incidents=[e for e in map(_first, map(clean_event, incidents)) if e is not None],
         flight_records=flight_records,
     )
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _first(pair: tuple[Any, int]) -> Any:
+    return pair[0]
 
 
 def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str, Any]]:
@@ -114,8 +124,8 @@ def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str
             out.append(
                 {
                     "path": str(f),
-                    "alert": data.get("alert") if isinstance(data.get("alert"), dict) else None,
-                    "records": [r for r in data.get("records") or [] if isinstance(r, dict)],
+                    "alert": clean_alert(data.get("alert"))[0],
+                    "records": [r for r in _list(data.get("records")) if isinstance(r, dict)],
                 }
             )
     return out
@@ -157,7 +167,7 @@ def _from_event_log(path: Path, source: str, warn: Warn | None) -> RunData:
         fh = open(path, "rb")
     except OSError as e:
         raise ReportError(f"{path}: cannot read ({e.strerror})") from None
-    broken = 0
+    broken = fields = 0
     with fh:
         for lineno, raw in enumerate(fh, 1):
             raw = raw.strip()
@@ -180,12 +190,17 @@ def _from_event_log(path: Path, source: str, warn: Warn | None) -> RunData:
                     broken += 1
                 else:
                     records.append(rec)
-            elif kind == "alert":
-                run.alerts.append(obj)
-            elif kind == "incident":
-                run.incidents.append(obj)
+            elif kind in ("alert", "incident"):
+                item, bad = (clean_alert if kind == "alert" else clean_event)(obj)
+                fields += bad
+                if item is not None:
+                    (run.alerts if kind == "alert" else run.incidents).append(item)
     if broken and warn:
         warn(f"{path}: {broken} unreadable line(s) skipped")
+    if fields and warn:
+        warn(
+            f"{path}: {fields} alert or incident field(s) of the wrong type left out (one without a usable step: skipped)"
+        )
     run.records = _in_step_order(records)
     return run
 
@@ -195,9 +210,15 @@ _LAYER_FIELDS = ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_F
 
 
 def _num(v: Any) -> float | None:
-    """A number of a JSONL line (strict JSON writes NaN/Inf as strings); None for anything else."""
-    if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
-        return float(v)
+    """A number of a JSONL line (strict JSON writes NaN/Inf as strings; an integer too large for
+    a float is an overflow, as replay reads it); None for anything else."""
+    if isinstance(v, float):
+        return v
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.inf if v > 0 else -math.inf
     if isinstance(v, str) and len(v) < 40:
         try:
             return float(v)
@@ -210,8 +231,8 @@ def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     """A StepRecord of the values a report draws, read leniently (a bad value is left out) and
     several times faster than the full check of `record_from_dict` (a 100,000-line log at close);
     None when the line has no usable step."""
-    step = obj.get("step", default_step)
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step or step % 1:
+    step = step_of(obj.get("step", default_step))
+    if step is None:
         return None
     kw: dict[str, Any] = {}
     for k in _FIELDS.intersection(obj):
@@ -228,8 +249,8 @@ def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     if isinstance(obj.get("nonfinite_parts"), list):
         kw["nonfinite_parts"] = tuple(str(p)[:40] for p in obj["nonfinite_parts"][:16])
     if "nonfinite_count" in kw:
-        kw["nonfinite_count"] = int(kw["nonfinite_count"]) if kw["nonfinite_count"] == kw["nonfinite_count"] else None
-    kw["step"] = int(step)
+        kw["nonfinite_count"] = int(kw["nonfinite_count"]) if math.isfinite(kw["nonfinite_count"]) else None
+    kw["step"] = step
     return _new_record(kw)
 
 

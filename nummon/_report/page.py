@@ -9,6 +9,7 @@ from html import escape
 
 from .._text import fmt_num
 from .._types import StepRecord
+from .._watch.display import printable
 from .load import RunData
 from .story import LAYER_FAMILIES, IncidentView, incidents_of
 from .svg import MARK_COLORS, Mark, Panel, Series, small_chart, stacked_chart, thin
@@ -65,7 +66,7 @@ def render(run: RunData, version: str = "") -> str:
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width,initial-scale=1">'
         f"<title>{escape(title[1])}</title><style>{_CSS}</style></head><body><main>",
-        f'<h1>nummon incident report</h1><div class="src">{escape(run.source)} · {_span_text(run)}'
+        f'<h1>nummon incident report</h1><div class="src">{escape(printable(run.source))} · {_span_text(run)}'
         f"{' · ' + escape(run.format) if run.format else ''}</div>",
         f'<div class="verdict v-{title[0]}">{escape(title[1])}</div>',
     ]
@@ -318,7 +319,7 @@ def _alert_list(v: IncidentView) -> str:
     if not v.alerts:
         return ""
     rows = "".join(
-        f'<tr><td>{a.get("step")}</td><td style="color:{MARK_COLORS["critical"] if a.get("severity") == "critical" else MARK_COLORS["warning"]}">'
+        f'<tr><td>{escape(str(a.get("step")))}</td><td style="color:{MARK_COLORS["critical"] if a.get("severity") == "critical" else MARK_COLORS["warning"]}">'
         f"{escape(str(a.get('severity')))}</td><td>{escape(str(a.get('kind')))}</td>"
         f"<td>{escape(str(a.get('message'))[:300])}</td></tr>"
         for a in v.alerts[:200]

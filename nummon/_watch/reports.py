@@ -1,7 +1,8 @@
 """The incident reports `nummon watch` writes for the runs it follows: one self-contained HTML
 page per run (`nummon report`'s page) in `reports/` beside the state file, written when a run's
 incident reaches critical or goes non-finite, and refreshed when the run is retired and when the
-watcher stops. Its path goes into the incident event, so the console line, the webhook text and
+watcher stops. Its path goes into the incident event once the page exists (a page that could not be
+written is never named), so the console line, the webhook text and
 the JSONL record name it (as the Monitor's do).
 
 Cost is bounded whatever the fleet: a page is drawn from what the run holds in memory (never by
@@ -113,7 +114,8 @@ class WatchReports:
         self.say = say
         self.version = version or _version()
         self.min_interval_s = min_interval_s
-        self.written: dict[str, float] = {}  # run id -> monotonic time of its last write
+        self.written: dict[str, float] = {}  # run id -> monotonic time of its last write (or try)
+        self.pages: dict[str, Path] = {}  # run id -> its page, once one was written
         self.due: set[str] = set()  # runs whose page is older than what they hold (throttled)
         self.writes = 0
         self.failed: str | None = None  # the last failure, said once
@@ -139,7 +141,10 @@ class WatchReports:
             self.write(run, name)
         else:
             self.due.add(run.id)
-        path = str(self.path_for(run.id, name))
+        page = self.pages.get(run.id)
+        if page is None:  # never written (reports/ cannot be made, a full disk): no page to name
+            return events
+        path = str(page)
         named: set[int] = set()  # incidents that reached critical in this batch: named from then on
         for ev in events:
             if escalated_to_critical([ev.event]):
@@ -175,6 +180,7 @@ class WatchReports:
             self.failed = why
             return None
         self.writes += 1
+        self.pages[run.id] = path
         return path
 
     def refresh_at_stop(self, runs: dict[str, Any], names: Any, deadline: float) -> None:
@@ -190,6 +196,6 @@ class WatchReports:
             self.refresh(run, names(rid))
         if self.writes and self.say is not None:
             self.say(
-                f"{plural(len(self.written), 'incident report')} under {self.folder}"
+                f"{plural(len(self.pages), 'incident report')} under {self.folder}"
                 + (f" ({left} not refreshed at stop: no time left)" if left else "")
             )

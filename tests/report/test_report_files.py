@@ -90,3 +90,13 @@ def test_the_default_page_and_a_new_file_in_the_run_folder_are_written(tmp_path,
     assert main(["report", str(folder)]) == 0  # its own page, written again
     assert main(["report", str(folder), "-o", str(folder / "page.html")]) == 0
     assert {p.name for p in folder.iterdir()} == {"events.jsonl", "nummon-report.html", "page.html"}
+
+
+def test_a_run_folder_whose_name_is_not_utf8_gets_its_page_and_no_temporary_file(tmp_path, capsys):
+    folder = tmp_path / os.fsdecode(b"run\xff")
+    folder.mkdir()
+    _trace(folder / "events.jsonl")
+    assert main(["report", str(folder)]) == 0
+    assert sorted(os.listdir(os.fsencode(folder))) == [b"events.jsonl", b"nummon-report.html"]
+    html = (folder / "nummon-report.html").read_bytes().decode("utf-8")  # valid UTF-8
+    assert "run\\xff" in html  # the name as it is on disk, its byte spelled out
