@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from .._text import fmt_num
+from .._text import fmt_num, plural
 from .._types import StepRecord
 from .._watch.display import printable
 from .load import RunData
@@ -267,24 +267,18 @@ def _first_nonfinite(v: IncidentView) -> str:
 def _countdown_table(v: IncidentView) -> str:
     rows = []
     for c in v.countdowns[:10]:
-        said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} steps"
-        low, high = c.span if c.span is not None else (c.said, c.said)
+        said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} {'step' if c.said == 1 else 'steps'}"
         if c.span is not None:
-            said = f"~{fmt_num(low)}–{fmt_num(high)} steps"
-        left = "—" if c.left is None else f"{c.left} steps"
-        verdict = ""
-        if c.left is not None:
-            if c.span is not None and low <= c.left <= high:
-                verdict = "within the range said"
-            else:
-                verdict = "early (safe side)" if low <= c.left else "late: fewer were left"
+            said = f"~{fmt_num(c.span[0])}–{fmt_num(c.span[1])} steps"
+        left = "—" if c.left is None else plural(c.left, "step")
         rows.append(
             f"<tr><td>step {c.step}</td><td><code>{escape(c.metric)}</code></td><td>{said}</td>"
-            f"<td>{left}</td><td class=muted>{verdict}</td></tr>"
+            f"<td>{left}</td><td class=muted>{escape(c.verdict)}</td></tr>"
         )
-    more = f"<p class=muted>… and {len(v.countdowns) - 10} more forecasts.</p>" if len(v.countdowns) > 10 else ""
+    more = len(v.countdowns) - 10
+    more_text = f"<p class=muted>… and {plural(more, 'more forecast')}.</p>" if more > 0 else ""
     head = "<tr><th>said at</th><th>metric</th><th>steps to overflow said</th><th>steps left to the first NaN/Inf</th><th></th></tr>"
-    return f"<h3>Countdown: said vs left</h3><table>{head}{''.join(rows)}</table>{more}"
+    return f"<h3>Countdown: said vs left</h3><table>{head}{''.join(rows)}</table>{more_text}"
 
 
 def _layers(v: IncidentView, x0: float, x1: float) -> str:

@@ -5,12 +5,13 @@ layers that left the pack."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._functional import median
-from .._text import fmt_num
+from .._text import fmt_num, plural
 from .._types import StepRecord
 from .load import RunData
 
@@ -42,6 +43,28 @@ class Countdown:
     left: int | None
     bound: bool = False  # `said` is an upper bound (the growth rate was rising)
     span: tuple[float, float] | None = None  # the range said (if it keeps speeding up, at today's rate)
+    followed: int = 0  # finite steps the log went on after `step` (when `left` is None)
+
+    @property
+    def verdict(self) -> str:
+        """The forecast against what happened: a hit (the figure, within the range or the bound
+        said), early (more steps were left: the safe side), late (fewer), missed (no overflow
+        followed within the figure said), or not judged (said at the first non-finite step itself,
+        or the log ends before the figure said)."""
+        low, high = self.span if self.span is not None else (self.said, self.said)
+        if self.left is None:
+            if self.followed > high:
+                return f"missed: no overflow in the {plural(self.followed, 'step')} that followed"
+            return f"not judged: the log ends {plural(self.followed, 'step')} later"
+        if self.left <= 0:
+            return "not judged: said at the first NaN/Inf step itself"
+        if self.span is not None and low <= self.left <= high:
+            return "hit: within the range said"
+        if self.span is None and self.bound and self.left <= self.said:
+            return "hit: within the bound said"
+        if self.span is None and not self.bound and self.left == round(self.said):
+            return "hit"
+        return "early (safe side): more were left" if self.left > high else "late: fewer were left"
 
 
 @dataclass(frozen=True)
@@ -119,7 +142,7 @@ def incidents_of(run: RunData) -> list[IncidentView]:
             if v.opened <= _step(a) <= v.end and not a.get("cleared") and a.get("severity") in ("warning", "critical")
         ]
         _fill_nonfinite(v, run, nonfinite_steps)
-        v.countdowns = _countdowns(v)
+        v.countdowns = _countdowns(v, nonfinite_steps, last_step)
         v.hints = _hints(v)
         v.layers = _layers(v, run)
         v.actions = [e["action"] for e in v.events if e.get("action")]
@@ -189,7 +212,9 @@ def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int]) -
     v.nonfinite_location = loc
 
 
-def _countdowns(v: IncidentView) -> list[Countdown]:
+def _countdowns(v: IncidentView, nonfinite_steps: list[int], last_step: int) -> list[Countdown]:
+    """The incident's forecasts, each once per (metric, step); `left` within the incident, else
+    the finite steps that followed (up to the run's next non-finite step or the log's end)."""
     out, seen = [], set()
     for a in v.alerts:
         d = a.get("details") or {}
@@ -200,7 +225,13 @@ def _countdowns(v: IncidentView) -> list[Countdown]:
         left = None if v.nonfinite is None else v.nonfinite - _step(a)
         rng = d.get("steps_to_overflow_range")
         span = (float(rng[0]), float(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
-        out.append(Countdown(_step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound")), span))
+        later = bisect.bisect_right(nonfinite_steps, _step(a))
+        followed = (nonfinite_steps[later] - 1 if later < len(nonfinite_steps) else last_step) - _step(a)
+        out.append(
+            Countdown(
+                _step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound")), span, max(0, followed)
+            )
+        )
     return out
 
 
@@ -308,8 +339,15 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
     if v.countdowns:
         c = min(v.countdowns, key=lambda c: c.step)
         figure = f"~{fmt_num(c.span[0])}-{fmt_num(c.span[1])}" if c.span is not None else f"~{fmt_num(c.said)}"
-        said = f"{figure} steps to overflow on {c.metric} at step {c.step}"
-        out.append(f"The first countdown said {said}" + (f"; {c.left} were left." if c.left is not None else "."))
+        said = f"{figure} {'step' if c.span is None and c.said == 1 else 'steps'} to overflow on {c.metric} at step {c.step}"
+        if c.left is not None:
+            out.append(f"The first countdown said {said}; {c.left} {'was' if c.left == 1 else 'were'} left.")
+        elif c.verdict.startswith("missed"):
+            out.append(
+                f"The first countdown said {said}; no overflow came in the {plural(c.followed, 'step')} that followed."
+            )
+        else:
+            out.append(f"The first countdown said {said}.")
     return out
 
 
