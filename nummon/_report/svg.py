@@ -74,9 +74,13 @@ def thin(points: Sequence[Point], keep: Sequence[tuple[float, float]], budget: i
         bucket.clear()
         order.clear()
 
+    spans = _merged(keep)
+    at = 0  # the first span that may still hold a point (points come in x order)
     for p in points:
         x, y = p
-        if not math.isfinite(y) or any(a <= x <= b for a, b in keep):
+        while at < len(spans) and spans[at][1] < x:
+            at += 1
+        if not math.isfinite(y) or (at < len(spans) and spans[at][0] <= x):
             flush()
             out.append(p)
             continue
@@ -86,6 +90,17 @@ def thin(points: Sequence[Point], keep: Sequence[tuple[float, float]], budget: i
             order.append(b)
         bucket[b].append(p)
     flush()
+    return out
+
+
+def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals `spans`, sorted and overlapping ones merged."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
     return out
 
 
