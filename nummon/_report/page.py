@@ -92,7 +92,7 @@ def _span_text(run: RunData) -> str:
     if not run.records:
         return "no step records"
     a, b = run.records[0].step, run.records[-1].step
-    return f"{len(run.records):,} records, steps {a}–{b}"
+    return f"{run.n_records:,} records, steps {a}–{b}"
 
 
 def _verdict(run: RunData, incidents: list[IncidentView]) -> tuple[str, str]:
@@ -101,7 +101,7 @@ def _verdict(run: RunData, incidents: list[IncidentView]) -> tuple[str, str]:
         return "open", "No step records: nothing to report."
     if not incidents:
         return "ok", (
-            f"Healthy: no warning in {len(run.records):,} records (steps {run.records[0].step}–{run.records[-1].step})."
+            f"Healthy: no warning in {run.n_records:,} records (steps {run.records[0].step}–{run.records[-1].step})."
         )
     lost = next((v for v in incidents if v.nonfinite is not None), None)
     if lost is not None:

@@ -63,3 +63,63 @@ def test_only_the_incidents_a_page_tells_in_full_get_their_full_facts():
     assert len(views) == 300 and sum(v.full for v in views) == 8
     assert all(v.alerts for v in views)  # every incident still knows its alerts and steps
     assert [v.countdowns == [] for v in views].count(False) == 8
+
+
+def _long_log(path, n, layers=24):
+    """A Monitor event log of `n` step lines with per-layer values (GPT-2-like lines, smaller),
+    one incident near the end that goes non-finite."""
+    import json
+
+    names = [f"transformer.h.{i}.mlp.c_fc.weight" for i in range(layers)]
+    with open(path, "w") as fh:
+        for s in range(n):
+            loss = 3.0 + 0.1 * math.sin(s / 50) if s < n - 10 else 3.0 * 8.0 ** (s - n + 11)
+            row = {"type": "step", "step": s, "loss": loss if s < n - 1 else "NaN", "grad_norm": 1.0 + (s % 7) / 10}
+            row["layer_grad_norms"] = {k: 0.01 * (i + 1) + 1e-6 * s for i, k in enumerate(names)}
+            row["layer_activation_max"] = {k: 5.0 + (s % 11) for k in names}
+            fh.write(json.dumps(row) + "\n")
+            if s == n - 10:
+                fh.write(
+                    json.dumps({"type": "incident", "step": s, "state": "open", "number": 1, "opened_step": s}) + "\n"
+                )
+                fh.write(
+                    json.dumps(
+                        {
+                            "type": "alert",
+                            "step": s,
+                            "severity": "warning",
+                            "kind": "explosion",
+                            "metric": "loss",
+                            "message": "up",
+                        }
+                    )
+                    + "\n"
+                )
+        last = {"type": "incident", "step": n - 1, "state": "nonfinite", "number": 1, "opened_step": n - 10}
+        fh.write(json.dumps(last) + "\n")
+    return path
+
+
+def _peak(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_long_log_is_read_in_bounded_memory(tmp_path):
+    """tracemalloc's peak while the page is made: four times the lines, about the same peak (the
+    records far from the incident are kept as each bucket's extremes, never all)."""
+    from nummon._report import build_report
+
+    small, big = _long_log(tmp_path / "small.jsonl", 5_000), _long_log(tmp_path / "big.jsonl", 20_000)
+    pages = {}
+    peaks = [_peak(lambda p=p: pages.setdefault(p, build_report(p))) for p in (small, big)]
+    assert peaks[1] < 1.5 * peaks[0], peaks
+    for p, n in ((small, 5_000), (big, 20_000)):
+        assert f"{n:,} records, steps 0–{n - 1}" in pages[p]
+        assert f"first NaN/Inf</span><b>step {n - 1}</b>" in pages[p]
