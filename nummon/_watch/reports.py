@@ -97,7 +97,9 @@ class RunMemory:
         for r in [*self.first, *self.near.values(), *self.recent]:
             by_step[r.step] = r
         records = [by_step[s] for s in sorted(by_step)]
-        return RunData(source, records, list(self.alerts), list(self.incidents), [], format=format, typed=True)
+        return RunData(
+            source, records, list(self.alerts), list(self.incidents), [], format=format, typed=True, total=self.seen
+        )
 
 
 class WatchReports:
