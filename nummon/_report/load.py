@@ -202,7 +202,10 @@ def _from_event_log(
                 if kind == "incident" and not detect and det is not None:
                     det = None  # the log holds its own incident events: they are the run's
                     col.forget()
-                (run.alerts if kind == "alert" else run.incidents).append(item)
+                if kind == "incident":
+                    run.incidents.append(item)
+                elif _loud(item):  # info alerts and clearances are never drawn: not kept
+                    run.alerts.append(item)
                 if kind == "alert":
                     col.mark(item["step"])
                 else:
@@ -212,6 +215,10 @@ def _from_event_log(
         run.alerts, run.incidents, run.segments = det.finish(warn, source)
     run.records, run.total = col.records(), col.count
     return run
+
+
+def _loud(alert: dict[str, Any]) -> bool:
+    return alert.get("severity") in ("warning", "critical") and not alert.get("cleared")
 
 
 def _line(raw: bytes, lineno: int, path: Path, first: bool) -> Any:
