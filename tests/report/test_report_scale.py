@@ -111,15 +111,27 @@ def _peak(fn):
         tracemalloc.stop()
 
 
-def test_a_long_log_is_read_in_bounded_memory(tmp_path):
-    """tracemalloc's peak while the page is made: four times the lines, about the same peak (the
-    records far from the incident are kept as each bucket's extremes, never all)."""
+@pytest.mark.parametrize("maker", ["nummon report", "Monitor.close"])
+def test_a_long_log_is_read_in_bounded_memory(tmp_path, maker):
+    """tracemalloc's peak while the page is made (by `nummon report`, or at a Monitor's close
+    from its run folder's event log): four times the lines, about the same peak (the records far
+    from the incident are kept as each bucket's extremes, never all)."""
     from nummon._report import build_report
+    from nummon._report.live import LiveReport
 
-    small, big = _long_log(tmp_path / "small.jsonl", 5_000), _long_log(tmp_path / "big.jsonl", 20_000)
+    def make(folder):
+        if maker == "nummon report":
+            return build_report(folder)
+        LiveReport(lambda: folder).from_folder(lambda: None)
+        return (folder / "nummon-report.html").read_text()
+
+    folders = {n: tmp_path / str(n) for n in (5_000, 20_000)}
+    for n, folder in folders.items():
+        folder.mkdir()
+        _long_log(folder / "events.jsonl", n)
     pages = {}
-    peaks = [_peak(lambda p=p: pages.setdefault(p, build_report(p))) for p in (small, big)]
+    peaks = [_peak(lambda n=n, f=f: pages.setdefault(n, make(f))) for n, f in folders.items()]
     assert peaks[1] < 1.5 * peaks[0], peaks
-    for p, n in ((small, 5_000), (big, 20_000)):
-        assert f"{n:,} records, steps 0–{n - 1}" in pages[p]
-        assert f"first NaN/Inf</span><b>step {n - 1}</b>" in pages[p]
+    for n, page in pages.items():
+        assert f"{n:,} records, steps 0–{n - 1}" in page
+        assert f"first NaN/Inf</span><b>step {n - 1}</b>" in page
