@@ -30,7 +30,7 @@ from .._report.live import escalated_to_critical
 from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
 from .._types import StepRecord
-from .display import plural, raw_bytes
+from .display import plural, printable, raw_bytes
 from .notices import RunIncident
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]
@@ -178,7 +178,7 @@ class WatchReports:
         except Exception as e:  # noqa: BLE001  (a page is never worth the watching)
             why = f"{type(e).__name__}: {e}"
             if self.failed != why and self.say is not None:
-                self.say(f"run {name}: could not write its incident report ({why})")
+                self.say(f"run {printable(name)}: could not write its incident report ({printable(why)})")
             self.failed = why
             return None
         self.writes += 1

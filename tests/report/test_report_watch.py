@@ -157,14 +157,15 @@ def test_one_page_per_run_named_by_the_run(tmp_path):
         assert "Run lost at step 130" in p.read_text()
 
 
-def test_a_run_folder_whose_name_is_not_utf8_gets_its_page_and_the_events_name_it(tmp_path):
+@pytest.mark.parametrize("log", [b"run\xff/events.jsonl", b"r\xff.jsonl"])
+def test_a_run_whose_name_is_not_utf8_gets_its_page_and_the_events_name_it(tmp_path, log):
     import os
 
     from helpers.watching import read_events
 
-    folder = tmp_path / "runs" / os.fsdecode(b"run\xff")
-    folder.mkdir(parents=True)
-    write_lines(folder / "events.jsonl", two_incident_rows())
+    path = tmp_path / "runs" / os.fsdecode(log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lines(path, two_incident_rows())
     notes, state = tmp_path / "notes.jsonl", tmp_path / "state" / "watch.json"
     w = Watcher([str(tmp_path / "runs")], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
     w.run(once=True)
