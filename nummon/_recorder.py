@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ._files import write_atomic
 from ._json import dumps
 from ._types import Alert, Health, StepRecord
 
@@ -67,19 +68,7 @@ class FlightRecorder:
         """Write the record atomically (a temporary file, then a rename); on failure (a full
         disk, a file-size limit) the temporary file is removed and the error raised."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(dumps({"alert": alert.to_dict(), "records": self.records}, indent=1))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass  # never created, or the folder went away: nothing is left behind either way
-            raise
+        write_atomic(path, dumps({"alert": alert.to_dict(), "records": self.records}, indent=1), durable=True)
         return path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._watch.display import printable
 from ._common import warn
 
 __all__ = ["add_parser", "run"]
@@ -53,5 +54,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not out.parent.is_dir():
             raise ReportError(f"{out.parent}: no such folder for the report")
     path = write_report(args.path, args.out, args.input_format, policy, warn=warn)
-    print(path)
+    print(printable(str(path)))  # a byte that is not UTF-8 as \xff, as every message says it
     return 0

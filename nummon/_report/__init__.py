@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .._files import write_atomic
+from .._watch.display import printable
 from .load import EVENT_LOG, FLIGHT_GLOB, ReportError, RunData, from_monitor, load_run
 from .page import render
 from .story import IncidentView, incidents_of
@@ -32,6 +34,7 @@ __all__ = [
     "render",
     "write_report",
     "write_html",
+    "refuse_input",
     "EVENT_LOG",
     "FLIGHT_GLOB",
 ]
@@ -47,15 +50,13 @@ def build_report(
 
 
 def write_html(html: str, out: str | os.PathLike[str]) -> Path:
-    """Write `html` to `out` whole (a temporary file renamed over it: a reader never sees half)."""
+    """Write `html` to `out` whole (a temporary file of an unpredictable name, created without
+    following a link, renamed over it: a reader never sees half, a planted link is never written)."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, out)
+        write_atomic(out, html)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ReportError(f"{out}: cannot write the report ({e.strerror or e})") from None
+        raise ReportError(f"{printable(str(out))}: cannot write the report ({e.strerror or e})") from None
     return out
 
 
@@ -68,11 +69,40 @@ def write_report(
 ) -> Path:
     """Write the report of the run at `path` to `out` (default: nummon-report.html in the run
     folder, or next to the log); returns its path."""
-    html = build_report(path, format, policy, warn)
     if out is None:
         p = Path(path)
         out = (p if p.is_dir() else p.parent) / REPORT_NAME
+    refuse_input(path, out)
+    html = build_report(path, format, policy, warn)
     return write_html(html, out)
+
+
+def refuse_input(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """ReportError when writing `out` would replace what the report reads: the log `path` itself
+    (the same file by identity: a hard link, a link, another spelling), or any file but an HTML
+    page inside the run folder `path`."""
+    text = os.fspath(path)
+    if text.startswith("mlflow:"):
+        return
+    src, dst = Path(text), Path(out)
+    try:
+        if not dst.exists():
+            return
+        same = src.is_file() and os.path.samefile(src, dst)
+        inside = src.is_dir() and dst.suffix.lower() not in (".html", ".htm") and _under(dst, src)
+    except OSError:
+        return  # nothing there to lose: the write itself says what is wrong
+    if same or inside:
+        raise ReportError(
+            f"{printable(str(dst))}: is {'the log' if same else 'a file of the run folder'} the report reads "
+            "(give another file to write)"
+        )
+
+
+def _under(f: Path, folder: Path) -> bool:
+    """`f` is `folder` or lies inside it (paths resolved; also the same file under another name)."""
+    real, top = f.resolve(), folder.resolve()
+    return real == top or top in real.parents or any(os.path.samefile(top, p) for p in real.parents if p.exists())
 
 
 def _version() -> str:

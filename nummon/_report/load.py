@@ -9,6 +9,7 @@ non-finite value); any other log is run through the same detectors as `replay` t
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from .._errors import NummonError
 from .._policy import PolicyLike, load_policy
 from .._trace import TraceError, open_log, record_from_dict
 from .._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
+from .fields import clean_alert, clean_event, step_of
+from .stream import Collector, _new_record
 
 __all__ = ["RunData", "ReportError", "load_run", "from_monitor", "FLIGHT_GLOB", "EVENT_LOG"]
 
@@ -46,6 +49,12 @@ class RunData:
     format: str = "jsonl"
     typed: bool = False  # a Monitor's event log (typed lines): its alerts and incident events are the run's own
     segments: int = 1  # > 1: the steps went backwards (a resumed run appended to the log)
+    total: int = 0  # steps in the log, when `records` holds only what a page draws of a long one
+
+    @property
+    def n_records(self) -> int:
+        """How many steps the run logged (not only those kept to draw)."""
+        return max(self.total, len(self.records))
 
 
 def load_run(
@@ -67,10 +76,8 @@ def load_run(
         raise ReportError(f"{text}: not found")
     events = _event_log(p) if format in (None, "jsonl") else None
     if events is not None:
-        run = _from_event_log(events, text, warn)
+        run = _from_event_log(events, text, warn, detect, policy)
         run.flight_records = read_flight_records(events.parent, warn)
-        if detect or (detect is None and not run.incidents):  # a plain trace: the detectors decide, as in replay
-            run.alerts, run.incidents, run.segments = _detect(run.records, policy, warn, text)
         return run
     if p.is_dir() and format is None and any(p.glob(FLIGHT_GLOB)) and not _any_log(p):
         run = RunData(source=text, flight_records=read_flight_records(p, warn))
@@ -94,10 +101,18 @@ def from_monitor(
     return RunData(
         source=source,
         records=_in_step_order(recs),
-        alerts=list(alerts),
-        incidents=list(incidents),
+        alerts=[a for a in map(_first, map(clean_alert, alerts)) if a is not None],
+        incidents=[e for e in map(_first, map(clean_event, incidents)) if e is not None],
         flight_records=flight_records,
     )
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _first(pair: tuple[Any, int]) -> Any:
+    return pair[0]
 
 
 def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str, Any]]:
@@ -114,8 +129,8 @@ def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str
             out.append(
                 {
                     "path": str(f),
-                    "alert": data.get("alert") if isinstance(data.get("alert"), dict) else None,
-                    "records": [r for r in data.get("records") or [] if isinstance(r, dict)],
+                    "alert": clean_alert(data.get("alert"))[0],
+                    "records": [r for r in _list(data.get("records")) if isinstance(r, dict)],
                 }
             )
     return out
@@ -148,46 +163,94 @@ def _any_log(folder: Path) -> bool:
     return True
 
 
-def _from_event_log(path: Path, source: str, warn: Warn | None) -> RunData:
-    """Records, alerts and incident events of one nummon JSONL log. A broken line is skipped
-    and named (a report is best effort: the rest of the run is still worth seeing)."""
+def _from_event_log(
+    path: Path, source: str, warn: Warn | None, detect: bool | None = None, policy: PolicyLike = None
+) -> RunData:
+    """Alerts and incident events of one nummon JSONL log, and what a page draws of its records
+    (read as a stream: memory bounded whatever the log's length). A broken line is skipped and
+    named (a report is best effort: the rest of the run is still worth seeing). The detectors
+    run over the records when `detect`, or (None) until the log shows incident events of its own."""
     run = RunData(source=source, format="jsonl")
-    records: list[StepRecord] = []
+    col = Collector()
+    det = _Detector(policy) if detect is not False else None
     try:  # the readers' guard: a FIFO or device is refused, a read error (EIO) is one line
         fh = open_log(path)
     except TraceError as e:
         raise ReportError(str(e)) from None
-    broken = 0
+    broken = fields = 0
     with fh:
         for lineno, raw in enumerate(fh, 1):
-            raw = raw.strip()
-            if not raw:
-                continue
-            try:
-                obj = json.loads(raw)
-            except (ValueError, RecursionError):
-                if not records and not run.alerts and lineno <= 1:
-                    raise ReportError(f"{path}:{lineno}: not a JSONL log (the first line is not JSON)") from None
-                broken += 1
+            obj = _line(raw, lineno, path, col.count == 0 and not run.alerts)
+            if obj is None:
+                broken += raw.strip() != b""
                 continue
             if not isinstance(obj, dict):
                 continue
             kind = obj.get("type", "step")
             run.typed = run.typed or "type" in obj
             if kind == "step":
-                rec = _lean_record(obj, len(records))
+                rec = _lean_record(obj, col.count)
                 if rec is None:
                     broken += 1
+                    continue
+                _feed(col, det, rec)
+            elif kind in ("alert", "incident"):
+                item, bad = (clean_alert if kind == "alert" else clean_event)(obj)
+                fields += bad
+                if item is None:
+                    continue
+                if kind == "incident" and not detect and det is not None:
+                    det = None  # the log holds its own incident events: they are the run's
+                    col.forget()
+                if kind == "incident":
+                    run.incidents.append(item)
+                elif _loud(item):  # info alerts and clearances are never drawn: not kept
+                    run.alerts.append(item)
+                if kind == "alert":
+                    col.mark(item["step"])
                 else:
-                    records.append(rec)
-            elif kind == "alert":
-                run.alerts.append(obj)
-            elif kind == "incident":
-                run.incidents.append(obj)
+                    col.state(item.get("state", ""))
+    _warn_skipped(path, broken, fields, warn)
+    if det is not None and (detect or not run.incidents):  # a plain trace: the detectors decide, as in replay
+        run.alerts, run.incidents, run.segments = det.finish(warn, source)
+    run.records, run.total = col.records(), col.count
+    return run
+
+
+def _loud(alert: dict[str, Any]) -> bool:
+    return alert.get("severity") in ("warning", "critical") and not alert.get("cleared")
+
+
+def _line(raw: bytes, lineno: int, path: Path, first: bool) -> Any:
+    """The JSON value of one line (None: blank or broken); ReportError when the first line is no JSON."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        if first and lineno <= 1:
+            raise ReportError(f"{path}:{lineno}: not a JSONL log (the first line is not JSON)") from None
+        return None
+
+
+def _feed(col: Collector, det: _Detector | None, rec: StepRecord) -> None:
+    """One record to the collector, after the detectors (their incident states keep it near)."""
+    alerted = False
+    if det is not None:
+        for state in det.step(rec):
+            col.state(state)
+        alerted = det.alerted
+    col.add(rec, alerted)
+
+
+def _warn_skipped(path: Path, broken: int, fields: int, warn: Warn | None) -> None:
     if broken and warn:
         warn(f"{path}: {broken} unreadable line(s) skipped")
-    run.records = _in_step_order(records)
-    return run
+    if fields and warn:
+        warn(
+            f"{path}: {fields} alert or incident field(s) of the wrong type left out (one without a usable step: skipped)"
+        )
 
 
 _FIELDS = frozenset(SCALAR_FIELDS + MECHANISM_FIELDS)
@@ -195,9 +258,15 @@ _LAYER_FIELDS = ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_F
 
 
 def _num(v: Any) -> float | None:
-    """A number of a JSONL line (strict JSON writes NaN/Inf as strings); None for anything else."""
-    if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
-        return float(v)
+    """A number of a JSONL line (strict JSON writes NaN/Inf as strings; an integer too large for
+    a float is an overflow, as replay reads it); None for anything else."""
+    if isinstance(v, float):
+        return v
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.inf if v > 0 else -math.inf
     if isinstance(v, str) and len(v) < 40:
         try:
             return float(v)
@@ -210,8 +279,8 @@ def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     """A StepRecord of the values a report draws, read leniently (a bad value is left out) and
     several times faster than the full check of `record_from_dict` (a 100,000-line log at close);
     None when the line has no usable step."""
-    step = obj.get("step", default_step)
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step or step % 1:
+    step = step_of(obj.get("step", default_step))
+    if step is None:
         return None
     kw: dict[str, Any] = {}
     for k in _FIELDS.intersection(obj):
@@ -228,25 +297,9 @@ def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     if isinstance(obj.get("nonfinite_parts"), list):
         kw["nonfinite_parts"] = tuple(str(p)[:40] for p in obj["nonfinite_parts"][:16])
     if "nonfinite_count" in kw:
-        kw["nonfinite_count"] = int(kw["nonfinite_count"]) if kw["nonfinite_count"] == kw["nonfinite_count"] else None
-    kw["step"] = int(step)
+        kw["nonfinite_count"] = int(kw["nonfinite_count"]) if math.isfinite(kw["nonfinite_count"]) else None
+    kw["step"] = step
     return _new_record(kw)
-
-
-_DEFAULTS = {k: v for k, v in StepRecord(step=0).__dict__.items() if not isinstance(v, dict)}
-_DICT_FIELDS = tuple(k for k, v in StepRecord(step=0).__dict__.items() if isinstance(v, dict))
-
-
-def _new_record(values: dict[str, Any]) -> StepRecord:
-    """StepRecord(**values) without its per-field __setattr__ (a third of a 100,000-line log's
-    load time); the values are already checked, each record gets dicts of its own."""
-    rec = object.__new__(StepRecord)
-    d = rec.__dict__
-    d.update(_DEFAULTS)
-    for k in _DICT_FIELDS:
-        d[k] = {}
-    d.update(values)
-    return rec
 
 
 def _record(obj: dict[str, Any], where: str, default_step: int) -> StepRecord:
@@ -260,39 +313,59 @@ def _replayed(path: str, format: str | None, policy: PolicyLike, warn: Warn | No
     from .._watch.readers import detect_format, read_records
 
     fmt = format or detect_format(path)
-    records = list(read_records(path, fmt, warn=warn))
-    run = RunData(source=path, records=_in_step_order(records), format=fmt)
-    run.alerts, run.incidents, run.segments = _detect(records, policy, warn, path)
+    col, det = Collector(), _Detector(policy)
+    for rec in read_records(path, fmt, warn=warn):
+        _feed(col, det, rec)
+    run = RunData(source=path, records=col.records(), format=fmt, total=col.count)
+    run.alerts, run.incidents, run.segments = det.finish(warn, path)
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
     if not path.startswith("mlflow:") and folder.is_dir():
         run.flight_records = read_flight_records(folder, warn)
     return run
 
 
+class _Detector:
+    """The detectors over a stream of records, as `replay` runs them (a step that goes
+    backwards starts a new segment); alerts and incident events kept as dicts."""
+
+    def __init__(self, policy: PolicyLike) -> None:
+        self.policy = load_policy(policy)
+        self.engine = HealthEngine(self.policy)
+        self.alerts: list[dict[str, Any]] = []
+        self.incidents: list[dict[str, Any]] = []
+        self.prev: int | None = None
+        self.segments = 1
+        self.alerted = False  # the last record raised an alert
+
+    def step(self, rec: StepRecord) -> list[str]:
+        """The incident states the record brought."""
+        if self.prev is not None and rec.step <= self.prev:
+            self.segments += 1
+            self.engine = HealthEngine(self.policy)
+        self.prev = rec.step
+        got = self.engine.step(rec)
+        self.alerts.extend(a.to_dict() for a in got.alerts)
+        self.incidents.extend(e.to_dict() for e in got.incidents)
+        self.alerted = bool(got.alerts)
+        return [e.state.value for e in got.incidents]
+
+    def finish(self, warn: Warn | None, source: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        if self.segments > 1 and warn:
+            warn(
+                f"{source}: the steps go backwards {self.segments - 1} time(s) (a resumed run): "
+                "the report draws the last value of each step"
+            )
+        return self.alerts, self.incidents, self.segments
+
+
 def _detect(
     records: list[StepRecord], policy: PolicyLike, warn: Warn | None, source: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """Alerts and incident events of the detectors over `records` (as `replay` raises them; a
-    step that goes backwards starts a new segment)."""
-    pol = load_policy(policy)
-    engine = HealthEngine(pol)
-    alerts: list[dict[str, Any]] = []
-    incidents: list[dict[str, Any]] = []
-    prev: int | None = None
-    segments = 1
+    """Alerts and incident events of the detectors over `records` (as `replay` raises them)."""
+    det = _Detector(policy)
     for rec in records:
-        if prev is not None and rec.step <= prev:
-            segments += 1
-            engine = HealthEngine(pol)
-        prev = rec.step
-        got = engine.step(rec)
-        alerts.extend(a.to_dict() for a in got.alerts)
-        incidents.extend(e.to_dict() for e in got.incidents)
-    if segments > 1 and warn:
-        warn(
-            f"{source}: the steps go backwards {segments - 1} time(s) (a resumed run): the report draws the last value of each step"
-        )
-    return alerts, incidents, segments
+        det.step(rec)
+    return det.finish(warn, source)
 
 
 def _in_step_order(records: list[StepRecord]) -> list[StepRecord]:

@@ -7,10 +7,11 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from .._text import fmt_num
+from .._text import fmt_num, plural
 from .._types import StepRecord
+from .._watch.display import printable
 from .load import RunData
-from .story import LAYER_FAMILIES, IncidentView, incidents_of
+from .story import LAYER_FAMILIES, IncidentView, incidents_of, worst_first
 from .svg import MARK_COLORS, Mark, Panel, Series, small_chart, stacked_chart, thin
 
 __all__ = ["render", "SIGNALS"]
@@ -27,6 +28,8 @@ SIGNALS: tuple[tuple[str, str, str, bool, str], ...] = (
 )
 _SAMPLED = {"attention_logit_max", "output_logsumexp_mean", "adam_ratio_rms"}
 _FULL_INCIDENTS = 8  # incidents drawn in full; later ones are listed
+_LISTED = 500  # incidents listed after those (the rest are counted)
+_KEPT_MARKS = 64  # incidents (worst first) whose steps the whole run's chart draws densely
 _BUDGET = 400  # buckets per series far from the incident (each keeps its lowest and highest value)
 _LAYER_COLORS = ("#dc2626", "#7c3aed", "#ea580c", "#0891b2", "#db2777", "#2563eb", "#65a30d", "#92400e")
 
@@ -59,20 +62,21 @@ ol{margin:4px 0;padding-left:20px}li{margin:2px 0}details{margin-top:10px}summar
 
 def render(run: RunData, version: str = "") -> str:
     """The report of `run` as one HTML document."""
-    incidents = incidents_of(run)
+    incidents = incidents_of(run, _FULL_INCIDENTS)
     title = _verdict(run, incidents)
     parts = [
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width,initial-scale=1">'
         f"<title>{escape(title[1])}</title><style>{_CSS}</style></head><body><main>",
-        f'<h1>nummon incident report</h1><div class="src">{escape(run.source)} · {_span_text(run)}'
+        f'<h1>nummon incident report</h1><div class="src">{escape(printable(run.source))} · {_span_text(run)}'
         f"{' · ' + escape(run.format) if run.format else ''}</div>",
         f'<div class="verdict v-{title[0]}">{escape(title[1])}</div>',
     ]
-    for v in _worst_first(incidents)[:_FULL_INCIDENTS]:
+    ranked = worst_first(incidents)
+    for v in ranked[:_FULL_INCIDENTS]:
         parts.append(_incident_section(v, run))
     if len(incidents) > _FULL_INCIDENTS:
-        parts.append(_more_incidents(_worst_first(incidents)[_FULL_INCIDENTS:]))
+        parts.append(_more_incidents(ranked[_FULL_INCIDENTS:]))
     parts.append(_overview(run, incidents))
     parts.append(
         f"<footer>Made by <code>nummon report</code>{' ' + escape(version) if version else ''}: "
@@ -84,17 +88,11 @@ def render(run: RunData, version: str = "") -> str:
     return "\n".join(parts)
 
 
-def _worst_first(incidents: list[IncidentView]) -> list[IncidentView]:
-    """Lost incidents first, then critical ones, then warnings; in step order within each."""
-    rank = {"nonfinite": 0, "critical": 1}
-    return sorted(incidents, key=lambda v: (rank.get(v.worst, 2), v.opened))
-
-
 def _span_text(run: RunData) -> str:
     if not run.records:
         return "no step records"
     a, b = run.records[0].step, run.records[-1].step
-    return f"{len(run.records):,} records, steps {a}–{b}"
+    return f"{run.n_records:,} records, steps {a}–{b}"
 
 
 def _verdict(run: RunData, incidents: list[IncidentView]) -> tuple[str, str]:
@@ -103,7 +101,7 @@ def _verdict(run: RunData, incidents: list[IncidentView]) -> tuple[str, str]:
         return "open", "No step records: nothing to report."
     if not incidents:
         return "ok", (
-            f"Healthy: no warning in {len(run.records):,} records (steps {run.records[0].step}–{run.records[-1].step})."
+            f"Healthy: no warning in {run.n_records:,} records (steps {run.records[0].step}–{run.records[-1].step})."
         )
     lost = next((v for v in incidents if v.nonfinite is not None), None)
     if lost is not None:
@@ -266,24 +264,18 @@ def _first_nonfinite(v: IncidentView) -> str:
 def _countdown_table(v: IncidentView) -> str:
     rows = []
     for c in v.countdowns[:10]:
-        said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} steps"
-        low, high = c.span if c.span is not None else (c.said, c.said)
+        said = f"{'≤' if c.bound else '~'}{fmt_num(c.said)} {'step' if c.said == 1 else 'steps'}"
         if c.span is not None:
-            said = f"~{fmt_num(low)}–{fmt_num(high)} steps"
-        left = "—" if c.left is None else f"{c.left} steps"
-        verdict = ""
-        if c.left is not None:
-            if c.span is not None and low <= c.left <= high:
-                verdict = "within the range said"
-            else:
-                verdict = "early (safe side)" if low <= c.left else "late: fewer were left"
+            said = f"~{fmt_num(c.span[0])}–{fmt_num(c.span[1])} steps"
+        left = "—" if c.left is None else plural(c.left, "step")
         rows.append(
             f"<tr><td>step {c.step}</td><td><code>{escape(c.metric)}</code></td><td>{said}</td>"
-            f"<td>{left}</td><td class=muted>{verdict}</td></tr>"
+            f"<td>{left}</td><td class=muted>{escape(c.verdict)}</td></tr>"
         )
-    more = f"<p class=muted>… and {len(v.countdowns) - 10} more forecasts.</p>" if len(v.countdowns) > 10 else ""
+    more = len(v.countdowns) - 10
+    more_text = f"<p class=muted>… and {plural(more, 'more forecast')}.</p>" if more > 0 else ""
     head = "<tr><th>said at</th><th>metric</th><th>steps to overflow said</th><th>steps left to the first NaN/Inf</th><th></th></tr>"
-    return f"<h3>Countdown: said vs left</h3><table>{head}{''.join(rows)}</table>{more}"
+    return f"<h3>Countdown: said vs left</h3><table>{head}{''.join(rows)}</table>{more_text}"
 
 
 def _layers(v: IncidentView, x0: float, x1: float) -> str:
@@ -318,7 +310,7 @@ def _alert_list(v: IncidentView) -> str:
     if not v.alerts:
         return ""
     rows = "".join(
-        f'<tr><td>{a.get("step")}</td><td style="color:{MARK_COLORS["critical"] if a.get("severity") == "critical" else MARK_COLORS["warning"]}">'
+        f'<tr><td>{escape(str(a.get("step")))}</td><td style="color:{MARK_COLORS["critical"] if a.get("severity") == "critical" else MARK_COLORS["warning"]}">'
         f"{escape(str(a.get('severity')))}</td><td>{escape(str(a.get('kind')))}</td>"
         f"<td>{escape(str(a.get('message'))[:300])}</td></tr>"
         for a in v.alerts[:200]
@@ -331,28 +323,37 @@ def _more_incidents(rest: list[IncidentView]) -> str:
         f"<tr><td>{v.number}</td><td>{v.opened}</td><td>{escape(v.worst)}</td>"
         f"<td>{'' if v.nonfinite is None else v.nonfinite}</td>"
         f"<td>{'' if v.resolved is None else v.resolved}</td></tr>"
-        for v in rest[:500]
+        for v in rest[:_LISTED]
     )
+    unlisted = f"<p class=muted>… and {plural(len(rest) - _LISTED, 'more incident')}, not listed.</p>"
     return (
-        f"<section><h2>{len(rest)} more incidents</h2><table><tr><th>incident</th><th>opened</th><th>worst</th>"
-        f"<th>first NaN/Inf</th><th>resolved</th></tr>{rows}</table></section>"
+        f"<section><h2>{plural(len(rest), 'more incident')}</h2><table><tr><th>incident</th><th>opened</th><th>worst</th>"
+        f"<th>first NaN/Inf</th><th>resolved</th></tr>{rows}</table>"
+        f"{unlisted if len(rest) > _LISTED else ''}</section>"
     )
+
+
+def _bands(incidents: list[IncidentView], pixel: float) -> list[tuple[float, float, str]]:
+    """The incidents' shaded step ranges, one colour each for warning and critical; ranges of a
+    colour closer than a pixel are one band (a page stays small whatever the incidents)."""
+    out: dict[str, list[list[float]]] = {}
+    for v in sorted(incidents, key=lambda v: v.opened):
+        color = MARK_COLORS["critical" if v.worst in ("critical", "nonfinite") else "warning"]
+        end = v.nonfinite if v.nonfinite is not None else (v.resolved or v.end)
+        runs = out.setdefault(color, [])
+        if runs and v.opened <= runs[-1][1] + pixel:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([v.opened, end])
+    return [(a, b, color) for color, runs in out.items() for a, b in runs]
 
 
 def _overview(run: RunData, incidents: list[IncidentView]) -> str:
     if not run.records:
         return ""
     x0, x1 = run.records[0].step, run.records[-1].step
-    keep = [(m - 60.0, m + 60.0) for v in incidents for m, _ in v.marks]
-    [Mark(s, k, " ") for v in incidents[:_FULL_INCIDENTS] for s, k in v.marks]
-    bands = [
-        (
-            v.opened,
-            v.nonfinite if v.nonfinite is not None else (v.resolved or v.end),
-            MARK_COLORS["critical" if v.worst in ("critical", "nonfinite") else "warning"],
-        )
-        for v in incidents
-    ]
+    keep = [(m - 60.0, m + 60.0) for v in worst_first(incidents)[:_KEPT_MARKS] for m, _ in v.marks]
+    bands = _bands(incidents, (x1 - x0) / 960)
     chart = stacked_chart(_panels(run.records, keep), x0, x1, [], None, bands=bands, panel_h=90)
     head = "The whole run" if incidents else "The run's curves"
     note = " (incidents shaded)" if incidents else ""

@@ -5,16 +5,17 @@ layers that left the pack."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._functional import median
-from .._text import fmt_num
+from .._text import fmt_num, plural
 from .._types import StepRecord
 from .load import RunData
 
-__all__ = ["IncidentView", "Countdown", "LayerTrack", "incidents_of", "LAYER_FAMILIES"]
+__all__ = ["IncidentView", "Countdown", "LayerTrack", "incidents_of", "worst_first", "LAYER_FAMILIES"]
 
 _RANK = {"none": 0, "resolved": 0, "open": 1, "critical": 2, "nonfinite": 3}
 
@@ -42,6 +43,28 @@ class Countdown:
     left: int | None
     bound: bool = False  # `said` is an upper bound (the growth rate was rising)
     span: tuple[float, float] | None = None  # the range said (if it keeps speeding up, at today's rate)
+    followed: int = 0  # finite steps the log went on after `step` (when `left` is None)
+
+    @property
+    def verdict(self) -> str:
+        """The forecast against what happened: a hit (the figure, within the range or the bound
+        said), early (more steps were left: the safe side), late (fewer), missed (no overflow
+        followed within the figure said), or not judged (said at the first non-finite step itself,
+        or the log ends before the figure said)."""
+        low, high = self.span if self.span is not None else (self.said, self.said)
+        if self.left is None:
+            if self.followed > high:
+                return f"missed: no overflow in the {plural(self.followed, 'step')} that followed"
+            return f"not judged: the log ends {plural(self.followed, 'step')} later"
+        if self.left <= 0:
+            return "not judged: said at the first NaN/Inf step itself"
+        if self.span is not None and low <= self.left <= high:
+            return "hit: within the range said"
+        if self.span is None and self.bound and self.left <= self.said:
+            return "hit: within the bound said"
+        if self.span is None and not self.bound and self.left == round(self.said):
+            return "hit"
+        return "early (safe side): more were left" if self.left > high else "late: fewer were left"
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,7 @@ class IncidentView:
     layers: list[LayerTrack] = field(default_factory=list)
     sentences: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
+    full: bool = False  # its countdowns, hints, layers and sentences are filled in (a page tells it in full)
 
     @property
     def lead(self) -> int | None:
@@ -107,24 +131,36 @@ class IncidentView:
         return why or next((e.get("explanation") for e in self.events if e.get("explanation")), None)
 
 
-def incidents_of(run: RunData) -> list[IncidentView]:
-    """Every incident of the run, oldest first, with its facts filled in."""
+def incidents_of(run: RunData, full: int | None = None) -> list[IncidentView]:
+    """Every incident of the run, oldest first, with its steps, alerts and first non-finite value;
+    the rest of the facts (countdowns, hints, layers, sentences) for the `full` worst ones (None:
+    all; `worst_first` order), the ones a page tells in full. Linear in the records and alerts
+    (each is visited a bounded number of times, whatever the number of incidents)."""
     last_step = run.records[-1].step if run.records else 0
     views = _group(run.incidents, last_step)
+    steps = [r.step for r in run.records]
     nonfinite_steps = [r.step for r in run.records if not r.is_finite()]
+    loud = sorted(
+        (a for a in run.alerts if not a.get("cleared") and a.get("severity") in ("warning", "critical")), key=_step
+    )
+    loud_steps = [_step(a) for a in loud]
     for v in views:
-        v.alerts = [
-            a
-            for a in run.alerts
-            if v.opened <= _step(a) <= v.end and not a.get("cleared") and a.get("severity") in ("warning", "critical")
-        ]
-        _fill_nonfinite(v, run, nonfinite_steps)
-        v.countdowns = _countdowns(v)
-        v.hints = _hints(v)
-        v.layers = _layers(v, run)
+        v.alerts = loud[bisect.bisect_left(loud_steps, v.opened) : bisect.bisect_right(loud_steps, v.end)]
+        _fill_nonfinite(v, run, nonfinite_steps, steps)
         v.actions = [e["action"] for e in v.events if e.get("action")]
+    for v in worst_first(views)[:full]:
+        v.full = True
+        v.countdowns = _countdowns(v, nonfinite_steps, last_step)
+        v.hints = _hints(v)
+        v.layers = _layers(v, run, steps)
         v.sentences = _sentences(v, last_step)
     return views
+
+
+def worst_first(incidents: list[IncidentView]) -> list[IncidentView]:
+    """Lost incidents first, then critical ones, then warnings; in step order within each."""
+    rank = {"nonfinite": 0, "critical": 1}
+    return sorted(incidents, key=lambda v: (rank.get(v.worst, 2), v.opened))
 
 
 def _step(d: dict[str, Any]) -> int:
@@ -162,11 +198,12 @@ def _group(events: list[dict[str, Any]], last_step: int) -> list[IncidentView]:
     return views
 
 
-def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int]) -> None:
+def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int], steps: list[int]) -> None:
     """The first non-finite step (from the records when no event says it) and its alert."""
-    in_window = [s for s in nonfinite_steps if v.opened <= s <= v.end]
-    if in_window and (v.nonfinite is None or in_window[0] < v.nonfinite):
-        v.nonfinite = in_window[0]
+    i = bisect.bisect_left(nonfinite_steps, v.opened)
+    first = nonfinite_steps[i] if i < len(nonfinite_steps) and nonfinite_steps[i] <= v.end else None
+    if first is not None and (v.nonfinite is None or first < v.nonfinite):
+        v.nonfinite = first
         v.worst = "nonfinite"
     v.nonfinite_alert = next(
         (a for a in v.alerts if a.get("kind") == "nonfinite" and a.get("severity") == "critical"), None
@@ -184,12 +221,14 @@ def _fill_nonfinite(v: IncidentView, run: RunData, nonfinite_steps: list[int]) -
         )
     loc = (v.nonfinite_alert or {}).get("location")
     if not loc and v.nonfinite is not None:
-        rec = next((r for r in run.records if r.step == v.nonfinite), None)
-        loc = rec.nonfinite_location if rec is not None else None
+        i = bisect.bisect_left(steps, v.nonfinite)
+        loc = run.records[i].nonfinite_location if i < len(steps) and steps[i] == v.nonfinite else None
     v.nonfinite_location = loc
 
 
-def _countdowns(v: IncidentView) -> list[Countdown]:
+def _countdowns(v: IncidentView, nonfinite_steps: list[int], last_step: int) -> list[Countdown]:
+    """The incident's forecasts, each once per (metric, step); `left` within the incident, else
+    the finite steps that followed (up to the run's next non-finite step or the log's end)."""
     out, seen = [], set()
     for a in v.alerts:
         d = a.get("details") or {}
@@ -200,7 +239,13 @@ def _countdowns(v: IncidentView) -> list[Countdown]:
         left = None if v.nonfinite is None else v.nonfinite - _step(a)
         rng = d.get("steps_to_overflow_range")
         span = (float(rng[0]), float(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
-        out.append(Countdown(_step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound")), span))
+        later = bisect.bisect_right(nonfinite_steps, _step(a))
+        followed = (nonfinite_steps[later] - 1 if later < len(nonfinite_steps) else last_step) - _step(a)
+        out.append(
+            Countdown(
+                _step(a), str(a.get("metric")), float(said), left, bool(d.get("overflow_bound")), span, max(0, followed)
+            )
+        )
     return out
 
 
@@ -218,12 +263,12 @@ def _hints(v: IncidentView) -> list[str]:
     return out[:5]
 
 
-def _layers(v: IncidentView, run: RunData) -> list[LayerTrack]:
+def _layers(v: IncidentView, run: RunData, steps: list[int]) -> list[LayerTrack]:
     """Per-layer tracks around the incident; the layers that left the pack first (at most 8);
     when none did, the four that grew most (the page says so)."""
     lo = v.opened
     hi = v.nonfinite if v.nonfinite is not None else v.end
-    recs = _layer_records(run, lo - _PRE_STEPS * 4, hi)
+    recs = _layer_records(run, steps, lo - _PRE_STEPS * 4, hi)
     tracks: list[LayerTrack] = []
     for family in LAYER_FAMILIES:
         series: dict[str, list[tuple[int, float]]] = {}
@@ -260,9 +305,10 @@ def _pack_line(recs: list[StepRecord], family: str) -> list[tuple[int, float]]:
     return out
 
 
-def _layer_records(run: RunData, lo: int, hi: int) -> list[StepRecord]:
+def _layer_records(run: RunData, steps: list[int], lo: int, hi: int) -> list[StepRecord]:
     """Records in [lo, hi] with per-layer values: the event log's, else the flight records'."""
-    recs = [r for r in run.records if lo <= r.step <= hi and _has_layers(r)]
+    window = run.records[bisect.bisect_left(steps, lo) : bisect.bisect_right(steps, hi)]
+    recs = [r for r in window if _has_layers(r)]
     if recs or not run.flight_records:
         return recs
     from .load import _flight_steps
@@ -308,8 +354,15 @@ def _sentences(v: IncidentView, last_step: int) -> list[str]:
     if v.countdowns:
         c = min(v.countdowns, key=lambda c: c.step)
         figure = f"~{fmt_num(c.span[0])}-{fmt_num(c.span[1])}" if c.span is not None else f"~{fmt_num(c.said)}"
-        said = f"{figure} steps to overflow on {c.metric} at step {c.step}"
-        out.append(f"The first countdown said {said}" + (f"; {c.left} were left." if c.left is not None else "."))
+        said = f"{figure} {'step' if c.span is None and c.said == 1 else 'steps'} to overflow on {c.metric} at step {c.step}"
+        if c.left is not None:
+            out.append(f"The first countdown said {said}; {c.left} {'was' if c.left == 1 else 'were'} left.")
+        elif c.verdict.startswith("missed"):
+            out.append(
+                f"The first countdown said {said}; no overflow came in the {plural(c.followed, 'step')} that followed."
+            )
+        else:
+            out.append(f"The first countdown said {said}.")
     return out
 
 

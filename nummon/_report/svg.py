@@ -74,9 +74,13 @@ def thin(points: Sequence[Point], keep: Sequence[tuple[float, float]], budget: i
         bucket.clear()
         order.clear()
 
+    spans = _merged(keep)
+    at = 0  # the first span that may still hold a point (points come in x order)
     for p in points:
         x, y = p
-        if not math.isfinite(y) or any(a <= x <= b for a, b in keep):
+        while at < len(spans) and spans[at][1] < x:
+            at += 1
+        if not math.isfinite(y) or (at < len(spans) and spans[at][0] <= x):
             flush()
             out.append(p)
             continue
@@ -86,6 +90,17 @@ def thin(points: Sequence[Point], keep: Sequence[tuple[float, float]], budget: i
             order.append(b)
         bucket[b].append(p)
     flush()
+    return out
+
+
+def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals `spans`, sorted and overlapping ones merged."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
     return out
 
 
@@ -101,13 +116,20 @@ def _nice_step(span: float, n: int) -> float:
 
 
 def _linear_axis(values: list[float], n: int = 4) -> _Axis:
+    """Ticks at a round step over the values' range; a range wider than the largest double
+    (values swinging between -1e308 and 1e308) is measured in halves, never overflowing."""
     lo, hi = min(values), max(values)
-    if hi - lo < 1e-12 * max(1.0, abs(hi)):
+    if hi / 2 - lo / 2 < 0.5e-12 * max(1.0, abs(hi)):
         lo, hi = lo - 1, hi + 1
-    step = _nice_step(hi - lo, n)
-    lo, hi = math.floor(lo / step) * step, math.ceil(hi / step) * step
-    ticks = [lo + i * step for i in range(int(round((hi - lo) / step)) + 1)]
-    return _Axis(lo, hi, ticks, False)
+    step = min(_nice_step(hi / 2 - lo / 2, n) * 2, 1e308)
+    lo, hi = _round_to(lo, step, math.floor), _round_to(hi, step, math.ceil)
+    count = int(round(hi / step - lo / step))
+    return _Axis(lo, hi, [lo + i * step for i in range(count + 1)], False)
+
+
+def _round_to(v: float, step: float, how: Callable[[float], int]) -> float:
+    """`v` rounded to a multiple of `step` (floor or ceil), kept within the doubles."""
+    return max(-1.7e308, min(1.7e308, how(v / step) * step))
 
 
 def _log_axis(values: list[float], n: int = 4) -> _Axis:
@@ -185,14 +207,14 @@ def _y_axis_svg(
         return [], None
     out: list[str] = []
     ax = _log_axis(finite) if log else _linear_axis(finite)
-    span = (ax.hi - ax.lo) or 1.0
+    half = (ax.hi / 2 - ax.lo / 2) or 1.0  # half the span: finite whatever the values
     to_y = (lambda v: math.log10(v)) if log else (lambda v: v)
 
     def sy(v: float) -> float:
-        return top + h - (to_y(v) - ax.lo) / span * h
+        return top + h - (to_y(v) / 2 - ax.lo / 2) / half * h
 
     for t in ax.ticks:
-        ty = top + h - (t - ax.lo) / span * h
+        ty = top + h - (t / 2 - ax.lo / 2) / half * h
         out.append(f'<line x1="{left}" x2="{left + w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#eef0f3"/>')
         out.append(
             f'<text x="{left - 6}" y="{ty + 4:.1f}" text-anchor="end" class="t">{escape(tick_text(t, ax.log))}</text>'

@@ -1,7 +1,8 @@
 """The incident reports `nummon watch` writes for the runs it follows: one self-contained HTML
 page per run (`nummon report`'s page) in `reports/` beside the state file, written when a run's
 incident reaches critical or goes non-finite, and refreshed when the run is retired and when the
-watcher stops. Its path goes into the incident event, so the console line, the webhook text and
+watcher stops. Its path goes into the incident event once the page exists (a page that could not be
+written is never named), so the console line, the webhook text and
 the JSONL record name it (as the Monitor's do).
 
 Cost is bounded whatever the fleet: a page is drawn from what the run holds in memory (never by
@@ -29,7 +30,7 @@ from .._report.live import escalated_to_critical
 from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
 from .._types import StepRecord
-from .display import plural, raw_bytes
+from .display import plural, printable, raw_bytes
 from .notices import RunIncident
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]
@@ -96,7 +97,9 @@ class RunMemory:
         for r in [*self.first, *self.near.values(), *self.recent]:
             by_step[r.step] = r
         records = [by_step[s] for s in sorted(by_step)]
-        return RunData(source, records, list(self.alerts), list(self.incidents), [], format=format, typed=True)
+        return RunData(
+            source, records, list(self.alerts), list(self.incidents), [], format=format, typed=True, total=self.seen
+        )
 
 
 class WatchReports:
@@ -113,7 +116,8 @@ class WatchReports:
         self.say = say
         self.version = version or _version()
         self.min_interval_s = min_interval_s
-        self.written: dict[str, float] = {}  # run id -> monotonic time of its last write
+        self.written: dict[str, float] = {}  # run id -> monotonic time of its last write (or try)
+        self.pages: dict[str, Path] = {}  # run id -> its page, once one was written
         self.due: set[str] = set()  # runs whose page is older than what they hold (throttled)
         self.writes = 0
         self.failed: str | None = None  # the last failure, said once
@@ -139,7 +143,10 @@ class WatchReports:
             self.write(run, name)
         else:
             self.due.add(run.id)
-        path = str(self.path_for(run.id, name))
+        page = self.pages.get(run.id)
+        if page is None:  # never written (reports/ cannot be made, a full disk): no page to name
+            return events
+        path = str(page)
         named: set[int] = set()  # incidents that reached critical in this batch: named from then on
         for ev in events:
             if escalated_to_critical([ev.event]):
@@ -171,10 +178,11 @@ class WatchReports:
         except Exception as e:  # noqa: BLE001  (a page is never worth the watching)
             why = f"{type(e).__name__}: {e}"
             if self.failed != why and self.say is not None:
-                self.say(f"run {name}: could not write its incident report ({why})")
+                self.say(f"run {printable(name)}: could not write its incident report ({printable(why)})")
             self.failed = why
             return None
         self.writes += 1
+        self.pages[run.id] = path
         return path
 
     def refresh_at_stop(self, runs: dict[str, Any], names: Any, deadline: float) -> None:
@@ -190,6 +198,6 @@ class WatchReports:
             self.refresh(run, names(rid))
         if self.writes and self.say is not None:
             self.say(
-                f"{plural(len(self.written), 'incident report')} under {self.folder}"
+                f"{plural(len(self.pages), 'incident report')} under {self.folder}"
                 + (f" ({left} not refreshed at stop: no time left)" if left else "")
             )

@@ -12,10 +12,10 @@ import errno
 import json
 import os
 import stat
-import tempfile
 from typing import Any
 
 from .._errors import NummonError
+from .._files import write_atomic
 from .._json import dumps
 from .fs import MAX_READ
 
@@ -165,17 +165,4 @@ class StateFile:
         """Write atomically; OSError when it cannot (the caller goes on in memory)."""
         if not self.path:
             return
-        folder = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=".nummon-watch-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(dumps({**data, "version": STATE_VERSION}))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(self.path, dumps({**data, "version": STATE_VERSION}), durable=True)

@@ -11,7 +11,8 @@ truth = the steps until |x| first exceeds the dtype's max (float32 unless the re
 - decelerating growth: the headline never promises more than 1.5 truth + 2 (a slowing runaway
   may take longer than today's rate says: the countdown is early, never late), "the growth
   rate is rising" is never said, and no figure is called a floor ("at least"); when the growth levels off below the max (truth infinite) any
-  figure is early, and "rising" is still never said;
+  figure is a miss once the run outlives it (the report's countdown table judges it so:
+  tests/report/test_report_countdown.py), and "rising" is still never said;
 - with multiplicative noise (up to 0.01 decades a step, ~2%): where the rate's trend is measured
   (no range in the text) the headline claim above holds; where the text gives a range (the data
   cannot tell steady from accelerating yet) the truth lies within it (low/1.5 - 2 .. 1.5 high + 2);

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "types",
         (
             "_errors",
+            "_files",
             "_json",
             "_functional",
             "_text",

@@ -157,6 +157,41 @@ def test_one_page_per_run_named_by_the_run(tmp_path):
         assert "Run lost at step 130" in p.read_text()
 
 
+@pytest.mark.parametrize("log", [b"run\xff/events.jsonl", b"r\xff.jsonl"])
+def test_a_run_whose_name_is_not_utf8_gets_its_page_and_the_events_name_it(tmp_path, log):
+    import os
+
+    from helpers.watching import read_events
+
+    path = tmp_path / "runs" / os.fsdecode(log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lines(path, two_incident_rows())
+    notes, state = tmp_path / "notes.jsonl", tmp_path / "state" / "watch.json"
+    w = Watcher([str(tmp_path / "runs")], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
+    w.run(once=True)
+    (page,) = pages(state)
+    assert [p.name for p in page.parent.iterdir()] == [page.name]  # no temporary file left
+    assert "Run lost at step 130" in page.read_text(encoding="utf-8")
+    named = {e["report"] for e in read_events(notes) if e.get("report")}
+    assert named == {str(page)}
+
+
+def test_when_reports_cannot_be_made_no_event_names_a_page(tmp_path):
+    from helpers.watching import read_events
+
+    log = tmp_path / "runs" / "a.jsonl"
+    log.parent.mkdir()
+    write_lines(log, two_incident_rows())
+    notes, state = tmp_path / "notes.jsonl", tmp_path / "state" / "watch.json"
+    state.parent.mkdir()
+    (state.parent / "reports").write_text("a file where the folder would go")
+    w = Watcher([str(log.parent)], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
+    w.run(once=True)
+    events = read_events(notes)
+    assert any(e.get("state") == "nonfinite" for e in events)
+    assert [e["report"] for e in events if e.get("report")] == []
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
