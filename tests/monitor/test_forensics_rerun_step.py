@@ -1,0 +1,155 @@
+"""The verdict's re-run is the step's own computation or no verdict at all: every micro-batch of an
+accumulated step, every random generator as each forward found it (F.dropout, Python's `random`,
+NumPy), and the generators put back after it, so training goes on bitwise as it would without nummon."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from nummon import Monitor
+from nummon._forensics.verdict import MicroBatches
+
+
+class DropNet(nn.Module):
+    """Dropout through the functional API: no nn.Dropout module to find."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 2)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.dropout(torch.relu(self.fc1(x)), 0.5, self.training))
+
+
+def _policy(tmp_path, **extra):
+    return {"sinks": {"console": False}, "recorder": {"directory": str(tmp_path)}, **extra}
+
+
+def _data(steps, micro=1):
+    g = torch.Generator().manual_seed(1)
+    return [
+        [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(micro)] for _ in range(steps)
+    ]
+
+
+def _critical(reports):
+    return [a for r in reports for a in r.alerts if a.severity.value == "critical" and not a.cleared]
+
+
+def _blowup(tmp_path, recompute_of, micro=1, steps=60):
+    """SGD at lr 3 in the callbacks' order (post_step before the update) until it is critical."""
+    torch.manual_seed(0)
+    model = DropNet()
+    opt = torch.optim.SGD(model.parameters(), lr=3.0)
+    reports = []
+    with Monitor(model, opt, policy=_policy(tmp_path)) as mon:
+        for batches in _data(steps, micro):
+            opt.zero_grad()
+            losses = []
+            for x, y in batches:
+                loss = nn.functional.mse_loss(model(x), y)
+                (loss / len(batches)).backward()
+                losses.append(loss.detach())
+            step_loss = sum(losses[1:], losses[0]) / len(losses)
+            r = mon.post_step(step_loss, recompute=recompute_of(model, batches))
+            opt.step()
+            reports.append(r)
+            if r.should_stop:
+                break
+    return mon, reports
+
+
+def _last_micro_batch(model, batches):
+    x, y = batches[-1]
+    return lambda: nn.functional.mse_loss(model(x), y)
+
+
+def _every_micro_batch(model, batches):
+    return MicroBatches([lambda x=x, y=y: nn.functional.mse_loss(model(x), y) for x, y in batches])
+
+
+def test_a_functional_dropout_step_re_runs_bitwise(tmp_path):
+    mon, reports = _blowup(tmp_path, _last_micro_batch)
+    crit = _critical(reports)
+    assert crit and mon.verdicts, [a.message for a in crit]
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts), [v.sentence() for v in mon.verdicts]
+
+
+def test_an_accumulated_step_re_run_in_full_is_reproducible_bitwise(tmp_path):
+    mon, reports = _blowup(tmp_path, _every_micro_batch, micro=2)
+    assert _critical(reports) and mon.verdicts
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts), [v.sentence() for v in mon.verdicts]
+
+
+def test_a_re_run_of_one_micro_batch_of_two_gives_no_verdict_and_says_why(tmp_path):
+    mon, reports = _blowup(tmp_path, _last_micro_batch, micro=2)
+    crit = _critical(reports)
+    assert crit and mon.verdicts == []
+    assert all("verdict" not in a.details for a in crit)
+    why = crit[0].details["verdict_unavailable"]
+    assert "forward 1 time(s) and the step 2" in why and "every micro-batch" in why
+
+
+def test_a_recompute_that_draws_random_numbers_before_the_forward_gives_no_verdict(tmp_path):
+    def augmented(model, batches):
+        x, y = batches[-1]
+        return lambda: nn.functional.mse_loss(model(x + 0.01 * torch.randn_like(x)), y)
+
+    mon, reports = _blowup(tmp_path, augmented)
+    crit = _critical(reports)
+    assert crit and mon.verdicts == []
+    assert "drew random numbers before the model's forward" in crit[0].details["verdict_unavailable"]
+
+
+def _train_skipping_nonfinite(tmp_path, with_nummon, steps=14, poison_at=4):
+    """Dropout, augmentation from Python's `random` and NumPy inside the step; a poisoned batch
+    at `poison_at` (critical: a verdict's re-run) whose update the loop skips."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = DropNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = Monitor(model, opt, policy=_policy(tmp_path, alerts={"stop_on_critical": False})) if with_nummon else None
+
+    def augment(x):
+        return x * random.uniform(0.9, 1.1) + float(np.random.normal(0, 0.01))
+
+    for step, ((x, y),) in enumerate(_data(steps)):
+        if step == poison_at:
+            x = x.clone()
+            x[3, 2] = float("inf")
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(augment(x)), y)
+        loss.backward()
+        if torch.isfinite(loss):
+            opt.step()
+        if mon is not None:
+            mon.post_step(loss, batch=(x, y), recompute=lambda x=x, y=y: nn.functional.mse_loss(model(augment(x)), y))
+    if mon is not None:
+        mon.close()
+    return model, mon, (torch.rand(4), random.random(), float(np.random.rand()))
+
+
+def test_training_after_a_verdict_is_bitwise_the_run_without_nummon(tmp_path):
+    model, mon, after = _train_skipping_nonfinite(tmp_path, with_nummon=True)
+    plain, _, plain_after = _train_skipping_nonfinite(tmp_path, with_nummon=False)
+    assert mon.verdicts or any("verdict_unavailable" in a.details for a in mon.alerts)
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(after[0], plain_after[0]) and after[1:] == plain_after[1:]
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_micro_batches_combine_the_loss_as_the_step_did(micro):
+    torch.manual_seed(0)
+    values = [torch.rand(()) for _ in range(micro)]
+    steps = MicroBatches([lambda v=v: v for v in values])
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    assert torch.equal(steps.combine(values), total / micro)
+    assert torch.equal(MicroBatches([lambda: 0] * micro, share=True).combine(values), total)
