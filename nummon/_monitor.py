@@ -365,7 +365,7 @@ class Monitor:
         assert self._recompute is not None  # post_step explains only a step that has a way to re-run
         weights = self._evidence.forward_state() if self._evidence is not None and self._evidence.faithful else None
         with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
-            return explain_quietly(self._recompute)
+            return explain_quietly(self._recompute, self.stats.model)
 
     def _replica_check(self, model: Any) -> Any:
         """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""

@@ -36,8 +36,14 @@ def explain_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Nonf
         raise NummonError(
             f"explain_nonfinite: fn must be callable (a forward returning a loss), got {type(fn).__name__}"
         )
+    return explain_in(None, fn, *args, **kwargs)
+
+
+def explain_in(model: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonfiniteReport | None:
+    """`explain_nonfinite` with the modules named by their qualified names in `model` (the model
+    nummon watches; None: by their paths in the outermost module that runs)."""
     rng = Generators()
-    scope = ModuleScope()
+    scope = ModuleScope(model)
     for index, value in enumerate(tree_leaves((args, kwargs))):
         if isinstance(value, torch.Tensor):
             scope.inputs.append((value, f"argument {index} of fn"))

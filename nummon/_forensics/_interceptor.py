@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._causes import Cause, classify, classify_backward, classify_inf_arithmetic, op_base
+from ._causes import Cause, classify, classify_backward, classify_inf_arithmetic, magnitude_cause, op_base
 from ._scope import ModuleScope, _storage_ptr, user_location
 
 __all__ = ["NonfiniteInterceptor", "Origin"]
@@ -200,7 +200,14 @@ class NonfiniteInterceptor(TorchDispatchMode):
         if self.stage == "backward":
             forward_op = self._forward_of_current_node()[0]
             return self._new("failure", op, classify_backward(op, forward_op, values, out))
-        return self._new("failure", op, classify(op, values, out))
+        cause = classify(op, values, out)
+        if cause[0] == "overflow" and cause[1].startswith("inputs to "):  # a sum or product of finite operands
+            dtype = out.dtype if out.is_floating_point() else torch.float32
+            tensors = [v for v in values if _checked(v)]
+            cause = magnitude_cause(
+                op_base(op), tensors, dtype, [self.scope.role(t) for t in tensors], self.scope.largest_parameter()
+            )
+        return self._new("failure", op, cause)
 
     def _outside(self, op: str, tensor: torch.Tensor, value: torch.Tensor) -> Origin:
         named = self.scope.describe(tensor)
