@@ -68,6 +68,18 @@ _MAGNITUDE_REMEDIES = {
 }
 
 
+def _blame(own: tuple[str, float] | None, largest: tuple[str, float] | None, data_max: float) -> tuple[str, str]:
+    """(the words, the role) of the operand that carries an overflow's magnitude."""
+    if own is not None and own[1] >= WEIGHT_SCALE:  # this op's own weight
+        return f"the weights carry the magnitude: {own[0]} reached max |w| {_num(own[1])}", "weights"
+    if largest is not None and largest[1] >= WEIGHT_SCALE:  # an earlier layer's
+        return f"the weights carry the magnitude: {largest[0]} reached max |w| {_num(largest[1])}", "weights"
+    if data_max >= WEIGHT_SCALE:
+        return f"the data carries the magnitude: the batch reaches max |x| {_num(data_max)}", "data"
+    top = f" (largest weight {largest[0]} max |w| {_num(largest[1])})" if largest is not None else ""
+    return f"the activations carry the magnitude, the weights are in range{top}", "activations"
+
+
 def magnitude_cause(
     name: str,
     operands: Sequence[Any],
@@ -80,7 +92,8 @@ def magnitude_cause(
     `WEIGHT_SCALE`), else the data, else the activations. `roles`: each floating operand's
     (role, label), role one of "weights", "data", "activations"."""
     tensors = _float_tensors(operands)
-    shown, data_max, own = [], 0.0, None
+    shown: list[str] = []
+    data_max, own = 0.0, None
     for tensor, (role, label) in zip(tensors, roles):
         span = _span([tensor])
         if span is None:
@@ -91,16 +104,7 @@ def magnitude_cause(
         if role == "weights" and (own is None or top > own[1]):
             own = (label.removeprefix("parameter "), top)
     limit = f"{_dtype(dtype)} max is {_num(torch.finfo(dtype).max)}"
-    if own is not None and own[1] >= WEIGHT_SCALE:  # this op's own weight
-        blame, role = f"the weights carry the magnitude: {own[0]} reached max |w| {_num(own[1])}", "weights"
-    elif largest is not None and largest[1] >= WEIGHT_SCALE:  # an earlier layer's
-        blame = f"the weights carry the magnitude: {largest[0]} reached max |w| {_num(largest[1])}"
-        role = "weights"
-    elif data_max >= WEIGHT_SCALE:
-        blame, role = f"the data carries the magnitude: the batch reaches max |x| {_num(data_max)}", "data"
-    else:
-        top = f" (largest weight {largest[0]} max |w| {_num(largest[1])})" if largest is not None else ""
-        blame, role = f"the activations carry the magnitude, the weights are in range{top}", "activations"
+    blame, role = _blame(own, largest, data_max)
     remedy = _MAGNITUDE_REMEDIES[role]
     if dtype in (torch.float16, torch.bfloat16):
         remedy += ", or run this op in float32 (autocast(enabled=False))"
