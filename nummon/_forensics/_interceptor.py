@@ -199,15 +199,19 @@ class NonfiniteInterceptor(TorchDispatchMode):
     def _failure(self, op: str, values: list[Any], out: torch.Tensor) -> Origin:
         if self.stage == "backward":
             forward_op = self._forward_of_current_node()[0]
-            return self._new("failure", op, classify_backward(op, forward_op, values, out))
-        cause = classify(op, values, out)
-        if cause[0] == "overflow" and cause[1].startswith("inputs to "):  # a sum or product of finite operands
+            cause = classify_backward(op, forward_op, values, out)
+        else:
+            cause = classify(op, values, out)
+        if self.stage == "forward" and cause[0] == "overflow" and cause[1].startswith("inputs to "):
+            # a sum or product of finite operands: which operand carries the magnitude
             dtype = out.dtype if out.is_floating_point() else torch.float32
             tensors = [v for v in values if _checked(v)]
             cause = magnitude_cause(
                 op_base(op), tensors, dtype, [self.scope.role(t) for t in tensors], self.scope.largest_parameter()
             )
-        return self._new("failure", op, cause)
+        bad = int((~torch.isfinite(out)).sum())
+        counted = f"; {bad} of the {out.numel()} elements of its output are non-finite"
+        return self._new("failure", op, (cause[0], cause[1] + counted, cause[2]))
 
     def _outside(self, op: str, tensor: torch.Tensor, value: torch.Tensor) -> Origin:
         named = self.scope.describe(tensor)
