@@ -148,7 +148,8 @@ class Monitor:
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
         tensor, tuple/list/dict of tensors) is checked for non-finite inputs and fingerprinted.
         `recompute` (optional: a function returning this batch's loss, e.g.
-        `lambda: loss_fn(model(x), y)`) is called only on a non-finite step, to name the
+        `lambda: loss_fn(model(x), y)`; with gradient accumulation a `MicroBatches` of every
+        micro-batch's) is called only on a non-finite or critical step, to name the
         operator, line and cause of the first NaN (policy `forensics`); the explanation is exact
         when the weights are still those of the failing forward: `post_step` called before
         `optimizer.step()`, or recovery skipped the poisoned update. `clip_norm` (optional: the

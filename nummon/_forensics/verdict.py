@@ -29,13 +29,14 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._errors import NummonError
 from .._stats.compiled import untraced
 from ._explain import _leaves, _loss_tensors
 from ._rng import Generators
@@ -212,13 +213,20 @@ class ForwardState:
 
 
 class MicroBatches:
-    """The recompute of an optimizer step made of several micro-batches (gradient accumulation):
-    each function re-runs one micro-batch's loss, in the step's order. The step's loss is their
-    mean, or with `share` their sum (each is already its share of the step's loss, times `scale`),
-    combined as the callbacks combine the step's own loss; the gradient is the accumulated one."""
+    """The `recompute` of an optimizer step made of several micro-batches (gradient accumulation),
+    for `Monitor.post_step(..., recompute=MicroBatches([...]))`: each function returns one
+    micro-batch's loss, in the step's order. The step's loss is their mean, or with `share` their
+    sum (each already its share of the step's loss, times `scale`); the re-run accumulates their
+    gradients as the step did (each loss times 1/count, or times `scale` with `share`).
 
-    def __init__(self, parts: list[Callable[[], Any]], share: bool = False, scale: float = 1.0) -> None:
-        self.parts, self.share, self.scale = list(parts), share, scale
+    A re-run of fewer micro-batches than the step ran gives no verdict: it is not the step's
+    computation."""
+
+    def __init__(self, parts: Sequence[Callable[[], Any]], share: bool = False, scale: float = 1.0) -> None:
+        parts = list(parts)
+        if not parts or not all(callable(p) for p in parts):
+            raise NummonError("MicroBatches needs one or more functions, each returning a micro-batch's loss")
+        self.parts, self.share, self.scale = parts, share, scale
 
     @property
     def weight(self) -> float:

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nummon import Monitor
-from nummon._forensics.verdict import MicroBatches
+from nummon import MicroBatches, Monitor, NummonError
 
 
 class DropNet(nn.Module):
@@ -153,3 +152,9 @@ def test_micro_batches_combine_the_loss_as_the_step_did(micro):
         total = total + v
     assert torch.equal(steps.combine(values), total / micro)
     assert torch.equal(MicroBatches([lambda: 0] * micro, share=True).combine(values), total)
+
+
+@pytest.mark.parametrize("parts", [[], [1]])
+def test_micro_batches_refuse_what_is_not_a_list_of_functions(parts):
+    with pytest.raises(NummonError, match="MicroBatches needs one or more functions"):
+        MicroBatches(parts)
