@@ -174,6 +174,11 @@ class ForwardState:
             self.saved = [p.detach().clone() for p in self.params]
 
     @property
+    def seen_forward(self) -> bool:
+        """A forward of the model (or of its direct children) has been seen since installation."""
+        return self._seen_forward
+
+    @property
     def faithful(self) -> bool:
         """The weights a re-run gets are those of the step's forward."""
         return self._seen_forward and (not self.updated or self.saved is not None)
@@ -432,6 +437,11 @@ def gather_verdict(
 
     if not current:  # lagged mode: the recompute given is the next step's
         return None, "the step was read a step late (lagged mode): its batch is gone"
+    if not evidence.seen_forward:
+        return None, (
+            "no forward of the model was seen in this step (nummon began watching during it, or the loop "
+            "calls only the model's submodules: they are watched from the next step on)"
+        )
     if not evidence.faithful:
         return None, (
             "the update was applied before post_step with finite gradients, so the weights of the step's "

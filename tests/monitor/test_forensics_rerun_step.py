@@ -104,7 +104,7 @@ def test_a_recompute_that_draws_random_numbers_before_the_forward_gives_no_verdi
     assert "drew random numbers before the model's forward" in crit[0].details["verdict_unavailable"]
 
 
-def _train_skipping_nonfinite(tmp_path, with_nummon, steps=14, poison_at=4):
+def _train_skipping_nonfinite(tmp_path, with_nummon, augmented, steps=14, poison_at=4):
     """Dropout, augmentation from Python's `random` and NumPy inside the step; a poisoned batch
     at `poison_at` (critical: a verdict's re-run) whose update the loop skips."""
     torch.manual_seed(0)
@@ -115,7 +115,7 @@ def _train_skipping_nonfinite(tmp_path, with_nummon, steps=14, poison_at=4):
     mon = Monitor(model, opt, policy=_policy(tmp_path, alerts={"stop_on_critical": False})) if with_nummon else None
 
     def augment(x):
-        return x * random.uniform(0.9, 1.1) + float(np.random.normal(0, 0.01))
+        return x * random.uniform(0.9, 1.1) + float(np.random.normal(0, 0.01)) if augmented else x
 
     for step, ((x, y),) in enumerate(_data(steps)):
         if step == poison_at:
@@ -133,10 +133,14 @@ def _train_skipping_nonfinite(tmp_path, with_nummon, steps=14, poison_at=4):
     return model, mon, (torch.rand(4), random.random(), float(np.random.rand()))
 
 
-def test_training_after_a_verdict_is_bitwise_the_run_without_nummon(tmp_path):
-    model, mon, after = _train_skipping_nonfinite(tmp_path, with_nummon=True)
-    plain, _, plain_after = _train_skipping_nonfinite(tmp_path, with_nummon=False)
-    assert mon.verdicts or any("verdict_unavailable" in a.details for a in mon.alerts)
+@pytest.mark.parametrize("augmented", [False, True])
+def test_training_after_a_verdict_is_bitwise_the_run_without_nummon(tmp_path, augmented):
+    model, mon, after = _train_skipping_nonfinite(tmp_path, True, augmented)
+    plain, _, plain_after = _train_skipping_nonfinite(tmp_path, False, augmented)
+    if augmented:  # the re-run ran, and said why it gives no verdict
+        assert any("drew random numbers" in a.details.get("verdict_unavailable", "") for a in mon.alerts)
+    else:
+        assert [v.verdict for v in mon.verdicts] == ["reproducible"]
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
     assert torch.equal(after[0], plain_after[0]) and after[1:] == plain_after[1:]
@@ -158,3 +162,45 @@ def test_micro_batches_combine_the_loss_as_the_step_did(micro):
 def test_micro_batches_refuse_what_is_not_a_list_of_functions(parts):
     with pytest.raises(NummonError, match="MicroBatches needs one or more functions"):
         MicroBatches(parts)
+
+
+class Holder(nn.Module):
+    """Lightning's `training_step` calling `self.net(x)`: the model's own forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = DropNet()
+
+
+def _holder_run(tmp_path, steps, poison_at=None, lr=3.0):
+    torch.manual_seed(0)
+    holder = Holder()
+    opt = torch.optim.SGD(holder.parameters(), lr=lr)
+    reports = []
+    with Monitor(holder, opt, policy=_policy(tmp_path)) as mon:
+        for step, ((x, y),) in enumerate(_data(steps)):
+            if step == poison_at:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(holder.net(x), y)
+            loss.backward()
+            r = mon.post_step(loss, batch=(x, y), recompute=lambda x=x, y=y: nn.functional.mse_loss(holder.net(x), y))
+            opt.step()
+            reports.append(r)
+            if r.should_stop:
+                break
+    return mon, reports
+
+
+def test_a_loop_that_calls_only_a_submodule_gets_a_bitwise_verdict(tmp_path):
+    mon, reports = _holder_run(tmp_path, 60)
+    assert _critical(reports) and mon.verdicts, [a.details.get("verdict_unavailable") for a in _critical(reports)]
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts)
+
+
+def test_a_critical_first_step_says_no_forward_was_seen(tmp_path):
+    mon, reports = _holder_run(tmp_path, 3, poison_at=0, lr=0.05)
+    crit = _critical(reports)
+    assert crit and mon.verdicts == []
+    assert crit[0].details["verdict_unavailable"].startswith("no forward of the model was seen in this step")
