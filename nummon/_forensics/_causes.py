@@ -64,11 +64,14 @@ WEIGHT_SCALE = 1e3
 _MAGNITUDE_REMEDIES = {
     "weights": "lower the learning rate, clip gradients (clip_grad_norm_) or add weight decay: the updates grew the weights",
     "data": "normalise the inputs: the batch itself holds values this large",
+    "gradients": "clip gradients (clip_grad_norm_) or lower the learning rate; in float16 use a loss scaler (GradScaler): the gradients grew in the backward while the weights stayed in range",
     "activations": "normalise between layers (LayerNorm, BatchNorm) or scale the residual branches down: the activations grew through earlier layers while the weights stayed in range",
 }
 
 
-def _blame(own: tuple[str, float] | None, largest: tuple[str, float] | None, data_max: float) -> tuple[str, str]:
+def _blame(
+    own: tuple[str, float] | None, largest: tuple[str, float] | None, data_max: float, backward: bool = False
+) -> tuple[str, str]:
     """(the words, the role) of the operand that carries an overflow's magnitude."""
     if own is not None and own[1] >= WEIGHT_SCALE:  # this op's own weight
         return f"the weights carry the magnitude: {own[0]} reached max |w| {_num(own[1])}", "weights"
@@ -77,6 +80,8 @@ def _blame(own: tuple[str, float] | None, largest: tuple[str, float] | None, dat
     if data_max >= WEIGHT_SCALE:
         return f"the data carries the magnitude: the batch reaches max |x| {_num(data_max)}", "data"
     top = f" (largest weight {largest[0]} max |w| {_num(largest[1])})" if largest is not None else ""
+    if backward:
+        return f"the gradients carry the magnitude, the weights are in range{top}", "gradients"
     return f"the activations carry the magnitude, the weights are in range{top}", "activations"
 
 
@@ -86,11 +91,12 @@ def magnitude_cause(
     dtype: torch.dtype,
     roles: list[tuple[str, str]],
     largest: tuple[str, float] | None,
+    backward: bool = False,
 ) -> Cause:
     """An overflow of a sum or product of finite operands, blamed on the operand that carries the
     magnitude: the weights (`largest`: the model's largest parameter, (name, max |w|), at or above
-    `WEIGHT_SCALE`), else the data, else the activations. `roles`: each floating operand's
-    (role, label), role one of "weights", "data", "activations"."""
+    `WEIGHT_SCALE`), else the data, else the activations (in the `backward`: the gradients).
+    `roles`: each floating operand's (role, label), role one of "weights", "data", "activations"."""
     tensors = _float_tensors(operands)
     shown: list[str] = []
     data_max, own = 0.0, None
@@ -104,7 +110,7 @@ def magnitude_cause(
         if role == "weights" and (own is None or top > own[1]):
             own = (label.removeprefix("parameter "), top)
     limit = f"{_dtype(dtype)} max is {_num(torch.finfo(dtype).max)}"
-    blame, role = _blame(own, largest, data_max)
+    blame, role = _blame(own, largest, data_max, backward)
     remedy = _MAGNITUDE_REMEDIES[role]
     if dtype in (torch.float16, torch.bfloat16):
         remedy += ", or run this op in float32 (autocast(enabled=False))"

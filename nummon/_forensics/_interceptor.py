@@ -202,13 +202,15 @@ class NonfiniteInterceptor(TorchDispatchMode):
             cause = classify_backward(op, forward_op, values, out)
         else:
             cause = classify(op, values, out)
-        if self.stage == "forward" and cause[0] == "overflow" and cause[1].startswith("inputs to "):
+        if cause[0] == "overflow" and cause[1].startswith("inputs to "):
             # a sum or product of finite operands: which operand carries the magnitude
             dtype = out.dtype if out.is_floating_point() else torch.float32
             tensors = [v for v in values if _checked(v)]
-            cause = magnitude_cause(
-                op_base(op), tensors, dtype, [self.scope.role(t) for t in tensors], self.scope.largest_parameter()
-            )
+            backward = self.stage == "backward"
+            roles = [self.scope.role(t) for t in tensors]
+            if backward:  # a tensor nobody named in the backward is a gradient
+                roles = [("gradients", "a gradient") if r == ("activations", "an activation") else r for r in roles]
+            cause = magnitude_cause(op_base(op), tensors, dtype, roles, self.scope.largest_parameter(), backward)
         bad = int((~torch.isfinite(out)).sum())
         counted = f"; {bad} of the {out.numel()} elements of its output are non-finite"
         return self._new("failure", op, (cause[0], cause[1] + counted, cause[2]))

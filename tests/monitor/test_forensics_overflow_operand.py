@@ -74,3 +74,15 @@ def test_a_submodule_called_directly_is_named_by_its_qualified_name():
         model.net[2].weight.mul_(1e37)
     report = explain_quietly(lambda: model.net(1e3 * torch.ones(4, 8)).sum(), model)
     assert report is not None and report.module == "net.2" and "inside `net.2`" in report.headline()
+
+
+def test_an_overflow_in_the_backward_with_weights_in_range_names_the_gradients():
+    model = _model()
+    with torch.no_grad():
+        model.net[2].weight.mul_(1e-4)
+        model.net[2].bias.zero_()
+    x = 5 * torch.ones(4, 8)
+    report = explain_quietly(lambda: (model(x) * 1e38).sum(), model)  # finite forward, huge gradients
+    assert report is not None and report.stage == "backward" and report.cause == "overflow"
+    assert "the gradients carry the magnitude" in report.input_ranges
+    assert report.remedy.startswith("clip gradients") and "normalise the inputs" not in report.remedy
