@@ -60,3 +60,37 @@ def test_a_lightning_run_blowing_up_is_reproducible_with_accumulation(tmp_path, 
     cb = NummonLightningCallback(follow_loggers=False, console=False)
     trainer_for(tmp_path, [cb], steps=40, accumulate=accumulate, clip=0.0).fit(model, synthetic_data(16))
     assert set(_judged(cb.monitor.verdicts, cb.monitor.alerts)) == {("reproducible", True)}
+
+
+def test_a_lightning_manual_optimization_step_is_never_re_run(tmp_path):
+    """Its training_step steps the optimizer itself: a re-run would apply the update twice."""
+    pytest.importorskip("lightning.pytorch")
+    import lightning.pytorch as pl
+    from helpers.lightning_runs import TinyRegressor, synthetic_data, trainer_for
+    from torch import nn
+
+    from nummon.integrations.lightning import NummonLightningCallback
+
+    class Manual(TinyRegressor):
+        def __init__(self, lr):
+            super().__init__(lr)
+            self.automatic_optimization = False
+            self.calls = 0
+
+        def training_step(self, batch, batch_idx):
+            self.calls += 1
+            opt = self.optimizers()
+            opt.zero_grad()
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    pl.seed_everything(0, verbose=False)
+    model = Manual(1.5)
+    cb = NummonLightningCallback(follow_loggers=False, console=False, stop_on_critical=False)  # on to the NaN
+    trainer = trainer_for(tmp_path, [cb], steps=40, clip=None)
+    trainer.fit(model, synthetic_data(16))
+    assert [a for a in cb.monitor.alerts if a.severity.value == "critical"], "the run never went critical"
+    assert model.calls == trainer.global_step and cb.monitor.verdicts == []
