@@ -85,7 +85,8 @@ class NummonLightningCallback(pl.Callback):
         self.stopped_at: int | None = None  # the step whose report stopped training
         self._optimizer: Any = None
         self._loss = StepLoss()
-        self._batch: tuple[Any, int] | None = None  # the last micro-batch, to re-run a failing step (forensics)
+        # every micro-batch of the optimizer step so far, to re-run a failing step (forensics)
+        self._batches: list[tuple[Any, int]] = []
         self._warned_no_loss = False
         self._restored: Any = None  # the engine's state and next step from a checkpoint (checked at fit start)
         self._summary_due = False  # a start line was printed: the end-of-run summary is owed
@@ -159,14 +160,19 @@ class NummonLightningCallback(pl.Callback):
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._batch = (batch, batch_idx)
+        if len(self._batches) >= max(1, trainer.accumulate_grad_batches):  # a step that reached no post_step
+            self._batches = []
+        self._batches.append((batch, batch_idx))
 
     def _recompute(self, pl_module: Any) -> Any:
-        """A way to re-run the step's loss on the weights before the update (forensics)."""
-        if self._batch is None:
+        """A way to re-run the step's loss, every micro-batch of it, on the weights before the
+        update (forensics): their mean, the gradient accumulated as Lightning did."""
+        from nummon._forensics.verdict import MicroBatches
+
+        batches, self._batches = self._batches, []
+        if not batches or not pl_module.automatic_optimization:  # a manual step would step the optimizer again
             return None
-        batch, idx = self._batch
-        return lambda: loss_of(pl_module.training_step(batch, idx))
+        return MicroBatches([lambda b=b, i=i: loss_of(pl_module.training_step(b, i)) for b, i in batches])
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if self.monitor is None or not pl_module.training:

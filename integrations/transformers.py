@@ -158,7 +158,9 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
         self.stopped_at: int | None = None
         self._loss = StepLoss()
         self._loss_hook: Any = None
-        self._inputs: tuple[Any, Any, dict[str, Any]] | None = None  # the last micro-batch (forensics)
+        # every micro-batch of the step so far, as the model got it (forensics re-runs them all)
+        self._inputs: list[tuple[Any, Any, dict[str, Any]]] = []
+        self._shared = False  # the micro-batch losses are shares of the step's loss (summed)
         self._rerunning = False
         self._share_scale = 1.0
         self._warned_no_loss = False
@@ -279,28 +281,34 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     def _capture_loss(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not module.training or self._rerunning:
             return
-        self._inputs = (module, args, kwargs)
         loss = _output_loss(output)
         if loss is None:
             return
+        self._inputs.append((module, args, kwargs))
         # a model given `num_items_in_batch` returns its share of the step's loss (sum / all tokens)
-        share = kwargs.get("num_items_in_batch") is not None
+        share = self._shared = kwargs.get("num_items_in_batch") is not None
         self._loss.add(loss * self._share_scale if share and self._share_scale != 1.0 else loss, share=share)
 
     def _recompute(self) -> Any:
-        """A way to re-run the last micro-batch's loss on the weights before the update."""
-        if self._inputs is None:
+        """A way to re-run the step's loss, every micro-batch of it, on the weights before the
+        update (a `MicroBatches`: the losses combined and the gradients accumulated as the step's)."""
+        from nummon._forensics.verdict import MicroBatches
+
+        inputs, self._inputs = self._inputs, []
+        if not inputs:
             return None
-        module, args, kwargs = self._inputs
 
-        def loss() -> Any:
-            self._rerunning = True
-            try:
-                return _output_loss(module(*args, **kwargs))
-            finally:
-                self._rerunning = False
+        def micro_batch(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+            def loss() -> Any:
+                self._rerunning = True
+                try:
+                    return _output_loss(module(*args, **kwargs))
+                finally:
+                    self._rerunning = False
 
-        return loss
+            return loss
+
+        return MicroBatches([micro_batch(*i) for i in inputs], share=self._shared, scale=self._share_scale)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # before the update (the gradient statistics are from before clipping all the same): a

@@ -41,6 +41,7 @@ __all__ = [
     "IncidentState",
     "JsonlSink",
     "MemorySink",
+    "MicroBatches",
     "Monitor",
     "NummonError",
     "Policy",
@@ -66,6 +67,7 @@ __all__ = [
 # imported on first use: Monitor needs torch, the integrations their backends
 _LAZY = {
     "Monitor": "._monitor",
+    "MicroBatches": "._forensics.verdict",
     "TensorBoardSink": ".integrations.tensorboard",
     "PrometheusSink": ".integrations.prometheus",
     "WandbSink": ".integrations.wandb",
@@ -73,6 +75,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from ._forensics.verdict import MicroBatches
     from ._monitor import Monitor
     from .integrations.mlflow import MlflowSink
     from .integrations.prometheus import PrometheusSink
@@ -97,7 +100,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        if name == "Monitor":
+        if name in ("Monitor", "MicroBatches"):
             value.__module__ = __name__  # the integrations' classes keep their nummon.integrations.X
         globals()[name] = value
         return value

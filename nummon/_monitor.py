@@ -148,7 +148,8 @@ class Monitor:
         `loss` is a python float or a one-element tensor on any device. `batch` (optional: a
         tensor, tuple/list/dict of tensors) is checked for non-finite inputs and fingerprinted.
         `recompute` (optional: a function returning this batch's loss, e.g.
-        `lambda: loss_fn(model(x), y)`) is called only on a non-finite step, to name the
+        `lambda: loss_fn(model(x), y)`; with gradient accumulation a `MicroBatches` of every
+        micro-batch's) is called only on a non-finite or critical step, to name the
         operator, line and cause of the first NaN (policy `forensics`); the explanation is exact
         when the weights are still those of the failing forward: `post_step` called before
         `optimizer.step()`, or recovery skipped the poisoned update. `clip_norm` (optional: the
@@ -370,7 +371,7 @@ class Monitor:
         assert self._recompute is not None  # post_step explains only a step that has a way to re-run
         weights = self._evidence.forward_state() if self._evidence is not None and self._evidence.faithful else None
         with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
-            return explain_quietly(self._recompute)
+            return explain_quietly(self._recompute, self.stats.model)
 
     def _replica_check(self, model: Any) -> Any:
         """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""

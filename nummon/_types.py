@@ -200,7 +200,7 @@ class StepRecord:
     lr: float | None = None
     headroom: float | None = None  # decades between the largest magnitude and its dtype's max
     headroom_dtype: str | None = None
-    nonfinite_count: int | None = None  # non-finite values seen (exact only on the failure path)
+    nonfinite_count: int | None = None  # non-finite elements of the tensor nonfinite_location names (None: gone)
     layer_grad_norms: dict[str, float] = field(default_factory=dict)
     layer_activation_max: dict[str, float] = field(default_factory=dict)
     nonfinite_location: str | None = None  # e.g. "output of `fc2` (forward)"

@@ -148,10 +148,11 @@ class NonfiniteDetector:
         assert self._first is not None
         metric, location = self._first
         n = rec.nonfinite_count
-        count = f" ({sci(n)} non-finite element{'' if n == 1 else 's'})" if n else ""
-        where = f"first non-finite tensor: {location}"
+        # the count is of the tensor the location names
+        count = f", {sci(n)} non-finite element{'' if n == 1 else 's'} in it" if n else ""
+        where = f"first non-finite tensor: {location}{count}"
         if rec.rank is not None:
-            where = f"first non-finite: rank {rec.rank}, {location}"
+            where = f"first non-finite: rank {rec.rank}, {location}{count}"
         named = list(dict.fromkeys(parts))
         again = ""
         if jump is not None:
@@ -170,7 +171,7 @@ class NonfiniteDetector:
             "nonfinite",
             float(rec.nonfinite_count or len(parts)),
             0.0,
-            f"non-finite values in {', '.join(named)}{count}; {where}{again}",
+            f"non-finite values in {', '.join(named)}; {where}{again}",
             location=location,
             details={
                 "parts": named,

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ._explain import explain_nonfinite
+from ._explain import explain_in
 from ._explanation import NonfiniteReport
 
 __all__ = ["explain_quietly"]
@@ -15,11 +15,12 @@ __all__ = ["explain_quietly"]
 log = logging.getLogger("nummon")
 
 
-def explain_quietly(recompute: Callable[[], Any]) -> NonfiniteReport | None:
-    """The cause of the first non-finite value of the step `recompute` re-runs (None when it
-    could not be explained). Never raises: forensics must never break training."""
+def explain_quietly(recompute: Callable[[], Any], model: Any = None) -> NonfiniteReport | None:
+    """The cause of the first non-finite value of the step `recompute` re-runs, its modules named
+    as in `model` (None when it could not be explained). Never raises: forensics must never
+    break training."""
     try:
-        return explain_nonfinite(recompute)
+        return explain_in(model, recompute)
     except Exception as e:  # forensics must never break training
         log.warning("nummon: could not explain the non-finite step (%s: %s)", type(e).__name__, e)
         return None

@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cause", "classify", "classify_backward", "classify_inf_arithmetic", "op_base"]
+__all__ = [
+    "WEIGHT_SCALE",
+    "Cause",
+    "classify",
+    "classify_backward",
+    "classify_inf_arithmetic",
+    "magnitude_cause",
+    "op_base",
+]
 
 Cause = tuple[str, str, str]  # (cause, input_ranges, remedy)
 
@@ -48,6 +56,65 @@ _REMEDIES = {
     "inf_arithmetic": "fill with a large finite value (torch.finfo(dtype).min) instead of ±inf, and make sure no row is fully masked",
     "invalid_operation": "keep the inputs inside the operator's domain (clamp them) or guard with torch.where on the inputs, not the output",
 }
+
+
+#: a weight above this magnitude is no trained weight's scale: updates made it (the learning rate)
+WEIGHT_SCALE = 1e3
+#: the remedy of an overflow, by the operand that carries the magnitude
+_MAGNITUDE_REMEDIES = {
+    "weights": "lower the learning rate, clip gradients (clip_grad_norm_) or add weight decay: the updates grew the weights",
+    "data": "normalise the inputs: the batch itself holds values this large",
+    "gradients": "clip gradients (clip_grad_norm_) or lower the learning rate; in float16 use a loss scaler (GradScaler): the gradients grew in the backward while the weights stayed in range",
+    "activations": "normalise between layers (LayerNorm, BatchNorm) or scale the residual branches down: the activations grew through earlier layers while the weights stayed in range",
+}
+
+
+def _blame(
+    own: tuple[str, float] | None, largest: tuple[str, float] | None, data_max: float, backward: bool = False
+) -> tuple[str, str]:
+    """(the words, the role) of the operand that carries an overflow's magnitude."""
+    if own is not None and own[1] >= WEIGHT_SCALE:  # this op's own weight
+        return f"the weights carry the magnitude: {own[0]} reached max |w| {_num(own[1])}", "weights"
+    if largest is not None and largest[1] >= WEIGHT_SCALE:  # an earlier layer's
+        return f"the weights carry the magnitude: {largest[0]} reached max |w| {_num(largest[1])}", "weights"
+    if data_max >= WEIGHT_SCALE:
+        return f"the data carries the magnitude: the batch reaches max |x| {_num(data_max)}", "data"
+    top = f" (largest weight {largest[0]} max |w| {_num(largest[1])})" if largest is not None else ""
+    if backward:
+        return f"the gradients carry the magnitude, the weights are in range{top}", "gradients"
+    return f"the activations carry the magnitude, the weights are in range{top}", "activations"
+
+
+def magnitude_cause(
+    name: str,
+    operands: Sequence[Any],
+    dtype: torch.dtype,
+    roles: list[tuple[str, str]],
+    largest: tuple[str, float] | None,
+    backward: bool = False,
+) -> Cause:
+    """An overflow of a sum or product of finite operands, blamed on the operand that carries the
+    magnitude: the weights (`largest`: the model's largest parameter, (name, max |w|), at or above
+    `WEIGHT_SCALE`), else the data, else the activations (in the `backward`: the gradients).
+    `roles`: each floating operand's (role, label), role one of "weights", "data", "activations"."""
+    tensors = _float_tensors(operands)
+    shown: list[str] = []
+    data_max, own = 0.0, None
+    for tensor, (role, label) in zip(tensors, roles):
+        span = _span([tensor])
+        if span is None:
+            continue
+        top = max(abs(span[0]), abs(span[1]))
+        shown.append(f"{label} max |x| {_num(top)}")
+        data_max = max(data_max, top) if role == "data" else data_max
+        if role == "weights" and (own is None or top > own[1]):
+            own = (label.removeprefix("parameter "), top)
+    limit = f"{_dtype(dtype)} max is {_num(torch.finfo(dtype).max)}"
+    blame, role = _blame(own, largest, data_max, backward)
+    remedy = _MAGNITUDE_REMEDIES[role]
+    if dtype in (torch.float16, torch.bfloat16):
+        remedy += ", or run this op in float32 (autocast(enabled=False))"
+    return ("overflow", f"{blame}; the operands of {name}: {', '.join(shown)}; {limit}", remedy)
 
 
 def op_base(op: str) -> str:

@@ -7,8 +7,6 @@ they went in (the backward uses torch.autograd.grad, which never writes `.grad`)
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from .._errors import NummonError
 from ._explanation import NonfiniteReport
 from ._interceptor import NonfiniteInterceptor, Origin, _checked, _finite, describe_outside
+from ._rng import Generators
 from ._scope import ModuleScope, source_text
 
 __all__ = ["explain_nonfinite"]
@@ -37,8 +36,14 @@ def explain_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Nonf
         raise NummonError(
             f"explain_nonfinite: fn must be callable (a forward returning a loss), got {type(fn).__name__}"
         )
-    rng = _RngState()
-    scope = ModuleScope()
+    return explain_in(None, fn, *args, **kwargs)
+
+
+def explain_in(model: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonfiniteReport | None:
+    """`explain_nonfinite` with the modules named by their qualified names in `model` (the model
+    nummon watches; None: by their paths in the outermost module that runs)."""
+    rng = Generators()
+    scope = ModuleScope(model)
     for index, value in enumerate(tree_leaves((args, kwargs))):
         if isinstance(value, torch.Tensor):
             scope.inputs.append((value, f"argument {index} of fn"))
@@ -126,24 +131,3 @@ def _report(origin: Origin) -> NonfiniteReport:
         forward_op=origin.forward_op if origin.stage == "backward" else None,
         source=source_text(origin.location),
     )
-
-
-class _RngState:
-    """Torch CPU and CUDA generators, Python's `random` and numpy's global state (if loaded)."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        )
-        self.python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy = numpy.random.get_state() if numpy is not None else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._causes import Cause, classify, classify_backward, classify_inf_arithmetic, op_base
+from ._causes import Cause, classify, classify_backward, classify_inf_arithmetic, magnitude_cause, op_base
 from ._scope import ModuleScope, _storage_ptr, user_location
 
 __all__ = ["NonfiniteInterceptor", "Origin"]
@@ -199,8 +199,21 @@ class NonfiniteInterceptor(TorchDispatchMode):
     def _failure(self, op: str, values: list[Any], out: torch.Tensor) -> Origin:
         if self.stage == "backward":
             forward_op = self._forward_of_current_node()[0]
-            return self._new("failure", op, classify_backward(op, forward_op, values, out))
-        return self._new("failure", op, classify(op, values, out))
+            cause = classify_backward(op, forward_op, values, out)
+        else:
+            cause = classify(op, values, out)
+        if cause[0] == "overflow" and cause[1].startswith("inputs to "):
+            # a sum or product of finite operands: which operand carries the magnitude
+            dtype = out.dtype if out.is_floating_point() else torch.float32
+            tensors = [v for v in values if _checked(v)]
+            backward = self.stage == "backward"
+            roles = [self.scope.role(t) for t in tensors]
+            if backward:  # a tensor nobody named in the backward is a gradient
+                roles = [("gradients", "a gradient") if r == ("activations", "an activation") else r for r in roles]
+            cause = magnitude_cause(op_base(op), tensors, dtype, roles, self.scope.largest_parameter(), backward)
+        bad = int((~torch.isfinite(out)).sum())
+        counted = f"; {bad} of the {out.numel()} elements of its output are non-finite"
+        return self._new("failure", op, (cause[0], cause[1] + counted, cause[2]))
 
     def _outside(self, op: str, tensor: torch.Tensor, value: torch.Tensor) -> Origin:
         named = self.scope.describe(tensor)

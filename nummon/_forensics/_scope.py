@@ -70,7 +70,11 @@ class ModuleScope:
     """A stack of the modules whose forward is running, their dotted paths, the tensors they
     were given and a snapshot of every buffer they own, taken before their first forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
+        # the model nummon watches: module paths are its qualified names (`net.2`, not `2`, where
+        # the loop calls `model.net(x)`)
+        self.model = model
+        self._model_names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._stack: list[tuple[nn.Module, str]] = []
         self._roots: list[nn.Module] = []
         self._names: dict[int, dict[int, str]] = {}  # id(root) -> {id(module): dotted path}
@@ -114,6 +118,11 @@ class ModuleScope:
     def _path_of(self, module: nn.Module) -> str:
         """Dotted path from the outermost running module ("" for that root itself); the
         roots' name tables are built once, so a deep model costs O(modules), not O(modules²)."""
+        known = self._model_names.get(id(module))
+        if known:
+            if not self._stack:
+                self._names.setdefault(id(module), {id(m): name for name, m in module.named_modules()})
+            return known
         if not self._stack:
             self._names.setdefault(id(module), {id(m): name for name, m in module.named_modules()})
             return ""
@@ -136,7 +145,7 @@ class ModuleScope:
         """('parameter encoder.fc1.weight' | 'buffer bn.running_var' | 'input to Net', that
         tensor) when `tensor` is (a view of) one of those; None otherwise."""
         ptr = _storage_ptr(tensor)
-        for root in self._roots:
+        for root in [self.model, *self._roots] if self.model is not None else self._roots:
             for kind, named in (("parameter", root.named_parameters()), ("buffer", root.named_buffers())):
                 for name, value in named:
                     if value is tensor or (ptr is not None and _storage_ptr(value) == ptr):
@@ -145,6 +154,34 @@ class ModuleScope:
             if value is tensor or (ptr is not None and _storage_ptr(value) == ptr):
                 return label, value
         return None
+
+    def role(self, tensor: torch.Tensor) -> tuple[str, str]:
+        """(role, label) of an operand: ("weights", "parameter fc1.weight"), ("data", "the batch")
+        for what the outermost module or fn was given, else ("activations", its label)."""
+        named = self.describe(tensor)
+        if named is None:
+            return "activations", "an activation"
+        label = named[0]
+        if label.startswith("parameter "):
+            return "weights", label
+        # the data: what fn or the model was given (without the model: the outermost module that ran)
+        outer = [self.model] if self.model is not None else self._roots
+        roots = {f"input to {self._model_names.get(id(r)) or type(r).__name__}" for r in outer}
+        if label.startswith("argument ") or label in roots:
+            return "data", f"the batch ({label})"
+        return "activations", f"the activation ({label})"
+
+    def largest_parameter(self) -> tuple[str, float] | None:
+        """(name, max |w|) of the largest finite weight of the models that ran (failure path only)."""
+        best: tuple[str, float] | None = None
+        models = [self.model] if self.model is not None else self._roots
+        for root in models:
+            for name, p in root.named_parameters():
+                values = p.detach().float().abs()
+                values = values[torch.isfinite(values)]
+                if values.numel() and (best is None or float(values.max()) > best[1]):
+                    best = (name, float(values.max()))
+        return best
 
     # -- buffers -----------------------------------------------------------------------------
     def _snapshot_buffers(self, module: nn.Module) -> None:

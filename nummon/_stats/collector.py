@@ -293,12 +293,7 @@ class StatsCollector:
 
     def _count_nonfinite(self) -> int:
         # failure path only: exact counts cost a sync, which no longer matters once a run is failing
-        total = 0
-        for p in self.watched.params:
-            total += int((~torch.isfinite(p.detach())).sum())
-            if p.grad is not None and not p.grad.is_sparse:
-                total += int((~torch.isfinite(p.grad)).sum())
-        return total
+        return sum(int((~torch.isfinite(p.detach())).sum()) for p in self.watched.params)
 
     def want_activation_histograms(self, on: bool) -> None:
         self.probes.want_tensors = on

@@ -236,8 +236,8 @@ def decode_mechanisms(b: RecordBuild) -> None:
 
 class Decoder:
     """Builds StepRecords. `dist` (a DistributedReducer or None) is needed for the exact
-    recomputation of overflowed norms across ranks; `count_nonfinite` counts on the failure
-    path (a sync, which no longer matters once a run is failing). `decoders`: the statistic
+    recomputation of overflowed norms across ranks; `count_nonfinite` counts the parameters'
+    non-finite elements on the failure path (a sync, which no longer matters once a run is failing). `decoders`: the statistic
     families' decoders, in the order of `families.FAMILIES` (the one list of families)."""
 
     def __init__(
@@ -272,13 +272,29 @@ class Decoder:
             rec.nonfinite_parts = tuple(b.parts)
             rec.nonfinite_location = locate(rec, origin)
             # exact counts are rank-local: left out under torch.distributed so every rank's alert is identical
-            rec.nonfinite_count = self.count_nonfinite() if self.dist is None else None
+            rec.nonfinite_count = self._named_count(rec, origin, pending) if self.dist is None else None
             if sources:
                 rec.rank = origin_rank(rec, origin, pending, sources)
         elif sources and rec.grad_max is not None and "grad_absmax" in sources:
             gm = get("grad_absmax")
             rec.rank = sources["grad_absmax"][max(range(len(gm)), key=gm.__getitem__)] if gm else None
         return rec
+
+    def _named_count(self, rec: StepRecord, origin: _Origin, pending: Pending) -> int | None:
+        """The non-finite elements of the tensor `locate` names (failure path only: a sync): the
+        batch's, the first non-finite gradient's, the parameters'; None where that tensor is gone
+        by now (a module's output: the explanation's re-run counts it) or is the loss."""
+        if rec.input_nonfinite:
+            return rec.input_nonfinite
+        if origin.first_bad_act is not None or "loss" in rec.nonfinite_parts:
+            return None
+        if origin.bad_grads:
+            named = origin.bad_grads[-1]
+            grads = [g for n, g in zip(pending.grad_names, pending.grads) if n == named]
+            return int((~torch.isfinite(grads[0])).sum()) if grads else None
+        if "parameters" in rec.nonfinite_parts:
+            return self.count_nonfinite()
+        return None
 
     def _scaler_skip(self, b: RecordBuild) -> None:
         if b.parts == ["gradients"] and self.grad_scaler is not None and self.grad_scaler.is_enabled():

@@ -91,7 +91,7 @@ def test_non_finite_alerts_say_what_their_number_counts():
     got = eng.step(rec)
     text = plain_text(got.incidents[0].summary())
     assert "- critical nonfinite: 1.6e6 non-finite elements in output of fc1 (forward) (step 80)" in text
-    assert "(1.6e6 non-finite elements)" in got.alerts[0].message
+    assert "output of `fc1` (forward), 1.6e6 non-finite elements in it" in got.alerts[0].message
     # a log's NaN loss: no count, the value is named for what it is
     got = HealthEngine(Policy.load("default")).step(StepRecord(step=3, loss=float("nan")))
     line = next(l for l in plain_text(got.incidents[0].summary()).splitlines() if l.startswith("- "))

@@ -20,6 +20,7 @@ EXPECTED = {
     "IncidentState",
     "JsonlSink",
     "MemorySink",
+    "MicroBatches",
     "MlflowSink",
     "Monitor",
     "NummonError",

@@ -53,7 +53,9 @@ def test_exp_of_100_in_float32_is_overflow_with_the_threshold():
     where = _next_line()
     report = explain_nonfinite(lambda: torch.exp(x).sum())
     _assert_report(report, "aten::exp", "overflow", "forward", where)
-    assert report.input_ranges == "max input 100 to exp; float32 overflows above 88.7"
+    assert report.input_ranges == (
+        "max input 100 to exp; float32 overflows above 88.7; 3 of the 3 elements of its output are non-finite"
+    )
     assert "clamp" in report.remedy
 
 
