@@ -27,7 +27,7 @@ from ._policy import PolicyLike, load_policy
 from ._recorder import FlightRecorder, FlightRecords, RunFolder
 from ._report.live import LiveReport
 from ._stats import Pending, StatsCollector
-from ._types import Alert, StepRecord
+from ._types import Alert, Health, StepRecord
 
 __all__ = ["Monitor"]
 
@@ -170,12 +170,16 @@ class Monitor:
             self._recompute, self._step_loss = recompute, loss
             if recompute is not None and self._evidence is None:
                 self._evidence = self._step_evidence()
+            report = None
             try:
-                return self._post_step(loss, batch, clip_norm, per_sample_loss)
+                report = self._post_step(loss, batch, clip_norm, per_sample_loss)
+                return report
             finally:
                 self._recompute = self._step_loss = None
                 if self._evidence is not None:
                     self._evidence.step_done()
+                    # the host generators are kept at each forward only while something is open
+                    self._evidence.keep_host = report is not None and report.health is not Health.HEALTHY
 
     def _post_step(self, loss: Any, batch: Any, clip_norm: float | None, per_sample_loss: Any = None) -> StepReport:
         s = self.step

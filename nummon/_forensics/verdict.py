@@ -76,9 +76,15 @@ class RerunTrace:
     def __init__(self) -> None:
         self.forwards = 0
         self.drew_before_forward = False
+        self.drew_from_unkept_host = False  # Python's / NumPy's generators moved, their step states not kept
 
     def unfaithful(self, step_forwards: int) -> str | None:
         """Why the re-run is not the step's computation; None when it is."""
+        if self.drew_from_unkept_host:
+            return (
+                "the re-run drew from Python's or NumPy's random generator, whose state at the step nummon keeps "
+                "only while an incident is open"
+            )
         if self.drew_before_forward:
             return (
                 "the recompute drew random numbers before the model's forward (augmentation?), so its inputs "
@@ -120,6 +126,9 @@ class ForwardState:
         self._check = guarded or all(p.device.type == "cpu" for p in self.params)
         self._modes: list[bool] = []  # each forward's training mode (an evaluation's forwards are no step's)
         self._steps_unseen = 0  # steps judged without a forward of the model's root
+        # keep Python's and NumPy's generators at each forward too (30 µs a forward: while an
+        # incident is open, the Monitor says); torch's are always kept
+        self.keep_host = False
         self._handles = [
             model.register_forward_pre_hook(untraced(self._on_forward)),  # reads flags, the generators
             optimizer.register_step_pre_hook(self._before_update),
@@ -151,7 +160,7 @@ class ForwardState:
         if module.training and not all(self._modes):  # an evaluation ran before the step's forwards
             self.forwards = [f for f, m in zip(self.forwards, self._modes) if m]
             self._modes = [True] * len(self.forwards)
-        self.forwards.append(Generators())
+        self.forwards.append(Generators(host=self.keep_host))
         self._modes.append(module.training)
 
     def _on_rerun_forward(self, rerun: RerunTrace) -> None:
@@ -159,7 +168,7 @@ class ForwardState:
         i, rerun.forwards = rerun.forwards, rerun.forwards + 1
         if i >= len(self.forwards):
             return
-        if i == 0 and not Generators().same_as(self.forwards[0]):
+        if i == 0 and not Generators(host=self.forwards[0].host_kept).same_as(self.forwards[0]):
             rerun.drew_before_forward = True
         self.forwards[i].restore()
 
@@ -210,6 +219,9 @@ class ForwardState:
                 self.forwards[0].restore()
             yield self._rerun
         finally:
+            rerun = self._rerun
+            if rerun is not None and not all(f.host_kept for f in self.forwards):
+                rerun.drew_from_unkept_host = not Generators().same_host_as(now)
             self.paused, self._rerun = False, None
             if current is not None:
                 with torch.no_grad():
