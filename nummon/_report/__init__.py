@@ -45,8 +45,15 @@ REPORT_NAME = "nummon-report.html"  # the report's name in a run folder
 def build_report(
     path: str | os.PathLike[str], format: str | None = None, policy=None, warn: Callable[[str], None] | None = None
 ) -> str:
-    """The HTML report of the run at `path` (a Monitor run folder or any log replay reads)."""
-    return render(load_run(path, format, policy, warn), version=_version())
+    """The HTML report of the run at `path` (a Monitor run folder or any log replay reads).
+    ReportError when nothing was read from it: a page saying nothing reads as a healthy run."""
+    run = load_run(path, format, policy, warn)
+    if not (run.n_records or run.alerts or run.incidents or run.flight_records):
+        raise ReportError(
+            f"{printable(os.fspath(path))}: no step records read (an empty log, or none nummon reads in it); "
+            "nothing was checked, no report written"
+        )
+    return render(run, version=_version())
 
 
 def write_html(html: str, out: str | os.PathLike[str]) -> Path:

@@ -68,6 +68,16 @@ def test_an_empty_log_is_no_step_records_and_exit_2(tmp_path):
     assert p.stdout.splitlines() == ["1 trace(s), 0 alert(s); 1 with no step records"]
 
 
+def test_a_report_over_a_log_with_no_step_records_writes_no_page_and_exits_2(tmp_path):
+    empty = tmp_path / "run.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "page.html"
+    p = cli("report", empty, "-o", out)
+    assert p.returncode == 2 and not out.exists()
+    (line,) = p.stderr.splitlines()
+    assert "no step records read" in line and "no report written" in line
+
+
 def test_an_empty_log_beside_a_read_one_still_exits_2(tmp_path):
     (tmp_path / "a.jsonl").write_text("")
     write_jsonl(tmp_path / "b.jsonl", runaway_rows())
