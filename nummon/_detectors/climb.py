@@ -22,9 +22,11 @@ class Climb:
 
     `records`: how many values are in the current climb (0: the last value was no new high);
     `base`: the highest value before the climb began; `low`: the lowest value within the climb;
-    `seen`: every value observed."""
+    `seen`: every value observed; `over`: no climb that begins from now on can be early (the
+    readers then stop booking values: a run's ordinary step pays nothing for the start's rules)."""
 
     def __init__(self) -> None:
+        self.over = False
         self.seen = 0
         self.records = 0
         self.top: float | None = None  # the highest value so far
@@ -44,6 +46,8 @@ class Climb:
             self.records = 0
         self.top = v if self.top is None else max(self.top, v)
         self.seen += 1
+        # a climb beginning at the next value would start past the first EARLY_RECORDS
+        self.over = self.records == 0 and self.seen >= EARLY_RECORDS
 
     @property
     def early(self) -> bool:

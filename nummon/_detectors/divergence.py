@@ -64,11 +64,13 @@ class DivergenceDetector:
         if not F.is_finite(rec.loss):
             return []
         loss = float(rec.loss)
-        self._climb.add(loss)
+        start = self._climbed is not None or not self._climb.over  # the start's rules still judge
+        if start:
+            self._climb.add(loss)
         held = self._held(base, loss)
         if held:
             return held
-        climb = self._early_climb(loss)
+        climb = self._early_climb(loss) if start else None
         return [climb] if climb is not None else []
 
     def _held(self, base: float | None, loss: float) -> list[Finding]:

@@ -83,15 +83,18 @@ class SpikeDetector:
 
     def update(self, rec: StepRecord) -> list[Finding]:
         witness = self._grad_witness(rec)
-        self._climbs["loss"].add(rec.loss)
-        self._climbs["grad_norm"].add(rec.grad_norm)
+        # the start's rule still judges (a climb of the gradient norm can still be early, or one holds)
+        start = self._grad_climbed is not None or not self._climbs["grad_norm"].over
+        if start:
+            self._climbs["loss"].add(rec.loss)
+            self._climbs["grad_norm"].add(rec.grad_norm)
         out: list[Finding] = []
         for metric, hist in self._hist.items():
             v = getattr(rec, metric)
             if not F.is_finite(v) or v <= 0:
                 continue
             found = self._jump(metric, hist, float(v), witness)
-            if found is None and metric == "grad_norm":
+            if found is None and start and metric == "grad_norm":
                 found = self._grad_climb(float(v), rec.loss)
             if found is not None:
                 out.append(found)

@@ -29,7 +29,7 @@ CNN_CALLS = {
     "end_of_backward": 36,
     "launch": 85,
     "read_decode": 107,
-    "detectors": 115,
+    "detectors": 125,  # in a run's first 10 records the start-of-run climb rules book each value (climb.py)
     "dispatch": 3,
     "post_step": 69,
     "other": 0,  # nummon code outside the stages above (a new kind of hook): none
