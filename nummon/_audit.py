@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,7 +238,11 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> tuple[Any, str]:
     if fmt not in ("zip", "pickle"):
         raise NummonError(f"{p} is not a PyTorch checkpoint: it looks like {fmt}")
     try:
-        return torch.load(p, map_location="cpu", weights_only=not trust, mmap=fmt == "zip"), fmt
+        with warnings.catch_warnings():
+            # torch's own deprecations, said while it rebuilds a quantized tensor (TypedStorage,
+            # quantize_per_tensor): nothing the checkpoint's user did or can change
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+            return torch.load(p, map_location="cpu", weights_only=not trust, mmap=fmt == "zip"), fmt
     except pickle.UnpicklingError as e:
         reason = None if trust else _refusal_reason(e)
         if reason is not None:

@@ -208,6 +208,20 @@ def test_float8_meta_sparse_and_quantized_tensors(tmp_path):
     assert rc == 1 and "note: csr: sparse (csr)" in text and "identical" in text
 
 
+def test_auditing_a_quantized_checkpoint_prints_no_torch_deprecation(tmp_path):
+    # a fresh process: torch says each warning once per process, so only here is the first time certain
+    import warnings
+
+    with warnings.catch_warnings():  # torch's own deprecation of quantized tensors, said at creation too
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.tensor([1.0, -2.0]), 0.1, 0, torch.qint8)
+    torch.save({"q": q}, tmp_path / "q.pt")
+    p = subprocess.run(
+        [sys.executable, "-m", "nummon", "audit", str(tmp_path / "q.pt")], capture_output=True, text=True
+    )
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
 # ------------------------------------------------------------------ files that are not checkpoints (item 15, defect 9)
 
 
