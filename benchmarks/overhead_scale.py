@@ -44,6 +44,7 @@ except ImportError:  # a bare checkout
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import GPT, steady_allocator  # noqa: E402
 from overhead import cnn_workload as overhead_cnn  # noqa: E402
+from overhead import lm_workload as overhead_lm  # noqa: E402
 from overhead import mlp_workload as overhead_mlp  # noqa: E402
 
 #: the clock of a timed block (wall time; --cpu-time: this thread's CPU time)
@@ -68,18 +69,8 @@ def tiny_workload(n_tensors: int, dev: torch.device):
 
 
 def lm_workload(dev: torch.device, layers: int = 12):
-    torch.manual_seed(0)
-    model = GPT(vocab=512, d=128, layers=layers, heads=4, ctx=64).to(dev)  # the GPT of overhead.py, small
-    idx = torch.randint(0, 512, (8, 65), device=dev)
-
-    def make_opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-    def loss_fn(m):
-        logits = m(idx[:, :-1])
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-
-    return model, make_opt, loss_fn
+    """overhead.py's tiny transformer LM (d 128, 4 heads, vocab 512, batch 8x64, AdamW)."""
+    return overhead_lm(dev, layers)[:3]
 
 
 def cnn_workload(dev: torch.device):
