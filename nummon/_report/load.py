@@ -21,6 +21,7 @@ from .._errors import NummonError
 from .._policy import PolicyLike, load_policy
 from .._trace import TraceError, open_log, record_from_dict
 from .._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
+from .._watch.display import printable
 from .fields import clean_alert, clean_event, step_of
 from .stream import Collector, _new_record
 
@@ -119,11 +120,16 @@ def read_flight_records(folder: Path, warn: Warn | None = None) -> list[dict[str
     """The flight records in `folder` (oldest step first); unreadable ones are named to `warn`."""
     out = []
     for f in sorted(folder.glob(FLIGHT_GLOB), key=_flight_order)[:_MAX_FLIGHT_RECORDS]:
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+        try:  # through the readers' guard: a FIFO or device named like a flight record is never read
+            with open_log(f) as fh:
+                data = json.loads(b"".join(fh).decode("utf-8"))
+        except TraceError as e:
             if warn:
-                warn(f"{f}: flight record skipped ({type(e).__name__})")
+                warn(f"{printable(str(f))}: flight record skipped ({str(e).rsplit(': ', 1)[-1]})")
+            continue
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            if warn:
+                warn(f"{printable(str(f))}: flight record skipped ({type(e).__name__})")
             continue
         if isinstance(data, dict):
             out.append(

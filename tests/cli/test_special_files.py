@@ -85,3 +85,17 @@ def test_replay_forced_to_jsonl_refuses_a_fifo_or_device_in_one_line(tmp_path, m
 def test_a_read_error_is_one_line_naming_the_file(tmp_path, args):
     p = run(*args, "-o", tmp_path / "page.html", cwd=tmp_path) if args[0] == "report" else run(*args, cwd=tmp_path)
     assert_one_line(p, "/proc/self/mem", "Input/output error")
+
+
+@pytest.mark.parametrize("make", [_fifo, _zero_link])
+def test_a_fifo_or_device_named_like_a_flight_record_is_skipped_and_named(tmp_path, make):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(
+        '{"type": "step", "step": 0, "loss": 1.0}\n{"type": "step", "step": 1, "loss": 1.1}\n'
+    )
+    make(run_dir / "nummon-flight-record-step1.json")
+    p = run("report", run_dir, "-o", tmp_path / "page.html", cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "nummon-flight-record-step1.json: flight record skipped (not a regular file" in p.stderr
+    assert (tmp_path / "page.html").is_file()
