@@ -84,6 +84,7 @@ class FlightRecords:
         self.folder = folder
         self.enabled = enabled  # policy recorder.write
         self._suffix = f"-rank{rank}" if rank is not None else ""
+        self._failed_in: set[Path] = set()  # folders a write already failed in: said once each
 
     def write(self, alert: Alert, rollback: int | None = None) -> Path | None:
         """Write the trajectory up to `alert`; its path, or None when writing is off or failed
@@ -92,10 +93,16 @@ class FlightRecords:
             return None
         tag = f"-rollback{rollback}" if rollback is not None else ""
         name = f"nummon-flight-record-step{alert.step}{tag}{self._suffix}.json"
+        folder = self.folder.path()
         try:
-            return self.recorder.dump(self.folder.path() / name, alert)
+            return self.recorder.dump(folder / name, alert)
         except OSError as e:
-            log.warning(
-                "nummon: could not write the %sflight record: %s", "rollback " if rollback is not None else "", e
-            )
+            if folder not in self._failed_in:  # a read-only folder fails every time: once per folder
+                self._failed_in.add(folder)
+                log.warning(
+                    "nummon: could not write the %sflight record: %s (not said again for %s)",
+                    "rollback " if rollback is not None else "",
+                    e,
+                    folder,
+                )
             return None

@@ -116,6 +116,20 @@ def test_a_flight_record_that_cannot_be_written_leaves_no_temporary_file(tmp_pat
     assert list(tmp_path.rglob("*.tmp")) == [] and list((tmp_path / "run").iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_flight_record_that_cannot_be_written_is_said_once_for_its_folder(tmp_path):
+    # three incidents, each critical, in a folder where no flight record fits: one warning, not three
+    healthy = "[2.0 * 0.999**i * (1 + 0.01 * ((i * 7) % 5)) for i in range(150)]"
+    script = FULL_DISK.replace('[2.0] * 40 + [float("nan")]', f'({healthy} + [float("nan")]) * 3').replace(
+        'print("FLIGHT RECORD", mon.flight_record)', 'print("INCIDENTS", max(e.number for e in mon.incidents))'
+    )
+    (tmp_path / "train.py").write_text(script)
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "INCIDENTS 3" in out.stdout, (out.stdout, out.stderr)
+    assert out.stderr.count("could not write the flight record") == 1, out.stderr
+
+
 def test_event_log_and_flight_record_are_strict_json(tmp_path):
     mon = Monitor(sinks=[JsonlSink(tmp_path / "e.jsonl")], policy={"alerts": {"stop_on_critical": False}})
     for loss in RUNAWAY:
