@@ -47,8 +47,11 @@ def raw_bytes(name: str) -> bytes:
 def printable(name: str) -> str:
     """A path or name on one printable line, valid UTF-8 (strict JSON, a console, a Slack
     message): bytes that are not UTF-8 as ``\\xff``, control characters (a newline in a folder's
-    name) as ``\\n``, ``\\x1b``; every other character as it is."""
-    text = raw_bytes(name).decode("utf-8", "backslashreplace")
+    name) as ``\\n``, ``\\x1b``, and a backslash of the name itself doubled, so two names never
+    print alike (a folder named with a newline and one named with a backslash and an n are two
+    runs, two Alertmanager labels); every other character as it is."""
+    data = raw_bytes(name)
+    text = data.replace(b"\\", b"\\\\").decode("utf-8", "backslashreplace")
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -530,3 +530,26 @@ def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     assert titles[-1].startswith("[RESOLVED]") and all(t.startswith("[FIRING]") for t in titles[:3])
     texts = [a.get("text", "") for b in slack.bodies for a in b.get("attachments", [])]
     assert not any("**" in t for t in texts) and any("*critical*" in t or "*nonfinite*" in t for t in texts), texts
+
+
+def test_runs_named_with_a_newline_and_with_a_backslash_n_are_two_alerts(sink, tmp_path):
+    """A folder named "a<newline>b" and one named "a\\nb" (a backslash and an n) are two runs: their
+    `run` labels differ, so Alertmanager never merges their alerts."""
+    root = tmp_path / "runs"
+    names = ["a\nb", "a\\nb"]
+    for name in names:
+        (root / name).mkdir(parents=True)
+        rows = [{"type": "step", "step": s, "loss": 2.0 * 0.99**s * (1 + 0.03 * math.sin(1.3 * s))} for s in range(40)]
+        rows.append({"type": "step", "step": 40, "loss": math.nan})
+        (root / name / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target = AlertmanagerTarget(sink.url, repeat_s=60)
+    watcher = Watcher([str(root)], load_policy("default"), [target], errors=open(os.devnull, "w"))
+    try:
+        watcher.poll_once(final=True)
+        wait_for(lambda: len({a["labels"]["run"] for a in sink.alerts()}) >= 2 or None, 10, "two run labels")
+        runs = {a["labels"]["run"] for a in sink.alerts()}
+        assert len(runs) == 2, runs
+        assert {r.split("/")[-2] for r in runs} == {"a\\nb", "a\\\\nb"}  # escaped, reversibly
+    finally:
+        watcher.close()
+        target.close()
