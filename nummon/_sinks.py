@@ -16,7 +16,7 @@ from ._errors import NummonError
 from ._format import plain_text
 from ._incidents import IncidentEvent
 from ._json import dumps
-from ._types import Alert, Health, Severity, StepRecord
+from ._types import Alert, Health, IncidentState, Severity, StepRecord
 
 __all__ = ["Sink", "BaseSink", "RunContext", "JsonlSink", "ConsoleSink", "MemorySink", "as_sink", "sink_name"]
 
@@ -221,8 +221,10 @@ def _refuse_unwritable_log(template: str) -> None:
 
 
 class ConsoleSink(BaseSink):
-    """One readable line per incident event (opened, escalated, resolved) on the "nummon"
-    logger, with the incident's summary; with `per_alert=True`, one line per alert as well.
+    """One line per incident transition (opened, escalated, resolved, acted on) on the "nummon"
+    logger: what, where, how bad (with the countdown when one is said) and where the detail is
+    (the report, the flight record). `verbose=True` adds the incident's whole summary under the
+    line; `per_alert=True` logs one line per alert as well.
 
     Synchronous: its lines appear in order with the training script's own output.
     """
@@ -234,10 +236,12 @@ class ConsoleSink(BaseSink):
         logger: logging.Logger | None = None,
         min_severity: Severity | str = Severity.INFO,
         per_alert: bool = False,
+        verbose: bool = False,
     ) -> None:
         self.logger = logger or log
         self.min_severity = Severity(min_severity)
         self.per_alert = per_alert
+        self.verbose = verbose
 
     def on_alert(self, alert: Alert) -> None:
         if not self.per_alert or alert.severity.rank < self.min_severity.rank:
@@ -253,8 +257,33 @@ class ConsoleSink(BaseSink):
         level = logging.INFO if rank == 0 else (logging.WARNING if rank == 1 else logging.ERROR)
         if level == logging.INFO and self.min_severity.rank > Severity.INFO.rank:
             return
-        body = plain_text(event.summary()).replace("\n", "\n    ")  # the console shows text, not Markdown
-        self.logger.log(level, "%s\n    %s", event.title, body)
+        if self.verbose:
+            body = plain_text(event.summary()).replace("\n", "\n    ")  # the console shows text, not Markdown
+            self.logger.log(level, "%s\n    %s", event.title, body)
+        else:
+            self.logger.log(level, "%s", console_line(event))
+
+
+def console_line(event: IncidentEvent) -> str:
+    """The incident event on one line: its title, the transition, the contributor that decides its
+    state (the worst, the latest of those) and where the detail is."""
+    if event.action:
+        said = f"incident {event.number} at step {event.step}: {event.action}; now {event.state.value}"
+    elif event.state is IncidentState.RESOLVED:
+        said = f"incident {event.number} (opened at step {event.opened_step}) resolved at step {event.step}"
+    else:
+        verb = "opened" if not event.previous.active else f"{event.previous.value} -> {event.state.value}"
+        said = f"incident {event.number} {verb} at step {event.step}"
+    parts = [f"{event.title} | {said}"]
+    if event.contributors and event.state is not IncidentState.RESOLVED:
+        top = max(event.contributors, key=lambda c: (c.severity.rank, c.step))
+        item = plain_text(top.line()).lstrip("- ")
+        more = len(event.contributors) - 1
+        parts.append(item + (f" (+{more} more)" if more else ""))
+    where = event.report or event.flight_record
+    if where and event.state is not IncidentState.RESOLVED:
+        parts.append(f"{'report' if event.report else 'flight record'}: {where}")
+    return " | ".join(parts)
 
 
 class MemorySink(BaseSink):

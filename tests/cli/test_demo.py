@@ -169,8 +169,10 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     sent = wandb_alerts(records)
     assert [a.level for a in sent] == ["WARN", "ERROR", "ERROR"], [(a.title, a.level) for a in sent]
     assert "why: overflow in `aten::" in sent[-1].text, sent[-1].text
+    # the console: one line per incident transition, opening with the notification's title
     console = [l for l in p.stderr.splitlines() if l.startswith("nummon: run ")]
-    assert console == [a.title for a in sent], console
+    assert [l.split(" | ")[0] for l in console] == [a.title for a in sent], console
+    assert not [l for l in p.stderr.splitlines() if l.startswith("    ")], p.stderr
     assert wandb_steps(records) == list(range(nf + 1))
     # ... from a process of its own: the W&B client's start (~3 s of Python) never holds the training's
     assert "torch._dynamo" in p.imported and not {m for m in p.imported if m.split(".")[0] == "wandb"}
@@ -368,17 +370,9 @@ def normalised(line, out):
 
 
 def demo_excerpt(stdout, stderr, out):
-    """What the quickstart's excerpt shows of a demo's output: each incident block's first three
-    lines, then "...", then its last line; the closing table and the closing lines (not the
-    timing and event-log line)."""
-    lines, blocks = [], []
-    for line in stderr.splitlines():
-        if line.startswith("nummon: run "):
-            blocks.append([line])
-        elif line.startswith("    ") and blocks:
-            blocks[-1].append(line)
-    for block in blocks:
-        lines += block[:4] + (["    ..."] + block[-1:] if len(block) > 5 else block[4:])
+    """What the quickstart's excerpt shows of a demo's output: the console's line per incident
+    transition, then the closing table and the closing lines (not the timing and event-log line)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("nummon: run ")]
     tail = stdout.split("\n", 1)[1].strip("\n").splitlines()  # after the header line
     return [normalised(l, out) for l in lines + [""] + [l for l in tail if not l.startswith("(")]]
 
