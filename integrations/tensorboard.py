@@ -166,8 +166,8 @@ class TensorBoardSink(BaseSink):
         self._text(alert_tag, alert.kind, alert_text(alert, markdown=True), alert.step)
 
     def on_incident(self, event: IncidentEvent) -> None:
-        """An incident event (nummon/_incidents.py): a text entry, and the state the
-        `nummon/incident_state` chart shows from the next step on."""
+        """An incident event (nummon/_incidents.py): a text entry (the `nummon/incident_state`
+        chart gets each step's state with that step's record: `on_incident_state`)."""
         self.incident_state = event.state
         body = f"**{event.title}**  \n{event.summary()}"
         self._text(incident_tag, event.state, body, event.step)

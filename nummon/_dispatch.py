@@ -20,7 +20,7 @@ from typing import Any
 
 from ._incidents import IncidentEvent
 from ._sinks import RunContext, Sink, as_sink, sink_name
-from ._types import Alert, Health, StepRecord
+from ._types import Alert, Health, IncidentState, StepRecord
 
 __all__ = ["SinkDispatcher"]
 
@@ -141,6 +141,8 @@ class _Worker:
             if kind == "alert":
                 self.call(item[0], item[1])
             elif item[0] == "step":
+                if item[3] is not None:  # the state travels with its step: an event may have overtaken it
+                    self.call("on_incident_state", item[3])
                 self.call("on_step", item[1], item[2])
             elif item[0] == "hist":
                 self.call("on_histograms", item[1], item[2])
@@ -199,11 +201,15 @@ class SinkDispatcher:
                     e,
                 )
 
-    def step(self, record: StepRecord, health: Health | None) -> None:
+    def step(self, record: StepRecord, health: Health | None, incident_state: IncidentState | None = None) -> None:
+        """One step's record, with the run's incident state after that step's report (each sink
+        gets it through `on_incident_state` just before the record, in order)."""
         for s, n in self._sync:
+            if incident_state is not None and hasattr(s, "on_incident_state"):
+                self._call_sync(s, n, "on_incident_state", incident_state)
             self._call_sync(s, n, "on_step", record, health)
         for w in self.workers:
-            w.put_step(("step", record, health))
+            w.put_step(("step", record, health, incident_state if hasattr(w.sink, "on_incident_state") else None))
 
     def histograms(self, step: int, hists: dict[str, Any]) -> None:
         for s, n in self._sync:

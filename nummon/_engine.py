@@ -381,7 +381,7 @@ class HealthEngine:
         events = self._events(got.incidents, alerts, flight_record, ev)
         mp = self.policy.mechanisms
         sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
-        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written)
+        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written, self.incident_state)
 
     def _events(
         self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None, ev: StepEvidence

@@ -348,7 +348,7 @@ class Monitor:
 
     def _dispatch(self, rec: StepRecord, outcome: StepOutcome) -> None:
         """Keep and send the step's record, alerts and incident events, in that order."""
-        self._sinks.step(rec, outcome.health)
+        self._sinks.step(rec, outcome.health, outcome.incident_state)
         for a in outcome.alerts:
             self.alerts.append(a)
             self._sinks.alert(a)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._events import IncidentEvent
-from ._types import Alert, AlertKind, Health, Severity, StepRecord
+from ._types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
 
 __all__ = [
     "FlightRecordRef",
@@ -90,6 +90,7 @@ class StepOutcome:
     stop: bool = False  # a critical alert nobody handled, under alerts.stop_on_critical
     sample_next: bool = False  # sample the mechanism probes at the next step
     flight_record: str | None = None  # the flight record written at this step (None when none)
+    incident_state: IncidentState = IncidentState.NONE  # the run's incident after this step (charted at it)
 
     @property
     def critical(self) -> bool:

@@ -71,9 +71,18 @@ class BaseSink:
     synchronous = False
     #: True: a durable event log, written and flushed before post_step returns from a critical alert
     durable = False
+    #: the run's incident state as of the step `on_step` gets next (set by `on_incident_state`)
+    incident_state = IncidentState.NONE
 
     def bind(self, context: RunContext) -> None:
         """Called once by the Monitor with the rank and run folder, before any other call."""
+
+    def on_incident_state(self, state: IncidentState) -> None:
+        """The run's incident state after the report of the step whose record `on_step` gets
+        next: called just before that `on_step`, in the same order and on the same thread, so a
+        chart of the state shows each step's own state whatever the sink's thread lags behind
+        (incident events overtake queued step records)."""
+        self.incident_state = state
 
     def on_step(self, record: StepRecord, health: Health) -> None:
         pass
@@ -94,7 +103,7 @@ class BaseSink:
         pass
 
 
-_SINK_METHODS = ("bind", "on_step", "on_histograms", "on_alert", "on_incident", "flush", "close")
+_SINK_METHODS = ("bind", "on_incident_state", "on_step", "on_histograms", "on_alert", "on_incident", "flush", "close")
 
 
 class _PartialSink(BaseSink):
