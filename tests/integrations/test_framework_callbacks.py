@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from helpers.incident_series import expected_series  # noqa: E402
 from helpers.wandb_reader import find_run_file, nummon_alert_titles_and_steps, read_records  # noqa: E402
 
 from nummon import MemorySink, Severity  # noqa: E402
@@ -96,6 +97,9 @@ def test_runaway_is_warned_early_stopped_and_logged_to_tensorboard_and_wandb(
         assert tag in scalars, tag
     assert {e.step for e in acc.Scalars("nummon/loss")} == {r.step for r in memory.records}
     assert any(t.startswith("nummon_2_alerts/") for t in acc.Tags()["tensors"])
+    # the incident state at each step, as the incident events say (the state after that step's report)
+    tb_state = {e.step: e.value for e in acc.Scalars("nummon/incident_state")}
+    assert tb_state == expected_series(memory.incidents, [r.step for r in memory.records])
 
     # the alerts in the offline W&B run file the framework's logger opened
     records = read_records(find_run_file(run.wandb_root))

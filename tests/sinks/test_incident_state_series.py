@@ -8,24 +8,13 @@ import math
 import threading
 
 import pytest
+from helpers.incident_series import expected_series
 from helpers.models import runaway_run
 from helpers.wandb_reader import find_run_file, history_rows, read_records
 
 from nummon import BaseSink, IncidentState, MemorySink
 
 pytestmark = pytest.mark.slow  # three real sinks and a real run
-
-
-def expected_series(events, steps):
-    """step -> the incident state's code after that step's report, from the incident events."""
-    out, state, i = {}, IncidentState.NONE, 0
-    events = sorted(events, key=lambda e: e.step)
-    for s in steps:
-        while i < len(events) and events[i].step <= s:
-            state = events[i].state
-            i += 1
-        out[s] = state.rank
-    return out
 
 
 class HeldSink(BaseSink):
