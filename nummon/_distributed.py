@@ -6,8 +6,9 @@ that combines it across ranks, declared where the statistic was packed (see `Red
 declared rules the same way on the host, so every rank feeds identical records to identical
 detectors and takes identical decisions.
 
-The gathered vector has a fixed capacity, agreed without communication (derived from the
-model) and grown by all ranks together, with a small header in front (`LayoutHeader`): ranks
+The gathered vector has a fixed capacity, derived from the model and agreed between ranks once
+at install (the largest any rank derived: ranks whose models differ still gather the same
+number of elements) and grown by all ranks together, with a small header in front (`LayoutHeader`): ranks
 that pack different layouts (a batch of two tensors on one rank, one on another) therefore
 still gather the same number of elements, and the header check turns the mismatch into a
 `DistributedError` that names the rank and the difference, instead of a crashed backend.
@@ -153,6 +154,26 @@ class DistributedReducer:
         self._headers: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ collectives
+    def agree_capacity(self, capacity: int) -> None:
+        """Grow the capacity to `capacity` or the largest any rank asks for (one small all-reduce,
+        at install: a rank with an extra layer derives a larger one, and a gather of unequal sizes
+        would abort the backend instead of reaching the header check that names the rank)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        want = torch.tensor([float(max(self.capacity, capacity))], dtype=torch.float64, device=device)
+        try:
+            work = dist.all_reduce(want, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            if self.backend == "nccl":
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DistributedError(
+                f"nummon: agreeing the statistics' size across {self.world} ranks failed on rank {self.rank} "
+                f"(nummon timeout {self.timeout_s:g} s): {first}"
+            ) from None
+        self.capacity = int(want.item())
+
     def _gather(self, local: torch.Tensor, what: str) -> torch.Tensor:
         if self.backend == "nccl" and local.device.type != "cuda":
             local = local.cuda()

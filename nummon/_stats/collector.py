@@ -134,9 +134,9 @@ class StatsCollector:
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
         self.preclip = PreClipCapture(self.watched, self.kernels) if dist is None and grad_scaler is None else None
-        if dist is not None:  # a capacity every rank derives alike from the model (see _distributed)
+        if dist is not None:  # a capacity derived from the model, agreed between ranks (see _distributed)
             n, a = len(self.watched.params), len(self.probes.names)
-            dist.capacity = max(dist.capacity, 4 * n + 4 * a + 32)
+            dist.agree_capacity(4 * n + 4 * a + 32)
 
     # ------------------------------------------------------------------ the step
     def launch(

@@ -404,3 +404,38 @@ def replica_faults(rank, world, port, out_dir, variant, steps, every, fault_step
     del ddp
     teardown()
     _exit()
+
+
+class WiderNet(Net):
+    """Net with one extra Linear: a rank whose model is not the others' (hand-written data parallelism)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.extra(super().forward(x))
+
+
+def different_parameter_sets(rank, world, port, out_dir):
+    """Hand-written data parallelism (gradients all-reduced by hand), rank 1's model one Linear wider."""
+    import nummon
+
+    setup(rank, world, port, timeout_s=20)
+    model = WiderNet() if rank == 1 else Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    err, events = None, os.path.join(out_dir, f"events{rank}.jsonl")
+    try:
+        mon = nummon.Monitor(model, opt, sinks=[nummon.JsonlSink(events)], policy={"recorder": {"write": False}})
+        x, y, _, _ = data_for(rank, world)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            mon.post_step(loss)
+        mon.close()
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    _out(out_dir, rank, {"error": err})
+    _exit()

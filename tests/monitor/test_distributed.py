@@ -71,6 +71,14 @@ def test_ranks_passing_different_batches_get_a_distributed_error(variant, what, 
         assert what in r["error"] and "a batch of 2 tensor(s) on rank 0" in r["error"]
 
 
+def test_ranks_with_different_parameter_sets_get_a_distributed_error_naming_the_rank(tmp_path):
+    # rank 1's model has one Linear more: its statistics are longer; the gather's size is agreed
+    # first, so the header check names the rank instead of gloo aborting rank 0 ("data size")
+    res = spawn(W.different_parameter_sets, 2, tmp_path)
+    for r in res:
+        assert r["error"] and r["error"].startswith("DistributedError: nummon: rank 1 passed different statistics"), r
+
+
 def test_a_rank_in_a_barrier_fails_post_step_within_the_monitor_timeout(tmp_path):
     res = spawn(W.one_rank_in_a_barrier, 2, tmp_path)
     assert res[0]["error"].startswith("DistributedError"), res[0]["error"]
