@@ -2,16 +2,21 @@
 outbox with the keys of the targets it is pending for, and leaves it when every target has it
 (or some target has lost it, which is said). A synchronous target that fails is tried again at
 the next pass, `SYNC_TRIES` times in all; an asynchronous one reports each event's `Outcome`
-from its own thread, applied at the next `settle`."""
+from its own thread, applied at the next `settle`. With a journal (beside the watcher's state
+file), each asynchronous delivery is on disk before the target's next post: a watcher killed
+before its state file caught up does not post it again after a restart."""
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._files import write_atomic
 from .display import plural
 from .notices import Notice
 from .output import WAIT_STEP_S, Outcome, Target
@@ -41,7 +46,13 @@ class Delivery:
     `notified` (handed to the targets), `delivered` (every target has it), `lost` (some target
     never got it, each said on the `say` line). `failed(target)` is told of each failure."""
 
-    def __init__(self, targets: list[Target], say: Callable[[str], None], failed: Callable[[Target], None]) -> None:
+    def __init__(
+        self,
+        targets: list[Target],
+        say: Callable[[str], None],
+        failed: Callable[[Target], None],
+        journal: str | None = None,
+    ) -> None:
         # the JSONL record of events is written before any other target is tried
         self.targets = sorted(targets, key=lambda t: not t.durable)
         self.by_key = {t.key: t for t in self.targets}
@@ -55,9 +66,11 @@ class Delivery:
         self._in_flight: set[tuple[str, str]] = set()  # (event_id, key) queued at an asynchronous target
         self._outcomes: list[Outcome] = []
         self._lock = threading.Lock()
+        self.journal = journal  # "<event_id> <target key>" per delivery, fsync'ed before the next post
+        self._journal_failed = False
         for t in self.targets:
             if t.asynchronous:
-                t.report_outcomes_to(self._outcome)
+                t.report_outcomes_to(functools.partial(self._outcome, key=t.key))
 
     def load(self, saved: list[Any]) -> None:
         """The outbox a previous watcher saved: each event pending for the targets it names that
@@ -68,6 +81,34 @@ class Delivery:
             if pending:
                 n = Notice.from_dict(event)
                 self.outbox[n.event_id] = OutboxEntry(n, pending)
+        for eid, key in self._journalled():  # delivered after the state file was last written
+            entry = self.outbox.get(eid)
+            if entry is not None and key in entry.pending:
+                entry.pending.remove(key)
+                if not entry.pending:
+                    del self.outbox[eid]
+
+    def _journalled(self) -> list[tuple[str, str]]:
+        if not self.journal:
+            return []
+        try:
+            with open(self.journal, encoding="utf-8", errors="replace") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            return []
+        return [(p[0], p[1]) for p in (line.split(" ", 1) for line in lines) if len(p) == 2]
+
+    def compact_journal(self) -> None:
+        """Keep only the deliveries of events still in the outbox (the state file holds the rest)."""
+        if not self.journal:
+            return
+        with self._lock:
+            keep = [f"{e} {k}\n" for e, k in self._journalled() if e in self.outbox]
+            try:
+                if keep or os.path.exists(self.journal):
+                    write_atomic(self.journal, "".join(keep), durable=True)
+            except OSError:
+                pass  # the journal only saves re-posts: the state file is the record
 
     def add(self, notice: Notice) -> None:
         self.outbox[notice.event_id] = OutboxEntry(notice, list(self.by_key))
@@ -133,9 +174,17 @@ class Delivery:
         self.lost += 1
         self._lost_ids.add(eid)
 
-    def _outcome(self, outcome: Outcome) -> None:  # from a webhook's thread
+    def _outcome(self, outcome: Outcome, key: str) -> None:  # from a target's thread, before its next post
         with self._lock:
             self._outcomes.append(outcome)
+            if outcome.ok and self.journal and not self._journal_failed:
+                try:
+                    with open(self.journal, "a", encoding="utf-8") as fh:
+                        fh.write(f"{outcome.event_id} {key}\n")
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except OSError:
+                    self._journal_failed = True  # at least once still holds; a restart may re-post
 
     def settle(self) -> bool:
         """Apply the outcomes the asynchronous targets reported; drop events every target has.

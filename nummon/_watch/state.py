@@ -70,8 +70,15 @@ class StateFile:
         self._lock_fd: int | None = None
 
     def own_files(self) -> set[str]:
-        """The state file and its lock, absolute (empty without a state file)."""
-        return {os.path.abspath(self.path), os.path.abspath(f"{self.path}.lock")} if self.path else set()
+        """The state file, its lock and its delivery journal, absolute (empty without a state file)."""
+        if not self.path:
+            return set()
+        return {os.path.abspath(f"{self.path}{suffix}") for suffix in ("", ".lock", ".delivered")}
+
+    @property
+    def journal_path(self) -> str | None:
+        """The delivery journal: the deliveries made since the state file was last written."""
+        return f"{self.path}.delivered" if self.path else None
 
     @property
     def lock_path(self) -> str | None:

@@ -66,17 +66,15 @@ class Watcher:
         self.roots = roots
         self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
         self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
-        # the most one run's log is read in one pass (base.POLL_BYTES, 4 MiB, by default): a run
-        # with a long backlog gets one chunk per pass, and every other run its turn in between
-        self.poll_bytes = poll_bytes
+        self.poll_bytes = poll_bytes  # the most one run's log gives a pass (base.POLL_BYTES): others get turns
         self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
         self.passes = 0
         self.policy = policy
-        self.delivery = Delivery(targets, self.say, self._target_failed)
+        self.state = StateFile(state_path)
+        self.delivery = Delivery(targets, self.say, self._target_failed, self.state.journal_path)
         self.targets = self.delivery.targets  # the JSONL record of events first
         self.format = format
         self.keymap = keymap or KeyMap()
-        self.state = StateFile(state_path)
         self.idle_timeout_s = idle_timeout_s
         self.state_every_s = state_every_s
         self.errors = errors or sys.stderr
@@ -377,6 +375,7 @@ class Watcher:
         runs = runs_state(self.saved_runs, self.runs, self.gone_since)
         try:
             self.state.save({"runs": runs, "outbox": self.delivery.to_state()})
+            self.delivery.compact_journal()
         except OSError as e:
             why = e.strerror or str(e)
             if self._state_failed is None:

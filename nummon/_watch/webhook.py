@@ -223,7 +223,7 @@ class WebhookTarget(Target):
                 delay *= 2
             tries += 1
             try:
-                status = self._send(body)
+                status = self._send(body, eid)
             except _Refused as e:
                 return Outcome(eid, False, str(e), tries, title, run)
             except (OSError, http.client.HTTPException) as e:
@@ -234,12 +234,18 @@ class WebhookTarget(Target):
             reason = f"HTTP {status}"
         return Outcome(eid, False, reason, tries, title, run)
 
-    def _send(self, body: bytes) -> int:
+    def _send(self, body: bytes, event_id: str) -> int:
         parts = urlsplit(self.url)
         https = parts.scheme == "https"
         host = parts.hostname
         assert host, "check_url refused a URL without a host"
-        headers = {"Content-Type": "application/json", "User-Agent": "nummon-watch"}
+        # the event's stable id (also the body's `event_id`): a receiver drops a repeat by it
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "nummon-watch",
+            "X-Nummon-Event-Id": event_id,
+            "Idempotency-Key": event_id,
+        }
         if parts.username is not None:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             headers["Authorization"] = "Basic " + base64.b64encode(cred).decode()
