@@ -64,6 +64,9 @@ def value_text(
         if isinstance(n, int) and n > 0:
             return f"{sci(n)} non-finite element{'' if n == 1 else 's'} in {where}"
         return f"non-finite {', '.join(d.get('parts') or [where])}"
+    if metric == "recovery" and d.get("recovery") == "rollback" and isinstance(d.get("to_step"), int):
+        to = int(d["to_step"])  # the step whose state was restored: -1, the state before any step
+        return "rolled back to the start (before step 0)" if to < 0 else f"rolled back to step {to}"
     if value is None:
         return None
     if (kind, metric) == (AlertKind.ADAM_SECOND_MOMENT, "adam_small_grad_fraction"):

@@ -28,6 +28,11 @@ __all__ = [
 ]
 
 
+#: quiet steps after a rollback that end its incident (at most `alerts.incident_quiet_steps`):
+#: recovery's own skip window, over which it judges a run's updates
+ROLLBACK_QUIET_STEPS = 20
+
+
 def escalated_to_critical(events: Iterable[Any]) -> bool:
     """Whether one of these incident events takes an incident to critical or non-finite."""
     return any(
@@ -55,6 +60,7 @@ class IncidentTracker:
 
     def __init__(self, quiet_steps: int) -> None:
         self.quiet_steps = quiet_steps
+        self._quiet_needed = quiet_steps  # quiet steps that end the active incident (fewer after a rollback)
         self.state = IncidentState.NONE
         self.number = 0
         self._opened_step = 0
@@ -101,10 +107,11 @@ class IncidentTracker:
             self._quiet_since = step
         if self.state.active and not still_open and not loud and self._settled_at is None:
             self._settled_at = step
-        if self.state.active and step - self._quiet_since >= self.quiet_steps:
+        if self.state.active and step - self._quiet_since >= self._quiet_needed:
             self.state = IncidentState.RESOLVED
             self._open.clear()
             self._settled_at = None
+            self._quiet_needed = self.quiet_steps
         if self.state is previous:
             if reopened_after is not None:
                 return [replace(self._event(step, previous), reopened=reopened_after)]
@@ -132,6 +139,10 @@ class IncidentTracker:
             self._open.clear()
             self._contributors.clear()
         self._note(alert)
+        if (alert.details or {}).get("recovery") == "rollback":
+            # the run is back on a snapshot taken while healthy, its detectors started afresh:
+            # the incident ends once the restored run has stayed quiet this long
+            self._quiet_needed = min(self.quiet_steps, ROLLBACK_QUIET_STEPS)
         if alert.severity is Severity.CRITICAL:
             self.state = max(self.state, IncidentState.CRITICAL, key=lambda s: s.rank)
         elif not self.state.active:

@@ -280,6 +280,8 @@ def console_line(event: IncidentEvent) -> str:
         said = f"incident {event.number} at step {event.step}: {event.action}; now {event.state.value}"
     elif event.state is IncidentState.RESOLVED:
         said = f"incident {event.number} (opened at step {event.opened_step}) resolved at step {event.step}"
+    elif event.reopened is not None:
+        said = f"incident {event.number} re-opened at step {event.step} (its conditions had cleared at step {event.reopened})"
     else:
         verb = "opened" if not event.previous.active else f"{event.previous.value} -> {event.state.value}"
         said = f"incident {event.number} {verb} at step {event.step}"

@@ -13,6 +13,7 @@ from typing import IO, Any, TextIO
 
 from .._demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
 from .._format import clean_text, records_table
+from .._outcome import rollback_message
 from ._common import non_empty, note, seed
 
 __all__ = ["Progress", "add_parser", "run"]
@@ -165,12 +166,8 @@ def _print_summary(result: Any) -> None:
         if r.get("action") in ("rollback", "gave_up"):
             print(
                 clean_text(
-                    f"Recovery at step {r['step']}: {r.get('action')}"
-                    + (
-                        f" to step {r['to_step']}, lr {r['lr_before'][0]:.4g} -> {r['lr_after'][0]:.4g}"
-                        if r.get("action") == "rollback"
-                        else ""
-                    )
+                    f"Recovery at step {r['step']}: "
+                    + (rollback_message(r).removeprefix("recovered: ") if r.get("action") == "rollback" else "gave up")
                 )
             )
     skips = sum(1 for r in result.recoveries if r.get("action") == "skip")

@@ -338,6 +338,18 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
     logged = [e for e in events if e["type"] == "alert" and (e.get("details") or {}).get("recovery") == "rollback"]
     assert [e["step"] for e in logged] == [r["step"] for r in rollbacks]
     assert any(e["type"] == "incident" and e.get("action", "").startswith("recovered: rolled back") for e in events)
+    # the incident ends once the restored run has been quiet for 20 steps, and the health says so
+    incidents = [e for e in events if e["type"] == "incident"]
+    last_alert = max(e["step"] for e in events if e["type"] == "alert" and not e.get("cleared"))
+    assert incidents[-1]["state"] == "resolved" and incidents[-1]["step"] == last_alert + 20, incidents[-1]
+    steps = {e["step"]: e["health"] for e in events if e["type"] == "step"}
+    assert all(h == "healthy" for s, h in steps.items() if s >= incidents[-1]["step"] + 1), steps
+    # the rollback is told in the run's own words: where it went, never "step -1"
+    for e in events:
+        if e["type"] == "alert" and (e.get("details") or {}).get("recovery") == "rollback":
+            to = e["details"]["to_step"]
+            assert ("the start (before step 0)" if to < 0 else f"step {to}") in e["message"]
+    assert "-1" not in " ".join(str(e.get("action", "")) for e in incidents)
 
 
 # ---------------------------------------------------------------- the documentation's demo section

@@ -58,3 +58,11 @@ def test_a_verbose_console_puts_the_incidents_summary_under_its_line(caplog, tmp
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nummon: run ")]
     assert len(messages) == len(events)
     assert all(m.count("\n") >= 1 and f"Incident {e.number}" in m for m, e in zip(messages, events))
+
+
+def test_a_rollback_is_said_by_where_it_went_not_by_a_step_number_of_minus_one():
+    from nummon._alert_text import value_text
+
+    start = {"recovery": "rollback", "to_step": -1}
+    assert value_text(AlertKind.EXPLOSION, "recovery", -1.0, start) == "rolled back to the start (before step 0)"
+    assert value_text(AlertKind.EXPLOSION, "recovery", 30.0, {**start, "to_step": 30}) == "rolled back to step 30"
