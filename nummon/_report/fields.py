@@ -106,7 +106,8 @@ def _details(d: dict[str, Any], c: _Checker) -> dict[str, Any]:
     c.texts(d, out, _DETAIL_TEXT)
     c.take(d, out, "parts", lambda v: _scalars(v, 16))
     c.take(d, out, "worst_samples", lambda v: _scalars(v, 8))
-    c.take(d, out, "cause", lambda v: _mapping(v, _CAUSE_TEXT, c))
+    # a mapping: the forensic cause of a non-finite value; a text: why recovery acted (not drawn)
+    c.take(d, out, "cause", lambda v: _SKIP if isinstance(v, str) else _mapping(v, _CAUSE_TEXT, c))
     c.take(d, out, "suspect", lambda v: _mapping(v, _SUSPECT, c))
     return out
 

@@ -109,8 +109,13 @@ class IncidentView:
 
     @property
     def marks(self) -> list[tuple[int, str]]:
-        """(step, kind) of each marked moment: warning, critical, nonfinite, resolved."""
+        """(step, kind) of each marked moment: warning, critical, nonfinite, rollback, resolved."""
         out = [(self.opened, "warning")]
+        out += [
+            (int(e["step"]), "rollback")
+            for e in self.events
+            if str(e.get("action") or "").startswith("recovered: rolled back") and isinstance(e.get("step"), int)
+        ]
         if self.critical is not None:
             out.append((self.critical, "critical"))
         if self.nonfinite is not None:

@@ -18,8 +18,20 @@ __all__ = ["Series", "Panel", "Mark", "thin", "stacked_chart", "small_chart", "M
 
 Point = tuple[float, float]
 
-MARK_COLORS = {"warning": "#d97706", "critical": "#dc2626", "nonfinite": "#7c3aed", "resolved": "#16a34a"}
-MARK_WORDS = {"warning": "warning", "critical": "critical", "nonfinite": "first NaN/Inf", "resolved": "resolved"}
+MARK_COLORS = {
+    "warning": "#d97706",
+    "critical": "#dc2626",
+    "nonfinite": "#7c3aed",
+    "rollback": "#2563eb",
+    "resolved": "#16a34a",
+}
+MARK_WORDS = {
+    "warning": "warning",
+    "critical": "critical",
+    "nonfinite": "first NaN/Inf",
+    "rollback": "rolled back",
+    "resolved": "resolved",
+}
 _FONT = "font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif"
 
 

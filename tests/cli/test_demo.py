@@ -350,6 +350,12 @@ def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
             to = e["details"]["to_step"]
             assert ("the start (before step 0)" if to < 0 else f"step {to}") in e["message"]
     assert "-1" not in " ".join(str(e.get("action", "")) for e in incidents)
+    # the report reads the run's own log without a complaint and marks the rollback on its charts
+    from nummon._report import build_report
+
+    said = []
+    page = build_report(result.events_path.parent, warn=said.append)
+    assert said == [] and f"rolled back {rollbacks[0]['step']}" in page
 
 
 # ---------------------------------------------------------------- the documentation's demo section
