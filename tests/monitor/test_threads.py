@@ -96,7 +96,10 @@ def test_sink_threads_and_a_scraper_under_a_tiny_switch_interval(caplog):
         for step, layers in r.seen.items():
             assert layers == records[step]  # ... nor the training thread after it was handed over
     final = mon.sink_stats
-    assert final["Failing"]["errors"] == STEPS  # every failure counted, none lost
+    # every step of the failing sink counted: failed in it, or dropped at its full queue (4) when
+    # its thread fell behind the training thread (the machine's load decides which)
+    assert final["Failing"]["errors"] + final["Failing"]["dropped"] == STEPS
+    assert final["Failing"]["errors"] >= 1
     assert sum("sink Failing failed" in m for m in caplog.messages) == 1  # logged once
     assert stats and all(s["Failing"]["errors"] <= STEPS for s in stats)
 
