@@ -37,7 +37,7 @@ from typing import Any
 
 from .._errors import NummonError
 from . import fs
-from .display import plural, safe_url
+from .display import plural, printable, safe_url
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
 from .redirects import NoRedirect as _NoRedirect
@@ -303,29 +303,33 @@ class AlertmanagerTarget(Target):
         """Watcher hook: a run resumed from the state file with its incident open is firing
         again (same labels, so Alertmanager sees the alert it already holds, not a new one)."""
         with self._lock:
-            self._files[_utf8(run.id)] = list(getattr(spec, "files", None) or [])
+            self._files[printable(run.id)] = list(getattr(spec, "files", None) or [])
         event = run.engine.current_incident(run.last_step or 0)
         if event is None:
             return
         lines = [
-            f"run `{run.id}`: Incident {event.number} (opened at step {event.opened_step}) is still "
+            f"run `{printable(run.id)}`: Incident {event.number} (opened at step {event.opened_step}) is still "
             f"*{event.state.value}* (re-posted after the watcher restarted)."
         ]
         lines += [slack_bold(c.line()) for c in event.contributors[:5]]
-        d = {"run": run.id, "level": event.state.rank, "contributors": [c.to_dict() for c in event.contributors]}
+        d = {
+            "run": printable(run.id),
+            "level": event.state.rank,
+            "contributors": [c.to_dict() for c in event.contributors],
+        }
         now = time.time()
         with self._lock:
-            if _utf8(run.id) in self._active:
+            if printable(run.id) in self._active:
                 return
             alert = self._alert(alert_labels(d, self.host), event.title, "\n".join(lines), _iso(now))
-            self._active[_utf8(run.id)] = alert
+            self._active[printable(run.id)] = alert
             batch = [self._firing(alert, now)]
         self._put(batch)
 
     def run_retired(self, run_id: str) -> None:
         """Watcher hook: a run no longer followed. An idle run's open incident keeps firing; a
         run whose files are gone has its alert ended now."""
-        self._end_deleted([_utf8(run_id)])
+        self._end_deleted([printable(run_id)])  # keyed as the events name runs
 
     def _end_deleted(self, runs: list[str]) -> None:
         """End, once, the alerts of those `runs` whose files are all gone."""
