@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from nummon._engine import HealthEngine  # noqa: E402
-from nummon._policy import load_policy  # noqa: E402
-from nummon._trace import read_trace  # noqa: E402
-from nummon._types import Severity  # noqa: E402
+from nummon._core.types import Severity  # noqa: E402
+from nummon._engine.engine import HealthEngine  # noqa: E402
+from nummon._logs.trace import read_trace  # noqa: E402
+from nummon._policy.policy import load_policy  # noqa: E402
 
 __all__ = ["Row", "measure", "within_bound"]
 

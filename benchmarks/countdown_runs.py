@@ -19,7 +19,7 @@ __all__ = ["RUNS", "demo_run", "hf_run", "lightning_run"]
 
 
 def demo_run(out: Path) -> Path:
-    from nummon._demo import DemoConfig, prepare, run
+    from nummon._tools.demo import DemoConfig, prepare, run
 
     plan = prepare(DemoConfig(out=out, wandb=False, tensorboard=False))
     run(plan)

@@ -33,8 +33,8 @@ except ImportError:  # a bare checkout: run from the source tree
     import nummon
 from overhead import steady_allocator  # noqa: E402
 
-from nummon._demo_model import DemoCNN  # noqa: E402
-from nummon._layout import DEFAULT_HISTOGRAM_EVERY  # noqa: E402
+from nummon._sinks.layout import DEFAULT_HISTOGRAM_EVERY  # noqa: E402
+from nummon._tools.demo_model import DemoCNN  # noqa: E402
 from nummon.integrations.tensorboard import TensorBoardSink  # noqa: E402
 
 BUDGET = 1.05  # the CPU budget: monitored step with histograms / bare step

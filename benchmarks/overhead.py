@@ -34,7 +34,7 @@ try:  # the installed package (its configs/ and integrations/ are mapped into nu
 except ImportError:  # a bare checkout: run from the source tree
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import nummon
-from nummon._demo_model import DemoCNN  # noqa: E402
+from nummon._tools.demo_model import DemoCNN  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
 

@@ -233,7 +233,7 @@ def profile(name: str, dev: torch.device, steps: int, rounds: int) -> dict:
     each part (timers wrapped around the Monitor's methods and hooks), paired with bare rounds."""
     import functools
 
-    from nummon._engine import HealthEngine
+    from nummon._engine.engine import HealthEngine
     from nummon._stats import collector as stats_collector
 
     model, make_opt, loss_fn = workload(name, dev)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nummon import Monitor  # noqa: E402
-from nummon._demo_model import DemoCNN, SyntheticDigits  # noqa: E402
+from nummon._tools.demo_model import DemoCNN, SyntheticDigits  # noqa: E402
 
 __all__ = ["CONFIGS", "Config", "run_plain", "run_monitored", "demo_with_recovery", "snapshot_cost"]
 
@@ -290,7 +290,7 @@ def demo_with_recovery(
 def snapshot_cost(steps: int = 20, device: str = "cpu") -> dict:
     """Step time of the demo CNN (batch 64) and the time of one snapshot, measured interleaved;
     the cost of a snapshot every 50 steps as a fraction of step time."""
-    from nummon._recovery import Snapshot
+    from nummon._monitor.recovery import Snapshot
 
     torch.manual_seed(0)
     dev = torch.device(device)

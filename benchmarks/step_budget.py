@@ -59,14 +59,14 @@ STAGES = (
 ENTRIES = {
     ("_stats/collector.py", "_launch"): "launch",
     ("_stats/collector.py", "resolve"): "read_decode",
-    ("nummon/_engine.py", "step"): "detectors",
-    ("nummon/_dispatch.py", "*"): "dispatch",
+    ("nummon/_engine/engine.py", "step"): "detectors",
+    ("nummon/_sinks/dispatch.py", "*"): "dispatch",
     ("_stats/mechanisms.py", "*"): "probes",
     ("_stats/capture.py", "*"): "probes",
     ("_stats/capture_maths.py", "*"): "probes",
     ("_stats/adam_stats.py", "*"): "probes",
     ("_stats/preclip.py", "*"): "end_of_backward",
-    ("nummon/_monitor.py", "post_step"): "post_step",
+    ("nummon/_monitor/monitor.py", "post_step"): "post_step",
     ("_stats/probes.py", "hook"): "forward_hooks",
 }
 HOST_READS = {"tolist", "numpy", "cpu", "synchronize"}  # item(), float(t): the aten op
@@ -88,7 +88,7 @@ def _nummon_part(filename: str) -> str | None:
 
 
 #: nummon's files that are the training loop's, not the monitor's (the demo's model)
-USER_CODE = ("nummon/_demo_model.py",)
+USER_CODE = ("nummon/_tools/demo_model.py",)
 
 
 def _entry_stage(code: Any) -> str | None:

@@ -111,7 +111,7 @@ def _sections() -> Iterator[tuple[str, Any, Any]]:
     """(section name, its pydantic class, its default instance) for each section of the Policy."""
     from pydantic import BaseModel
 
-    from nummon._policy import Policy
+    from nummon._policy.policy import Policy
 
     default = Policy()
     for name in Policy.model_fields:
@@ -124,7 +124,7 @@ def policy_keys() -> list[str]:
     """Every key of the policy as its dotted path: "name", "spike.window", ..."""
     from pydantic import BaseModel
 
-    from nummon._policy import Policy
+    from nummon._policy.policy import Policy
 
     keys = [n for n, i in Policy.model_fields.items() if not isinstance(getattr(Policy(), n), BaseModel)]
     for section, cls, _ in _sections():
@@ -134,7 +134,7 @@ def policy_keys() -> list[str]:
 
 def policy_page() -> str:
     """Every section and key of `nummon.Policy`: default, unit, allowed range, meaning."""
-    from nummon._policy import Policy, load_policy, policy_yaml, preset_names
+    from nummon._policy.policy import Policy, load_policy, policy_yaml, preset_names
 
     out = [
         "# Policy reference",
@@ -218,9 +218,9 @@ def _differences(base: Any, other: Any) -> list[str]:
 
 def alert_kinds_page() -> str:
     """Every `AlertKind`: the detector that raises it, its policy section, what it watches, its hint."""
-    from nummon._detectors import DETECTORS
-    from nummon._hints import _BASE
-    from nummon._types import INSTABILITY_KINDS, AlertKind
+    from nummon._core.types import INSTABILITY_KINDS, AlertKind
+    from nummon._engine.detectors import DETECTORS
+    from nummon._engine.hints import _BASE
 
     owner = {kind: det for det in DETECTORS for kind in det.kinds}
     out = [
@@ -228,7 +228,7 @@ def alert_kinds_page() -> str:
         "",
         "Every alert has a `kind` (`nummon.AlertKind`), a `severity` (`info`, `warning`, `critical`), the "
         "metric, value, threshold and location, and a `hint`: what to try. This page is generated from the "
-        "enum, the detectors that raise each kind and the hints in `nummon/_hints.py`; the hint shown is a "
+        "enum, the detectors that raise each kind and the hints in `nummon/_engine/hints.py`; the hint shown is a "
         "kind's general one, which an alert makes more specific when it knows more (the optimizer, the dtype, "
         "the stage that overflowed).",
         "",
@@ -245,7 +245,7 @@ def alert_kinds_page() -> str:
         where = f"`{det.__name__}` ([`{det.section}`](policy.md#{det.section.replace('_', '_')}))" if det else "—"
         cls = "instability" if kind in INSTABILITY_KINDS else "not learning"
         if kind is AlertKind.REPLICA_MISMATCH:
-            cls, where = "hardware", "`nummon/_replicas.py` ([`replicas`](policy.md#replicas))"
+            cls, where = "hardware", "`nummon/_forensics/replicas.py` ([`replicas`](policy.md#replicas))"
         out.append(f"| [`{kind.value}`](#{kind.value}) | {cls} | {where} |")
     for kind in AlertKind:
         det = owner.get(kind)
@@ -263,7 +263,7 @@ def alert_kinds_page() -> str:
                 "Data-parallel replicas whose gradients or parameters are not bit-identical across ranks "
                 "(see [Hardware or algorithm?](../guides/hardware-or-algorithm.md)).",
                 "",
-                "Raised by `nummon/_replicas.py` (it compares ranks, not records), configured by the policy "
+                "Raised by `nummon/_forensics/replicas.py` (it compares ranks, not records), configured by the policy "
                 "section [`replicas`](policy.md#replicas).",
                 "",
             ]

@@ -21,11 +21,11 @@ import threading
 from collections import deque
 from typing import Any
 
-from nummon._events import IncidentEvent
+from nummon._core.events import IncidentEvent
+from nummon._core.types import StepRecord
 from nummon._report.live import escalated_to_critical
 from nummon._report.page import SIGNALS
 from nummon._report.svg import MARK_COLORS, MARK_WORDS
-from nummon._types import StepRecord
 
 __all__ = ["IncidentPicture", "WINDOW", "warm_imports"]
 

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from nummon._events import StepReport
-from nummon._lazy import require
-from nummon._policy import PolicyLike
+from nummon._core.events import StepReport
+from nummon._core.lazy import require
+from nummon._policy.policy import PolicyLike
 
 from ._callback_common import (
     StepAsMetric,
@@ -112,7 +112,7 @@ class NummonLightningCallback(pl.Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from nummon._monitor import Monitor
+        from nummon._monitor.monitor import Monitor
 
         if self.monitor is not None:  # a second fit() with the same callback: a fresh run
             self.monitor.close()

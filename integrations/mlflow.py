@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Any
 
-from nummon._errors import NummonError
-from nummon._events import IncidentEvent
-from nummon._layout import TOP_K, TopOffenders, step_scalars
-from nummon._lazy import require
-from nummon._sinks import BaseSink, RunContext
-from nummon._types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
-from nummon._watch.read_mlflow import nonfinite_marker
+from nummon._core.errors import NummonError
+from nummon._core.events import IncidentEvent
+from nummon._core.lazy import require
+from nummon._core.types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
+from nummon._logs.read_mlflow import nonfinite_marker
+from nummon._sinks.builtin import BaseSink, RunContext
+from nummon._sinks.layout import TOP_K, TopOffenders, step_scalars
 
 __all__ = ["MlflowSink"]
 

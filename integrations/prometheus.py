@@ -22,10 +22,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from nummon._errors import NummonError
-from nummon._lazy import require
-from nummon._sinks import BaseSink, RunContext
-from nummon._types import Alert, Health, StepRecord
+from nummon._core.errors import NummonError
+from nummon._core.lazy import require
+from nummon._core.types import Alert, Health, StepRecord
+from nummon._sinks.builtin import BaseSink, RunContext
 from nummon._watch.metrics import FleetMetrics, WatchSnapshot
 
 __all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "label_value", "METRICS"]

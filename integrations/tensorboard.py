@@ -3,7 +3,7 @@
 at each step an incident reaches critical or goes non-finite.
 
 Needs the `tensorboard` package (``pip install 'nummon[tensorboard]'``), imported only when a
-sink is created. The tags and groups are described in `nummon/_layout.py`.
+sink is created. The tags and groups are described in `nummon/_sinks/layout.py`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import logging
 import os
 from typing import Any
 
-from nummon._events import IncidentEvent
-from nummon._format import alert_text
-from nummon._layout import (
+from nummon._core.events import IncidentEvent
+from nummon._core.format import alert_text
+from nummon._core.lazy import require
+from nummon._core.types import HEALTH_LEGEND, Alert, Health, IncidentState, StepRecord
+from nummon._sinks.builtin import BaseSink, RunContext
+from nummon._sinks.layout import (
     DEFAULT_HISTOGRAM_EVERY,
     INCIDENT_LEGEND,
     LAYER_METRICS,
@@ -29,9 +32,6 @@ from nummon._layout import (
     state_range_scalars,
     step_scalars,
 )
-from nummon._lazy import require
-from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentState, StepRecord
 
 from ._incident_picture import IncidentPicture
 
@@ -166,7 +166,7 @@ class TensorBoardSink(BaseSink):
         self._text(alert_tag, alert.kind, alert_text(alert, markdown=True), alert.step)
 
     def on_incident(self, event: IncidentEvent) -> None:
-        """An incident event (nummon/_incidents.py): a text entry (the `nummon/incident_state`
+        """An incident event (nummon/_engine/incidents.py): a text entry (the `nummon/incident_state`
         chart gets each step's state with that step's record: `on_incident_state`)."""
         self.incident_state = event.state
         body = f"**{event.title}**  \n{event.summary()}"

@@ -17,9 +17,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from nummon._events import StepReport
-from nummon._lazy import require
-from nummon._policy import PolicyLike
+from nummon._core.events import StepReport
+from nummon._core.lazy import require
+from nummon._policy.policy import PolicyLike
 from nummon._stats.compiled import untraced
 
 from ._callback_common import (
@@ -222,7 +222,7 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
-        from nummon._monitor import Monitor
+        from nummon._monitor.monitor import Monitor
 
         self._close()
         import torch.distributed as dist

@@ -3,7 +3,7 @@ W&B alerts (Slack / e-mail).
 
 Needs the `wandb` package (``pip install 'nummon[wandb]'``), imported only when a sink is
 created. Without W&B credentials it runs offline and says once how to sync. The sections are the
-groups of `nummon/_layout.py`. It never calls `wandb.watch` (whose every-step hooks cost ~1.7x a
+groups of `nummon/_sinks/layout.py`. It never calls `wandb.watch` (whose every-step hooks cost ~1.7x a
 CPU step): histograms come from nummon's own pass, at the Monitor's cadence.
 """
 
@@ -16,10 +16,13 @@ import os
 import time
 from typing import Any
 
-from nummon._errors import NummonError
-from nummon._events import IncidentEvent
-from nummon._format import alert_text
-from nummon._layout import (
+from nummon._core.errors import NummonError
+from nummon._core.events import IncidentEvent
+from nummon._core.format import alert_text
+from nummon._core.lazy import require
+from nummon._core.types import HEALTH_LEGEND, Alert, Health, IncidentState, Severity, StepRecord
+from nummon._sinks.builtin import BaseSink, RunContext
+from nummon._sinks.layout import (
     DEFAULT_HISTOGRAM_EVERY,
     INCIDENT_LEGEND,
     TOP_K,
@@ -29,9 +32,6 @@ from nummon._layout import (
     metric_sections,
     step_scalars,
 )
-from nummon._lazy import require
-from nummon._sinks import BaseSink, RunContext
-from nummon._types import HEALTH_LEGEND, Alert, Health, IncidentState, Severity, StepRecord
 
 from ._incident_picture import IncidentPicture
 
@@ -195,7 +195,7 @@ class WandbSink(BaseSink):
             log.debug("nummon: W&B summary update failed", exc_info=True)
 
     def on_incident(self, event: IncidentEvent) -> None:
-        """An incident event (nummon/_incidents.py): run summary fields and one W&B alert."""
+        """An incident event (nummon/_engine/incidents.py): run summary fields and one W&B alert."""
         self._incident_events += 1
         self.incident_state = event.state
         code = incident_code(event.state)

@@ -19,13 +19,13 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
     __path__.append(_root)  # nummon.integrations, nummon.configs
 del _root
 
-from ._errors import DistributedError, NummonError, StateError
-from ._events import Contributor, IncidentEvent, StepReport
-from ._policy import Policy, PolicyError, load_policy, preset_names
-from ._replay import replay
-from ._sinks import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
-from ._trace import TraceError, read_trace
-from ._types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
+from ._core.errors import DistributedError, NummonError, StateError
+from ._core.events import Contributor, IncidentEvent, StepReport
+from ._core.types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
+from ._logs.trace import TraceError, read_trace
+from ._policy.policy import Policy, PolicyError, load_policy, preset_names
+from ._sinks.builtin import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
+from ._tools.replay import replay
 
 __version__ = "0.1.0"
 
@@ -66,7 +66,7 @@ __all__ = [
 
 # imported on first use: Monitor needs torch, the integrations their backends
 _LAZY = {
-    "Monitor": "._monitor",
+    "Monitor": "._monitor.monitor",
     "MicroBatches": "._forensics.verdict",
     "TensorBoardSink": ".integrations.tensorboard",
     "PrometheusSink": ".integrations.prometheus",
@@ -76,7 +76,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from ._forensics.verdict import MicroBatches
-    from ._monitor import Monitor
+    from ._monitor.monitor import Monitor
     from .integrations.mlflow import MlflowSink
     from .integrations.prometheus import PrometheusSink
     from .integrations.tensorboard import TensorBoardSink

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._diagnose_common import (
+from ._core.errors import NummonError
+from ._core.maths import MAD_TO_SIGMA
+from ._core.types import Health, StepRecord
+from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
+from ._sinks.builtin import as_sink
+from ._tools.diagnose_common import (
     Diagnosis,
     LossFn,
     LRRangeReport,
@@ -27,12 +32,7 @@ from ._diagnose_common import (
     split_batch,
     to_device,
 )
-from ._errors import NummonError
-from ._forensics import CAUSES, NonfiniteReport, explain_nonfinite
-from ._functional import MAD_TO_SIGMA
-from ._overfit import OVERFIT_LRS, overfit_one_batch
-from ._sinks import as_sink
-from ._types import Health, StepRecord
+from ._tools.overfit import OVERFIT_LRS, overfit_one_batch
 
 __all__ = [
     "Status",

@@ -70,7 +70,14 @@ def start_ranks(fn, nprocs, args):
     # read when the server starts (the first call in this process); modules that fail to import
     # are skipped by the server and imported by the ranks themselves
     multiprocessing.set_forkserver_preload(
-        ["torch", "torch._dynamo", "torch.distributed", "nummon._monitor", "helpers.dist_workers", "helpers.models"]
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed",
+            "nummon._monitor.monitor",
+            "helpers.dist_workers",
+            "helpers.models",
+        ]
     )
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 

@@ -11,10 +11,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from nummon._engine import HealthEngine
-from nummon._policy import Policy
-from nummon._trace import read_trace
-from nummon._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, Severity, StepRecord
+from nummon._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, Severity, StepRecord
+from nummon._engine.engine import HealthEngine
+from nummon._logs.trace import read_trace
+from nummon._policy.policy import Policy
 
 from .peers import PEERS, loss_band_exit
 

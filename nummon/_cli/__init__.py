@@ -12,7 +12,7 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from .._errors import NummonError
+from .._core.errors import NummonError
 from . import audit, demo, diagnose, policy, replay, report, watch
 from ._common import EXIT_ERROR, Parser, error
 

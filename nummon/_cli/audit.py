@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._format import clean_text, fmt_num
+from .._core.format import clean_text, fmt_num
 from ._common import non_empty
 
 __all__ = ["add_parser", "run"]
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .._audit import audit, report_json
+    from .._tools.audit import audit, report_json
 
     report = audit(args.ckpt, args.ckpt2, trust=args.trust)
     status = 1 if report.nonfinite_tensors else 0

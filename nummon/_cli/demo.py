@@ -11,9 +11,9 @@ import pickle
 import sys
 from typing import IO, Any, TextIO
 
-from .._demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
-from .._format import clean_text, records_table
-from .._outcome import rollback_message
+from .._core.format import clean_text, records_table
+from .._engine.outcome import rollback_message
+from .._tools.demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
 from ._common import non_empty, note, seed
 
 __all__ = ["Progress", "add_parser", "run"]
@@ -94,8 +94,8 @@ class Progress:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .. import _demo
-    from .._demo_config import DemoConfig
+    from .._tools import demo as _demo
+    from .._tools.demo_config import DemoConfig
     from .policy import load_policy_with_hints
 
     load_policy_with_hints(args.policy)  # an invalid file's error carries the "did you mean" hints
@@ -196,7 +196,7 @@ def skipped(e: BaseException) -> str:
 
 
 def wandb_child(calls: IO[bytes], out: TextIO) -> dict[str, Any]:
-    """The demo's W&B process (`nummon._demo._WandbProcess`): read pickled sink calls from
+    """The demo's W&B process (`nummon._tools.demo._WandbProcess`): read pickled sink calls from
     `calls` (the first: the `WandbSink` arguments) and hand them to a real `WandbSink` in order
     until the parent closes the pipe; finish the run; write the outcome to `out` as one JSON line
     (run_dir, offline, url; or error). A failing call is logged once, like the Monitor's

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
     from torch import nn
 
-    from .._demo_model import DemoCNN, SyntheticDigits
+    from .._tools.demo_model import DemoCNN, SyntheticDigits
     from ..diagnose import Status, run_all
 
     torch.manual_seed(args.seed)

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from .._format import clean_text
+from .._core.format import clean_text
 from ._common import EXIT_ERROR
 
 __all__ = ["add_parser", "load_policy_with_hints", "run", "with_suggestion"]
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .._policy import load_policy, policy_yaml, validate_policy_file
+    from .._policy.policy import load_policy, policy_yaml, validate_policy_file
 
     if args.action == "show":
         print(policy_yaml(load_policy(args.source or "default")), end="")
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def load_policy_with_hints(source: str) -> Any:
     """`load_policy` for a command's --policy: an invalid file's one-line error carries the same
     "did you mean" hints as `nummon policy validate`."""
-    from .._policy import PolicyError, load_policy, validate_policy_file
+    from .._policy.policy import PolicyError, load_policy, validate_policy_file
 
     try:
         return load_policy(source)
@@ -76,7 +76,7 @@ def with_suggestion(message: str) -> str:
     m = _UNKNOWN.match(message)
     if not m:
         return message
-    from .._policy import Policy
+    from .._policy.policy import Policy
 
     *section, key = m.group("path").split(".")
     model: Any = Policy

@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .._format import clean_text
+    from .._core.format import clean_text
 
     policy = load_policy_with_hints(args.policy)
     paths = _expand(args.paths, args.input_format)
@@ -88,7 +88,7 @@ class _Tally:
     """One log's count of records read, of alerts shown, and of alerts below the shown severity."""
 
     def __init__(self, min_severity: str) -> None:
-        from .._types import Severity
+        from .._core.types import Severity
 
         self.floor = Severity(min_severity)
         self.records = self.n_shown = 0
@@ -106,7 +106,7 @@ class _Tally:
 
     def no_alerts(self) -> str:
         """'no alerts', or, when alerts below the shown severity were left out, how many."""
-        from .._text import plural
+        from .._core.text import plural
 
         if not self.hidden:
             return "no alerts"
@@ -117,8 +117,8 @@ class _Tally:
 
 
 def _alerts(path: Any, forced: str | None, policy: Any, tally: _Tally) -> Any:
-    from .._replay import iter_replay, iter_replay_records
-    from .._watch.readers import read_records
+    from .._logs.readers import read_records
+    from .._tools.replay import iter_replay, iter_replay_records
 
     fmt = forced or _format_of(path)
     if fmt == "jsonl":
@@ -128,7 +128,7 @@ def _alerts(path: Any, forced: str | None, policy: Any, tally: _Tally) -> Any:
 
 
 def _format_of(path: Any) -> str:
-    from .._watch.readers import detect_format
+    from .._logs.readers import detect_format
 
     return detect_format(str(path))
 
@@ -139,9 +139,9 @@ def _expand(paths: list[str], forced: str | None) -> list[Any]:
     a W&B folder of several runs (`wandb/offline-run-*/run-*.wandb`) each run file."""
     from pathlib import Path
 
-    from .._trace import TraceError, expand_paths
-    from .._watch.read_tb import is_event_file
-    from .._watch.read_wandb import wandb_run_files
+    from .._logs.read_tb import is_event_file
+    from .._logs.read_wandb import wandb_run_files
+    from .._logs.trace import TraceError, expand_paths
 
     out: list[Any] = []
     for p in paths:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._watch.display import printable
+from .._core.display import printable
 from ._common import warn
 
 __all__ = ["add_parser", "run"]
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
-    from .._policy import load_policy
+    from .._policy.policy import load_policy
     from .._report import ReportError, write_report
 
     policy = load_policy(args.policy)

@@ -1,5 +1,5 @@
 """Explaining a non-finite step without ever breaking training (the engine puts the
-explanation into the step's alerts: nummon/_outcome.py)."""
+explanation into the step's alerts: nummon/_engine/outcome.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
 
-from .._errors import NummonError
+from .._core.errors import NummonError
 from ._explanation import NonfiniteReport
 from ._interceptor import NonfiniteInterceptor, Origin, _checked, _finite, describe_outside
 from ._rng import Generators

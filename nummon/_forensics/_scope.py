@@ -29,7 +29,7 @@ _TORCH_DIR = _dir_prefix(torch.__file__)
 _NUMMON_DIR = os.path.dirname(_dir_prefix(__file__).rstrip(os.sep)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 # nummon's demo is a training script like the user's: its lines are the answer, not machinery.
-_NUMMON_USER_FILES = frozenset({"_demo.py", "_demo_model.py"})
+_NUMMON_USER_FILES = frozenset({os.path.join("_tools", "demo.py"), os.path.join("_tools", "demo_model.py")})
 
 
 def _is_library(filename: str) -> bool:
@@ -41,7 +41,7 @@ def _is_library(filename: str) -> bool:
     if path.startswith(_TORCH_DIR):
         return True
     if path.startswith(_NUMMON_DIR):
-        return os.path.basename(path) not in _NUMMON_USER_FILES
+        return path[len(_NUMMON_DIR) :] not in _NUMMON_USER_FILES
     if path.startswith(_STDLIB_DIR):
         return "site-packages" not in path and "dist-packages" not in path
     return False

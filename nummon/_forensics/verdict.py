@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._errors import NummonError
+from .._core.errors import NummonError
 from ._explain import _leaves, _loss_tensors
 from ._scope import ModuleScope
 from .forward_state import ForwardState, NoVerdict

@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .._files import write_atomic
-from .._watch.display import printable
+from .._core.display import printable
+from .._core.files import write_atomic
 from .load import EVENT_LOG, FLIGHT_GLOB, ReportError, RunData, from_monitor, load_run
 from .page import render
 from .story import IncidentView, incidents_of

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .._incidents import escalated_to_critical
+from .._engine.incidents import escalated_to_critical
 from . import _version
 from .load import EVENT_LOG, from_monitor, load_run, read_flight_records
 from .page import render

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._engine import HealthEngine
-from .._errors import NummonError
-from .._policy import PolicyLike, load_policy
-from .._trace import TraceError, open_log, record_from_dict
-from .._types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
-from .._watch.display import printable
+from .._core.display import printable
+from .._core.errors import NummonError
+from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
+from .._engine.engine import HealthEngine
+from .._logs.trace import TraceError, open_log, record_from_dict
+from .._policy.policy import PolicyLike, load_policy
 from .fields import clean_alert, clean_event, step_of
 from .stream import Collector, _new_record
 
@@ -160,7 +160,7 @@ def _event_log(p: Path) -> Path | None:
 
 
 def _any_log(folder: Path) -> bool:
-    from .._watch.readers import detect_format
+    from .._logs.readers import detect_format
 
     try:
         detect_format(str(folder))
@@ -316,7 +316,7 @@ def _record(obj: dict[str, Any], where: str, default_step: int) -> StepRecord:
 
 
 def _replayed(path: str, format: str | None, policy: PolicyLike, warn: Warn | None) -> RunData:
-    from .._watch.readers import detect_format, read_records
+    from .._logs.readers import detect_format, read_records
 
     fmt = format or detect_format(path)
     col, det = Collector(), _Detector(policy)

@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from .._text import fmt_num, plural
-from .._types import StepRecord
-from .._watch.display import printable
+from .._core.display import printable
+from .._core.text import fmt_num, plural
+from .._core.types import StepRecord
 from .load import RunData
 from .story import LAYER_FAMILIES, IncidentView, incidents_of, worst_first
 from .svg import MARK_COLORS, Mark, Panel, Series, small_chart, stacked_chart, thin

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._functional import median
-from .._text import fmt_num, plural
-from .._types import StepRecord
+from .._core.maths import median
+from .._core.text import fmt_num, plural
+from .._core.types import StepRecord
 from .load import RunData
 
 __all__ = ["IncidentView", "Countdown", "LayerTrack", "incidents_of", "worst_first", "LAYER_FAMILIES"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .._types import StepRecord
+from .._core.types import StepRecord
 
 __all__ = ["Collector", "DRAWN"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from .._distributed import Reduce
+from .distributed import Reduce
 from .transport import Segment
 
 __all__ = ["ADAM_SAMPLE", "SAMPLE_RUN", "AdamStatistics", "ratio_bound"]

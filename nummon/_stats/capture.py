@@ -40,7 +40,7 @@ from torch.autograd.graph import Node
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
-from .._functional import spaced
+from .._core.maths import spaced
 from .capture_maths import ENTROPY_BUDGET, OUTPUT_BUDGET, SDPA_QUERY_BUDGET, CaptureMaths
 
 __all__ = [

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._distributed import LayoutHeader
-from .._errors import NummonError
-from .._policy import Policy
-from .._types import StepRecord
+from .._core.errors import NummonError
+from .._core.types import StepRecord
+from .._policy.policy import Policy
 from .compiled import has_compiled_parts, unwrap_compiled
 from .decode import Decoder, exact_where_overflowed
+from .distributed import LayoutHeader
 from .families import FAMILIES, decoders
 from .fingerprints import Fingerprinter
 from .histograms import histograms
@@ -129,7 +129,7 @@ class StatsCollector:
         self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
         self.anchors = ClipAnchors()
         self.said_no_grads = False  # the warning that no parameter has a gradient, given once
-        self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_replicas.py)
+        self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_forensics/replicas.py)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .._distributed import local_tensor
-from .._functional import headroom_decades
-from .._types import StepRecord
+from .._core.maths import headroom_decades
+from .._core.types import StepRecord
+from .distributed import local_tensor
 from .kernels import as_real
 from .pending import Pending
 from .probes import act_values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._functional import DTYPE_MAX
+from .._core.maths import DTYPE_MAX
 
 __all__ = ["HALF_DTYPES", "dtype_name", "narrowest"]
 

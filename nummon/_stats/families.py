@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from .._distributed import Reduce
 from .decode import (
     RecordBuild,
     decode_activations,
@@ -26,6 +25,7 @@ from .decode import (
     decode_optimizer,
     decode_params,
 )
+from .distributed import Reduce
 from .launch import (
     Collecting,
     LaunchStep,

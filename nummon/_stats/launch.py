@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._distributed import Reduce
+from .distributed import Reduce
 from .dtypes import dtype_name, narrowest
 from .fingerprints import Fingerprinter, tensors_in
 from .kernels import NormKernels, as_real

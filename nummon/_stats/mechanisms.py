@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._distributed import Reduce
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
 from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
+from .distributed import Reduce
 from .eager_replay import ForwardReplay
 from .transport import Segment
 

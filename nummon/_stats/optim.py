@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .._distributed import norm_rules
+from .distributed import norm_rules
 
 __all__ = ["OptimizerView"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .._distributed import local_tensor, norm_rules
+from .distributed import local_tensor, norm_rules
 from .optim import OptimizerView
 
 __all__ = ["WatchedParams"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._functional import spaced
+from .._core.maths import spaced
 from .kernels import NormKernels
 from .params import WatchedParams
 

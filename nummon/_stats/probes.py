@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._distributed import Reduce
-from .._functional import spaced
+from .._core.maths import spaced
+from .distributed import Reduce
 from .dtypes import dtype_name, narrowest
 from .kernels import absmax_rows
 from .transport import Segment

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._distributed import Reduce
+from .distributed import Reduce
 
 __all__ = ["PinnedPool", "Segment", "Slot", "pack", "rules_of", "signature"]
 

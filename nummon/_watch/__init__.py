@@ -3,9 +3,9 @@ trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and n
 
 from __future__ import annotations
 
-from .follow import Follower, NotALogError
-from .keymap import DEFAULT_KEYS, KeyMap
-from .readers import FORMATS, detect_format, make_follower, read_records
+from .._logs.follow import Follower, NotALogError
+from .._logs.keymap import DEFAULT_KEYS, KeyMap
+from .._logs.readers import FORMATS, detect_format, make_follower, read_records
 
 __all__ = [
     "DEFAULT_KEYS",

@@ -35,12 +35,12 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
-from .._errors import NummonError
-from . import fs
-from .display import plural, printable, safe_url
+from .._core.display import plural, printable, safe_url
+from .._core.errors import NummonError
+from .._core.redirects import NoRedirect as _NoRedirect
+from .._logs import fs
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target
-from .redirects import NoRedirect as _NoRedirect
 from .webhook import check_url
 
 __all__ = ["AlertmanagerTarget", "alert_labels", "ALERTNAME"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .discovery import RunSpec
-from .display import plural, printable
+from .._core.display import plural, printable
+from .._logs.discovery import RunSpec
 from .runpaths import run_name, under
 
 __all__ = ["LISTED", "forgot_line", "pending_line", "started_lines", "stopped_line", "watching_lines"]

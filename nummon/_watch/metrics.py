@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .._types import Alert, AlertKind, Finding, Health, StepRecord
+from .._core.types import Alert, AlertKind, Finding, Health, StepRecord
 
 if TYPE_CHECKING:
     from .output import Target
@@ -279,7 +279,7 @@ class MetricsObserver:
         source = SOURCES.get(spec.format, spec.format)
         series = self.metrics.run(run.id, source)
         if series.last_record_ts is None:  # a restart: the log's own mtime is when it last grew
-            from . import fs
+            from .._logs import fs
 
             mtimes = [st.mtime for f in spec.files if (st := fs.stat(f)) is not None and st.mtime is not None]
             if mtimes:

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._alert_text import TITLE_MAX
-from .._events import IncidentEvent
-from .._types import IncidentState
-from .display import cut_at_word, printable, raw_bytes
+from .._core.alert_text import TITLE_MAX
+from .._core.display import cut_at_word, printable, raw_bytes
+from .._core.events import IncidentEvent
+from .._core.types import IncidentState
 
 __all__ = ["RunIncident", "Notice", "event_id"]
 

@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._types import StepRecord
-from .follow import Follower
+from .._core.types import StepRecord
+from .._logs.follow import Follower
 
 __all__ = ["BackgroundAsk", "RemoteFollower"]
 

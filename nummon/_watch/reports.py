@@ -25,12 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .._core.display import plural, printable, raw_bytes
+from .._core.types import StepRecord
 from .._report import _version, write_html
 from .._report.live import escalated_to_critical
 from .._report.load import RunData, _new_record
 from .._report.page import SIGNALS, render
-from .._types import StepRecord
-from .display import plural, printable, raw_bytes
 from .notices import RunIncident
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]

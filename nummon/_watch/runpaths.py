@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._errors import NummonError
-from . import fs
-from .discovery import RunSpec
-from .read_mlflow import MLFLOW_PREFIX, is_mlflow_source, parse_source, safe_uri
+from .._core.errors import NummonError
+from .._logs import fs
+from .._logs.discovery import RunSpec
+from .._logs.read_mlflow import MLFLOW_PREFIX, is_mlflow_source, parse_source, safe_uri
 
 __all__ = ["gone_since", "under", "run_name", "signature"]
 

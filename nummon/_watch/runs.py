@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._engine import WARM_FIRST, WARM_RECENT, HealthEngine
-from .._policy import Policy
-from .._segments import SegmentedEngine
-from .._types import StepRecord
-from .follow import Follower
+from .._core.types import StepRecord
+from .._engine.engine import WARM_FIRST, WARM_RECENT, HealthEngine
+from .._engine.segments import SegmentedEngine
+from .._logs.follow import Follower
+from .._policy.policy import Policy
 from .notices import RunIncident
 
 __all__ = ["WatchedRun"]

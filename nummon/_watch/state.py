@@ -14,10 +14,10 @@ import os
 import stat
 from typing import Any
 
-from .._errors import NummonError
-from .._files import write_atomic
-from .._json import dumps
-from .fs import MAX_READ
+from .._core.errors import NummonError
+from .._core.files import write_atomic
+from .._core.json import dumps
+from .._logs.fs import MAX_READ
 
 __all__ = ["StateFile", "STATE_VERSION", "runs_state"]
 

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from .._errors import NummonError
-from .._json import dumps
-from .display import cut_at_word, plain, safe_url
+from .._core.display import cut_at_word, plain, safe_url
+from .._core.errors import NummonError
+from .._core.json import dumps
 from .notices import Notice
 from .output import Outcome, OutcomeHandler, Target
 

@@ -17,17 +17,17 @@ import time
 from collections.abc import Collection
 from typing import IO, Any
 
-from .._errors import NummonError
-from .._policy import Policy
+from .._core.display import printable
+from .._core.errors import NummonError
+from .._logs.discovery import RunSpec, discover, root_is_here
+from .._logs.keymap import KeyMap
+from .._logs.read_mlflow import MlflowError, is_mlflow_source
+from .._logs.readers import make_follower
+from .._policy.policy import Policy
 from .announce import forgot_line, pending_line, started_lines, stopped_line, watching_lines
 from .delivery import Delivery
-from .discovery import RunSpec, discover, root_is_here
-from .display import printable
-from .keymap import KeyMap
 from .notices import Notice, RunIncident
 from .output import CLOSE_TIMEOUT_S, Target
-from .read_mlflow import MlflowError, is_mlflow_source
-from .readers import make_follower
 from .remote import BackgroundAsk, RemoteFollower
 from .reports import RunMemory, WatchReports
 from .runpaths import gone_since, run_name, signature, under

@@ -198,7 +198,7 @@ def test_float8_meta_sparse_and_quantized_tensors(tmp_path):
     assert by["csr"]["nan"] == 1 and "sparse (csr)" in by["csr"]["note"]
     assert by["q"]["nan"] == 0 and by["q"]["max_abs"] == pytest.approx(2.0) and "quantized" in by["q"]["note"]
     meta = {"w": torch.empty(3, 4, device="meta")}
-    from nummon._audit import audit_object, compare
+    from nummon._tools.audit import audit_object, compare
 
     row = audit_object(meta)[0]
     assert row.note == "meta tensor: no data to check" and row.shape == [3, 4]

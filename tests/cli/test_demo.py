@@ -15,10 +15,10 @@ import pytest
 from helpers.checkout import nummon_cmd
 from helpers.shared_once import once_per_session
 
-from nummon import _demo
 from nummon._cli import main
 from nummon._cli.demo import skipped, wandb_child
-from nummon._demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP, DemoConfig
+from nummon._tools import demo as _demo
+from nummon._tools.demo_config import DEFAULT_STEPS, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP, DemoConfig
 
 
 def cli(*args, env=None, timeout=300):
@@ -69,8 +69,8 @@ def _demo_run(root):
 _NATIVE_RUNAWAY = """
 import json, sys
 from pathlib import Path
-from nummon import _demo
-from nummon._demo_config import DemoConfig
+from nummon._tools import demo as _demo
+from nummon._tools.demo_config import DemoConfig
 r = _demo.run(_demo.prepare(DemoConfig(out=Path(sys.argv[1]), wandb=False, tensorboard=False)))
 print(json.dumps(dict(
     first_warning=r.first_warning, first_critical=r.first_critical, first_nonfinite=r.first_nonfinite,
@@ -111,7 +111,7 @@ def test_demo_story_a_runaway_a_warning_lead_and_the_first_nan_named(runaway):
     assert max(r["losses"][s] for s in range(SWITCH_STEP - 5, SWITCH_STEP)) < 1.6  # < ln 5
     assert re.fullmatch(r"output of `\w+` \(forward\)", r["nonfinite_location"] or ""), r["nonfinite_location"]
     module = r["nonfinite_location"].split("`")[1]
-    assert re.match(rf"overflow in `aten::\w+` \(forward\) inside `{module}` at \S*_demo_model\.py:\d+", r["cause"])
+    assert re.match(rf"overflow in `aten::\w+` \(forward\) inside `{module}` at \S*demo_model\.py:\d+", r["cause"])
     # the quickstart says so of other CPUs' kernels: the same warning, critical and first NaN steps
     _, excerpt = readme_demo_section()
     (claimed,) = [SUMMARY_LINE.search(l).groups() for l in excerpt if SUMMARY_LINE.search(l)]
@@ -143,12 +143,12 @@ def test_demo_warns_well_before_the_first_nan_and_logs_everywhere(demo_run):
     ]
     # why the NaN happened: the operator, the module, the demo's own line, the cause
     assert re.search(
-        r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", p.stdout, re.M
+        r"^Why: overflow in `aten::\w+` \(forward\) inside `\w+` at .*demo_model\.py:\d+", p.stdout, re.M
     ), p.stdout[-2000:]
     # the explanation travels with the critical alert and the incident event (event log, W&B text)
     lost = [e for e in events if e["type"] == "incident" and e["state"] == "nonfinite"]
     assert lost and re.search(
-        r"overflow in `aten::\w+` \(forward\) inside `\w+` at .*_demo_model\.py:\d+", lost[0].get("explanation") or ""
+        r"overflow in `aten::\w+` \(forward\) inside `\w+` at .*demo_model\.py:\d+", lost[0].get("explanation") or ""
     ), lost
     assert any(
         e["type"] == "alert" and e["kind"] == "nonfinite" and "why: overflow in aten::" in e["message"] for e in events
@@ -365,7 +365,7 @@ FORENSICS = DOCS / "guides" / "forensics.md"  # quotes the demo's "Why:" line
 README_RUN = "nummon-runs/20261201-101804"  # the output folder as the documentation shows it
 README_WANDB_RUN = "offline-run-20261201_101804-xxxxxxxx"
 WANDB_RUN = re.compile(r"offline-run-\d{8}_\d{6}-\w+")
-DEMO_MODEL_PATH = re.compile(r"\S*nummon/_demo_model\.py")
+DEMO_MODEL_PATH = re.compile(r"\S*nummon/_tools/demo_model\.py")
 SUMMARY_LINE = re.compile(
     r"warned at step (\d+), critical at step (\d+), first non-finite at step (\d+) — (\d+) steps of warning\."
 )
@@ -384,7 +384,7 @@ def normalised(line, out):
     """A printed line with what differs between runs as the documentation shows it: the output folder,
     the W&B run id, the demo model's path."""
     line = WANDB_RUN.sub(README_WANDB_RUN, line.replace(str(out), README_RUN))
-    return DEMO_MODEL_PATH.sub("nummon/_demo_model.py", line).rstrip()
+    return DEMO_MODEL_PATH.sub("nummon/_tools/demo_model.py", line).rstrip()
 
 
 def demo_excerpt(stdout, stderr, out):
@@ -402,7 +402,7 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     real run. Alert bullets are compared by severity, kind, metric and step only (their wording
     changes); every other excerpt line must be printed as shown. To refresh the excerpt after a
     change: `python tests/cli/test_demo.py` prints it."""
-    from nummon._demo_config import DEMO_BATCH, DEMO_SECONDS, IMAGE_SIDE, RUNAWAY_LR, SWITCH_STEP, WIDTH
+    from nummon._tools.demo_config import DEMO_BATCH, DEMO_SECONDS, IMAGE_SIDE, RUNAWAY_LR, SWITCH_STEP, WIDTH
 
     p, out = demo_run
     prose, readme = readme_demo_section()
@@ -451,7 +451,9 @@ def test_readme_names_the_layer_and_operator_the_demo_names(demo_run):
     """The forensics guide quotes the demo's "Why:" line: the same operator, layer and line."""
     p, _ = demo_run
     why = re.search(
-        r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_demo_model\.py:\d+)", p.stdout, re.M
+        r"^Why: (overflow in `aten::\w+` \(forward\) inside `\w+` at )\S*(nummon/_tools/demo_model\.py:\d+)",
+        p.stdout,
+        re.M,
     )
     assert why, p.stdout[-2000:]
     quoted = re.search(r"`nummon demo` ends with it \(\"Why: (.+?) \.\.\.\"\)", " ".join(FORENSICS.read_text().split()))

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nummon._cli import main
-from nummon._replay import replay
+from nummon._tools.replay import replay
 
 
 def cli(*args):

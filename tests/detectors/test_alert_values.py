@@ -6,10 +6,10 @@ import re
 import pytest
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._engine import HealthEngine
-from nummon._format import alert_text, plain_text
-from nummon._incidents import IncidentTracker
-from nummon._types import Alert
+from nummon._core.format import alert_text, plain_text
+from nummon._core.types import Alert
+from nummon._engine.engine import HealthEngine
+from nummon._engine.incidents import IncidentTracker
 
 #: one alert of every kind, as its detector fills it (value, threshold, details)
 EXAMPLES = {

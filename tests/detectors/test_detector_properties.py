@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import Policy, StepRecord
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 # ln k matching is the one rule tied to the loss's units (nats of a k-class classifier)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._detectors import DivergenceDetector, StartLevel
-from nummon._engine import HealthEngine
-from nummon._hints import hint_for
+from nummon._engine.detectors import DivergenceDetector, StartLevel
+from nummon._engine.engine import HealthEngine
+from nummon._engine.hints import hint_for
 
 
 def kinds(alerts):

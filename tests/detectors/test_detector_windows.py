@@ -7,7 +7,7 @@ import random
 from helpers.loss_curves import P, loud
 
 from nummon import AlertKind, StepRecord
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 
 def test_a_loss_climbing_from_its_first_record_is_warned_at_once():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._detectors import (
+from nummon._engine.detectors import (
     DETECTORS,
     DivergenceDetector,
     HeadroomDetector,
@@ -21,7 +21,7 @@ from nummon._detectors import (
     build_detectors,
     shared_values,
 )
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 
@@ -227,7 +227,7 @@ def _containers(obj, seen=None):
         for v in obj.values():
             yield from _containers(v, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith("nummon"):
-        if not type(obj).__module__.startswith("nummon._policy"):
+        if not type(obj).__module__.startswith("nummon._policy.policy"):
             yield from _containers(vars(obj), seen)
 
 
@@ -278,7 +278,7 @@ def test_traces_logged_every_n_steps(every):
 
     from helpers.checkout import CORPUS as corpus
 
-    from nummon._trace import read_trace
+    from nummon._logs.trace import read_trace
 
     judged = ("healthy", "spike_recover", "shift_recover", "stall")
     labels = json.loads((corpus / "labels.json").read_text())
@@ -310,7 +310,7 @@ def test_every_detector_declares_its_section_kinds_and_shared_needs():
 
     shared = shared_values(P)
     kinds = [k for cls in DETECTORS for k in cls.kinds]
-    # replica_mismatch compares ranks, not records: nummon/_replicas.py raises it, no detector
+    # replica_mismatch compares ranks, not records: nummon/_forensics/replicas.py raises it, no detector
     assert len(kinds) == len(set(kinds)) == len(AlertKind) - 1, "each kind has exactly one owner"
     assert AlertKind.REPLICA_MISMATCH not in kinds
     for cls in DETECTORS:

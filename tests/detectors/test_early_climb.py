@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Severity, StepRecord
-from nummon._detectors.divergence import CLIMB_FACTOR, CLIMB_RECORDS, JUMP_FACTOR
-from nummon._engine import HealthEngine
+from nummon._engine.detectors.divergence import CLIMB_FACTOR, CLIMB_RECORDS, JUMP_FACTOR
+from nummon._engine.engine import HealthEngine
 
 INSTABILITY = {AlertKind.DIVERGENCE, AlertKind.LOSS_SPIKE, AlertKind.RUNAWAY, AlertKind.EXPLOSION}
 MESSAGE = re.compile(

@@ -3,8 +3,8 @@
 import pytest
 
 from nummon import AlertKind, Severity
-from nummon._hints import hint_for
-from nummon._types import Finding
+from nummon._core.types import Finding
+from nummon._engine.hints import hint_for
 
 
 def _hint(kind, **kw):

@@ -8,9 +8,9 @@ from torch import nn
 
 import nummon
 from nummon import AlertKind, Severity
-from nummon._incidents import IncidentState, IncidentTracker
-from nummon._sinks import MemorySink
-from nummon._types import Alert
+from nummon._core.types import Alert
+from nummon._engine.incidents import IncidentState, IncidentTracker
+from nummon._sinks.builtin import MemorySink
 
 
 def _alert(step, cleared=False):

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon._detectors import AdamMomentDetector, AttentionDetector, OutputLogitsDetector
-from nummon._engine import HealthEngine
-from nummon._policy import AdamMomentPolicy, AttentionPolicy, OutputLogitsPolicy, Policy
-from nummon._types import AlertKind, Severity, StepRecord
+from nummon._core.types import AlertKind, Severity, StepRecord
+from nummon._engine.detectors import AdamMomentDetector, AttentionDetector, OutputLogitsDetector
+from nummon._engine.engine import HealthEngine
+from nummon._policy.policy import AdamMomentPolicy, AttentionPolicy, OutputLogitsPolicy, Policy
 
 logits = st.floats(min_value=0.01, max_value=19.9, allow_nan=False)
 

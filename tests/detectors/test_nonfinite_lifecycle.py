@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nummon import AlertKind, Monitor, Policy, Severity, StepRecord
-from nummon._detectors import DETECTORS
-from nummon._engine import HealthEngine
-from nummon._types import IncidentState
+from nummon._core.types import IncidentState
+from nummon._engine.detectors import DETECTORS
+from nummon._engine.engine import HealthEngine
 
 NAN = math.nan
 #: issue 35's picture: NaN every few steps, finite in between (a common fp16 run), then NaN for good

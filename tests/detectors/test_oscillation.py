@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import StepRecord
-from nummon._detectors.oscillation import wave_crossings
-from nummon._engine import HealthEngine
-from nummon._policy import load_policy
+from nummon._engine.detectors.oscillation import wave_crossings
+from nummon._engine.engine import HealthEngine
+from nummon._policy.policy import load_policy
 
 
 def kinds(losses):

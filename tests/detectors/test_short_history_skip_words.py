@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, StepRecord
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 SHORT = re.compile(

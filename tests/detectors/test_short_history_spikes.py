@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 LOUD = {AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION, AlertKind.DIVERGENCE, AlertKind.RUNAWAY, AlertKind.EXTREME}

@@ -5,8 +5,8 @@ import math
 import random
 
 from nummon import StepRecord
-from nummon._engine import HealthEngine
-from nummon._policy import load_policy
+from nummon._engine.engine import HealthEngine
+from nummon._policy.policy import load_policy
 
 
 def spikes(losses):

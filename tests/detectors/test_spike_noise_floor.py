@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._detectors.spike import LOSS_NOISE_FLOOR, NOISE_MULTIPLE
-from nummon._engine import HealthEngine
+from nummon._engine.detectors.spike import LOSS_NOISE_FLOOR, NOISE_MULTIPLE
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 WINDOW = P.spike.window

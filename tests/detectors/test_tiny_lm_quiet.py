@@ -22,9 +22,9 @@ from torch import nn
 
 import nummon
 from nummon import StepRecord
-from nummon._detectors.oscillation import swing_structure
-from nummon._engine import HealthEngine
-from nummon._policy import load_policy
+from nummon._engine.detectors.oscillation import swing_structure
+from nummon._engine.engine import HealthEngine
+from nummon._policy.policy import load_policy
 
 DATA = checkout.DATA / "tiny_lm"
 SEEDS = sorted(int(p.stem[4:]) for p in DATA.glob("seed*.jsonl"))

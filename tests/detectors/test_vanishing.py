@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nummon import AlertKind, Monitor, Policy, StepRecord
-from nummon._detectors import VanishingDetector
+from nummon._engine.detectors import VanishingDetector
 
 P = Policy().vanishing
 live_norm = st.floats(min_value=1e-3, max_value=1e3)

@@ -17,50 +17,67 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "types",
         (
-            "_errors",
-            "_files",
-            "_json",
-            "_functional",
-            "_text",
-            "_types",
-            "_alert_text",
-            "_events",
-            "_format",
-            "_layout",
-            "_lazy",
-            "_policy_sections",
+            "_core.errors",
+            "_core.files",
+            "_core.json",
+            "_core.maths",
+            "_core.text",
+            "_core.types",
+            "_core.alert_text",
+            "_core.events",
+            "_core.format",
+            "_sinks.layout",
+            "_core.lazy",
+            "_policy.sections",
+            "_policy.policy",
+            "_policy.mechanism_sections",
+            "_policy.runtime",
+            "_engine.hints",
+            "_logs.trace",
+            "_tools.demo_config",
+            "_core",
             "_policy",
-            "_policy_mechanisms",
-            "_policy_runtime",
-            "_hints",
-            "_trace",
-            "_demo_config",
+            "_engine",
+            "_monitor",
+            "_sinks",
+            "_tools",
         ),
     ),
     (
         "detectors / statistics / sinks",
         (
-            "_detectors",
+            "_engine.detectors",
             "_stats",
-            "_distributed",
-            "_replicas",
-            "_incidents",
-            "_sinks",
-            "_dispatch",
-            "_recorder",
-            "_shutdown",
+            "_stats.distributed",
+            "_forensics.replicas",
+            "_engine.incidents",
+            "_sinks.builtin",
+            "_sinks.dispatch",
+            "_monitor.recorder",
+            "_monitor.shutdown",
             "_forensics",
-            "_audit_compare",
-            "_diagnose_common",
-            "_demo_model",
+            "_tools.audit_compare",
+            "_tools.diagnose_common",
+            "_tools.demo_model",
         ),
     ),
     (
         "stages and tools",
-        ("_engine", "_segments", "_outcome", "_recovery", "_replay", "_watch", "_audit", "_overfit", "_report"),
+        (
+            "_engine.engine",
+            "_engine.segments",
+            "_engine.outcome",
+            "_monitor.recovery",
+            "_tools.replay",
+            "_watch",
+            "_logs",
+            "_tools.audit",
+            "_tools.overfit",
+            "_report",
+        ),
     ),
-    ("monitor", ("_monitor", "_monitor_checks", "_monitor_sinks", "diagnose")),
-    ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_demo", "_watch.command")),
+    ("monitor", ("_monitor.monitor", "_monitor.checks", "_monitor.sink_wiring", "diagnose")),
+    ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_tools.demo", "_cli.watch")),
 ]
 
 
@@ -175,12 +192,17 @@ def test_the_checker_sees_a_circle_and_an_upward_edge(tmp_path, monkeypatch):
     pkg = tmp_path / "nummon"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "_types.py").write_text("from ._monitor import Monitor\n")  # types -> monitor: upward
-    (pkg / "_monitor.py").write_text("def f():\n    from . import _types\n")  # and back: a circle
+    for sub in ("_core", "_monitor"):
+        (pkg / sub).mkdir()
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "_core" / "types.py").write_text("from .._monitor.monitor import Monitor\n")  # types -> monitor: upward
+    (pkg / "_monitor" / "monitor.py").write_text("def f():\n    from .._core import types\n")  # and back: a circle
     monkeypatch.setitem(PACKAGES, "nummon", pkg)
     monkeypatch.setitem(PACKAGES, "nummon.integrations", tmp_path / "none")
     g = graph()
-    assert g["nummon._types"] == {"nummon._monitor"} and g["nummon._monitor"] == {"nummon._types"}
+    assert g["nummon._core.types"] == {"nummon._monitor.monitor"} and g["nummon._monitor.monitor"] == {
+        "nummon._core.types"
+    }
     with pytest.raises(AssertionError):
         test_no_import_goes_from_a_lower_layer_to_a_higher_one()
     with pytest.raises(AssertionError):

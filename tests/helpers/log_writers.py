@@ -30,7 +30,7 @@ def runaway_rows(healthy=40, runaway=16):
 
 def write_jsonl(path, rows, with_alert_lines=True):
     """nummon's event-log shape: step lines, and alert lines that readers must skip."""
-    from nummon._json import dumps
+    from nummon._core.json import dumps
 
     with open(path, "w") as fh:
         for s, loss, g in rows:

@@ -1,7 +1,7 @@
 """Shared by the detector tests: the loud (warning or critical) alerts over a loss curve."""
 
 from nummon import Policy, Severity, StepRecord
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 

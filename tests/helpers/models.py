@@ -6,7 +6,7 @@ from torch import nn
 
 def CNN(width: int = 8, hidden: int = 32) -> nn.Module:
     """The motivating model (the demo's: conv1, conv2, fc1, fc2, LeakyReLU), narrow for speed."""
-    from nummon._demo_model import DemoCNN
+    from nummon._tools.demo_model import DemoCNN
 
     return DemoCNN(width=width, hidden=hidden)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nummon import Alert, AlertKind, Health, IncidentState, Severity, StateError, StepRecord, load_policy
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 POLICY = load_policy("default")
 RUNAWAY = [2.0] * 12 + [2.0 * 8**k for k in range(1, 5)]  # a critical runaway, still finite

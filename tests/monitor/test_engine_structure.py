@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nummon import load_policy, replay
-from nummon._engine import HealthEngine
-from nummon._outcome import StepEvidence
-from nummon._replay import iter_replay_records
-from nummon._segments import SegmentedEngine
-from nummon._trace import record_from_dict
+from nummon._engine.engine import HealthEngine
+from nummon._engine.outcome import StepEvidence
+from nummon._engine.segments import SegmentedEngine
+from nummon._logs.trace import record_from_dict
+from nummon._tools.replay import iter_replay_records
 from nummon._watch.runs import WatchedRun
 
 POLICY = load_policy("default")
@@ -103,7 +103,7 @@ def _engine_members_used(path):
 def test_the_monitor_touches_the_health_engine_through_three_members():
     """step (judge the record), finish (the outcome) and close (the run's end): every other
     decision is the engine's."""
-    assert _engine_members_used(ROOT / "nummon" / "_monitor.py") == {"step", "finish", "close"}
+    assert _engine_members_used(ROOT / "nummon" / "_monitor" / "monitor.py") == {"step", "finish", "close"}
 
 
 def _alerts_built(path):
@@ -116,16 +116,16 @@ def _alerts_built(path):
 
 def test_recovery_forensics_and_replicas_build_no_alert():
     """Recovery reports what it did, forensics and replica checks what they found: the engine
-    side (nummon/_engine.py, nummon/_outcome.py) builds every alert."""
+    side (nummon/_engine/engine.py, nummon/_engine/outcome.py) builds every alert."""
     for rel in (
-        "_recovery/_recovery.py",
+        "_monitor/recovery/_recovery.py",
         "_forensics/verdict.py",
         "_forensics/_alerts.py",
-        "_replicas.py",
-        "_monitor.py",
+        "_forensics/replicas.py",
+        "_monitor/monitor.py",
     ):
         assert _alerts_built(ROOT / "nummon" / rel) == [], rel
-    assert _alerts_built(ROOT / "nummon" / "_outcome.py")
+    assert _alerts_built(ROOT / "nummon" / "_engine" / "outcome.py")
 
 
 def test_the_outcome_is_immutable():

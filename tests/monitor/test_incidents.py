@@ -3,9 +3,9 @@
 import math
 
 from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._engine import HealthEngine
-from nummon._incidents import SUMMARY_MAX, TITLE_MAX, IncidentState, IncidentTracker
-from nummon._types import Alert
+from nummon._core.types import Alert
+from nummon._engine.engine import HealthEngine
+from nummon._engine.incidents import SUMMARY_MAX, TITLE_MAX, IncidentState, IncidentTracker
 
 S = IncidentState
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from nummon import Alert, AlertKind, Contributor, IncidentEvent, IncidentState, JsonlSink, Monitor, Severity, read_trace
-from nummon._json import dumps
+from nummon._core.json import dumps
 
 TOKENS = {"NaN", "Infinity", "-Infinity"}
 

@@ -3,8 +3,8 @@
 import math
 
 from nummon import AlertKind, Policy, Severity
-from nummon._engine import AlertLifecycle, HealthEngine, Transition
-from nummon._types import Finding, Health, StepRecord
+from nummon._core.types import Finding, Health, StepRecord
+from nummon._engine.engine import AlertLifecycle, HealthEngine, Transition
 
 P = Policy.load("default")
 
@@ -112,8 +112,8 @@ def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
 
 
 def _clears(records):
-    from nummon._engine import HealthEngine
-    from nummon._policy import load_policy
+    from nummon._engine.engine import HealthEngine
+    from nummon._policy.policy import load_policy
 
     engine = HealthEngine(load_policy("default"))
     return [(rec.step, a) for rec in records for a in engine.step(rec).alerts if a.cleared]

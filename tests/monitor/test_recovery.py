@@ -13,7 +13,7 @@ from helpers.models import MLP
 from torch import nn
 
 from nummon import Monitor, NummonError
-from nummon._policy import load_policy
+from nummon._policy.policy import load_policy
 
 torch.set_num_threads(1)
 

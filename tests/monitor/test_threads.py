@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nummon import BaseSink, Monitor, StepRecord, load_policy
-from nummon._engine import HealthEngine
+from nummon._engine.engine import HealthEngine
 
 
 class Reader(BaseSink):

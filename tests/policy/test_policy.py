@@ -59,7 +59,7 @@ def test_policy_is_immutable_and_every_field_described():
     p = Policy()
     with pytest.raises(pydantic.ValidationError):
         p.spike = None  # frozen
-    from nummon._policy import policy_yaml
+    from nummon._policy.policy import policy_yaml
 
     text = policy_yaml(load_policy("default"))
     assert "loss_factor: 8.0" in text and "(ratio)" in text

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nummon import Policy, PolicyError, load_policy
-from nummon._policy import MAX_POLICY_BYTES, validate_policy_file
+from nummon._policy.policy import MAX_POLICY_BYTES, validate_policy_file
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,8 @@ from helpers.prometheus_servers import (
     wait_for,
 )
 
-from nummon._errors import NummonError
-from nummon._policy import load_policy
+from nummon._core.errors import NummonError
+from nummon._policy.policy import load_policy
 from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
 from nummon._watch.metrics import FleetMetrics
 from nummon._watch.targets import parse_target
@@ -273,7 +273,7 @@ def test_runaway_reaches_the_receiver_before_its_nan_is_written_then_resolves(tm
 
 
 def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink, tmp_path):
-    from nummon._json import dumps
+    from nummon._core.json import dumps
     from nummon._watch.hooks import Observers
 
     log = tmp_path / "runs" / "a" / "events.jsonl"
@@ -439,7 +439,7 @@ def test_a_redirect_is_never_followed_and_is_a_failure(code, caplog):
 def test_a_run_deleted_while_watched_has_its_alert_ended_once(sink, tmp_path):
     import shutil
 
-    from nummon._json import dumps
+    from nummon._core.json import dumps
     from nummon._watch.hooks import Observers
 
     run_dir = tmp_path / "runs" / "a"
@@ -494,7 +494,7 @@ def test_shipped_route_gives_one_message_per_incident_transition(tmp_path):
     never blank, and Slack mrkdwn."""
     from helpers import webhook_receiver
 
-    from nummon._json import dumps
+    from nummon._core.json import dumps
 
     slack, hook = Receiver(), webhook_receiver.Receiver("/am")
     server = start_alertmanager(tmp_path, shipped_alertmanager_config(slack.url, hook.url))

@@ -61,7 +61,7 @@ def test_a_verbose_console_puts_the_incidents_summary_under_its_line(caplog, tmp
 
 
 def test_a_rollback_is_said_by_where_it_went_not_by_a_step_number_of_minus_one():
-    from nummon._alert_text import value_text
+    from nummon._core.alert_text import value_text
 
     start = {"recovery": "rollback", "to_step": -1}
     assert value_text(AlertKind.EXPLOSION, "recovery", -1.0, start) == "rolled back to the start (before step 0)"

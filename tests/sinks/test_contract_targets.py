@@ -25,20 +25,20 @@ import pytest
 from helpers.webhook_receiver import Receiver
 
 import nummon
-from nummon._json import dumps
-from nummon._policy import load_policy
-from nummon._sinks import BaseSink
-from nummon._watch.discovery import RunSpec
+from nummon._core.json import dumps
+from nummon._logs.discovery import RunSpec
+from nummon._logs.readers import make_follower
+from nummon._policy.policy import load_policy
+from nummon._sinks.builtin import BaseSink
 from nummon._watch.notices import Notice
 from nummon._watch.output import Outcome, Target
-from nummon._watch.readers import make_follower
 from nummon._watch.runs import WatchedRun
 from nummon._watch.targets import ConsoleTarget, JsonlTarget, WandbTarget
 from nummon._watch.watcher import Watcher
 
 #: every module that may define a watch target or a Monitor sink (imported before the walk)
 OUTPUT_MODULES = (
-    "nummon._sinks",
+    "nummon._sinks.builtin",
     "nummon._watch.output",
     "nummon._watch.targets",
     "nummon._watch.webhook",

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from nummon import JsonlSink
-from nummon._errors import NummonError
+from nummon._core.errors import NummonError
 
 
 def _refused(path):

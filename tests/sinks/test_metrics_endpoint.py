@@ -18,8 +18,8 @@ pytest.importorskip("prometheus_client")
 from helpers.prometheus_servers import wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from nummon._json import dumps  # noqa: E402
-from nummon._policy import load_policy  # noqa: E402
+from nummon._core.json import dumps  # noqa: E402
+from nummon._policy.policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import label_value, serve_metrics  # noqa: E402
@@ -72,7 +72,7 @@ def test_label_values_are_always_utf8(name, shown):
 WATCHER = r"""
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from nummon._policy import load_policy
+from nummon._policy.policy import load_policy
 from nummon._watch.metrics import FleetMetrics, MetricsObserver
 from nummon._watch.targets import parse_target
 from nummon._watch.watcher import Watcher

@@ -13,7 +13,7 @@ from helpers.wandb_reader import find_run_file, read_records
 
 import nummon
 from nummon import Alert, AlertKind, Contributor, Health, IncidentEvent, IncidentState, RunContext, Severity, StepRecord
-from nummon._layout import INCIDENTS_GROUP
+from nummon._sinks.layout import INCIDENTS_GROUP
 
 INCIDENT = IncidentEvent(
     step=7,

@@ -21,7 +21,7 @@ from torch import nn
 
 import nummon
 from nummon import AlertKind, Health, JsonlSink, Monitor, Severity
-from nummon._types import Alert
+from nummon._core.types import Alert
 
 HIST_EVERY = 10
 POLICY = {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}

@@ -9,7 +9,7 @@ import re
 import pytest
 from helpers.models import runaway_run
 
-from nummon._layout import HIST_LINEAR_MAX_ABS, custom_scalars_layout, layer_groups
+from nummon._sinks.layout import HIST_LINEAR_MAX_ABS, custom_scalars_layout, layer_groups
 
 pytest.importorskip("tensorboard")
 
@@ -83,7 +83,7 @@ def test_incident_state_chart_shows_state_3_with_outliers_ignored(tb_run):
 def test_state_companions_keep_rare_states_in_range():
     """A long healthy run, a short incident ending in NaN: alone, TensorBoard's default scaling
     clips the states 2 and 3 away; with the two constant companions at every step it cannot."""
-    from nummon._layout import state_range_scalars
+    from nummon._sinks.layout import state_range_scalars
 
     state = [0.0] * 500 + [1.0] * 20 + [2.0] * 5 + [3.0]
     assert _tb_domain(state)[1] < 2.0

@@ -22,8 +22,8 @@ from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
 
 from nummon import Health, IncidentEvent, IncidentState, Monitor, StepRecord
-from nummon._demo_model import DemoCNN
-from nummon._layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
+from nummon._sinks.layout import DEFAULT_HISTOGRAM_EVERY, MAIN_CHARTS, TopOffenders, histogram_tags, step_scalars
+from nummon._tools.demo_model import DemoCNN
 
 NO_STOP = {"alerts": {"stop_on_critical": False}}
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import nummon
-from nummon._distributed import Reduce
 from nummon._stats import families
+from nummon._stats.distributed import Reduce
 from nummon._stats.families import FAMILIES, StatFamily, declared_rules, decoders
 
 

@@ -17,7 +17,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import step_budget  # noqa: E402
 
-from nummon._demo_model import DemoCNN  # noqa: E402
+from nummon._tools.demo_model import DemoCNN  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a profiled run of a few steps: seconds on a busy machine
 
@@ -126,7 +126,7 @@ def test_code_outside_nummons_sources_is_not_counted_as_nummons_even_under_a_fol
 
 
 def test_nummons_own_files_are_found_by_their_folder():
-    import nummon._engine
+    import nummon._engine.engine
 
-    code = compile("def g():\n    pass\n", nummon._engine.__file__.replace("_engine.py", "_new_hook.py"), "exec")
+    code = compile("def g():\n    pass\n", nummon._engine.engine.__file__.replace("engine.py", "new_hook.py"), "exec")
     assert step_budget._entry_stage(code) == "other"

@@ -16,7 +16,7 @@ import urllib.parse
 import pytest
 from helpers.http_answers import AnswerServer, as_json, mlflow_run
 
-from nummon._watch.read_mlflow import MlflowError, MlflowServer
+from nummon._logs.read_mlflow import MlflowError, MlflowServer
 
 FINITE = [(i, 2.0 * 0.98**i) for i in range(30)]
 

@@ -18,9 +18,9 @@ from helpers.log_writers import (
     write_wandb,
 )
 
-from nummon._engine import HealthEngine
-from nummon._policy import load_policy
-from nummon._replay import replay
+from nummon._engine.engine import HealthEngine
+from nummon._policy.policy import load_policy
+from nummon._tools.replay import replay
 from nummon._watch import KeyMap, NotALogError, make_follower, read_records
 
 
@@ -234,7 +234,7 @@ def test_fsspec_memory_urls(rows):
             fh.write(f'{{"step": {s}, "loss": {loss}, "grad_norm": {g}}}\n')
     recs = list(read_records("memory://watchroot/a/trace.jsonl"))
     assert [r.step for r in recs] == list(range(10))
-    from nummon._watch.discovery import discover
+    from nummon._logs.discovery import discover
 
     runs, problems = discover(["memory://watchroot"])
     assert problems == [] and [s.format for s in runs.values()] == ["jsonl"]

@@ -8,8 +8,8 @@ import time
 import pytest
 from helpers.watching import two_incident_rows, write_lines
 
-from nummon._watch.read_jsonl import JsonlFollower
-from nummon._watch.read_mlflow import MlflowError, MlflowFollower
+from nummon._logs.read_jsonl import JsonlFollower
+from nummon._logs.read_mlflow import MlflowError, MlflowFollower
 from nummon._watch.remote import RemoteFollower
 
 

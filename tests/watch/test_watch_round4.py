@@ -22,7 +22,7 @@ from helpers.watching import (
 )
 from helpers.watching import watch_main as main
 
-from nummon._policy import load_policy
+from nummon._policy.policy import load_policy
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
@@ -416,7 +416,7 @@ def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
     if "poll_bytes" in inspect.signature(Watcher).parameters:
         kw["poll_bytes"] = poll_bytes
     else:  # before: one module-wide bound, and a run's whole backlog read in one pass
-        import nummon._watch.read_jsonl as rj
+        import nummon._logs.read_jsonl as rj
 
         monkeypatch.setattr(rj, "POLL_BYTES", poll_bytes)
     w = Watcher(

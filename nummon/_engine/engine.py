@@ -1,0 +1,449 @@
+"""The detection core: detectors -> lifecycle transitions -> alerts -> incidents. Shared by
+Monitor and replay (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .._core.errors import NummonError, StateError
+from .._core.json import json_safe
+from .._core.maths import is_finite, median
+from .._core.types import Alert, AlertKind, Finding, Health, Severity, StepRecord
+from .._logs.trace import record_from_dict
+from .._policy.policy import AlertPolicy, Policy
+from .detectors import MAGNITUDE_FIELDS, build_detectors
+from .hints import hint_for
+from .incidents import IncidentEvent, IncidentState, IncidentTracker, escalated_to_critical
+from .outcome import (
+    StepEvidence,
+    StepOutcome,
+    replica_alert,
+    with_cause,
+    with_flight_record,
+    with_record_facts,
+    with_recovery,
+    with_verdict,
+    without_verdict,
+)
+
+__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
+
+#: Records a restarted engine is warmed with (`HealthEngine.state_dict`): the run's first ones
+#: (the divergence baseline) and the latest ones.
+WARM_FIRST = 32
+WARM_RECENT = 256
+
+Key = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A change of one condition (kind, metric, location) that people should hear about."""
+
+    change: Literal["opened", "escalated", "recurred", "cleared"]
+    finding: Finding  # the latest finding of the condition
+    previous: Severity | None = None  # escalated: the severity before; cleared: the severity that held
+
+
+@dataclass
+class _Open:
+    severity: Severity  # the worst severity seen while open
+    silent: bool  # opened within the cooldown of its last alert: not announced
+    finding: Finding
+    gap: bool = False  # held open while absent: its next finding is a recurrence
+
+
+class AlertLifecycle:
+    """Deduplicate, cool down, escalate and clear findings; returns transitions, not alerts.
+
+    One transition per (kind, metric, location) when its condition opens; a higher severity
+    while it holds is an escalation; when it clears, a "cleared" transition (unless it was
+    silent). The cooldown counts from the last time the condition was announced: within
+    `cooldown_steps` of it, the same key at the same or lower severity opens silently, and a
+    condition that stays (or keeps coming back) is announced again once the cooldown is over.
+
+    Kinds in `settled_kinds` clear only after a stretch of clean records (the engine holds them
+    until then: non-finite values, `nonfinite.clear_records`). One that comes back within that
+    stretch is a recurrence, announced ("recurred") once the cooldown since its last announcement
+    is over; and since the stretch already keeps it from flapping, a return after its announced
+    clear is a new alert, whatever the cooldown.
+    """
+
+    def __init__(
+        self, p: AlertPolicy | Policy, settled_kinds: frozenset[AlertKind] = frozenset({AlertKind.NONFINITE})
+    ) -> None:
+        self._p = p.alerts if isinstance(p, Policy) else p
+        self._settled_kinds = settled_kinds
+        self._open: dict[Key, _Open] = {}
+        self._sent: dict[Key, tuple[int, Severity]] = {}  # key -> (step, severity) of its last announcement
+
+    def _quiet(self, key: Key, step: int, severity: Severity) -> bool:
+        sent = self._sent.get(key)
+        return sent is not None and step - sent[0] <= self._p.cooldown_steps and severity.rank <= sent[1].rank
+
+    def update(
+        self, step: int, findings: list[Finding], hold: bool | Callable[[Finding], bool] = False
+    ) -> list[Transition]:
+        """Transitions at this step. Conditions not seen now stay open when `hold` is true or
+        returns true for their finding (a record that does not measure a metric, or a
+        non-finite record, is no evidence that a condition cleared)."""
+        active: dict[Key, Finding] = {}
+        for f in findings:
+            best = active.get(f.key)
+            if best is None or f.severity.rank > best.severity.rank:
+                active[f.key] = f
+        out: list[Transition] = []
+        for key, f in active.items():
+            cur = self._open.get(key)
+            t: Transition | None = None
+            if cur is None:
+                quiet = self._quiet(key, step, f.severity)
+                self._open[key] = _Open(f.severity, quiet, f)
+                t = None if quiet else Transition("opened", f)
+            elif f.severity.rank > cur.severity.rank:
+                previous = cur.severity
+                cur.severity, cur.finding = f.severity, f
+                if not self._quiet(key, step, f.severity):
+                    cur.silent = False
+                    t = Transition("escalated", f, previous)
+            else:
+                cur.finding = f
+                if cur.silent and not self._quiet(key, step, cur.severity):
+                    cur.silent = False  # recurring past the cooldown: announce it again
+                    cur.gap = False
+                    t = Transition("opened", f)
+                elif cur.gap and not self._quiet(key, step, cur.severity):
+                    cur.gap = False  # back after a gap, past the cooldown: say it came back
+                    t = Transition("recurred", f)
+            if t is not None:
+                out.append(t)
+                self._sent[key] = (step, f.severity)
+        keep = hold if callable(hold) else (lambda f: hold)
+        for key, cur in list(self._open.items()):
+            if key in active:
+                continue
+            if keep(cur.finding):
+                # held over a record without it: for a settled kind (a finite record amid
+                # non-finite ones) its return is news; a sampled metric between samples is not
+                cur.gap = cur.gap or cur.finding.kind in self._settled_kinds
+                continue
+            del self._open[key]
+            if not cur.silent:
+                out.append(Transition("cleared", cur.finding, cur.severity))
+                if cur.finding.kind in self._settled_kinds:
+                    self._sent.pop(key, None)  # its clear was debounced: a return is news
+        return out
+
+    def open_findings(self) -> list[Finding]:
+        """The latest finding of every open condition."""
+        return [c.finding for c in self._open.values()]
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """Everything the engine concluded from one record."""
+
+    alerts: tuple[Alert, ...]
+    health: Health
+    incidents: tuple[IncidentEvent, ...] = ()
+    detail_on: bool = False  # an incident is open: watch every module's output from the next step
+
+
+class HealthEngine:
+    """Runs every enabled detector over one record per step and returns the routed alerts.
+
+    Two calls a step: `step(rec)` judges the record; `finish(step, evidence)` completes every
+    alert with what the torch side found and did (cause, verdict, recovery, flight record) and
+    returns the step's one `StepOutcome` (a rollback starts the detectors afresh, the incident
+    going on; a recovery action becomes an incident event). `state_dict()` /
+    `load_state_dict()` carry the incident and the records that re-warm the detectors across a
+    restart (a resumed run does not start cold). `warm_first` records from the run's start (the
+    divergence baseline) and the `warm_recent` latest ones are kept for that.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        context: dict | None = None,
+        *,
+        warm_first: int = WARM_FIRST,
+        warm_recent: int = WARM_RECENT,
+    ) -> None:
+        self.policy = policy
+        self.context = context or {}
+        self.detectors = build_detectors(policy)
+        self._samplers = _samplers(self.detectors)
+        self.lifecycle = AlertLifecycle(policy.alerts)
+        self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
+        # [record, its strict-JSON dict once made]: a record is converted once, not at every save
+        self._first: list[list[Any]] = []
+        self._first_max = warm_first
+        self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
+        self._recent_max = warm_recent
+        # clearing: a condition on a magnitude clears only once the metric is back near where it
+        # stood before the condition opened (median of its last finite values then)
+        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
+        self._before: dict[Key, float] = {}
+        self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
+
+    def wants_sample(self) -> bool:
+        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
+        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        return any(d.wants_sample for d in self._samplers)
+
+    @property
+    def incident_state(self) -> IncidentState:
+        """Where the run's incident stands."""
+        return self._incidents.state
+
+    def current_incident(self, step: int) -> IncidentEvent | None:
+        """The open incident as it stands at `step` (None when none is open), e.g. for a
+        restarted notifier to re-post."""
+        return self._incidents.current(step)
+
+    def rebaseline(self) -> None:
+        """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
+        not this run's); the incident is kept: it is what was recovered from."""
+        self.detectors = build_detectors(self.policy)
+        self._samplers = _samplers(self.detectors)
+        self.lifecycle = AlertLifecycle(self.policy.alerts)
+        self._first.clear()
+        self._recent.clear()
+        self._before.clear()
+        self._finite_run = 0
+        for levels in self._levels.values():
+            levels.clear()
+
+    def mark_acted(self, alert: Alert) -> IncidentEvent:
+        """The incident event saying what was done about it (a rollback, a recovery that gave up),
+        described by `alert`'s message."""
+        return self._incidents.acted(alert.step, alert, alert.message)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
+        return {
+            "incident": self._incidents.to_state(),
+            "first": [_saved(e) for e in self._first],
+            "history": [_saved(e) for e in self._recent],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
+        """Resume from `state_dict()`: the saved records run through the detectors again (their
+        alerts are not repeated), then the incident state is restored. StateError (no state
+        changed) when `state` is not such a dict."""
+        try:
+            # only what this engine keeps: a state saved with (or edited to) more records than
+            # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
+            saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
+            skipped = max(0, len(saved_recent) - self._recent_max)
+            first = [record_from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
+            recent = [
+                record_from_dict(o, origin, len(saved_first) + skipped + i)
+                for i, o in enumerate(saved_recent[skipped:])
+            ]
+            incident = state.get("incident") or {}
+            IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
+        except NummonError as e:  # a bad record: the message names `origin` already
+            raise StateError(str(e)) from None
+        except (AttributeError, TypeError, ValueError) as e:
+            raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
+        for rec in first + recent:
+            self.step(rec)  # the contributors come back with the records
+        self._incidents.load_state(incident)
+
+    def alert_for(self, step: int, t: Transition) -> Alert | None:
+        """The one place alerts are built: None for transitions nobody should hear about."""
+        f = t.finding
+        if t.change == "cleared":
+            if not self.policy.alerts.emit_cleared or t.previous is None or t.previous.rank < Severity.WARNING.rank:
+                return None
+            return Alert(
+                step=step,
+                kind=f.kind,
+                severity=Severity.INFO,
+                message=self._cleared_text(f),
+                metric=f.metric,
+                location=f.location,
+                cleared=True,
+            )
+        details = dict(f.details)
+        if t.change == "escalated" and t.previous is not None:
+            details["escalated_from"] = t.previous.value
+        if t.change == "recurred":
+            details["recurring"] = True
+        return Alert(
+            step=step,
+            kind=f.kind,
+            severity=f.severity,
+            message=("recurring: " if t.change == "recurred" else "") + f.message,
+            metric=f.metric,
+            value=f.value,
+            threshold=f.threshold,
+            location=f.location,
+            hint=hint_for(f, self.context),
+            details=details,
+        )
+
+    def _cleared_text(self, f: Finding) -> str:
+        """What cleared, by the name of its metric (a non-finite condition: the values that were
+        non-finite, and the stretch of finite records that cleared it)."""
+        if f.kind is not AlertKind.NONFINITE:
+            return f"cleared: {f.kind.value} on {f.metric} is back within limits"
+        d = f.details or {}
+        names = ", ".join(d.get("parts") or [f.location or f.metric])
+        k = self.policy.nonfinite.clear_records
+        text = f"cleared: {names} finite again, {k} finite record{'' if k == 1 else 's'} in a row"
+        since, last, n = d.get("since"), d.get("last"), d.get("records")
+        if isinstance(since, int) and isinstance(last, int):
+            span = f"at step {since}" if since == last else f"from step {since} to step {last}"
+            many = f", in {n} records" if isinstance(n, int) and n > 1 else ""
+            text += f" (non-finite {span}{many})"
+        return text
+
+    def step(self, rec: StepRecord, replicas: Any = ()) -> EngineStep:
+        """Alerts, health and incident events of one record (frozen from here on: sinks hold it);
+        `replicas`: the record's replica mismatches (`_replicas.ReplicaMismatch`), one alert."""
+        rec.freeze()
+        findings: list[Finding] = []
+        for d in self.detectors:
+            findings.extend(d.update(rec))
+        finite = rec.is_finite()
+        self._finite_run = self._finite_run + 1 if finite else 0
+        settled = self._finite_run >= self.policy.nonfinite.clear_records
+        # a non-finite record says nothing about whether growth stopped, and a record that does
+        # not measure a metric (an eval-only row) says nothing about that metric's condition; a
+        # non-finite condition holds until `clear_records` finite records in a row
+        hold = (
+            (lambda f: True)
+            if not finite
+            else (
+                lambda f: (
+                    (f.kind is AlertKind.NONFINITE and not settled)
+                    or not rec.measures(f.metric)
+                    or self._still_high(f, rec)
+                )
+            )
+        )
+        transitions = self.lifecycle.update(rec.step, findings, hold=hold)
+        self._note_levels(rec)
+        alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
+        open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
+        events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
+        self._keep(rec)
+        if not finite:
+            health = Health.NONFINITE
+        elif any(f.kind is AlertKind.EXTREME and f.severity.rank >= Severity.WARNING.rank for f in findings):
+            health = Health.EXTREME
+        elif self._incidents.state.active:
+            health = Health.INCIDENT
+        else:
+            health = Health.HEALTHY
+        if replicas:  # identical on every rank: every row was compared
+            alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
+        return EngineStep(alerts, health, events, detail_on=self._incidents.state.active)
+
+    def close(self, step: int) -> tuple[IncidentEvent, ...]:
+        """The run ended at `step` (its last record): the incident event that ends an incident
+        whose conditions had all cleared (none when one is still open or none was)."""
+        return tuple(self._incidents.close(step))
+
+    def finish(self, got: EngineStep, ev: StepEvidence) -> StepOutcome:
+        """The step's outcome: its alerts completed with the evidence (cause, verdict, what
+        recovery did, flight record, rank, batch), its incident events (recovery's actions
+        included), whether to stop and whether to sample the next step."""
+        alerts = list(got.alerts)
+        if ev.cause is not None:
+            alerts = with_cause(alerts, ev.cause)
+        if ev.verdict is not None:
+            alerts = with_verdict(alerts, ev.verdict)
+        elif ev.verdict_unavailable is not None:
+            alerts = without_verdict(alerts, ev.verdict_unavailable)
+        handled = False  # this step's critical alerts were handled (skip/rollback)
+        if ev.recovery is not None:
+            alerts, handled = with_recovery(alerts, ev.recovery), ev.recovery.handled
+            if ev.recovery.rebaseline:
+                self.rebaseline()
+        flight_record, written = ev.flight_record, None
+        stop = False
+        for i, a in enumerate(alerts):
+            if a.severity is Severity.CRITICAL:
+                if flight_record is None and ev.write_flight_record is not None:
+                    ref = ev.write_flight_record(a)
+                    if ref is not None:
+                        a, flight_record = with_flight_record(a, ref), ref.path
+                        written = ref.path
+                stop = stop or (self.policy.alerts.stop_on_critical and not handled)
+            alerts[i] = with_record_facts(a, ev.rec, ev.distributed)
+        events = self._events(got.incidents, alerts, flight_record, ev)
+        mp = self.policy.mechanisms
+        sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
+        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written, self.incident_state)
+
+    def _events(
+        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None, ev: StepEvidence
+    ) -> tuple[IncidentEvent, ...]:
+        """The step's incident events: explained, one per recovery action (rollback, budget
+        spent), naming the flight record and the report written for them."""
+        out = list(events)
+        why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
+        if why is not None:  # the forensic explanation travels with the incident event too
+            out = [e.explained(why.details["why"], why.hint) if e.state.value == "nonfinite" else e for e in out]
+        for a in alerts:
+            if (a.details or {}).get("recovery") in ("rollback", "gave_up"):
+                out.append(self.mark_acted(a))
+        if flight_record is not None:
+            out = [e.with_flight_record(e.flight_record or flight_record) if e.state.active else e for e in out]
+        if ev.write_report is not None and escalated_to_critical(out):
+            path = ev.write_report(alerts, out)
+            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
+                out = [dataclasses.replace(e, report=path) if e.state.active else e for e in out]
+        return tuple(out)
+
+    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
+
+    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
+        """The metric of an open condition still stands far above its level from before it
+        opened (a spike's own values must not become the baseline it clears against)."""
+        before = self._before.get(f.key)
+        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
+        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
+
+    def _note_levels(self, rec: StepRecord) -> None:
+        """Remember each newly open condition's pre-incident level, forget closed ones, then
+        add this record's values to the recent ones."""
+        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
+        for key in [k for k in self._before if k not in open_keys]:
+            del self._before[key]
+        for key, f in open_keys.items():
+            levels = self._levels.get(f.metric)
+            if key not in self._before and levels:
+                self._before[key] = median(levels)
+        for m, levels in self._levels.items():
+            v = getattr(rec, m)
+            if is_finite(v) and v > 0:
+                levels.append(abs(float(v)))
+                if len(levels) > 8:
+                    del levels[0]
+
+    def _keep(self, rec: StepRecord) -> None:
+        if len(self._first) < self._first_max:
+            self._first.append([rec, None])
+        else:
+            self._recent.append([rec, None])
+
+
+def _samplers(detectors: list[Any]) -> list[Any]:
+    """The detectors that can ask for a mechanism sample (a `wants_sample` of their own): found
+    once, not by an attribute lookup per detector per step."""
+    return [d for d in detectors if hasattr(type(d), "wants_sample")]
+
+
+def _saved(entry: list[Any]) -> dict[str, Any]:
+    if entry[1] is None:
+        entry[1] = json_safe(entry[0].to_dict())
+    saved: dict[str, Any] = entry[1]  # json_safe of a dict is a dict
+    return saved

@@ -1,0 +1,1 @@
+"""Log readers (no torch): nummon JSONL, TensorBoard, Hugging Face, Lightning CSV, W&B offline runs and MLflow, followed incrementally and found under a root. Imports `_core`."""
