@@ -1,6 +1,6 @@
 """Errors with one-line messages that name the problem."""
 
-__all__ = ["NummonError", "DistributedError", "StateError"]
+__all__ = ["DistributedError", "NummonError", "StateError", "TraceError"]
 
 
 class NummonError(ValueError):
@@ -15,3 +15,7 @@ class DistributedError(NummonError, RuntimeError):
 class StateError(NummonError):
     """A saved state (a health engine's `state_dict`, a checkpoint's nummon state) that cannot be
     loaded: wrong types or values. Nothing was changed."""
+
+
+class TraceError(NummonError):
+    """A trace file that cannot be read; the message names the file and line."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from .alert_text import threshold_text, value_text
-from .text import cut_at_word, fmt_num, plain_text, plural
+from .text import clean_text, cut_at_word, fmt_num, plain_text, plural
 from .types import Alert
 
 __all__ = [
@@ -26,15 +25,6 @@ TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_nor
 
 # C0/C1 control characters (ANSI escapes start with ESC) and lone surrogates, which a terminal
 # would act on or an encoder would refuse
-_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def clean_text(text: str, one_line: bool = True) -> str:
-    """`text` safe to print: control characters and lone surrogates escaped (\\x1b, \\ud800),
-    and with `one_line` newlines and tabs folded to spaces."""
-    if one_line:
-        text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
-    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
 
 
 def records_table(

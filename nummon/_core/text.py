@@ -57,3 +57,14 @@ _CODE = re.compile(r"`([^`\n]*)`")
 def plain_text(markdown: str) -> str:
     """Markdown as a terminal shows it best: **bold** and `code` marks dropped, text kept."""
     return _CODE.sub(r"\1", _BOLD.sub(r"\1", markdown))
+
+
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def clean_text(text: str, one_line: bool = True) -> str:
+    """`text` safe to print: control characters and lone surrogates escaped (\\x1b, \\ud800),
+    and with `one_line` newlines and tabs folded to spaces."""
+    if one_line:
+        text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .json import json_float
+from .record_dict import record_fields
 
 __all__ = [
     "Severity",
@@ -273,6 +274,11 @@ class StepRecord:
         if metric in MECHANISM_FIELDS:  # sampled: absent between samples, which clears nothing
             return getattr(self, metric) is not None
         return True
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], where: str = "record", default_step: int = 0) -> StepRecord:
+        """The record `to_dict` wrote (unknown keys ignored); TraceError naming `where` on a bad value."""
+        return cls(**record_fields(obj, where, default_step, SCALAR_FIELDS + MECHANISM_FIELDS, _LAYER_FIELDS))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step}

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._core.errors import NummonError, StateError
+from .._core.events import IncidentEvent
 from .._core.json import json_safe
 from .._core.maths import is_finite, median
-from .._core.types import Alert, AlertKind, Finding, Health, Severity, StepRecord
-from .._logs.trace import record_from_dict
+from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
 from .._policy.policy import AlertPolicy, Policy
 from .detectors import MAGNITUDE_FIELDS, build_detectors
 from .hints import hint_for
-from .incidents import IncidentEvent, IncidentState, IncidentTracker, escalated_to_critical
+from .incidents import IncidentTracker, escalated_to_critical
 from .outcome import (
     StepEvidence,
     StepOutcome,
@@ -240,9 +240,9 @@ class HealthEngine:
             # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
             saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
             skipped = max(0, len(saved_recent) - self._recent_max)
-            first = [record_from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
+            first = [StepRecord.from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
             recent = [
-                record_from_dict(o, origin, len(saved_first) + skipped + i)
+                StepRecord.from_dict(o, origin, len(saved_first) + skipped + i)
                 for i, o in enumerate(saved_recent[skipped:])
             ]
             incident = state.get("incident") or {}

@@ -13,19 +13,10 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from .._core.alert_text import SUMMARY_MAX, TITLE_MAX
 from .._core.events import Contributor, IncidentEvent
 from .._core.types import Alert, AlertKind, IncidentState, Severity
 
-__all__ = [
-    "IncidentState",
-    "Contributor",
-    "IncidentEvent",
-    "IncidentTracker",
-    "TITLE_MAX",
-    "SUMMARY_MAX",
-    "escalated_to_critical",
-]
+__all__ = ["IncidentTracker", "escalated_to_critical"]
 
 
 #: quiet steps after a rollback that end its incident (at most `alerts.incident_quiet_steps`):

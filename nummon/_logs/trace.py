@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .._core.errors import NummonError
+from .._core.errors import TraceError
 from .._core.format import clean_text
-from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
+from .._core.record_dict import NONFINITE_WORDS
+from .._core.types import StepRecord
 
 __all__ = [
     "NONFINITE_WORDS",
@@ -36,20 +36,12 @@ __all__ = [
     "open_log",
     "parse_step_line",
     "read_trace",
-    "record_from_dict",
 ]
-
-#: The words logs use for non-finite numbers (lower-cased), and their values: one map for replay and watch.
-NONFINITE_WORDS = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf, "inf": math.inf, "-inf": -math.inf}
 
 #: Receives one-line warnings (a torn last line, a step that goes backwards).
 WarnFn = Callable[[str], None]
 
 _log = logging.getLogger("nummon")
-
-
-class TraceError(NummonError):
-    """A trace file that cannot be read; the message names the file and line."""
 
 
 class UnreadableLine(TraceError):
@@ -59,62 +51,6 @@ class UnreadableLine(TraceError):
     def __init__(self, where: str, reason: str, structural: bool) -> None:
         super().__init__(f"{where}: {reason}")
         self.where, self.reason, self.structural = where, reason, structural
-
-
-def _number(v, where: str, key: str) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        raise TraceError(f"{where}: {key} must be a number, got {_show(v)}")
-    if isinstance(v, float):
-        return v
-    if isinstance(v, int):
-        try:
-            return float(v)
-        except OverflowError:  # an integer beyond float's range is an infinite value
-            return math.inf if v > 0 else -math.inf
-    if isinstance(v, str) and v.strip().lower() in NONFINITE_WORDS:
-        return NONFINITE_WORDS[v.strip().lower()]
-    raise TraceError(f"{where}: {key} must be a number, got {_show(v)}")
-
-
-def _show(v: object, limit: int = 60) -> str:
-    """A short, printable repr of a bad value for an error message."""
-    text = repr(v)
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return clean_text(text)
-
-
-def _text(v: str, limit: int = 500) -> str:
-    return clean_text(v[:limit])
-
-
-def record_from_dict(obj: dict, where: str, default_step: int) -> StepRecord:
-    """A StepRecord from one trace object (unknown keys are ignored)."""
-    step = obj.get("step", default_step)
-    if (
-        isinstance(step, bool)
-        or not isinstance(step, (int, float))
-        or (isinstance(step, float) and not step.is_integer())
-    ):
-        raise TraceError(f"{where}: step must be an integer, got {_show(step)}")
-    rec = StepRecord(step=int(step))
-    for key in SCALAR_FIELDS + MECHANISM_FIELDS:
-        if key in obj:
-            setattr(rec, key, _number(obj[key], where, key))
-    top = obj.get("sample_loss_top")
-    if isinstance(top, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in top):
-        rec.sample_loss_top = tuple(top[:100])
-    for key in ("layer_grad_norms", "layer_activation_max") + MECHANISM_LAYER_FIELDS:
-        if isinstance(obj.get(key), dict):
-            layers = {_text(str(k), 200): _number(v, where, f"{key}.{_text(str(k), 60)}") for k, v in obj[key].items()}
-            setattr(rec, key, {k: v for k, v in layers.items() if v is not None})  # null: not measured
-    if isinstance(obj.get("dtype"), str):
-        rec.headroom_dtype = _text(obj["dtype"], 40)
-    if isinstance(obj.get("nonfinite_location"), str):
-        rec.nonfinite_location = _text(obj["nonfinite_location"])
-    return rec
 
 
 def _json_value(raw: bytes, where: str) -> object:
@@ -130,7 +66,7 @@ def _json_value(raw: bytes, where: str) -> object:
     except RecursionError:
         raise UnreadableLine(where, "not a usable JSON line (nested too deeply)", True) from None
     except ValueError as e:  # e.g. an integer with more digits than Python converts
-        raise UnreadableLine(where, f"not a usable JSON line ({_text(str(e), 80)})", True) from None
+        raise UnreadableLine(where, f"not a usable JSON line ({clean_text(str(e)[:80])})", True) from None
 
 
 def parse_step_line(raw: bytes, where: str, default_step: int) -> StepRecord | None:
@@ -146,7 +82,7 @@ def parse_step_line(raw: bytes, where: str, default_step: int) -> StepRecord | N
     if kind is not None and kind != "step":
         return None  # alert and other event lines of nummon's own log
     try:
-        return record_from_dict(obj, where, default_step)
+        return StepRecord.from_dict(obj, where, default_step)
     except UnreadableLine:
         raise
     except TraceError as e:

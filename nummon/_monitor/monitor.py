@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from .._core.errors import NummonError
-from .._core.events import StepReport
+from .._core.events import IncidentEvent, StepReport
 from .._core.maths import clip_ratio
 from .._core.types import Alert, Health, StepRecord
 from .._engine.engine import EngineStep, HealthEngine
-from .._engine.incidents import IncidentEvent
 from .._engine.outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
 from .._policy.policy import PolicyLike, load_policy
 from .._report.live import LiveReport

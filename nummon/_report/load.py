@@ -20,7 +20,7 @@ from .._core.display import printable
 from .._core.errors import NummonError
 from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 from .._engine.engine import HealthEngine
-from .._logs.trace import TraceError, open_log, record_from_dict
+from .._logs.trace import TraceError, open_log
 from .._policy.policy import PolicyLike, load_policy
 from .fields import clean_alert, clean_event, step_of
 from .stream import Collector, _new_record
@@ -283,7 +283,7 @@ def _num(v: Any) -> float | None:
 
 def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
     """A StepRecord of the values a report draws, read leniently (a bad value is left out) and
-    several times faster than the full check of `record_from_dict` (a 100,000-line log at close);
+    several times faster than the full check of `StepRecord.from_dict` (a 100,000-line log at close);
     None when the line has no usable step."""
     step = step_of(obj.get("step", default_step))
     if step is None:
@@ -309,7 +309,7 @@ def _lean_record(obj: dict[str, Any], default_step: int) -> StepRecord | None:
 
 
 def _record(obj: dict[str, Any], where: str, default_step: int) -> StepRecord:
-    rec = record_from_dict(obj, where, default_step)
+    rec = StepRecord.from_dict(obj, where, default_step)
     if isinstance(obj.get("headroom_dtype"), str) and rec.headroom_dtype is None:
         rec.headroom_dtype = obj["headroom_dtype"][:40]  # the Monitor's key for it
     return rec
@@ -389,7 +389,7 @@ def _flight_steps(flight_records: list[dict[str, Any]]) -> list[StepRecord]:
     for fr in flight_records:
         for i, r in enumerate(fr["records"]):
             try:
-                rec = record_from_dict(r, fr["path"], i)
+                rec = StepRecord.from_dict(r, fr["path"], i)
             except TraceError:
                 continue
             seen[rec.step] = rec

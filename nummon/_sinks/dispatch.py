@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
+from .._core.events import IncidentEvent
 from .._core.types import Alert, Health, IncidentState, StepRecord
-from .._engine.incidents import IncidentEvent
 from .builtin import RunContext, Sink, as_sink, sink_name
 
 __all__ = ["SinkDispatcher"]

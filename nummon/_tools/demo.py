@@ -181,11 +181,9 @@ class _WandbProcess(BaseSink):
     histogram_every = None  # WandbSink's own default: every histogram the Monitor takes
 
     def __init__(self, init_kwargs: dict[str, Any]) -> None:
-        import nummon
-
         # the child imports this very nummon: its folder goes first on the child's path unless
         # it is there already (an installed nummon's site-packages must not shadow the stdlib)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(nummon.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         code = (
             f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
             "from nummon._cli.demo import wandb_child_main; wandb_child_main()"

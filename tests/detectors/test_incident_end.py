@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import nummon
-from nummon import AlertKind, Severity
+from nummon import AlertKind, IncidentState, Severity
 from nummon._core.types import Alert
-from nummon._engine.incidents import IncidentState, IncidentTracker
+from nummon._engine.incidents import IncidentTracker
 from nummon._sinks.builtin import MemorySink
 
 

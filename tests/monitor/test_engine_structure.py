@@ -11,11 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nummon import load_policy, replay
+from nummon import StepRecord, load_policy, replay
 from nummon._engine.engine import HealthEngine
 from nummon._engine.outcome import StepEvidence
 from nummon._engine.segments import SegmentedEngine
-from nummon._logs.trace import record_from_dict
 from nummon._tools.replay import iter_replay_records
 from nummon._watch.runs import WatchedRun
 
@@ -54,20 +53,20 @@ def test_a_trace_with_restarts_replays_as_its_segments_alone(tmp_path, segs):
     for seg in rows:
         engine = HealthEngine(POLICY)
         for o in seg:
-            alone.extend(engine.step(record_from_dict(o, "t", 0)).alerts)
+            alone.extend(engine.step(StepRecord.from_dict(o, "t", 0)).alerts)
     flat = [o for seg in rows for o in seg]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(o) + "\n" for o in flat))
     warned = []
     assert _key(replay(trace, POLICY, warn=warned.append)) == _key(alone)
-    assert _key(iter_replay_records([record_from_dict(o, "t", 0) for o in flat], POLICY)) == _key(alone)
+    assert _key(iter_replay_records([StepRecord.from_dict(o, "t", 0) for o in flat], POLICY)) == _key(alone)
     restarts = sum(1 for a, b in zip(flat, flat[1:]) if b["step"] <= a["step"])
     assert sum("a new segment" in w for w in warned) == restarts
 
     run, seen = WatchedRun("r", None, POLICY), []
     run.on_record = lambda _id, rec, got: seen.extend(got.alerts)
     for o in flat:
-        run.process(record_from_dict(o, "t", 0))
+        run.process(StepRecord.from_dict(o, "t", 0))
     assert _key(seen) == _key(alone)
     assert run.segments == restarts and len(run.notes) == restarts
 
@@ -78,7 +77,7 @@ def test_incident_numbers_go_on_across_segments():
     numbers = []
     for start in (0, 0):
         for o in _segment(40, start, 3.0, 20):
-            numbers.extend(ev.number for ev in seg.step(record_from_dict(o, "t", 0)).incidents)
+            numbers.extend(ev.number for ev in seg.step(StepRecord.from_dict(o, "t", 0)).incidents)
     assert seg.segments == 1 and numbers and numbers == sorted(numbers) and numbers[-1] == 2
 
 
@@ -130,7 +129,7 @@ def test_recovery_forensics_and_replicas_build_no_alert():
 
 def test_the_outcome_is_immutable():
     engine = HealthEngine(POLICY)
-    rec = record_from_dict({"step": 0, "loss": float("nan")}, "t", 0)
+    rec = StepRecord.from_dict({"step": 0, "loss": float("nan")}, "t", 0)
     got = engine.step(rec)
     outcome = engine.finish(got, StepEvidence(rec))
     assert outcome.alerts and outcome.critical and outcome.stop

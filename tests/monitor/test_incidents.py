@@ -2,10 +2,11 @@
 
 import math
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, IncidentState, Policy, Severity, StepRecord
+from nummon._core.alert_text import SUMMARY_MAX, TITLE_MAX
 from nummon._core.types import Alert
 from nummon._engine.engine import HealthEngine
-from nummon._engine.incidents import SUMMARY_MAX, TITLE_MAX, IncidentState, IncidentTracker
+from nummon._engine.incidents import IncidentTracker
 
 S = IncidentState
 

@@ -12,6 +12,7 @@ from helpers.pages import external_refs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nummon import StepRecord
 from nummon._cli import main
 from nummon._report import build_report, incidents_of, load_run
 from nummon._report.svg import thin
@@ -293,12 +294,12 @@ def test_a_healthy_monitor_run_with_no_folder_makes_none(tmp_path, monkeypatch):
 def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
     """The report's lenient reader gives the values `replay`'s reader gives, for every line the
     latter accepts."""
-    from nummon._logs.trace import TraceError, record_from_dict
+    from nummon._logs.trace import TraceError
     from nummon._report.load import _lean_record
 
     obj = {"step": step, **values, "layer_grad_norms": {"a": 1.5, "b": "nan"}}
     try:
-        want = record_from_dict(obj, "x", 0)
+        want = StepRecord.from_dict(obj, "x", 0)
     except TraceError:
         return
     got = _lean_record(obj, 0)

@@ -320,8 +320,8 @@ def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
 
 
 def test_title_cut_at_a_word():
+    from nummon import Contributor, IncidentEvent, IncidentState
     from nummon._core.types import AlertKind, Severity
-    from nummon._engine.incidents import Contributor, IncidentEvent, IncidentState
     from nummon._watch.notices import RunIncident
 
     c = Contributor(
