@@ -470,6 +470,52 @@ def _summary(path: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+#: Where docs/architecture.md holds the folder table (between these lines, written by
+#: `python docs/gen_ref.py --architecture`; tests/docs/test_docs.py checks it is current).
+FOLDERS_BEGIN = "<!-- folders: generated from each folder's docstring by `python docs/gen_ref.py --architecture` -->"
+FOLDERS_END = "<!-- /folders -->"
+
+
+def folder_docs() -> dict[str, tuple[str, list[str]]]:
+    """{folder: (what it owns, the folders it may import)} from each package's docstring, lowest
+    first (a folder after every folder it may import; ties by name)."""
+    import ast
+    import re
+
+    found: dict[str, tuple[str, list[str]]] = {}
+    inits = sorted((ROOT / "nummon").glob("_*/__init__.py")) + [ROOT / "integrations" / "__init__.py"]
+    for init in inits:
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        owns = " ".join(doc.split("\n\n")[0].split())
+        rule = " ".join(doc.split()).partition("May import: ")[2]
+        names = [] if rule.startswith("nothing else") else re.findall(r"`([\w.]+)`", rule.split(".")[0])
+        found[init.parent.name] = (owns, names)
+    ordered: dict[str, tuple[str, list[str]]] = {}
+    while len(ordered) < len(found):
+        ready = sorted(f for f, (_, deps) in found.items() if f not in ordered and set(deps) & set(found) <= set(ordered))
+        if not ready:  # a circle in the docstrings: list the rest as they are (the import test fails)
+            ready = sorted(set(found) - set(ordered))
+        ordered.update({f: found[f] for f in ready})
+    return ordered
+
+
+def folders_table() -> str:
+    """The folder table of docs/architecture.md: one row a folder, lowest layer first."""
+    rows = ["| folder | what it owns | may import |", "|---|---|---|"]
+    for folder, (owns, deps) in folder_docs().items():
+        where = "integrations/" if folder == "integrations" else f"nummon/{folder}/"
+        rows.append(f"| `{where}` | {_cell(owns)} | {', '.join(f'`{d}`' for d in deps) or 'nothing else'} |")
+    return "\n".join(rows) + "\n"
+
+
+def write_architecture(path: Path = ROOT / "docs" / "architecture.md") -> None:
+    """Rewrite the folder table between FOLDERS_BEGIN and FOLDERS_END in `path`."""
+    text = path.read_text(encoding="utf-8")
+    head, _, rest = text.partition(FOLDERS_BEGIN + "\n")
+    _, _, tail = rest.partition(FOLDERS_END)
+    path.write_text(head + FOLDERS_BEGIN + "\n" + folders_table() + FOLDERS_END + tail, encoding="utf-8")
+
+
 def modules_page() -> str:
     """Every module of the package (nummon/, integrations/, configs/) with its docstring's summary."""
     out = [
@@ -523,7 +569,10 @@ def write_pages(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--architecture"]:
+        write_architecture()
+        raise SystemExit(0)
     if len(sys.argv) != 2:
-        print("usage: python docs/gen_ref.py OUT_DIR", file=sys.stderr)
+        print("usage: python docs/gen_ref.py OUT_DIR | --architecture", file=sys.stderr)
         raise SystemExit(2)
     print(json.dumps([str(p) for p in write_pages(Path(sys.argv[1]))], indent=1))

@@ -19,15 +19,14 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
     __path__.append(_root)  # nummon.integrations, nummon.configs
 del _root
 
-from ._core.errors import DistributedError, NummonError, StateError
+from ._core.errors import DistributedError, NummonError, StateError, TraceError
 from ._core.events import Contributor, IncidentEvent, StepReport
 from ._core.types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
-from ._logs.trace import TraceError, read_trace
+from ._core.version import __version__ as __version__
+from ._logs.trace import read_trace
 from ._policy.policy import Policy, PolicyError, load_policy, preset_names
 from ._sinks.builtin import BaseSink, ConsoleSink, JsonlSink, MemorySink, RunContext, Sink
 from ._tools.replay import replay
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Alert",
@@ -42,10 +41,10 @@ __all__ = [
     "JsonlSink",
     "MemorySink",
     "MicroBatches",
+    "MlflowSink",
     "Monitor",
     "NummonError",
     "Policy",
-    "MlflowSink",
     "PolicyError",
     "PrometheusSink",
     "RunContext",

@@ -3,6 +3,8 @@
 Commands parse arguments, call the library (which returns data) and print. Bad input exits 2
 with one line on stderr and no traceback. Commands that need torch import it only when they
 run, so `nummon replay` works without torch.
+
+May import: `_core`, `_policy`, `_logs`, `_sinks`, `_stats`, `_engine`, `_forensics`, `_report`, `_monitor`, `_watch`, `_support`, `integrations`, `_tools`, `diagnose`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _COMMANDS = (replay, watch, demo, audit, policy, diagnose, report)
 
 
 def build_parser() -> Parser:
-    from .. import __version__
+    from .._core.version import __version__
 
     p = Parser(prog="nummon", description="Numerical-health monitor for PyTorch training.")
     p.add_argument("--version", action="version", version=f"nummon {__version__}")

@@ -1,1 +1,4 @@
-"""The plain data and pure helpers every layer shares: types, events, errors, strict JSON, maths, text, atomic files, HTTP redirects and deadlines, lazy imports. Imports nothing else of nummon."""
+"""The plain data and pure helpers every layer shares: types, events, errors, strict JSON, maths, text, atomic files, HTTP redirects and deadlines, lazy imports.
+
+May import: nothing else of nummon.
+"""

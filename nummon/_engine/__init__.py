@@ -1,1 +1,4 @@
-"""The detection core (no torch): detectors, the health engine, incidents, outcomes, hints and log segments. Imports `_core` and `_policy`."""
+"""The detection core (no torch): detectors, the health engine, incidents, outcomes, hints and log segments.
+
+May import: `_core`, `_policy`.
+"""

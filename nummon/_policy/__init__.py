@@ -1,1 +1,4 @@
-"""Threshold policies and presets: every threshold and window, validated strictly. Imports `_core`."""
+"""Threshold policies: every threshold and window of every detector, validated strictly (presets in configs/).
+
+May import: `_core`.
+"""

@@ -8,6 +8,8 @@ than with a plotting library (matplotlib's SVG backend, a JavaScript library inl
 no extra, imports in milliseconds, keeps the page small (a 100,000-step run well under 2 MB)
 and fast to make (a 10,000-record log in a few seconds), and draws exactly the few chart kinds a
 report needs (log-scale panels on one step axis, marked steps, small multiples). No torch.
+
+May import: `_core`, `_policy`, `_engine`, `_logs`.
 """
 
 from __future__ import annotations

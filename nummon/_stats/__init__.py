@@ -7,6 +7,8 @@ buffer on CPU), max |g| (a fused inf-norm on CUDA; ``aminmax`` into a buffer on 
 output's dtype). It packs every scalar into one vector, copies that to the host once
 (non-blocking into pinned memory on CUDA, read one step later) and turns it into plain floats,
 the only thing that leaves here.
+
+May import: `_core`, `_policy`.
 """
 
 from .collector import StatsCollector

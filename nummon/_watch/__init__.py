@@ -1,5 +1,8 @@
 """`nummon watch`: follow training logs written by other tools (TensorBoard, Hugging Face
-trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and notify incidents."""
+trainer_state.json, Lightning metrics.csv, W&B offline runs, nummon JSONL) and notify incidents.
+
+May import: `_core`, `_policy`, `_engine`, `_logs`, `_report`.
+"""
 
 from __future__ import annotations
 

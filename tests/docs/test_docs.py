@@ -192,3 +192,22 @@ def test_the_readme_is_short_with_the_loop_example_early_and_its_links_resolve()
     shown = re.sub(r"<!--.*?-->", "", "\n".join(lines), flags=re.S)  # a commented-out slot is no link
     links = [m.group(1) for m in re.finditer(r"\]\(([^)#:]+)(?:#[^)]*)?\)", shown)]
     assert len(links) >= 15 and not [x for x in links if not (ROOT / x).is_file()], links
+
+
+def test_the_architecture_page_draws_the_folders_from_the_tree():
+    """docs/architecture.md's folder table is the one the folders' docstrings give (regenerate it
+    with `python docs/gen_ref.py --architecture`)."""
+    gen = _load_generator()
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page.partition(gen.FOLDERS_BEGIN + "\n")[2].partition(gen.FOLDERS_END)[0]
+    assert table == gen.folders_table(), "stale: run python docs/gen_ref.py --architecture"
+    listed = set(re.findall(r"^\| `(?:nummon/)?([\w/]+)/` \|", table, re.M))
+    folders = {p.parent.name for p in (ROOT / "nummon").glob("_*/__init__.py")} | {"integrations"}
+    assert listed == folders
+
+
+def test_every_path_the_architecture_page_names_exists():
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    paths = set(re.findall(r"`((?:nummon|integrations|tests|benchmarks|configs|docs)/[\w./-]*)`", page))
+    assert paths, "the page names no path: the pattern is wrong"
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
