@@ -492,7 +492,9 @@ def folder_docs() -> dict[str, tuple[str, list[str]]]:
         found[init.parent.name] = (owns, names)
     ordered: dict[str, tuple[str, list[str]]] = {}
     while len(ordered) < len(found):
-        ready = sorted(f for f, (_, deps) in found.items() if f not in ordered and set(deps) & set(found) <= set(ordered))
+        ready = sorted(
+            f for f, (_, deps) in found.items() if f not in ordered and set(deps) & set(found) <= set(ordered)
+        )
         if not ready:  # a circle in the docstrings: list the rest as they are (the import test fails)
             ready = sorted(set(found) - set(ordered))
         ordered.update({f: found[f] for f in ready})

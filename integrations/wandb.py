@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ from nummon._sinks.layout import (
     step_scalars,
 )
 
-from ._incident_picture import IncidentPicture
+from ._incident_picture import IncidentPicture, warm_imports
 
 __all__ = ["WandbSink"]
 
@@ -76,6 +77,16 @@ class WandbSink(BaseSink):
     the client to one per kind per `wait_duration` seconds (escalations always go through)."""
 
     wants_histograms = True
+
+    @staticmethod
+    def has_credentials() -> bool:
+        """Whether an API key is at hand (WANDB_API_KEY or a netrc entry), so online logging can work."""
+        return _has_credentials()
+
+    @staticmethod
+    def warm_imports() -> threading.Thread:
+        """As `TensorBoardSink.warm_imports`: the incident picture's plotting library, imported now."""
+        return warm_imports()
 
     def __init__(
         self,

@@ -204,11 +204,10 @@ def wandb_child(calls: IO[bytes], out: TextIO) -> dict[str, Any]:
     result: dict[str, Any]
     try:
         _, (init_kwargs,) = pickle.load(calls)
-        from ..integrations._incident_picture import warm_imports
         from ..integrations.wandb import WandbSink
 
         sink = WandbSink(**init_kwargs)
-        warm_imports()  # this process idles while the demo trains: the pictures come at its end
+        WandbSink.warm_imports()  # this process idles while the demo trains: the pictures come at its end
         failed = False
         while True:
             try:

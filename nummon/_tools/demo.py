@@ -125,9 +125,9 @@ def _wandb_mode(notes: list[str]) -> str | None:
             f"WANDB_MODE={raw!r} is not a W&B mode (one of {', '.join(WANDB_MODES)}); fix it or pass --no-wandb"
         )
     if mode in _ONLINE:
-        from ..integrations.wandb import _has_credentials
+        from ..integrations.wandb import WandbSink
 
-        if not _has_credentials():
+        if not WandbSink.has_credentials():
             notes.append(
                 f"W&B: WANDB_MODE={raw} but no API key is set: logging offline instead (sync later with `wandb sync`)"
             )
@@ -294,9 +294,9 @@ def _train(plan: DemoPlan, notes: list[str], on_step: StepCallback | None) -> De
     data = SyntheticDigits(cfg.seed, side=IMAGE_SIDE)
     mon = Monitor(model, opt, policy=plan.policy, sinks=sinks, run_dir=plan.out)
     if tb_dir is not None:  # after torch.optim's import of torch._dynamo, which it would slow
-        from ..integrations._incident_picture import warm_imports
+        from ..integrations.tensorboard import TensorBoardSink
 
-        warm_imports()
+        TensorBoardSink.warm_imports()
     first_nonfinite = None
     steps_run = 0
     t0 = time.perf_counter()

@@ -120,6 +120,18 @@ def test_each_folder_imports_only_what_its_line_names():
     assert offenders == []
 
 
+def test_only_the_integrations_reach_their_private_modules():
+    """The rest of nummon draws pictures and checks credentials through the integrations' public
+    classes (`TensorBoardSink.warm_imports`, `WandbSink.has_credentials`), not their insides."""
+    private = sorted(
+        f"{a} -> {b}"
+        for a, targets in graph().items()
+        for b in targets
+        if b.startswith("nummon.integrations._") and not a.startswith("nummon.integrations")
+    )
+    assert private == []
+
+
 def _may_import_line(doc: str) -> set[str] | None:
     """The folders a package docstring's "May import: `_core`, `_policy`." sentence names."""
     m = re.search(r"May import: ([^.]*)\.", " ".join(doc.split()))
