@@ -2,8 +2,8 @@
 
 A policy is a pydantic model with ``extra="forbid"`` everywhere, so a typo is an error rather
 than a silently ignored setting. Presets live as YAML in ``configs/`` (installed as
-``nummon.configs``) and load by name. The sections live in ``_policy_sections`` (the record
-detectors, and what every section shares), ``_policy_mechanisms`` and ``_policy_runtime``; every
+``nummon.configs``) and load by name. The sections live in ``sections`` (the record
+detectors, and what every section shares), ``mechanism_sections`` and ``runtime``; every
 name is re-exported here.
 """
 
