@@ -98,7 +98,7 @@ class PolicyError(NummonError):
 
 
 class Policy(_Section):
-    """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
+    """Every threshold and window nummon uses. Load presets with ``load_policy("strict")``."""
 
     name: str = Field("custom", description="a label for reports")
     nonfinite: NonfinitePolicy = NonfinitePolicy()
@@ -128,11 +128,6 @@ class Policy(_Section):
         if self.spike.min_history > self.spike.window:
             raise ValueError("spike.min_history must be <= spike.window")
         return self
-
-    @classmethod
-    def load(cls, source: PolicyLike) -> Policy:
-        """A policy from a preset name, a YAML/TOML/JSON file, a dict, or a Policy."""
-        return load_policy(source)
 
 
 PolicyLike = Union[Policy, str, "os.PathLike[str]", dict, None]
