@@ -2,5 +2,5 @@
 `Trainer`, TensorBoard, W&B, MLflow, Prometheus): the only code that imports them, lazily, with
 an install hint naming the extra. Imports as `nummon.integrations`.
 
-May import: `_core`, `_policy`, `_logs`, `_sinks`, `_stats`, `_engine`, `_forensics`, `_report`, `_monitor`, `_watch`, `_support`, `nummon`.
+May import: `_support`, `nummon`.
 """

@@ -13,12 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nummon._core.events import StepReport
-from nummon._core.format import plain_text
-from nummon._core.maths import clip_ratio
-from nummon._core.types import Severity
-from nummon._policy.policy import Policy, PolicyLike, load_policy
-from nummon._sinks.builtin import ConsoleSink, JsonlSink
+from nummon import ConsoleSink, JsonlSink, Policy, Severity, StepReport, load_policy
+from nummon._support import PolicyLike, clip_ratio, plain_text
 
 __all__ = [
     "EVENTS_FILE",
@@ -85,7 +81,7 @@ def warn_cold_start(origin: str, why: str) -> None:
 def restore_engine(monitor: Any, restored: dict[str, Any] | None, origin: str, cold_step: int) -> bool:
     """Load a checked `saved_state` into a fresh Monitor's engine; on a StateError (nothing was
     changed) warn once and start cold at `cold_step`. True when the state was loaded."""
-    from nummon._core.errors import StateError
+    from nummon import StateError
 
     if not restored:
         return False

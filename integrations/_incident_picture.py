@@ -21,11 +21,8 @@ import threading
 from collections import deque
 from typing import Any
 
-from nummon._core.events import IncidentEvent
-from nummon._core.types import StepRecord
-from nummon._report.live import escalated_to_critical
-from nummon._report.page import SIGNALS
-from nummon._report.svg import MARK_COLORS, MARK_WORDS
+from nummon import IncidentEvent, StepRecord
+from nummon._support import MARK_COLORS, MARK_WORDS, SIGNALS, escalated_to_critical
 
 __all__ = ["IncidentPicture", "WINDOW", "warm_imports"]
 

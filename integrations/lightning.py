@@ -13,9 +13,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from nummon._core.events import StepReport
-from nummon._core.lazy import require
-from nummon._policy.policy import PolicyLike
+from nummon import StepReport
+from nummon._support import PolicyLike, require
 
 from ._callback_common import (
     StepAsMetric,
@@ -112,7 +111,7 @@ class NummonLightningCallback(pl.Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from nummon._monitor.monitor import Monitor
+        from nummon import Monitor
 
         if self.monitor is not None:  # a second fit() with the same callback: a fresh run
             self.monitor.close()
@@ -167,7 +166,7 @@ class NummonLightningCallback(pl.Callback):
     def _recompute(self, pl_module: Any) -> Any:
         """A way to re-run the step's loss, every micro-batch of it, on the weights before the
         update (forensics): their mean, the gradient accumulated as Lightning did."""
-        from nummon._forensics.verdict import MicroBatches
+        from nummon import MicroBatches
 
         batches, self._batches = self._batches, []
         if not batches or not pl_module.automatic_optimization:  # a manual step would step the optimizer again

@@ -27,13 +27,19 @@ import threading
 import time
 from typing import Any
 
-from nummon._core.errors import NummonError
-from nummon._core.events import IncidentEvent
-from nummon._core.lazy import require
-from nummon._core.types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
-from nummon._logs.read_mlflow import nonfinite_marker
-from nummon._sinks.builtin import BaseSink, RunContext
-from nummon._sinks.layout import TOP_K, TopOffenders, step_scalars
+from nummon import (
+    Alert,
+    AlertKind,
+    BaseSink,
+    Health,
+    IncidentEvent,
+    IncidentState,
+    NummonError,
+    RunContext,
+    Severity,
+    StepRecord,
+)
+from nummon._support import TOP_K, TopOffenders, nonfinite_marker, require, step_scalars
 
 __all__ = ["MlflowSink"]
 

@@ -22,11 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from nummon._core.errors import NummonError
-from nummon._core.lazy import require
-from nummon._core.types import Alert, Health, StepRecord
-from nummon._sinks.builtin import BaseSink, RunContext
-from nummon._watch.metrics import FleetMetrics, WatchSnapshot
+from nummon import Alert, BaseSink, Health, NummonError, RunContext, StepRecord
+from nummon._support import FleetMetrics, WatchSnapshot, require
 
 __all__ = ["PrometheusSink", "MetricsServer", "serve_metrics", "parse_listen", "label_value", "METRICS"]
 

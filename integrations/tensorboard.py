@@ -13,23 +13,22 @@ import os
 import threading
 from typing import Any
 
-from nummon._core.events import IncidentEvent
-from nummon._core.format import alert_text
-from nummon._core.lazy import require
-from nummon._core.types import HEALTH_LEGEND, Alert, Health, IncidentState, StepRecord
-from nummon._sinks.builtin import BaseSink, RunContext
-from nummon._sinks.layout import (
+from nummon import Alert, BaseSink, Health, IncidentEvent, IncidentState, RunContext, StepRecord
+from nummon._support import (
     DEFAULT_HISTOGRAM_EVERY,
+    HEALTH_LEGEND,
     INCIDENT_LEGEND,
     LAYER_METRICS,
     TOP_K,
     VIEWS_LEGEND,
     TopOffenders,
     alert_tag,
+    alert_text,
     custom_scalars_layout,
     histogram_tags,
     incident_tag,
     linear_histogram_readable,
+    require,
     state_range_scalars,
     step_scalars,
 )

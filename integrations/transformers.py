@@ -17,10 +17,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from nummon._core.events import StepReport
-from nummon._core.lazy import require
-from nummon._policy.policy import PolicyLike
-from nummon._stats.compiled import untraced
+from nummon import StepReport
+from nummon._support import PolicyLike, require, untraced
 
 from ._callback_common import (
     StepAsMetric,
@@ -222,7 +220,7 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
-        from nummon._monitor.monitor import Monitor
+        from nummon import Monitor
 
         self._close()
         import torch.distributed as dist
@@ -292,7 +290,7 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     def _recompute(self) -> Any:
         """A way to re-run the step's loss, every micro-batch of it, on the weights before the
         update (a `MicroBatches`: the losses combined and the gradients accumulated as the step's)."""
-        from nummon._forensics.verdict import MicroBatches
+        from nummon import MicroBatches
 
         inputs, self._inputs = self._inputs, []
         if not inputs:

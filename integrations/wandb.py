@@ -17,20 +17,18 @@ import threading
 import time
 from typing import Any
 
-from nummon._core.errors import NummonError
-from nummon._core.events import IncidentEvent
-from nummon._core.format import alert_text
-from nummon._core.lazy import require
-from nummon._core.types import HEALTH_LEGEND, Alert, Health, IncidentState, Severity, StepRecord
-from nummon._sinks.builtin import BaseSink, RunContext
-from nummon._sinks.layout import (
+from nummon import Alert, BaseSink, Health, IncidentEvent, IncidentState, NummonError, RunContext, Severity, StepRecord
+from nummon._support import (
     DEFAULT_HISTOGRAM_EVERY,
+    HEALTH_LEGEND,
     INCIDENT_LEGEND,
     TOP_K,
     TopOffenders,
+    alert_text,
     histogram_tags,
     incident_code,
     metric_sections,
+    require,
     step_scalars,
 )
 

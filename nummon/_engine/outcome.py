@@ -189,54 +189,6 @@ def covered(a: Alert) -> Alert:
     )
 
 
-def _skip_alert(act: RecoveryAction) -> Alert:
-    f = act.facts
-    return Alert(
-        step=act.step,
-        kind=act.kind,
-        severity=Severity.INFO,
-        metric="grad_norm",
-        value=f["grad_norm"],
-        threshold=f["limit"],
-        location="optimizer.step",
-        message=f"recovered: skipped the update of step {act.step}: {f['reason']}; "
-        "weights and optimizer state untouched, gradients zeroed",
-        details={"recovery": "skip", "skips": f["skips"]},
-    )
-
-
-def _retry_alert(act: RecoveryAction) -> Alert:
-    f = act.facts
-    return Alert(
-        step=act.step,
-        kind=act.kind,
-        severity=Severity.INFO,
-        metric="recovery",
-        value=f["rerun_loss"],
-        location="optimizer.step",
-        message=f"recovered: retried the update of step {act.step} from its re-run (loss "
-        f"{f['rerun_loss']:.6g}, finite): the failure did not repeat, a transient fault on {f['suspect']}; "
-        "lr unchanged",
-        details={"recovery": "retry", "verdict": f["verdict"], "suspect": f["suspect"]},
-    )
-
-
-def _skips_warning(act: RecoveryAction) -> Alert:
-    f = act.facts
-    return Alert(
-        step=act.step,
-        kind=act.kind,
-        severity=Severity.WARNING,
-        metric="grad_norm",
-        value=float(f["skips"]),
-        threshold=float(f["max_skips"]),
-        location="optimizer.step",
-        message=f"{f['skips']} updates skipped in the last {f['window']} steps (recovery.max_skips "
-        f"{f['max_skips']}): the gradients keep going bad",
-        details={"recovery": "skip"},
-    )
-
-
 def rollback_message(f: Mapping[str, Any]) -> str:
     """The sentence saying where a rollback went, what it did to the LR and why."""
     to = "the start (before step 0)" if f["to_step"] < 0 else f"step {f['to_step']}"
@@ -247,49 +199,97 @@ def rollback_message(f: Mapping[str, Any]) -> str:
     return f"recovered: rolled back to {to}, {lr_text} (cause: {f['cause']}; {left} rollback{'s' if left != 1 else ''} left)"
 
 
-def _rollback_alert(act: RecoveryAction) -> Alert:
-    f = act.facts
-    entry = {k: v for k, v in f.items() if k != "flight_record"}
-    return Alert(
-        step=act.step,
-        kind=act.kind,
-        severity=Severity.WARNING,
-        metric="recovery",
-        value=float(f["to_step"]),
-        message=rollback_message(f),
-        location="model and optimizer state",
-        details={"recovery": "rollback", **entry},
-        flight_record=f.get("flight_record"),
-    )
+@dataclass(frozen=True)
+class _RecoveryAlertRow:
+    """How one kind of recovery action reads as an alert. The alert's kind is the action's; its
+    message is a `str.format` template over the action's facts and `step`, or a function of the
+    facts; `value` and `threshold` name the facts they are (as floats)."""
+
+    severity: Severity
+    metric: str
+    location: str
+    message: str | Callable[[Mapping[str, Any]], str]
+    tag: str  # details["recovery"]: what recovery did
+    details: tuple[str, ...] | None = ()  # the facts the details repeat after the tag (None: all of them)
+    value: str | None = None
+    threshold: str | None = None
 
 
-def _gave_up_alert(act: RecoveryAction) -> Alert:
-    f = act.facts
+_RECOVERY_ALERTS: dict[str, _RecoveryAlertRow] = {
+    "skip": _RecoveryAlertRow(
+        Severity.INFO,
+        "grad_norm",
+        "optimizer.step",
+        "recovered: skipped the update of step {step}: {reason}; weights and optimizer state untouched, gradients zeroed",
+        tag="skip",
+        details=("skips",),
+        value="grad_norm",
+        threshold="limit",
+    ),
+    "retry": _RecoveryAlertRow(
+        Severity.INFO,
+        "recovery",
+        "optimizer.step",
+        "recovered: retried the update of step {step} from its re-run (loss {rerun_loss:.6g}, finite): the failure "
+        "did not repeat, a transient fault on {suspect}; lr unchanged",
+        tag="retry",
+        details=("verdict", "suspect"),
+        value="rerun_loss",
+    ),
+    "skips_warning": _RecoveryAlertRow(
+        Severity.WARNING,
+        "grad_norm",
+        "optimizer.step",
+        "{skips} updates skipped in the last {window} steps (recovery.max_skips {max_skips}): the gradients keep going bad",
+        tag="skip",
+        value="skips",
+        threshold="max_skips",
+    ),
+    "rollback": _RecoveryAlertRow(
+        Severity.WARNING,
+        "recovery",
+        "model and optimizer state",
+        rollback_message,
+        tag="rollback",
+        details=None,
+        value="to_step",
+    ),
     # critical: the run stops as it would without recovery (even if a cooldown kept other alerts quiet)
-    return Alert(
-        step=act.step,
-        kind=act.kind,
-        severity=Severity.CRITICAL,
-        metric="recovery",
-        message=f"not recovered: {f['cause']}, and {f['why']}",
-        location="model and optimizer state",
-        details={"recovery": "gave_up", "rollbacks": f["rollbacks"]},
-    )
-
-
-_BUILDERS: dict[str, Callable[[RecoveryAction], Alert]] = {
-    "skip": _skip_alert,
-    "retry": _retry_alert,
-    "skips_warning": _skips_warning,
-    "rollback": _rollback_alert,
-    "gave_up": _gave_up_alert,
+    "gave_up": _RecoveryAlertRow(
+        Severity.CRITICAL,
+        "recovery",
+        "model and optimizer state",
+        "not recovered: {cause}, and {why}",
+        tag="gave_up",
+        details=("rollbacks",),
+    ),
 }
 TERMINAL = frozenset({"rollback", "gave_up"})  # actions taken after the step's own alerts were judged
 
 
 def recovery_alert(act: RecoveryAction) -> Alert:
-    """The alert that says what recovery did."""
-    return _BUILDERS[act.action](act)
+    """The alert that says what recovery did (one row of `_RECOVERY_ALERTS` filled in)."""
+    row, f = _RECOVERY_ALERTS[act.action], act.facts
+    message = row.message.format(step=act.step, **f) if isinstance(row.message, str) else row.message(f)
+    names = [k for k in f if k != "flight_record"] if row.details is None else row.details
+    return Alert(
+        step=act.step,
+        kind=act.kind,
+        severity=row.severity,
+        metric=row.metric,
+        value=_fact(f, row.value),
+        threshold=_fact(f, row.threshold),
+        location=row.location,
+        message=message,
+        details={"recovery": row.tag, **{k: f[k] for k in names}},
+        flight_record=f.get("flight_record"),  # a rollback's own flight record, once written
+    )
+
+
+def _fact(facts: Mapping[str, Any], name: str | None) -> float | None:
+    """The named fact as a float (None: no such column, or the fact is None)."""
+    v = None if name is None else facts[name]
+    return None if v is None else float(v)
 
 
 def with_recovery(alerts: Sequence[Alert], report: RecoveryReport) -> list[Alert]:

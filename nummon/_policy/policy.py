@@ -2,8 +2,8 @@
 
 A policy is a pydantic model with ``extra="forbid"`` everywhere, so a typo is an error rather
 than a silently ignored setting. Presets live as YAML in ``configs/`` (installed as
-``nummon.configs``) and load by name. The sections live in ``_policy_sections`` (the record
-detectors, and what every section shares), ``_policy_mechanisms`` and ``_policy_runtime``; every
+``nummon.configs``) and load by name. The sections live in ``sections`` (the record
+detectors, and what every section shares), ``mechanism_sections`` and ``runtime``; every
 name is re-exported here.
 """
 
@@ -98,7 +98,7 @@ class PolicyError(NummonError):
 
 
 class Policy(_Section):
-    """Every threshold and window nummon uses. Load presets with ``Policy.load("strict")``."""
+    """Every threshold and window nummon uses. Load presets with ``load_policy("strict")``."""
 
     name: str = Field("custom", description="a label for reports")
     nonfinite: NonfinitePolicy = NonfinitePolicy()
@@ -128,11 +128,6 @@ class Policy(_Section):
         if self.spike.min_history > self.spike.window:
             raise ValueError("spike.min_history must be <= spike.window")
         return self
-
-    @classmethod
-    def load(cls, source: PolicyLike) -> Policy:
-        """A policy from a preset name, a YAML/TOML/JSON file, a dict, or a Policy."""
-        return load_policy(source)
 
 
 PolicyLike = Union[Policy, str, "os.PathLike[str]", dict, None]

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .sections import MAX_WINDOW, _Section
+from .sections import Factor, FractionOrAll, Records, Seconds, Steps, StepsOrZero, _Section
 
 __all__ = [
     "AlertPolicy",
@@ -25,16 +25,12 @@ __all__ = [
 class AlertPolicy(_Section):
     """Alert lifecycle: deduplication, cooldown, clearing."""
 
-    cooldown_steps: int = Field(
+    cooldown_steps: StepsOrZero = Field(
         20,
-        ge=0,
-        le=MAX_WINDOW,
         description="the same kind/metric/location is not re-alerted at the same or lower severity within this many steps of its last alert (steps)",
     )
-    incident_quiet_steps: int = Field(
+    incident_quiet_steps: Steps = Field(
         50,
-        ge=1,
-        le=MAX_WINDOW,
         description="an incident resolves after this many steps with no open warning or critical condition and no new alert (steps)",
     )
     emit_cleared: bool = Field(True, description="emit an info alert when a warning or critical condition clears")
@@ -44,16 +40,12 @@ class AlertPolicy(_Section):
 class SamplingPolicy(_Section):
     """How often each statistic is computed (the hot path reads gradients every step)."""
 
-    params_every: int = Field(
+    params_every: Steps = Field(
         10,
-        ge=1,
-        le=MAX_WINDOW,
         description="parameter L2 norms and max |g| every this many steps, and every step while an incident is open or after a non-finite value (gradient norms are measured every step; between samples the largest gradient norm bounds max |g|, except for float16/float8 gradients, whose max |g| is measured every step) (steps)",
     )
-    optimizer_every: int = Field(
+    optimizer_every: Steps = Field(
         10,
-        ge=1,
-        le=MAX_WINDOW,
         description="optimizer-state norm every this many steps, and every step while an incident is open or after a non-finite value (steps)",
     )
     activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
@@ -61,16 +53,12 @@ class SamplingPolicy(_Section):
         (),
         description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read",
     )
-    activations_all_every: int = Field(
+    activations_all_every: Steps = Field(
         50,
-        ge=1,
-        le=MAX_WINDOW,
         description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)",
     )
-    histogram_every: int = Field(
+    histogram_every: StepsOrZero = Field(
         0,
-        ge=0,
-        le=MAX_WINDOW,
         description="histograms for sinks every this many steps (0: the sinks' own cadence: every 500 steps for TensorBoard and W&B; a sink's histogram_every=0 turns its histograms off)",
     )
     lag_one_step: bool = Field(
@@ -89,7 +77,7 @@ class SamplingPolicy(_Section):
 
 
 class RecorderPolicy(_Section):
-    steps: int = Field(64, ge=1, le=MAX_WINDOW, description="steps of statistics kept by the flight recorder")
+    steps: Steps = Field(64, description="steps of statistics kept by the flight recorder")
     directory: str | None = Field(
         None,
         description="where the flight record is written on the first critical alert (default: the Monitor's run_dir, else the first JsonlSink's folder, else nummon-runs/<timestamp>/)",
@@ -98,10 +86,8 @@ class RecorderPolicy(_Section):
 
 
 class SinkPolicy(_Section):
-    queue_size: int = Field(
+    queue_size: Records = Field(
         1024,
-        ge=1,
-        le=MAX_WINDOW,
         description="step records buffered per sink thread (alerts are never dropped and not counted here)",
     )
     when_full: Literal["drop", "block"] = Field(
@@ -114,25 +100,19 @@ class SinkPolicy(_Section):
         le=3600,
         description="in block mode, the longest a step waits for room in a sink's queue; then the record is dropped and the wait logged (seconds)",
     )
-    critical_timeout_s: float = Field(
+    critical_timeout_s: Seconds = Field(
         5.0,
-        ge=0,
-        le=3600,
         description="post_step waits at most this long for the durable event logs (JSONL) to write and flush a critical alert; the other sinks get it without being waited for (seconds)",
     )
-    flush_timeout_s: float = Field(
-        30.0, ge=0, le=3600, description="Monitor.flush() waits at most this long for the sinks (seconds)"
+    flush_timeout_s: Seconds = Field(
+        30.0, description="Monitor.flush() waits at most this long for the sinks (seconds)"
     )
-    close_timeout_s: float = Field(
+    close_timeout_s: Seconds = Field(
         30.0,
-        ge=0,
-        le=3600,
         description="Monitor.close() waits at most this long for the sinks to write, flush and close (seconds)",
     )
-    flush_every_steps: int = Field(
+    flush_every_steps: Steps = Field(
         1,
-        ge=1,
-        le=1_000_000,
         description="a JSONL log flushes step records to the OS at least every this many steps (alerts: at once)",
     )
     handle_sigterm: bool = Field(
@@ -172,8 +152,8 @@ class RecoveryPolicy(_Section):
     guard_min_history: int = Field(
         10, ge=2, description="accepted steps needed before an outlier can be judged (steps)"
     )
-    guard_factor: float = Field(
-        10.0, gt=1, description="an outlier is at least this multiple of the recent median grad norm (ratio)"
+    guard_factor: Factor = Field(
+        10.0, description="an outlier is at least this multiple of the recent median grad norm (ratio)"
     )
     guard_mad: float = Field(
         6.0,
@@ -194,8 +174,8 @@ class RecoveryPolicy(_Section):
         ge=1,
         description="take a snapshot every this many steps, when the last this-many steps raised no warning (steps)",
     )
-    lr_factor: float = Field(
-        0.5, gt=0, le=1, description="after a rollback every param group's learning rate is multiplied by this (ratio)"
+    lr_factor: FractionOrAll = Field(
+        0.5, description="after a rollback every param group's learning rate is multiplied by this (ratio)"
     )
     max_rollbacks: int = Field(
         3,
@@ -228,10 +208,8 @@ class ReplicasPolicy(_Section):
         None,
         description="compare replicas across ranks; null: when the model is wrapped in DistributedDataParallel (other parallelisms hold different values on purpose)",
     )
-    every: int = Field(
+    every: Steps = Field(
         50,
-        ge=1,
-        le=1_000_000,
         description="compare every this many steps; a divergence persists in the parameters, so it is named within this many steps (steps)",
     )
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Severity, StepRecord, load_policy
 from nummon._core.format import alert_text, plain_text
 from nummon._core.types import Alert
 from nummon._engine.engine import HealthEngine
@@ -65,7 +65,7 @@ def test_every_alert_kind_renders_its_value_with_a_name(kind):
 
 
 def test_headroom_says_the_value_and_the_decades_left():
-    eng = HealthEngine(Policy.load("default"))
+    eng = HealthEngine(load_policy("default"))
     for i in range(5):
         eng.step(StepRecord(step=i, loss=2.0))
     got = eng.step(StepRecord(step=150, loss=6.0e34))
@@ -80,7 +80,7 @@ def test_headroom_says_the_value_and_the_decades_left():
 
 
 def test_non_finite_alerts_say_what_their_number_counts():
-    eng = HealthEngine(Policy.load("default"))
+    eng = HealthEngine(load_policy("default"))
     rec = StepRecord(
         step=80,
         loss=1.0,
@@ -93,6 +93,6 @@ def test_non_finite_alerts_say_what_their_number_counts():
     assert "- critical nonfinite: 1.6e6 non-finite elements in output of fc1 (forward) (step 80)" in text
     assert "output of `fc1` (forward), 1.6e6 non-finite elements in it" in got.alerts[0].message
     # a log's NaN loss: no count, the value is named for what it is
-    got = HealthEngine(Policy.load("default")).step(StepRecord(step=3, loss=float("nan")))
+    got = HealthEngine(load_policy("default")).step(StepRecord(step=3, loss=float("nan")))
     line = next(l for l in plain_text(got.incidents[0].summary()).splitlines() if l.startswith("- "))
     assert line == "- critical nonfinite: non-finite loss (step 3)"

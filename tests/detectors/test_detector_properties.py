@@ -7,12 +7,12 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import Policy, StepRecord
+from nummon import StepRecord, load_policy
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 # ln k matching is the one rule tied to the loss's units (nats of a k-class classifier)
-SCALE_FREE = Policy.load({"stall": {"chance_match": 0.0}})
+SCALE_FREE = load_policy({"stall": {"chance_match": 0.0}})
 
 
 def alerts_of(records, policy=P):

@@ -11,7 +11,7 @@ from helpers.loss_curves import P, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Severity, StepRecord, load_policy
 from nummon._engine.detectors import DivergenceDetector, StartLevel
 from nummon._engine.engine import HealthEngine
 from nummon._engine.hints import hint_for
@@ -82,7 +82,7 @@ VIT = [3.5604, 2.1893, 1.4335, 1.1844, 1.1453, 1.1861, 1.11, 1.1615, 1.1251, 1.2
 
 def test_with_chance_loss_a_classifier_stuck_at_chance_is_a_stall():
     """ViT on 3 classes, per epoch: 3.56 -> 1.11..1.23 (ln 3 = 1.0986), train accuracy 0.27-0.42."""
-    policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
+    policy = load_policy({"stall": {"chance_loss": math.log(3)}})
     got = loud(zip(range(1, 11), VIT), policy)
     assert kinds(got) == [AlertKind.STALL] and got[0].step == 10
     assert "chance level" in got[0].message
@@ -91,7 +91,7 @@ def test_with_chance_loss_a_classifier_stuck_at_chance_is_a_stall():
 
 def test_with_chance_loss_a_classifier_leaving_chance_is_not_a_stall():
     """Starting at chance is what a well-initialised classifier does; falling away from it is learning."""
-    policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
+    policy = load_policy({"stall": {"chance_loss": math.log(3)}})
     pts = [(s, math.log(3) * math.exp(-s / 15)) for s in range(1, 40)]
     assert loud(pts, policy) == []
 
@@ -164,9 +164,9 @@ def test_a_quiet_loss_held_twice_its_best_is_a_rebound():
 
 def test_rebound_settings_are_validated():
     with pytest.raises(Exception, match="rebound_factor"):
-        Policy.load({"divergence": {"rebound_factor": 1.0}})
+        load_policy({"divergence": {"rebound_factor": 1.0}})
     with pytest.raises(Exception, match="chance_loss"):
-        Policy.load({"stall": {"chance_loss": -1}})
+        load_policy({"stall": {"chance_loss": -1}})
 
 
 # --------------------------------------------------------------------------- a slow fine-tune, one jump

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Policy, Severity, StepRecord, load_policy
 from nummon._engine.detectors import (
     DETECTORS,
     DivergenceDetector,
@@ -23,7 +23,7 @@ from nummon._engine.detectors import (
 )
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 
 
 def make(cls, policy=P):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from nummon import AlertKind, Monitor, Policy, Severity, StepRecord
+from nummon import AlertKind, Monitor, Policy, Severity, StepRecord, load_policy
 from nummon._core.types import IncidentState
 from nummon._engine.detectors import DETECTORS
 from nummon._engine.engine import HealthEngine
@@ -83,7 +83,7 @@ def test_lifecycle_invariants_over_random_finite_and_non_finite_steps(bad, k, co
 
 
 def test_the_issue_sequence_is_one_condition_announced_again_as_recurring():
-    steps = run(ISSUE_LOSSES, Policy.load("default"))
+    steps = run(ISSUE_LOSSES, load_policy("default"))
     said = [(s, a) for s, alerts, _ in steps for a in alerts if a.kind is AlertKind.NONFINITE]
     assert [(s, a.severity, a.cleared) for s, a in said] == [
         (4, Severity.CRITICAL, False),

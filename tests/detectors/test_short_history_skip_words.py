@@ -8,10 +8,10 @@ import statistics
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, StepRecord
+from nummon import AlertKind, StepRecord, load_policy
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 SHORT = re.compile(
     r"beside a finite loss \((\S+)x the median of the (\d+) loss(?:es)? before it: too few to measure its noise\)"
 )

@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Severity, StepRecord, load_policy
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 LOUD = {AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION, AlertKind.DIVERGENCE, AlertKind.RUNAWAY, AlertKind.EXTREME}
 
 

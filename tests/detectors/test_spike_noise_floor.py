@@ -10,11 +10,11 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Severity, StepRecord, load_policy
 from nummon._engine.detectors.spike import LOSS_NOISE_FLOOR, NOISE_MULTIPLE
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 WINDOW = P.spike.window
 MESSAGE = re.compile(
     r"loss jumped to (\S+), (\S+)x its recent median (\S+), (\S+) times its recent noise "

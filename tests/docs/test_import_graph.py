@@ -33,7 +33,7 @@ FOLDERS: dict[str, tuple[str, ...]] = {
     "_monitor": _BELOW_MONITOR,
     "_watch": ("_core", "_policy", "_engine", "_logs", "_report"),
     "_support": (*_BELOW_MONITOR, "_monitor", "_watch"),
-    "integrations": (*_BELOW_MONITOR, "_monitor", "_watch", "_support", "nummon"),
+    "integrations": ("_support", "nummon"),
     "_tools": (*_BELOW_MONITOR, "_monitor", "_watch", "_support", "integrations"),
     "diagnose": _BELOW_CLI,
     "_cli": (*_BELOW_CLI, "diagnose"),

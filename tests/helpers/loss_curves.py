@@ -1,9 +1,9 @@
 """Shared by the detector tests: the loud (warning or critical) alerts over a loss curve."""
 
-from nummon import Policy, Severity, StepRecord
+from nummon import Severity, StepRecord, load_policy
 from nummon._engine.engine import HealthEngine
 
-P = Policy.load("default")
+P = load_policy("default")
 
 
 def loud(points, policy=P):

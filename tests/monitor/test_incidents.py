@@ -2,7 +2,7 @@
 
 import math
 
-from nummon import AlertKind, IncidentState, Policy, Severity, StepRecord
+from nummon import AlertKind, IncidentState, Severity, StepRecord, load_policy
 from nummon._core.alert_text import SUMMARY_MAX, TITLE_MAX
 from nummon._core.types import Alert
 from nummon._engine.engine import HealthEngine
@@ -99,7 +99,7 @@ def test_title_and_summary_fit_wandb_limits_and_serialise():
 
 def test_engine_reports_incident_events_for_a_run_that_blows_up():
     """A runaway that goes non-finite: one event per transition, not one per alert."""
-    eng = HealthEngine(Policy.load("default"))
+    eng = HealthEngine(load_policy("default"))
     events, alerts = [], []
     values = [1.0] * 20 + [3.0**i for i in range(1, 12)] + [math.inf]
     for step, v in enumerate(values):

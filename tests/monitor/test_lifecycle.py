@@ -2,11 +2,11 @@
 
 import math
 
-from nummon import AlertKind, Policy, Severity
+from nummon import AlertKind, Policy, Severity, load_policy
 from nummon._core.types import Finding, Health, StepRecord
 from nummon._engine.engine import AlertLifecycle, HealthEngine, Transition
 
-P = Policy.load("default")
+P = load_policy("default")
 
 
 def f(sev=Severity.WARNING, metric="grad_norm"):

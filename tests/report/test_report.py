@@ -246,10 +246,10 @@ def test_the_monitor_writes_the_report_on_critical_and_at_close_and_names_it(tmp
 
 
 def test_report_enabled_false_writes_none(tmp_path):
-    from nummon import JsonlSink, Policy
+    from nummon import JsonlSink, load_policy
 
-    policy = Policy.load("default").model_copy(
-        update={"report": Policy.load("default").report.model_copy(update={"enabled": False})}
+    policy = load_policy("default").model_copy(
+        update={"report": load_policy("default").report.model_copy(update={"enabled": False})}
     )
     mon, _ = runaway_run([JsonlSink(tmp_path / "events.jsonl")], tmp_path, steps=120, policy=policy)
     assert mon.report_path is None and not (tmp_path / "nummon-report.html").exists()
