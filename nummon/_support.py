@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._core.format import alert_text, plain_text
+from ._core.alert_text import alert_text
 from ._core.lazy import require
 from ._core.maths import clip_ratio
+from ._core.text import plain_text
 from ._core.types import HEALTH_LEGEND
 from ._logs.read_mlflow import nonfinite_marker
 from ._policy.policy import PolicyLike

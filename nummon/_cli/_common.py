@@ -8,7 +8,7 @@ import math
 import sys
 from collections.abc import Callable
 
-from .._core.format import clean_text
+from .._core.text import clean_text
 
 __all__ = ["EXIT_ERROR", "MAX_SEED", "Parser", "error", "non_empty", "note", "seconds", "seed", "warn"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._core.format import clean_text, fmt_num
+from .._core.text import clean_text, fmt_num
 from ._common import non_empty
 
 __all__ = ["add_parser", "run"]

@@ -11,7 +11,8 @@ import pickle
 import sys
 from typing import IO, Any, TextIO
 
-from .._core.format import clean_text, records_table
+from .._core.alert_text import records_table
+from .._core.text import clean_text
 from .._engine.outcome import rollback_message
 from .._tools.demo_config import DEFAULT_STEPS, DOMAIN_B_GAIN, HEALTHY_LR, RUNAWAY_LR, SWITCH_STEP
 from ._common import non_empty, note, seed

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from .._core.format import clean_text
+from .._core.text import clean_text
 from ._common import EXIT_ERROR
 
 __all__ = ["add_parser", "load_policy_with_hints", "run", "with_suggestion"]

@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .._core.format import clean_text
+    from .._core.text import clean_text
 
     policy = load_policy_with_hints(args.policy)
     paths = _expand(args.paths, args.input_format)

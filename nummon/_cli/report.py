@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._core.display import printable
+from .._core.text import printable
 from ._common import warn
 
 __all__ = ["add_parser", "run"]

@@ -1,15 +1,27 @@
-"""The words for an alert's numbers: its value with name and unit, the threshold it crossed, and
-the length limits of alert titles and texts. Pure string work over plain data."""
+"""Alerts and records in words, for sinks and the command line: an alert's value with name and
+unit, the threshold it crossed, the alert as a whole, the length limits of titles and texts, and
+a small table of step records. Pure string work over plain data (the rules every text shares are
+`text.py`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from .text import fmt_num
-from .types import AlertKind
+from .types import Alert, AlertKind
 
-__all__ = ["TITLE_MAX", "SUMMARY_MAX", "sci", "value_text", "threshold_text"]
+__all__ = [
+    "SUMMARY_MAX",
+    "TABLE_COLUMNS",
+    "TITLE_MAX",
+    "alert_text",
+    "records_table",
+    "sci",
+    "threshold_text",
+    "value_text",
+]
 
 TITLE_MAX = 63  # W&B alert titles must stay under 64 characters
 SUMMARY_MAX = 999  # and texts under 1000
@@ -106,3 +118,56 @@ def threshold_text(
     if kind is AlertKind.EXTREME:
         return f"{threshold:g} decades of {(details or {}).get('dtype', 'float32')} headroom"
     return value_text(kind, metric, threshold)
+
+
+TABLE_COLUMNS = ("step", "loss", "grad_norm", "activation_max", "optim_state_norm", "health")
+
+
+# C0/C1 control characters (ANSI escapes start with ESC) and lone surrogates, which a terminal
+# would act on or an encoder would refuse
+
+
+def records_table(
+    rows: Iterable[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS, markdown: bool = False
+) -> str:
+    """A small fixed-width (or markdown) table of step records."""
+    rows = list(rows)
+    cells = [
+        [fmt_num(r.get(c)) if r.get("step") != "..." else ("..." if c == "step" else "") for c in columns] for r in rows
+    ]
+    if markdown:
+        head = "| " + " | ".join(columns) + " |"
+        sep = "|" + "|".join("---" for _ in columns) + "|"
+        return "\n".join([head, sep] + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max([len(col)] + [len(c[i]) for c in cells]) for i, col in enumerate(columns)]
+    lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def alert_text(alert: Alert, markdown: bool = False) -> str:
+    """The alert body: step, metric, value, threshold, location, hint and, for critical alerts,
+    the last steps of the flight recorder as a table."""
+    lines = [
+        f"{alert.severity.value.upper()} {alert.kind.value} at step {alert.step}: {alert.message}",
+    ]
+    said = value_text(alert.kind, alert.metric, alert.value, alert.details, alert.location)
+    limit = threshold_text(alert.kind, alert.metric, alert.threshold, alert.details)
+    if said or limit:
+        lines.append("  ".join(x for x in (said and f"value: {said}", limit and f"limit: {limit}") if x))
+    if alert.location:
+        lines.append(f"location: {alert.location}")
+    if alert.rank is not None:
+        lines.append(f"rank: {alert.rank}")
+    if alert.hint:
+        lines.append(f"hint: {alert.hint}")
+    recent = alert.details.get("recent") if alert.details else None
+    if recent:
+        lines.append("")
+        lines.append("last steps (flight recorder):")
+        table = records_table(recent, markdown=markdown)
+        lines.append(table if markdown else "```\n" + table + "\n```")
+    if alert.flight_record:
+        lines.append(f"flight record: {alert.flight_record}")
+    sep = "  \n" if markdown else "\n"
+    return sep.join(lines)

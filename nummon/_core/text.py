@@ -1,13 +1,26 @@
-"""The few text rules every message shares: one number format, titles cut at a word, plurals,
-Markdown marks dropped for plain text. Pure and dependency-free, so any layer may use them."""
+"""The text rules every message shares: one number format, titles cut at a word, plurals,
+Markdown marks dropped for plain text or turned into Slack mrkdwn, printable names, URLs without
+their secrets. Pure and dependency-free, so any layer may use them (the words for alerts and
+records, which need the types, are `alert_text.py`)."""
 
 from __future__ import annotations
 
 import math
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
-__all__ = ["cut_at_word", "fmt_num", "plain_text", "plural"]
+__all__ = [
+    "clean_text",
+    "cut_at_word",
+    "fmt_num",
+    "mrkdwn",
+    "plain_text",
+    "plural",
+    "printable",
+    "raw_bytes",
+    "safe_url",
+]
 
 
 def fmt_num(v: Any, none: str = "—") -> str:
@@ -68,3 +81,46 @@ def clean_text(text: str, one_line: bool = True) -> str:
     if one_line:
         text = " ".join(text.split()) if ("\n" in text or "\r" in text or "\t" in text) else text
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
+
+
+def mrkdwn(md: str) -> str:
+    """CommonMark-ish text (`**bold**`, `` `code` ``, `- ` items) as Slack mrkdwn (`*bold*`)."""
+    text = md.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # Slack's three escapes
+    text = _BOLD.sub(r"*\1*", text)
+    return "\n".join("• " + line[2:] if line.startswith("- ") else line for line in text.splitlines())
+
+
+def safe_url(url: str) -> str:
+    """A URL as it may be printed: its scheme and host only (paths and user:password carry
+    tokens, e.g. Slack's /services/T…/B…/secret)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = parts.port
+    except ValueError:
+        return "(a malformed URL)"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}{f':{port}' if port else ''}/…" if parts.scheme else "(a URL)"
+
+
+def raw_bytes(name: str) -> bytes:
+    """The bytes of a path or name as the file system holds them: a name that is not UTF-8
+    (decoded by Python with surrogate escapes) gets its original bytes back, never an error."""
+    try:
+        return name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return name.encode("utf-8", "backslashreplace")
+
+
+def printable(name: str) -> str:
+    """A path or name on one printable line, valid UTF-8 (strict JSON, a console, a Slack
+    message): bytes that are not UTF-8 as ``\\xff``, control characters (a newline in a folder's
+    name) as ``\\n``, ``\\x1b``, and a backslash of the name itself doubled, so two names never
+    print alike (a folder named with a newline and one named with a backslash and an n are two
+    runs, two Alertmanager labels); every other character as it is."""
+    data = raw_bytes(name)
+    text = data.replace(b"\\", b"\\\\").decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -8,7 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.display import printable
+from .._core.text import printable
 from . import fs
 from .read_hf import STATE_NAME, lineage_root
 from .read_mlflow import MLFLOW_PREFIX, MlflowError, MlflowServer, is_mlflow_source, parse_source, safe_uri

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .._core.errors import TraceError
-from .._core.format import clean_text
 from .._core.record_dict import NONFINITE_WORDS
+from .._core.text import clean_text
 from .._core.types import StepRecord
 
 __all__ = [

@@ -18,8 +18,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .._core.display import printable
 from .._core.files import write_atomic
+from .._core.text import printable
 from .load import EVENT_LOG, FLIGHT_GLOB, ReportError, RunData, from_monitor, load_run
 from .page import render
 from .story import IncidentView, incidents_of

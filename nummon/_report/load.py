@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._core.display import printable
 from .._core.errors import NummonError
+from .._core.text import printable
 from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 from .._engine.engine import HealthEngine
 from .._logs.trace import TraceError, open_log

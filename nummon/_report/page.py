@@ -7,8 +7,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from .._core.display import printable
-from .._core.text import fmt_num, plural
+from .._core.text import fmt_num, plural, printable
 from .._core.types import StepRecord
 from .load import RunData
 from .story import LAYER_FAMILIES, IncidentView, incidents_of, worst_first

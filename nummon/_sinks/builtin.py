@@ -14,8 +14,8 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from .._core.errors import NummonError
 from .._core.events import IncidentEvent
-from .._core.format import plain_text
 from .._core.json import dumps
+from .._core.text import plain_text
 from .._core.types import Alert, Health, IncidentState, Severity, StepRecord
 
 __all__ = ["Sink", "BaseSink", "RunContext", "JsonlSink", "ConsoleSink", "MemorySink", "as_sink", "sink_name"]

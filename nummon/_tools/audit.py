@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from .._core.errors import NummonError
-from .._core.format import clean_text
 from .._core.json import json_safe
 from .._core.maths import headroom_decades
+from .._core.text import clean_text
 from .audit_compare import compare, iter_tensors, key_name, numeric_chunks, numeric_view
 
 __all__ = [

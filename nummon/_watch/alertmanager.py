@@ -35,9 +35,9 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
-from .._core.display import plural, printable, safe_url
 from .._core.errors import NummonError
 from .._core.redirects import NoRedirect as _NoRedirect
+from .._core.text import plural, printable, safe_url
 from .._logs import fs
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Target

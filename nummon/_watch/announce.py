@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._core.display import plural, printable
+from .._core.text import plural, printable
 from .._logs.discovery import RunSpec
 from .runpaths import run_name, under
 

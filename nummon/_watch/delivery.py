@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.display import plural
 from .._core.files import write_atomic
+from .._core.text import plural
 from .notices import Notice
 from .output import WAIT_STEP_S, Outcome, Target
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._core.alert_text import TITLE_MAX
-from .._core.display import cut_at_word, printable, raw_bytes
 from .._core.events import IncidentEvent
+from .._core.text import cut_at_word, printable, raw_bytes
 from .._core.types import IncidentState
 
 __all__ = ["RunIncident", "Notice", "event_id"]

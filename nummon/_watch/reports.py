@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .._core.display import plural, printable, raw_bytes
+from .._core.text import plural, printable, raw_bytes
 from .._core.types import StepRecord
 from .._report import _version, write_html
 from .._report.live import escalated_to_critical

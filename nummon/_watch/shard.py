@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping
 from typing import TypeVar
 
-from .._core.display import raw_bytes
 from .._core.errors import NummonError
+from .._core.text import raw_bytes
 
 __all__ = ["Shard", "parse_shard", "shard_of", "run_key"]
 

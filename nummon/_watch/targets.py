@@ -10,9 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from .._core.display import cut_at_word, plain, safe_url
 from .._core.errors import NummonError
 from .._core.json import dumps
+from .._core.text import cut_at_word, safe_url
+from .._core.text import plain_text as plain
 from .notices import Notice
 from .output import Outcome, OutcomeHandler, Target
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Collection
 from typing import IO, Any
 
-from .._core.display import printable
 from .._core.errors import NummonError
+from .._core.text import printable
 from .._logs.discovery import RunSpec, discover, root_is_here
 from .._logs.keymap import KeyMap
 from .._logs.read_mlflow import MlflowError, is_mlflow_source

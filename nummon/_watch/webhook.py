@@ -21,8 +21,9 @@ from collections import deque
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from .._core.display import mrkdwn, plain, plural, safe_url
 from .._core.errors import NummonError
+from .._core.text import mrkdwn, plural, safe_url
+from .._core.text import plain_text as plain
 from .notices import Notice
 from .output import CLOSE_TIMEOUT_S, HTTP_TIMEOUT_S, WAIT_STEP_S, Outcome, OutcomeHandler, Target
 

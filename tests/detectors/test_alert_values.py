@@ -6,7 +6,8 @@ import re
 import pytest
 
 from nummon import AlertKind, Severity, StepRecord, load_policy
-from nummon._core.format import alert_text, plain_text
+from nummon._core.alert_text import alert_text
+from nummon._core.text import plain_text
 from nummon._core.types import Alert
 from nummon._engine.engine import HealthEngine
 from nummon._engine.incidents import IncidentTracker
