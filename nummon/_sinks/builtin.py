@@ -1,6 +1,6 @@
 """Sinks: where step statistics, histograms and alerts go. Every argument is plain data.
 
-The dispatcher (`_dispatch.py`) runs each sink on its own thread; a sink only writes.
+The dispatcher (`dispatch.py`) runs each sink on its own thread; a sink only writes.
 """
 
 from __future__ import annotations
