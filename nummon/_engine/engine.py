@@ -4,20 +4,18 @@ Monitor and replay (no torch)."""
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._core.errors import NummonError, StateError
 from .._core.events import IncidentEvent
-from .._core.json import json_safe
-from .._core.maths import is_finite, median
 from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
 from .._policy.policy import AlertPolicy, Policy
 from .detectors import MAGNITUDE_FIELDS, build_detectors
 from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical
+from .levels import ClearLevels
 from .outcome import (
     StepEvidence,
     StepOutcome,
@@ -29,13 +27,9 @@ from .outcome import (
     with_verdict,
     without_verdict,
 )
+from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
 __all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
-
-#: Records a restarted engine is warmed with (`HealthEngine.state_dict`): the run's first ones
-#: (the divergence baseline) and the latest ones.
-WARM_FIRST = 32
-WARM_RECENT = 256
 
 Key = tuple[str, str, str]
 
@@ -179,15 +173,10 @@ class HealthEngine:
         self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(policy.alerts)
         self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
-        # [record, its strict-JSON dict once made]: a record is converted once, not at every save
-        self._first: list[list[Any]] = []
-        self._first_max = warm_first
-        self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
-        self._recent_max = warm_recent
+        self._warm = WarmRecords(warm_first, warm_recent)
         # clearing: a condition on a magnitude clears only once the metric is back near where it
         # stood before the condition opened (median of its last finite values then)
-        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
-        self._before: dict[Key, float] = {}
+        self._levels = ClearLevels(MAGNITUDE_FIELDS)
         self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
 
     def wants_sample(self) -> bool:
@@ -211,12 +200,9 @@ class HealthEngine:
         self.detectors = build_detectors(self.policy)
         self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(self.policy.alerts)
-        self._first.clear()
-        self._recent.clear()
-        self._before.clear()
+        self._warm.clear()
+        self._levels.clear()
         self._finite_run = 0
-        for levels in self._levels.values():
-            levels.clear()
 
     def mark_acted(self, alert: Alert) -> IncidentEvent:
         """The incident event saying what was done about it (a rollback, a recovery that gave up),
@@ -225,11 +211,8 @@ class HealthEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
-        return {
-            "incident": self._incidents.to_state(),
-            "first": [_saved(e) for e in self._first],
-            "history": [_saved(e) for e in self._recent],
-        }
+        first, history = self._warm.saved()
+        return {"incident": self._incidents.to_state(), "first": first, "history": history}
 
     def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
         """Resume from `state_dict()`: the saved records run through the detectors again (their
@@ -238,20 +221,14 @@ class HealthEngine:
         try:
             # only what this engine keeps: a state saved with (or edited to) more records than
             # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
-            saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
-            skipped = max(0, len(saved_recent) - self._recent_max)
-            first = [StepRecord.from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
-            recent = [
-                StepRecord.from_dict(o, origin, len(saved_first) + skipped + i)
-                for i, o in enumerate(saved_recent[skipped:])
-            ]
+            records = self._warm.parse(state.get("first"), state.get("history"), origin)
             incident = state.get("incident") or {}
             IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
             raise StateError(str(e)) from None
         except (AttributeError, TypeError, ValueError) as e:
             raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
-        for rec in first + recent:
+        for rec in records:
             self.step(rec)  # the contributors come back with the records
         self._incidents.load_state(incident)
 
@@ -324,16 +301,16 @@ class HealthEngine:
                 lambda f: (
                     (f.kind is AlertKind.NONFINITE and not settled)
                     or not rec.measures(f.metric)
-                    or self._still_high(f, rec)
+                    or self._levels.still_high(f, rec)
                 )
             )
         )
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
-        self._note_levels(rec)
+        self._levels.note(rec, self.lifecycle.open_findings())
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
         events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
-        self._keep(rec)
+        self._warm.keep(rec)
         if not finite:
             health = Health.NONFINITE
         elif any(f.kind is AlertKind.EXTREME and f.severity.rank >= Severity.WARNING.rank for f in findings):
@@ -403,47 +380,8 @@ class HealthEngine:
                 out = [dataclasses.replace(e, report=path) if e.state.active else e for e in out]
         return tuple(out)
 
-    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
-
-    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
-        """The metric of an open condition still stands far above its level from before it
-        opened (a spike's own values must not become the baseline it clears against)."""
-        before = self._before.get(f.key)
-        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
-        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
-
-    def _note_levels(self, rec: StepRecord) -> None:
-        """Remember each newly open condition's pre-incident level, forget closed ones, then
-        add this record's values to the recent ones."""
-        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
-        for key in [k for k in self._before if k not in open_keys]:
-            del self._before[key]
-        for key, f in open_keys.items():
-            levels = self._levels.get(f.metric)
-            if key not in self._before and levels:
-                self._before[key] = median(levels)
-        for m, levels in self._levels.items():
-            v = getattr(rec, m)
-            if is_finite(v) and v > 0:
-                levels.append(abs(float(v)))
-                if len(levels) > 8:
-                    del levels[0]
-
-    def _keep(self, rec: StepRecord) -> None:
-        if len(self._first) < self._first_max:
-            self._first.append([rec, None])
-        else:
-            self._recent.append([rec, None])
-
 
 def _samplers(detectors: list[Any]) -> list[Any]:
     """The detectors that can ask for a mechanism sample (a `wants_sample` of their own): found
     once, not by an attribute lookup per detector per step."""
     return [d for d in detectors if hasattr(type(d), "wants_sample")]
-
-
-def _saved(entry: list[Any]) -> dict[str, Any]:
-    if entry[1] is None:
-        entry[1] = json_safe(entry[0].to_dict())
-    saved: dict[str, Any] = entry[1]  # json_safe of a dict is a dict
-    return saved
