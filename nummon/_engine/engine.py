@@ -3,7 +3,6 @@ Monitor and replay (no torch)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,11 +16,11 @@ from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical
 from .levels import ClearLevels
 from .outcome import (
+    FlightRecordDue,
     StepEvidence,
     StepOutcome,
     replica_alert,
     with_cause,
-    with_flight_record,
     with_record_facts,
     with_recovery,
     with_verdict,
@@ -29,7 +28,7 @@ from .outcome import (
 )
 from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
+__all__ = ["Transition", "AlertLifecycle", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
 
 Key = tuple[str, str, str]
 
@@ -135,16 +134,6 @@ class AlertLifecycle:
     def open_findings(self) -> list[Finding]:
         """The latest finding of every open condition."""
         return [c.finding for c in self._open.values()]
-
-
-@dataclass(frozen=True)
-class EngineStep:
-    """Everything the engine concluded from one record."""
-
-    alerts: tuple[Alert, ...]
-    health: Health
-    incidents: tuple[IncidentEvent, ...] = ()
-    detail_on: bool = False  # an incident is open: watch every module's output from the next step
 
 
 class HealthEngine:
@@ -281,9 +270,10 @@ class HealthEngine:
             text += f" (non-finite {span}{many})"
         return text
 
-    def step(self, rec: StepRecord, replicas: Any = ()) -> EngineStep:
-        """Alerts, health and incident events of one record (frozen from here on: sinks hold it);
-        `replicas`: the record's replica mismatches (`_replicas.ReplicaMismatch`), one alert."""
+    def step(self, rec: StepRecord, replicas: Any = ()) -> StepOutcome:
+        """The judged outcome of one record: its alerts as raised, its health and incident events
+        (the record is frozen from here on: sinks hold it); `replicas`: the record's replica
+        mismatches (`_replicas.ReplicaMismatch`), one alert. `finish` completes it."""
         rec.freeze()
         findings: list[Finding] = []
         for d in self.detectors:
@@ -321,17 +311,18 @@ class HealthEngine:
             health = Health.HEALTHY
         if replicas:  # identical on every rank: every row was compared
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
-        return EngineStep(alerts, health, events, detail_on=self._incidents.state.active)
+        return StepOutcome(rec.step, health, alerts, events, incident_state=self.incident_state)
 
     def close(self, step: int) -> tuple[IncidentEvent, ...]:
         """The run ended at `step` (its last record): the incident event that ends an incident
         whose conditions had all cleared (none when one is still open or none was)."""
         return tuple(self._incidents.close(step))
 
-    def finish(self, got: EngineStep, ev: StepEvidence) -> StepOutcome:
-        """The step's outcome: its alerts completed with the evidence (cause, verdict, what
-        recovery did, flight record, rank, batch), its incident events (recovery's actions
-        included), whether to stop and whether to sample the next step."""
+    def finish(self, got: StepOutcome, ev: StepEvidence) -> StepOutcome:
+        """The step's final outcome: `got` (from `step`) with its alerts completed by the evidence
+        (cause, verdict, what recovery did, rank, batch), its incident events (recovery's actions
+        included), whether to stop, whether to sample the next step, and the files due (the run's
+        first flight record, the HTML report), which the caller writes and records in it."""
         alerts = list(got.alerts)
         if ev.cause is not None:
             alerts = with_cause(alerts, ev.cause)
@@ -344,27 +335,34 @@ class HealthEngine:
             alerts, handled = with_recovery(alerts, ev.recovery), ev.recovery.handled
             if ev.recovery.rebaseline:
                 self.rebaseline()
-        flight_record, written = ev.flight_record, None
+        due: list[FlightRecordDue] = []  # the file states the alert as it is before the record's facts
         stop = False
         for i, a in enumerate(alerts):
             if a.severity is Severity.CRITICAL:
-                if flight_record is None and ev.write_flight_record is not None:
-                    ref = ev.write_flight_record(a)
-                    if ref is not None:
-                        a, flight_record = with_flight_record(a, ref), ref.path
-                        written = ref.path
+                if ev.flight_record is None:
+                    due.append(FlightRecordDue(i, a))
                 stop = stop or (self.policy.alerts.stop_on_critical and not handled)
             alerts[i] = with_record_facts(a, ev.rec, ev.distributed)
-        events = self._events(got.incidents, alerts, flight_record, ev)
+        events = self._events(got.incidents, alerts, ev.flight_record)
         mp = self.policy.mechanisms
         sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
-        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written, self.incident_state)
+        return StepOutcome(
+            ev.rec.step,
+            got.health,
+            tuple(alerts),
+            events,
+            stop,
+            sample,
+            incident_state=self.incident_state,
+            flight_record_due=tuple(due),
+            report_due=escalated_to_critical(events),
+        )
 
     def _events(
-        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None, ev: StepEvidence
+        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None
     ) -> tuple[IncidentEvent, ...]:
         """The step's incident events: explained, one per recovery action (rollback, budget
-        spent), naming the flight record and the report written for them."""
+        spent), naming the run's flight record when it has one already."""
         out = list(events)
         why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
         if why is not None:  # the forensic explanation travels with the incident event too
@@ -374,10 +372,6 @@ class HealthEngine:
                 out.append(self.mark_acted(a))
         if flight_record is not None:
             out = [e.with_flight_record(e.flight_record or flight_record) if e.state.active else e for e in out]
-        if ev.write_report is not None and escalated_to_critical(out):
-            path = ev.write_report(alerts, out)
-            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
-                out = [dataclasses.replace(e, report=path) if e.state.active else e for e in out]
         return tuple(out)
 
 

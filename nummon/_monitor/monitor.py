@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from .._core.errors import NummonError
 from .._core.events import IncidentEvent, StepReport
 from .._core.maths import clip_ratio
 from .._core.types import Alert, Health, StepRecord
-from .._engine.engine import EngineStep, HealthEngine
+from .._engine.engine import HealthEngine
 from .._engine.outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
 from .._policy.policy import PolicyLike, load_policy
 from .._report.live import LiveReport
@@ -307,7 +307,7 @@ class Monitor:
         got = self.engine.step(rec, replicas=found)  # the record is frozen from here on
         self.stats.watch_all_modules(got.detail_on)  # every module's output while an incident is open
         self.recorder.add(rec, got.health)
-        outcome = self.engine.finish(got, self._gather(rec, got))
+        outcome = self._write_files(self.engine.finish(got, self._gather(rec, got)))
         self._sample_next = outcome.sample_next
         self._stop = self._stop or outcome.stop
         if outcome.flight_record is not None:
@@ -322,9 +322,9 @@ class Monitor:
             incidents=outcome.incidents,
         )
 
-    def _gather(self, rec: StepRecord, got: EngineStep) -> StepEvidence:
+    def _gather(self, rec: StepRecord, got: StepOutcome) -> StepEvidence:
         """What only torch can tell or do about this step: the cause of its first non-finite
-        value, a re-run's verdict, recovery's actions; and the writers of its files."""
+        value, a re-run's verdict, recovery's actions."""
         cause = verdict = unavailable = recovery = None
         forensics = self._recompute is not None and self.policy.forensics.enabled
         if forensics and not rec.is_finite() and self.cause is None:
@@ -341,8 +341,6 @@ class Monitor:
             recovery=recovery,
             distributed=self._dist is not None,
             flight_record=str(self.flight_record) if self.flight_record is not None else None,
-            write_flight_record=self._write_flight_record,
-            write_report=self._write_report if self._report is not None else None,
         )
 
     def _dispatch(self, rec: StepRecord, outcome: StepOutcome) -> None:
@@ -409,18 +407,21 @@ class Monitor:
             self.verdicts.append(v)
         return v, why
 
-    def _write_flight_record(self, alert: Alert) -> FlightRecordRef | None:
-        """The run's flight record, written for its first critical alert."""
-        path = self.flight_records.write(alert)
-        if path is None:
-            return None
-        return FlightRecordRef(str(path), [r["step"] for r in self.recorder.records], self.recent(8))
-
-    def _write_report(self, alerts: Sequence[Alert], events: Sequence[IncidentEvent]) -> str | None:
-        """The HTML incident report, written when an incident escalates to critical."""
-        assert self._report is not None
-        path = self._report.from_memory(self.recorder.records, [*self.alerts, *alerts], [*self.incidents, *events])
-        return str(path) if path is not None else None
+    def _write_files(self, outcome: StepOutcome) -> StepOutcome:
+        """Write the files the outcome says are due (the run's first flight record, the HTML
+        report); the outcome then names them."""
+        for due in outcome.flight_record_due:
+            path = self.flight_records.write(due.alert)
+            if path is not None:  # a failed write is tried again for the step's next critical alert
+                ref = FlightRecordRef(str(path), [r["step"] for r in self.recorder.records], self.recent(8))
+                outcome = outcome.with_flight_record(due, ref)
+                break
+        if outcome.report_due and self._report is not None:
+            alerts, events = [*self.alerts, *outcome.alerts], [*self.incidents, *outcome.incidents]
+            report = self._report.from_memory(self.recorder.records, alerts, events)
+            if report is not None:
+                outcome = outcome.with_report(str(report))
+        return outcome
 
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:
         """The flight recorder's last `n` step records (plain dicts)."""
