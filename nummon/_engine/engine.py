@@ -139,10 +139,11 @@ class AlertLifecycle:
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
 
-    Two calls a step: `step(rec)` judges the record; `finish(step, evidence)` completes every
-    alert with what the torch side found and did (cause, verdict, recovery, flight record) and
-    returns the step's one `StepOutcome` (a rollback starts the detectors afresh, the incident
-    going on; a recovery action becomes an incident event). `state_dict()` /
+    Two calls a step: `step(rec)` judges the record (a `StepOutcome` with the alerts as raised);
+    `finish(judged, evidence)` completes every alert with what the torch side found and did
+    (cause, verdict, recovery) and returns the step's final `StepOutcome`, naming the files due
+    (a rollback starts the detectors afresh, the incident going on; a recovery action becomes an
+    incident event). `state_dict()` /
     `load_state_dict()` carry the incident and the records that re-warm the detectors across a
     restart (a resumed run does not start cold). `warm_first` records from the run's start (the
     divergence baseline) and the `warm_recent` latest ones are kept for that.

@@ -76,7 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "_report",
         ),
     ),
-    ("monitor", ("_monitor.monitor", "_monitor.checks", "_monitor.sink_wiring", "diagnose")),
+    ("monitor", ("_monitor.monitor", "_monitor.pipeline", "_monitor.checks", "_monitor.sink_wiring", "diagnose")),
     ("CLI and integrations", ("", "__main__", "_cli", "integrations", "_tools.demo", "_cli.watch")),
 ]
 
