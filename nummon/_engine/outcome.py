@@ -122,7 +122,12 @@ class StepOutcome:
         """This outcome once `ref` was written for `due`: its alert and the open incident's
         events name it, with the trajectory it holds."""
         alerts = list(self.alerts)
-        alerts[due.index] = with_flight_record(alerts[due.index], ref)
+        final = alerts[due.index]
+        # its details in the order they always had: the flight record's before the record's facts
+        named = with_flight_record(due.alert, ref)
+        alerts[due.index] = dataclasses.replace(
+            final, flight_record=ref.path, details={**named.details, **final.details}
+        )
         incidents = tuple(
             e.with_flight_record(e.flight_record or ref.path) if e.state.active else e for e in self.incidents
         )
