@@ -74,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                 mon.post_step(train_step())
                 if r:
                     monitored.append(time.perf_counter() - t)
-            mon.stats.want_activation_histograms(True)  # the next forward keeps its outputs
+            mon._stats.want_activation_histograms(True)  # the next forward keeps its outputs
             mon.post_step(train_step())
             t = time.perf_counter()
-            sink.on_histograms(r, mon.stats.histograms())
+            sink.on_histograms(r, mon._stats.histograms())
             if r:
                 passes.append(time.perf_counter() - t)
-            mon.stats.want_activation_histograms(False)
+            mon._stats.want_activation_histograms(False)
         mon.close()
         sink.close()
     b, m, h = (statistics.median(v) for v in (bare, monitored, passes))

@@ -434,18 +434,18 @@ def stats_bandwidth(model, opt, loss_fn, dev) -> dict:
     ts = (
         [p.grad for p in model.parameters() if p.grad is not None]
         + list(model.parameters())
-        + mon.stats.optim.state_tensors()
+        + mon._stats.optim.state_tensors()
     )
     nbytes = sum(t.numel() * t.element_size() for t in ts) + sum(
         p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
     )
     for _ in range(3):
-        mon.stats.launch(0, loss)
+        mon._stats.launch(0, loss)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
-        mon.stats.launch(0, loss)
+        mon._stats.launch(0, loss)
     end.record()
     torch.cuda.synchronize()
     stats_s = start.elapsed_time(end) / 10 / 1e3

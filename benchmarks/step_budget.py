@@ -157,9 +157,9 @@ class StepCounter(TorchDispatchMode):
 
 def _sampled(mon: Any, step: int) -> bool:
     """Whether `step` does more than an ordinary step (a cadence or a probe sample is due)."""
-    sp = mon.policy.sampling
-    mech = getattr(mon.stats, "mechanisms", None)
-    probes = getattr(mon.stats, "probes", None)
+    sp = mon._policy.sampling
+    mech = getattr(mon._stats, "mechanisms", None)
+    probes = getattr(mon._stats, "probes", None)
     return (
         step % sp.params_every == 0
         or step % sp.optimizer_every == 0
@@ -296,12 +296,12 @@ class StageTimer:
 
 def _wrap_methods(timer: StageTimer, mon: Any) -> None:
     """Time the post_step stages through instance attributes (bound methods looked up per call)."""
-    stats = mon.stats
+    stats = mon._stats
     for obj, attr, stage in (
         (mon, "_post_step", "post_step"),
         (stats, "_launch", "launch"),
         (stats, "resolve", "read_decode"),
-        (mon.engine, "step", "detectors"),
+        (mon._steps.engine, "step", "detectors"),
         (mon._sinks, "step", "dispatch"),
         (mon._sinks, "alert", "dispatch"),
         (mon._sinks, "incident", "dispatch"),

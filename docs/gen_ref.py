@@ -483,13 +483,13 @@ def folder_docs() -> dict[str, tuple[str, list[str]]]:
     import re
 
     found: dict[str, tuple[str, list[str]]] = {}
-    inits = sorted((ROOT / "nummon").glob("_*/__init__.py")) + [ROOT / "integrations" / "__init__.py"]
-    for init in inits:
+    inits = sorted((ROOT / "nummon").glob("_*/__init__.py")) + [ROOT / "nummon" / "_support.py"]
+    for init in inits + [ROOT / "integrations" / "__init__.py"]:
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
         owns = " ".join(doc.split("\n\n")[0].split())
         rule = " ".join(doc.split()).partition("May import: ")[2]
         names = [] if rule.startswith("nothing else") else re.findall(r"`([\w.]+)`", rule.split(".")[0])
-        found[init.parent.name] = (owns, names)
+        found[init.stem if init.stem != "__init__" else init.parent.name] = (owns, names)
     ordered: dict[str, tuple[str, list[str]]] = {}
     while len(ordered) < len(found):
         ready = sorted(
@@ -505,7 +505,7 @@ def folders_table() -> str:
     """The folder table of docs/architecture.md: one row a folder, lowest layer first."""
     rows = ["| folder | what it owns | may import |", "|---|---|---|"]
     for folder, (owns, deps) in folder_docs().items():
-        where = "integrations/" if folder == "integrations" else f"nummon/{folder}/"
+        where = {"integrations": "integrations/", "_support": "nummon/_support.py"}.get(folder, f"nummon/{folder}/")
         rows.append(f"| `{where}` | {_cell(owns)} | {', '.join(f'`{d}`' for d in deps) or 'nothing else'} |")
     return "\n".join(rows) + "\n"
 

@@ -86,7 +86,7 @@ def restore_engine(monitor: Any, restored: dict[str, Any] | None, origin: str, c
     if not restored:
         return False
     try:
-        monitor.engine.load_state_dict(restored["engine"], origin=origin)
+        monitor.load_engine_state(restored["engine"], origin=origin)
     except StateError as e:
         warn_cold_start(origin, f"unusable ({str(e).removeprefix(origin + ': ')})")
         monitor.step = cold_step

@@ -97,7 +97,7 @@ class NummonLightningCallback(pl.Callback):
         """The health engine's state (incident, re-warming records), saved in the trainer's
         checkpoint so a resumed run does not start its detectors cold. Plain data only."""
         if self.monitor is not None:
-            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+            return {"engine": self.monitor.engine_state(), "step": self.monitor.step}
         return dict(self._restored) if isinstance(self._restored, dict) else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

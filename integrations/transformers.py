@@ -171,7 +171,7 @@ class NummonTrainerCallback(transformers.TrainerCallback, _ExportableState):
     def state_dict(self) -> dict[str, Any]:
         """The health engine's state (incident, re-warming records) and the next step. Plain data."""
         if self.monitor is not None:
-            return {"engine": self.monitor.engine.state_dict(), "step": self.monitor.step}
+            return {"engine": self.monitor.engine_state(), "step": self.monitor.step}
         return dict(self._restored) if isinstance(self._restored, dict) else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -2,7 +2,10 @@
 place: re-exports of private helpers, nothing defined here but one lazy wrapper. An integration
 imports public names from ``nummon`` and everything else from here, so a change to the package's
 insides that reaches an integration shows in this list (tests/integrations/test_integration_imports.py).
-Not a public API: no stability promise beyond the integrations shipped with nummon."""
+Not a public API: no stability promise beyond the integrations shipped with nummon.
+
+May import: `_core`, `_policy`, `_logs`, `_sinks`, `_stats`, `_engine`, `_forensics`, `_report`, `_monitor`, `_watch`.
+"""
 
 from __future__ import annotations
 

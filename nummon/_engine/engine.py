@@ -3,39 +3,32 @@ Monitor and replay (no torch)."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._core.errors import NummonError, StateError
 from .._core.events import IncidentEvent
-from .._core.json import json_safe
-from .._core.maths import is_finite, median
 from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
 from .._policy.policy import AlertPolicy, Policy
 from .detectors import MAGNITUDE_FIELDS, build_detectors
 from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical
+from .levels import ClearLevels
 from .outcome import (
+    FlightRecordDue,
     StepEvidence,
     StepOutcome,
     replica_alert,
     with_cause,
-    with_flight_record,
     with_record_facts,
     with_recovery,
     with_verdict,
     without_verdict,
 )
+from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
-__all__ = ["Transition", "AlertLifecycle", "EngineStep", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
-
-#: Records a restarted engine is warmed with (`HealthEngine.state_dict`): the run's first ones
-#: (the divergence baseline) and the latest ones.
-WARM_FIRST = 32
-WARM_RECENT = 256
+__all__ = ["Transition", "AlertLifecycle", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
 
 Key = tuple[str, str, str]
 
@@ -143,23 +136,14 @@ class AlertLifecycle:
         return [c.finding for c in self._open.values()]
 
 
-@dataclass(frozen=True)
-class EngineStep:
-    """Everything the engine concluded from one record."""
-
-    alerts: tuple[Alert, ...]
-    health: Health
-    incidents: tuple[IncidentEvent, ...] = ()
-    detail_on: bool = False  # an incident is open: watch every module's output from the next step
-
-
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
 
-    Two calls a step: `step(rec)` judges the record; `finish(step, evidence)` completes every
-    alert with what the torch side found and did (cause, verdict, recovery, flight record) and
-    returns the step's one `StepOutcome` (a rollback starts the detectors afresh, the incident
-    going on; a recovery action becomes an incident event). `state_dict()` /
+    Two calls a step: `step(rec)` judges the record (a `StepOutcome` with the alerts as raised);
+    `finish(judged, evidence)` completes every alert with what the torch side found and did
+    (cause, verdict, recovery) and returns the step's final `StepOutcome`, naming the files due
+    (a rollback starts the detectors afresh, the incident going on; a recovery action becomes an
+    incident event). `state_dict()` /
     `load_state_dict()` carry the incident and the records that re-warm the detectors across a
     restart (a resumed run does not start cold). `warm_first` records from the run's start (the
     divergence baseline) and the `warm_recent` latest ones are kept for that.
@@ -179,15 +163,10 @@ class HealthEngine:
         self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(policy.alerts)
         self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
-        # [record, its strict-JSON dict once made]: a record is converted once, not at every save
-        self._first: list[list[Any]] = []
-        self._first_max = warm_first
-        self._recent: deque[list[Any]] = deque(maxlen=warm_recent)
-        self._recent_max = warm_recent
+        self._warm = WarmRecords(warm_first, warm_recent)
         # clearing: a condition on a magnitude clears only once the metric is back near where it
         # stood before the condition opened (median of its last finite values then)
-        self._levels: dict[str, list[float]] = {m: [] for m in MAGNITUDE_FIELDS}
-        self._before: dict[Key, float] = {}
+        self._levels = ClearLevels(MAGNITUDE_FIELDS)
         self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
 
     def wants_sample(self) -> bool:
@@ -211,12 +190,9 @@ class HealthEngine:
         self.detectors = build_detectors(self.policy)
         self._samplers = _samplers(self.detectors)
         self.lifecycle = AlertLifecycle(self.policy.alerts)
-        self._first.clear()
-        self._recent.clear()
-        self._before.clear()
+        self._warm.clear()
+        self._levels.clear()
         self._finite_run = 0
-        for levels in self._levels.values():
-            levels.clear()
 
     def mark_acted(self, alert: Alert) -> IncidentEvent:
         """The incident event saying what was done about it (a rollback, a recovery that gave up),
@@ -225,11 +201,8 @@ class HealthEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
-        return {
-            "incident": self._incidents.to_state(),
-            "first": [_saved(e) for e in self._first],
-            "history": [_saved(e) for e in self._recent],
-        }
+        first, history = self._warm.saved()
+        return {"incident": self._incidents.to_state(), "first": first, "history": history}
 
     def load_state_dict(self, state: dict[str, Any], origin: str = "engine state") -> None:
         """Resume from `state_dict()`: the saved records run through the detectors again (their
@@ -238,20 +211,14 @@ class HealthEngine:
         try:
             # only what this engine keeps: a state saved with (or edited to) more records than
             # that re-warms from its first `warm_first` and its last `warm_recent`, not from all
-            saved_first, saved_recent = list(state.get("first") or []), list(state.get("history") or [])
-            skipped = max(0, len(saved_recent) - self._recent_max)
-            first = [StepRecord.from_dict(o, origin, i) for i, o in enumerate(saved_first[: self._first_max])]
-            recent = [
-                StepRecord.from_dict(o, origin, len(saved_first) + skipped + i)
-                for i, o in enumerate(saved_recent[skipped:])
-            ]
+            records = self._warm.parse(state.get("first"), state.get("history"), origin)
             incident = state.get("incident") or {}
             IncidentTracker(self._incidents.quiet_steps).load_state(incident)  # refused here, before any change
         except NummonError as e:  # a bad record: the message names `origin` already
             raise StateError(str(e)) from None
         except (AttributeError, TypeError, ValueError) as e:
             raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
-        for rec in first + recent:
+        for rec in records:
             self.step(rec)  # the contributors come back with the records
         self._incidents.load_state(incident)
 
@@ -304,9 +271,10 @@ class HealthEngine:
             text += f" (non-finite {span}{many})"
         return text
 
-    def step(self, rec: StepRecord, replicas: Any = ()) -> EngineStep:
-        """Alerts, health and incident events of one record (frozen from here on: sinks hold it);
-        `replicas`: the record's replica mismatches (`_replicas.ReplicaMismatch`), one alert."""
+    def step(self, rec: StepRecord, replicas: Any = ()) -> StepOutcome:
+        """The judged outcome of one record: its alerts as raised, its health and incident events
+        (the record is frozen from here on: sinks hold it); `replicas`: the record's replica
+        mismatches (`_replicas.ReplicaMismatch`), one alert. `finish` completes it."""
         rec.freeze()
         findings: list[Finding] = []
         for d in self.detectors:
@@ -324,16 +292,16 @@ class HealthEngine:
                 lambda f: (
                     (f.kind is AlertKind.NONFINITE and not settled)
                     or not rec.measures(f.metric)
-                    or self._still_high(f, rec)
+                    or self._levels.still_high(f, rec)
                 )
             )
         )
         transitions = self.lifecycle.update(rec.step, findings, hold=hold)
-        self._note_levels(rec)
+        self._levels.note(rec, self.lifecycle.open_findings())
         alerts = tuple(a for t in transitions if (a := self.alert_for(rec.step, t)) is not None)
         open_loud = [f for f in self.lifecycle.open_findings() if f.severity.rank >= Severity.WARNING.rank]
         events = tuple(self._incidents.update(rec.step, alerts, conditions_open=bool(open_loud)))
-        self._keep(rec)
+        self._warm.keep(rec)
         if not finite:
             health = Health.NONFINITE
         elif any(f.kind is AlertKind.EXTREME and f.severity.rank >= Severity.WARNING.rank for f in findings):
@@ -344,17 +312,18 @@ class HealthEngine:
             health = Health.HEALTHY
         if replicas:  # identical on every rank: every row was compared
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
-        return EngineStep(alerts, health, events, detail_on=self._incidents.state.active)
+        return StepOutcome(rec.step, health, alerts, events, incident_state=self.incident_state)
 
     def close(self, step: int) -> tuple[IncidentEvent, ...]:
         """The run ended at `step` (its last record): the incident event that ends an incident
         whose conditions had all cleared (none when one is still open or none was)."""
         return tuple(self._incidents.close(step))
 
-    def finish(self, got: EngineStep, ev: StepEvidence) -> StepOutcome:
-        """The step's outcome: its alerts completed with the evidence (cause, verdict, what
-        recovery did, flight record, rank, batch), its incident events (recovery's actions
-        included), whether to stop and whether to sample the next step."""
+    def finish(self, got: StepOutcome, ev: StepEvidence) -> StepOutcome:
+        """The step's final outcome: `got` (from `step`) with its alerts completed by the evidence
+        (cause, verdict, what recovery did, rank, batch), its incident events (recovery's actions
+        included), whether to stop, whether to sample the next step, and the files due (the run's
+        first flight record, the HTML report), which the caller writes and records in it."""
         alerts = list(got.alerts)
         if ev.cause is not None:
             alerts = with_cause(alerts, ev.cause)
@@ -367,27 +336,34 @@ class HealthEngine:
             alerts, handled = with_recovery(alerts, ev.recovery), ev.recovery.handled
             if ev.recovery.rebaseline:
                 self.rebaseline()
-        flight_record, written = ev.flight_record, None
+        due: list[FlightRecordDue] = []  # the file states the alert as it is before the record's facts
         stop = False
         for i, a in enumerate(alerts):
             if a.severity is Severity.CRITICAL:
-                if flight_record is None and ev.write_flight_record is not None:
-                    ref = ev.write_flight_record(a)
-                    if ref is not None:
-                        a, flight_record = with_flight_record(a, ref), ref.path
-                        written = ref.path
+                if ev.flight_record is None:
+                    due.append(FlightRecordDue(i, a))
                 stop = stop or (self.policy.alerts.stop_on_critical and not handled)
             alerts[i] = with_record_facts(a, ev.rec, ev.distributed)
-        events = self._events(got.incidents, alerts, flight_record, ev)
+        events = self._events(got.incidents, alerts, ev.flight_record)
         mp = self.policy.mechanisms
         sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
-        return StepOutcome(ev.rec.step, got.health, tuple(alerts), events, stop, sample, written, self.incident_state)
+        return StepOutcome(
+            ev.rec.step,
+            got.health,
+            tuple(alerts),
+            events,
+            stop,
+            sample,
+            incident_state=self.incident_state,
+            flight_record_due=tuple(due),
+            report_due=escalated_to_critical(events),
+        )
 
     def _events(
-        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None, ev: StepEvidence
+        self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None
     ) -> tuple[IncidentEvent, ...]:
         """The step's incident events: explained, one per recovery action (rollback, budget
-        spent), naming the flight record and the report written for them."""
+        spent), naming the run's flight record when it has one already."""
         out = list(events)
         why = next((a for a in alerts if (a.details or {}).get("why") and not a.cleared), None)
         if why is not None:  # the forensic explanation travels with the incident event too
@@ -397,53 +373,10 @@ class HealthEngine:
                 out.append(self.mark_acted(a))
         if flight_record is not None:
             out = [e.with_flight_record(e.flight_record or flight_record) if e.state.active else e for e in out]
-        if ev.write_report is not None and escalated_to_critical(out):
-            path = ev.write_report(alerts, out)
-            if path is not None:  # its path goes into the event: the console line, webhook and TensorBoard text
-                out = [dataclasses.replace(e, report=path) if e.state.active else e for e in out]
         return tuple(out)
-
-    CLEAR_FACTOR = 4.0  # "back near its level": within this factor of the pre-incident level
-
-    def _still_high(self, f: Finding, rec: StepRecord) -> bool:
-        """The metric of an open condition still stands far above its level from before it
-        opened (a spike's own values must not become the baseline it clears against)."""
-        before = self._before.get(f.key)
-        v = getattr(rec, f.metric, None) if f.metric in self._levels else None
-        return before is not None and is_finite(v) and abs(v) > self.CLEAR_FACTOR * before
-
-    def _note_levels(self, rec: StepRecord) -> None:
-        """Remember each newly open condition's pre-incident level, forget closed ones, then
-        add this record's values to the recent ones."""
-        open_keys = {f.key: f for f in self.lifecycle.open_findings()}
-        for key in [k for k in self._before if k not in open_keys]:
-            del self._before[key]
-        for key, f in open_keys.items():
-            levels = self._levels.get(f.metric)
-            if key not in self._before and levels:
-                self._before[key] = median(levels)
-        for m, levels in self._levels.items():
-            v = getattr(rec, m)
-            if is_finite(v) and v > 0:
-                levels.append(abs(float(v)))
-                if len(levels) > 8:
-                    del levels[0]
-
-    def _keep(self, rec: StepRecord) -> None:
-        if len(self._first) < self._first_max:
-            self._first.append([rec, None])
-        else:
-            self._recent.append([rec, None])
 
 
 def _samplers(detectors: list[Any]) -> list[Any]:
     """The detectors that can ask for a mechanism sample (a `wants_sample` of their own): found
     once, not by an attribute lookup per detector per step."""
     return [d for d in detectors if hasattr(type(d), "wants_sample")]
-
-
-def _saved(entry: list[Any]) -> dict[str, Any]:
-    if entry[1] is None:
-        entry[1] = json_safe(entry[0].to_dict())
-    saved: dict[str, Any] = entry[1]  # json_safe of a dict is a dict
-    return saved

@@ -1,11 +1,13 @@
 """What the engine concludes from one step, once the torch side has said what it found and did.
 
-The engine judges a record first (`HealthEngine.step`); the Monitor then gathers the evidence
-only torch can give (the cause of a non-finite value, a re-run's verdict, what recovery did) as
-plain data in `StepEvidence`, and `HealthEngine.finish` turns it into one `StepOutcome`: every
-alert with its final text and details, the incident events, the directives for the next step and
-the stop decision. Every alert of a step is built here or in `HealthEngine.alert_for` (pure: no
-torch; files are written through the two writers the evidence carries).
+The engine judges a record first (`HealthEngine.step`: a `StepOutcome` with the alerts as the
+detectors raised them); the Monitor then gathers the evidence only torch can give (the cause of
+a non-finite value, a re-run's verdict, what recovery did) as plain data in `StepEvidence`, and
+`HealthEngine.finish` turns both into the final `StepOutcome`: every alert with its final text and
+details, the incident events, the directives for the next step, the stop decision and the files
+due (the run's first flight record, the HTML report). Every alert of a step is built here or in
+`HealthEngine.alert_for` (pure: no torch, no files: the Monitor writes the files due and records
+their paths with `StepOutcome.with_flight_record` / `with_report`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .._core.events import IncidentEvent
 from .._core.types import Alert, AlertKind, Health, IncidentState, Severity, StepRecord
 
 __all__ = [
+    "FlightRecordDue",
     "FlightRecordRef",
     "RecoveryAction",
     "RecoveryReport",
@@ -75,13 +78,23 @@ class StepEvidence:
     recovery: RecoveryReport | None = None
     distributed: bool = False  # alerts name the rank of the record
     flight_record: str | None = None  # the run's flight record, when one was written already
-    write_flight_record: Callable[[Alert], FlightRecordRef | None] | None = None
-    write_report: Callable[[Sequence[Alert], Sequence[IncidentEvent]], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class FlightRecordDue:
+    """A critical alert the run's first flight record is due for: `alert` as the file states it
+    (before the record's rank and batch facts), `index` its place in the outcome's alerts."""
+
+    index: int
+    alert: Alert
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """Everything decided about one step: what to send, what to do next."""
+    """Everything decided about one step: what to send, what to do next, which files to write.
+
+    `HealthEngine.step` gives the judged outcome (alerts as raised, nothing decided yet about
+    stopping, sampling or files); `HealthEngine.finish` the final one."""
 
     step: int
     health: Health
@@ -91,10 +104,42 @@ class StepOutcome:
     sample_next: bool = False  # sample the mechanism probes at the next step
     flight_record: str | None = None  # the flight record written at this step (None when none)
     incident_state: IncidentState = IncidentState.NONE  # the run's incident after this step (charted at it)
+    # the run has no flight record yet and this step raised critical alerts: one is written for
+    # the first of them whose write succeeds
+    flight_record_due: tuple[FlightRecordDue, ...] = ()
+    report_due: bool = False  # an incident went critical at this step: the HTML report is written
 
     @property
     def critical(self) -> bool:
         return any(a.severity is Severity.CRITICAL for a in self.alerts)
+
+    @property
+    def detail_on(self) -> bool:
+        """An incident is open: watch every module's output from the next step."""
+        return self.incident_state.active
+
+    def with_flight_record(self, due: FlightRecordDue, ref: FlightRecordRef) -> StepOutcome:
+        """This outcome once `ref` was written for `due`: its alert and the open incident's
+        events name it, with the trajectory it holds."""
+        alerts = list(self.alerts)
+        final = alerts[due.index]
+        # its details in the order they always had: the flight record's before the record's facts
+        named = with_flight_record(due.alert, ref)
+        alerts[due.index] = dataclasses.replace(
+            final, flight_record=ref.path, details={**named.details, **final.details}
+        )
+        incidents = tuple(
+            e.with_flight_record(e.flight_record or ref.path) if e.state.active else e for e in self.incidents
+        )
+        return dataclasses.replace(
+            self, alerts=tuple(alerts), incidents=incidents, flight_record=ref.path, flight_record_due=()
+        )
+
+    def with_report(self, path: str) -> StepOutcome:
+        """This outcome once the HTML report was written to `path`: the open incident's events name it
+        (the console line, webhook and TensorBoard text show it)."""
+        incidents = tuple(dataclasses.replace(e, report=path) if e.state.active else e for e in self.incidents)
+        return dataclasses.replace(self, incidents=incidents, report_due=False)
 
 
 def rerun_due(alerts: Sequence[Alert]) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .._core.types import StepRecord
 from .._policy.policy import Policy
-from .engine import WARM_FIRST, WARM_RECENT, EngineStep, HealthEngine
+from .engine import WARM_FIRST, WARM_RECENT, HealthEngine
+from .outcome import StepOutcome
 
 __all__ = ["SegmentedEngine"]
 
@@ -26,8 +27,8 @@ class SegmentedEngine:
     def _fresh(self) -> HealthEngine:
         return HealthEngine(self.policy, warm_first=self._warm[0], warm_recent=self._warm[1])
 
-    def step(self, rec: StepRecord) -> EngineStep:
-        """The record's engine step, in a fresh engine when it starts a new segment."""
+    def step(self, rec: StepRecord) -> StepOutcome:
+        """The record's judged outcome, in a fresh engine when it starts a new segment."""
         self.restarted_after = None
         if self.last_step is not None and rec.step <= self.last_step:
             number = self.engine._incidents.number

@@ -1,32 +1,32 @@
-"""Monitor: the one object a training loop touches."""
+"""Monitor: the one object a training loop touches (its setup, `post_step` and close; each step's
+evaluation is the `StepPipeline`'s)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .._core.errors import NummonError
 from .._core.events import IncidentEvent, StepReport
-from .._core.maths import clip_ratio
-from .._core.types import Alert, Health, StepRecord
-from .._engine.engine import EngineStep, HealthEngine
-from .._engine.outcome import FlightRecordRef, StepEvidence, StepOutcome, rerun_due
-from .._policy.policy import PolicyLike, load_policy
-from .._report.live import LiveReport
+from .._core.types import Alert
+from .._policy.policy import Policy, PolicyLike, load_policy
 from .._stats import Pending, StatsCollector
 from . import shutdown as _shutdown
 from .checks import check_clip_norm, check_loss, check_parts, check_per_sample
+from .pipeline import StepPipeline
 from .recorder import FlightRecorder, FlightRecords, RunFolder
-from .sink_wiring import histogram_cadences, policy_sinks, sink_dispatcher
+from .sink_wiring import histogram_steps, policy_sinks, sink_dispatcher
+
+if TYPE_CHECKING:
+    from .._forensics import NonfiniteReport
+    from .recovery import Recovery
 
 __all__ = ["Monitor"]
 
@@ -40,6 +40,28 @@ def _reducer(process_group: Any) -> Any:
     from .._stats.distributed import DistributedReducer
 
     return DistributedReducer(process_group)
+
+
+def _replica_check(stats: StatsCollector, policy: Policy, dist: Any, model: Any) -> None:
+    """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""
+    rp = policy.replicas
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if dist is None or not (rp.enabled if rp.enabled is not None else ddp):
+        return
+    from .._forensics.replicas import ReplicaCheck
+
+    stats.replicas = ReplicaCheck(rp.every, stats.watched)
+
+
+def _recovery(
+    stats: StatsCollector, policy: Policy, dist: Any, flight_records: FlightRecords, step_of: Callable[[], int]
+) -> Recovery | None:
+    """Recovery (opt-in, policy `recovery`): guard on optimizer.step, snapshots, rollbacks."""
+    if not policy.recovery.enabled:
+        return None
+    from .recovery import Recovery
+
+    return Recovery(stats.model, stats.optimizer, policy.recovery, dist, flight_records, step_of=step_of)
 
 
 class Monitor:
@@ -56,10 +78,22 @@ class Monitor:
     non-blocking copy, so the GPU never waits; alerts keep their true step; the first report is
     `pending` (no health yet); `flush()` forces. Files (flight records) go to `run_dir`, else the
     first `JsonlSink`'s folder, else `nummon-runs/<timestamp>/`.
+
+    What a loop reads off it (everything else is internal):
+
+    - `step`: the step the next `post_step` is for;
+    - `alerts`, `incidents`: every alert and incident event so far, oldest first;
+    - `should_stop`: a critical alert nobody handled (under `alerts.stop_on_critical`);
+    - `flight_record`: the path of the run's flight record (None until one is written);
+    - `report_path`: the HTML incident report (None until one is written);
+    - `cause`: why the first non-finite step went non-finite (a `NonfiniteReport`, given `recompute`);
+    - `recoveries`, `skipped_batches`: what recovery did, and the fingerprints of the batches whose
+      update it skipped;
+    - `sink_stats`: errors and dropped step records per sink;
+    - `recent(n)`: the flight recorder's last step records;
+    - `engine_state()` / `load_engine_state(state)`: the health engine's state, for a checkpoint.
     """
 
-    alerts: list[Alert]  # every routed alert, oldest first
-    incidents: list[IncidentEvent]  # every incident transition (opened, escalated, resolved, acted on)
     step: int  # the step the next post_step is for
 
     def __init__(
@@ -75,62 +109,28 @@ class Monitor:
         start_step: int = 0,
     ) -> None:
         check_parts(model, optimizer)
-        self.policy = load_policy(policy)
-        sink_list = policy_sinks(self.policy, sinks)
+        self._policy = load_policy(policy)
+        sink_list = policy_sinks(self._policy, sinks)
         self._dist = _reducer(process_group)
-        self.rank = self._dist.rank if self._dist else 0
-        self.stats = StatsCollector(model, optimizer, self.policy, dist=self._dist, grad_scaler=grad_scaler)
-        self._replicas = self._replica_check(model)
-        self.engine = HealthEngine(self.policy, context={"optimizer": self.stats.optimizer_kind()})
-        self.recorder = FlightRecorder(self.policy.recorder.steps)
+        rank = self._dist.rank if self._dist else None  # None: a single process
+        self._stats = StatsCollector(model, optimizer, self._policy, dist=self._dist, grad_scaler=grad_scaler)
+        _replica_check(self._stats, self._policy, self._dist, model)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
-        self.run_folder = RunFolder(self.policy.recorder.directory, run_dir, sink_list)
-        self.flight_records = FlightRecords(
-            self.recorder, self.run_folder, enabled=self.policy.recorder.write, rank=self.rank if self._dist else None
-        )
-        self._sinks = sink_dispatcher(self.policy, sink_list, self._dist, self.rank, self.run_folder.known)
-        self._start_run_state(start_step)
-        self._hist_every, self._hist_early = histogram_cadences(self.policy, sink_list, self._sinks.wants_histograms)
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
-        self.recovery = self._recovery()
-        # forensics: the weights a failing step's re-run needs; installed at the first post_step given a
-        # `recompute` (a loop without one pays nothing: no hooks, no per-step check)
-        self._evidence: Any = None
-        # the HTML incident report (policy `report`, rank 0): written on a critical escalation and at close only
-        self._report = LiveReport(self.run_folder.path) if self.policy.report.enabled and self.rank == 0 else None
-        self._arm_mechanisms()
-        _shutdown.register(self, self.policy.sinks.handle_sigterm)
-
-    def _start_run_state(self, start_step: int) -> None:
-        self.alerts = []
-        self.incidents = []  # one per opened / escalated / resolved incident
-        self.step = start_step  # the step the next post_step is for
-        self.flight_record: Path | None = None
+        folder = RunFolder(self._policy.recorder.directory, run_dir, sink_list)
+        self._recorder = FlightRecorder(self._policy.recorder.steps)
+        flight_records = FlightRecords(self._recorder, folder, enabled=self._policy.recorder.write, rank=rank)
+        self._sinks = sink_dispatcher(self._policy, sink_list, self._dist, rank or 0, folder.known)
+        self.step = start_step
         self._pending: tuple[Pending, float | None] | None = None  # lagged mode: (statistics, clip_norm)
-        self._recompute: Callable[[], Any] | None = None  # this step's way to re-run its loss (forensics)
-        self._step_loss: Any = None  # this step's loss as passed (the verdict compares its re-run with it)
-        self.verdicts: list[Any] = []  # every re-run's Verdict (nummon/_forensics/verdict.py), oldest first
-        self.cause: Any = None  # the NonfiniteReport of the first non-finite step, when it could be explained
         self._lock = threading.RLock()  # post_step from several threads: one step number each
         self._closed = False
-        self._stop = False
-        self._sample_next = False  # the engine's directive: sample the mechanism probes at the next step
-
-    def _recovery(self) -> Any:
-        """Recovery (opt-in, policy `recovery`): guard on optimizer.step, snapshots, rollbacks."""
-        if not self.policy.recovery.enabled:
-            return None
-        from .recovery import Recovery
-
-        return Recovery(
-            self.stats.model,
-            self.stats.optimizer,
-            self.policy.recovery,
-            self._dist,
-            self.flight_records,
-            step_of=lambda: self.step,
-        )
+        self._hist = histogram_steps(self._policy, sink_list, self._sinks.wants_histograms)
+        if self._hist.every:
+            self._stats.want_activation_histograms(self._hist.due(self.step))
+        recovery = _recovery(self._stats, self._policy, self._dist, flight_records, step_of=lambda: self.step)
+        self._steps = StepPipeline(self._policy, self._stats, self._sinks, flight_records, recovery, rank=rank)
+        self._steps.arm_mechanisms(self.step)
+        _shutdown.register(self, self._policy.sinks.handle_sigterm)
 
     # ------------------------------------------------------------------ public
     def post_step(
@@ -166,60 +166,48 @@ class Monitor:
         with _shutdown.safe_point(), self._lock:  # a SIGTERM within it is acted on after it
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
-            self._recompute, self._step_loss = recompute, loss
-            if recompute is not None and self._evidence is None:
-                self._evidence = self._step_evidence()
+            self._steps.begin(recompute, loss)
             report = None
             try:
                 report = self._post_step(loss, batch, clip_norm, per_sample_loss)
                 return report
             finally:
-                self._recompute = self._step_loss = None
-                if self._evidence is not None:
-                    self._evidence.step_done()
-                    # the host generators are kept at each forward only while something is open
-                    self._evidence.keep_host = report is not None and report.health is not Health.HEALTHY
+                self._steps.end(report)
 
     def _post_step(self, loss: Any, batch: Any, clip_norm: float | None, per_sample_loss: Any = None) -> StepReport:
         s = self.step
-        sp = self.policy.sampling
-        if per_sample_loss is not None and self.stats.mechanisms is not None:
-            self.stats.mechanisms.per_sample(per_sample_loss)
-        pending = self.stats.launch(
+        sp = self._policy.sampling
+        if per_sample_loss is not None and self._stats.mechanisms is not None:
+            self._stats.mechanisms.per_sample(per_sample_loss)
+        pending = self._stats.launch(
             s, loss, batch, params_due=sp.params_due(s), optim_due=sp.optimizer_due(s), clip_norm=clip_norm
         )
         hist = None
-        if self._hist_every and self._hist_due(s):
-            hist = self.stats.histograms()
+        if self._hist.every and self._hist.due(s):
+            hist = self._stats.histograms()
         self.step += 1
-        if self._hist_every:
-            self.stats.want_activation_histograms(self._hist_due(self.step))
+        if self._hist.every:
+            self._stats.want_activation_histograms(self._hist.due(self.step))
         if hist:
             self._sinks.histograms(s, hist)
         # lag only when the copy is asynchronous (CUDA); decided per step, so a model moved to
         # the GPU after the Monitor was made is handled too
-        if self.policy.sampling.lag_one_step and pending.event is not None:
+        if sp.lag_one_step and pending.event is not None:
             previous, self._pending = self._pending, (pending, clip_norm)
             if previous is None:  # nothing measured yet: say so rather than guess "healthy"
-                self._arm_mechanisms()
-                return StepReport(step=s, health=None, should_stop=self._stop, pending=True)
+                self._steps.arm_mechanisms(self.step)
+                return StepReport(step=s, health=None, should_stop=self._steps.stop, pending=True)
             report = self._evaluate(*previous)
         else:
             report = self._evaluate(pending, clip_norm)
-            if report.incidents and hist is None and self._hist_every:
+            if report.incidents and hist is None and self._hist.every:
                 # the moment of trouble: histograms of this step's parameters and gradients too
-                self._sinks.histograms(s, self.stats.histograms())
-        self._arm_mechanisms()
+                self._sinks.histograms(s, self._stats.histograms())
+        self._steps.arm_mechanisms(self.step)
         return report
 
-    def _arm_mechanisms(self) -> None:
-        """Sample the mechanism probes at the next step when it is due, when a detector must
-        confirm what it saw, or while an incident is open."""
-        probes = self.stats.mechanisms
-        if probes is None:
-            return
-        mp = self.policy.mechanisms
-        probes.arm(self.step % mp.every == 0 or self._sample_next)
+    def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
+        return self._steps.evaluate(pending, clip_norm, next_step=self.step)
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
@@ -228,7 +216,7 @@ class Monitor:
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 report = self._evaluate(*pending)
-            self._sinks.flush(timeout=self.policy.sinks.flush_timeout_s)
+            self._sinks.flush(timeout=self._policy.sinks.flush_timeout_s)
             return report
 
     def close(self) -> None:
@@ -240,35 +228,15 @@ class Monitor:
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 self._evaluate(*pending)
-            for ev in self.engine.close(self.step - 1):  # an incident whose run became healthy again ends
-                self.incidents.append(ev)
-                self._sinks.incident(ev)
+            self._steps.close(self.step - 1)  # an incident whose run became healthy again ends
             self._closed = True
-            self.stats.remove_hooks()
-            if self.recovery is not None:  # recovery: give optimizer.step back
-                self.recovery.close()
-            if self._evidence is not None:
-                self._evidence.close()
-            self._sinks.close(timeout=self.policy.sinks.close_timeout_s)
-            self._write_report_at_close()
+            self._stats.remove_hooks()
+            self._steps.release()  # recovery gives optimizer.step back
+            self._sinks.close(timeout=self._policy.sinks.close_timeout_s)
+            path = self._steps.write_final_report()
+            if path is not None:
+                log.info("nummon: incident report: %s", path)
             _shutdown.unregister(self)
-
-    def _write_report_at_close(self) -> None:
-        """The whole run's report (from the event log when the run folder has one), when the run
-        has a folder of its own or had an incident (no folder is made for a healthy run)."""
-        if self._report is None or not self.recorder.records:
-            return
-        if self.run_folder.known is None and not self.incidents:
-            return
-        report = self._report
-        path = report.from_folder(lambda: report.from_memory(self.recorder.records, self.alerts, self.incidents))
-        if path is not None:
-            log.info("nummon: incident report: %s", path)
-
-    @property
-    def report_path(self) -> Path | None:
-        """The HTML incident report written into the run folder (None until one is)."""
-        return self._report.path if self._report is not None else None
 
     def __enter__(self) -> Monitor:
         return self
@@ -277,152 +245,62 @@ class Monitor:
         self.close()
 
     @property
+    def alerts(self) -> list[Alert]:
+        """Every routed alert, oldest first."""
+        return self._steps.alerts
+
+    @property
+    def incidents(self) -> list[IncidentEvent]:
+        """Every incident transition (opened, escalated, resolved, acted on), oldest first."""
+        return self._steps.incidents
+
+    @property
     def should_stop(self) -> bool:
-        return self._stop
+        """A critical alert nobody handled (skip, rollback), under `alerts.stop_on_critical`."""
+        return self._steps.stop
+
+    @property
+    def flight_record(self) -> Path | None:
+        """The run's flight record (its first critical alert's), None until one is written."""
+        return self._steps.flight_record
+
+    @property
+    def report_path(self) -> Path | None:
+        """The HTML incident report written into the run folder (None until one is)."""
+        return self._steps.report.path if self._steps.report is not None else None
+
+    @property
+    def cause(self) -> NonfiniteReport | None:
+        """Why the run's first non-finite step went non-finite (operator, line, cause, remedy):
+        given `post_step(recompute=...)` and when it could be explained, else None."""
+        return self._steps.cause
 
     @property
     def recoveries(self) -> list[dict[str, Any]]:
         """What recovery did (skips, rollbacks, budget spent), oldest first; empty when it is off."""
-        return list(self.recovery.log) if self.recovery is not None else []
+        return list(self._steps.recovery.log) if self._steps.recovery is not None else []
+
+    @property
+    def skipped_batches(self) -> list[str]:
+        """The fingerprints of the batches whose update recovery skipped (given `batch=`), oldest first."""
+        return list(self._steps.recovery.skipped_batches) if self._steps.recovery is not None else []
 
     @property
     def sink_stats(self) -> dict[str, dict[str, int]]:
         """Errors and dropped step records per sink (two sinks of one class: `Name`, `Name#2`)."""
         return self._sinks.stats()
 
-    # ------------------------------------------------------------------ internals
-    #: With the default cadence, histograms at these early steps too: a short run and its start are visible
-    EARLY_HISTOGRAM_STEPS = frozenset({0, 1, 2, 5, 10, 20, 50, 100, 200, 500})
-
-    def _hist_due(self, step: int) -> bool:
-        if getattr(self, "_hist_early", False) and step in self.EARLY_HISTOGRAM_STEPS:
-            return True
-        return any(step % k == 0 for k in self._hist_every)
-
-    def _evaluate(self, pending: Pending, clip_norm: float | None = None) -> StepReport:
-        """The pipeline of one step: statistics -> health engine -> torch-side evidence (cause,
-        verdict, recovery) -> the engine's outcome -> dispatch."""
-        rec = self._resolve(pending, clip_norm)
-        found = self._replicas.take() if self._replicas is not None else ()
-        got = self.engine.step(rec, replicas=found)  # the record is frozen from here on
-        self.stats.watch_all_modules(got.detail_on)  # every module's output while an incident is open
-        self.recorder.add(rec, got.health)
-        outcome = self.engine.finish(got, self._gather(rec, got))
-        self._sample_next = outcome.sample_next
-        self._stop = self._stop or outcome.stop
-        if outcome.flight_record is not None:
-            self.flight_record = Path(outcome.flight_record)
-        self._dispatch(rec, outcome)
-        return StepReport(
-            step=rec.step,
-            health=outcome.health,
-            alerts=outcome.alerts,
-            should_stop=self._stop,
-            record=rec,
-            incidents=outcome.incidents,
-        )
-
-    def _gather(self, rec: StepRecord, got: EngineStep) -> StepEvidence:
-        """What only torch can tell or do about this step: the cause of its first non-finite
-        value, a re-run's verdict, recovery's actions; and the writers of its files."""
-        cause = verdict = unavailable = recovery = None
-        forensics = self._recompute is not None and self.policy.forensics.enabled
-        if forensics and not rec.is_finite() and self.cause is None:
-            cause = self.cause = self._cause()
-        if self._recompute is not None and self._evidence is not None and rerun_due(got.alerts):
-            verdict, unavailable = self._verdict(rec)
-        if self.recovery is not None:
-            recovery = self.recovery.on_record(rec, got.health, got.alerts, verdict)
-        return StepEvidence(
-            rec,
-            cause=cause,
-            verdict=verdict,
-            verdict_unavailable=unavailable,
-            recovery=recovery,
-            distributed=self._dist is not None,
-            flight_record=str(self.flight_record) if self.flight_record is not None else None,
-            write_flight_record=self._write_flight_record,
-            write_report=self._write_report if self._report is not None else None,
-        )
-
-    def _dispatch(self, rec: StepRecord, outcome: StepOutcome) -> None:
-        """Keep and send the step's record, alerts and incident events, in that order."""
-        self._sinks.step(rec, outcome.health, outcome.incident_state)
-        for a in outcome.alerts:
-            self.alerts.append(a)
-            self._sinks.alert(a)
-        for ev in outcome.incidents:
-            self.incidents.append(ev)
-            self._sinks.incident(ev)
-        if outcome.critical:
-            # the alert that precedes a crash is in the event log before post_step returns; the
-            # other sinks (W&B, webhooks) get it asynchronously, so they never stall training
-            self._sinks.flush(timeout=self.policy.sinks.critical_timeout_s, durable_only=True)
-
-    def _resolve(self, pending: Pending, clip_norm: float | None) -> StepRecord:
-        rec = self.stats.resolve(pending)
-        if clip_norm is not None and rec.clip_ratio is None and not rec.frozen:
-            ratio = clip_ratio(rec.grad_norm, clip_norm)
-            if ratio is not None:
-                rec = dataclasses.replace(rec, clip_ratio=ratio)
-        return rec
-
-    def _cause(self) -> Any:
-        """The cause of this step's first non-finite value (a NonfiniteReport), or None."""
-        from .._forensics import explain_quietly
-
-        assert self._recompute is not None  # post_step explains only a step that has a way to re-run
-        weights = self._evidence.forward_state() if self._evidence is not None and self._evidence.faithful else None
-        with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
-            return explain_quietly(self._recompute, self.stats.model)
-
-    def _replica_check(self, model: Any) -> Any:
-        """Replica checks (policy `replicas`) under data parallelism: on for DDP models unless set."""
-        rp = self.policy.replicas
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        if self._dist is None or not (rp.enabled if rp.enabled is not None else ddp):
-            return None
-        from .._forensics.replicas import ReplicaCheck
-
-        self.stats.replicas = ReplicaCheck(rp.every, self.stats.watched)
-        return self.stats.replicas
-
-    def _step_evidence(self) -> Any:
-        """The pre-update evidence a verdict needs (forensics on, a model and an optimizer)."""
-        if not (self.policy.forensics.enabled and self.stats.model is not None and self.stats.optimizer is not None):
-            return None
-        from .._forensics.verdict import ForwardState
-
-        return ForwardState(self.stats.model, self.stats.optimizer, guarded=self.recovery is not None)
-
-    def _verdict(self, rec: StepRecord) -> tuple[Any, str | None]:
-        """A critical step re-run for its verdict: reproducible (data, optimisation) or not (a
-        fault); (None, why) when it could not be re-run."""
-        from .._forensics.verdict import gather_verdict
-
-        assert self._recompute is not None and self._evidence is not None
-        with self.stats.hooks_paused():  # the re-run is not a training forward
-            v, why = gather_verdict(
-                self._recompute, rec, self._step_loss, self._evidence, self.rank, current=rec.step == self.step - 1
-            )
-        if v is not None:
-            self.verdicts.append(v)
-        return v, why
-
-    def _write_flight_record(self, alert: Alert) -> FlightRecordRef | None:
-        """The run's flight record, written for its first critical alert."""
-        path = self.flight_records.write(alert)
-        if path is None:
-            return None
-        return FlightRecordRef(str(path), [r["step"] for r in self.recorder.records], self.recent(8))
-
-    def _write_report(self, alerts: Sequence[Alert], events: Sequence[IncidentEvent]) -> str | None:
-        """The HTML incident report, written when an incident escalates to critical."""
-        assert self._report is not None
-        path = self._report.from_memory(self.recorder.records, [*self.alerts, *alerts], [*self.incidents, *events])
-        return str(path) if path is not None else None
-
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:
         """The flight recorder's last `n` step records (plain dicts)."""
-        recs = self.recorder.records
+        recs = self._recorder.records
         return recs if n is None else recs[-n:]
+
+    def engine_state(self) -> dict[str, Any]:
+        """The health engine's state (the incident, the records that re-warm its detectors) as
+        plain strict-JSON data, for a checkpoint: a resumed run does not start cold."""
+        return self._steps.engine.state_dict()
+
+    def load_engine_state(self, state: dict[str, Any], origin: str = "engine state") -> None:
+        """Resume the health engine from `engine_state()`; StateError (nothing changed) when
+        `state` is not one (`origin` names it in the message)."""
+        self._steps.engine.load_state_dict(state, origin=origin)

@@ -4,6 +4,7 @@ run, and the steps the histogram-drawing sinks are fed at."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from .._policy.policy import Policy
 from .._sinks.builtin import ConsoleSink, JsonlSink, RunContext, Sink, as_sink
 from .._sinks.dispatch import SinkDispatcher
 
-__all__ = ["histogram_cadences", "policy_sinks", "sink_dispatcher"]
+__all__ = ["HistogramSteps", "histogram_steps", "policy_sinks", "sink_dispatcher"]
 
 
 def policy_sinks(policy: Policy, sinks: Iterable[Any]) -> list[Sink]:
@@ -41,15 +42,33 @@ def sink_dispatcher(
     return dispatcher
 
 
-def histogram_cadences(policy: Policy, sink_list: list[Sink], wanted: bool) -> tuple[list[int], bool]:
-    """(the steps histograms are taken at, whether early steps are added): the policy's cadence
-    and any sink's own (e.g. TensorBoardSink(histogram_every=50)); when neither sets one, the
-    default of the sinks that draw them (cost bounded: nummon/_sinks/layout.py) and log-spaced early
-    steps as well. ([], False) when no sink wants histograms (`wanted` False)."""
+#: With the default cadence, histograms at these early steps too: a short run and its start are visible
+EARLY_HISTOGRAM_STEPS = frozenset({0, 1, 2, 5, 10, 20, 50, 100, 200, 500})
+
+
+@dataclass(frozen=True)
+class HistogramSteps:
+    """The steps histograms are taken at: the multiples of each of `every` (none: no sink wants
+    histograms), and the log-spaced early steps too when `early`."""
+
+    every: list[int]
+    early: bool = False
+
+    def due(self, step: int) -> bool:
+        if self.early and step in EARLY_HISTOGRAM_STEPS:
+            return True
+        return any(step % k == 0 for k in self.every)
+
+
+def histogram_steps(policy: Policy, sink_list: list[Sink], wanted: bool) -> HistogramSteps:
+    """The steps histograms are taken at: the policy's cadence and any sink's own (e.g.
+    TensorBoardSink(histogram_every=50)); when neither sets one, the default of the sinks that
+    draw them (cost bounded: nummon/_sinks/layout.py) and log-spaced early steps as well. No
+    steps when no sink wants histograms (`wanted` False)."""
     if not wanted:
-        return [], False
+        return HistogramSteps([])
     cadences = [policy.sampling.histogram_every] + [getattr(s, "histogram_every", None) or 0 for s in sink_list]
     early = not any(cadences)  # the default cadence: log-spaced early steps as well
     if early:
         cadences = [getattr(s, "default_histogram_every", 0) or 0 for s in sink_list]
-    return sorted({c for c in cadences if c > 0}), early
+    return HistogramSteps(sorted({c for c in cadences if c > 0}), early)

@@ -30,7 +30,7 @@ class WatchedRun:
         self.notes: list[str] = []  # one-line warnings for the watcher to print
         self.records = 0  # records processed since the run was first seen (all restarts)
         self.last_activity = time.monotonic()
-        self.on_record: Any = None  # hook: on_record(run_id, record, EngineStep) (the metrics)
+        self.on_record: Any = None  # hook: on_record(run_id, record, StepOutcome) (the metrics)
         self.memory: Any = None  # reports.RunMemory when the watcher writes reports: what a page is drawn from
 
     def poll(self, final: bool = False, stop: Any = None, chunks: int | None = None) -> list[RunIncident]:

@@ -162,7 +162,7 @@ def test_diagnostics_do_not_fire_the_users_monitor_hooks(user):
     mon = Monitor(model, opt)
     check_gradients(model, batch(), CE)
     overfit_one_batch(model, batch(), CE, steps=5)
-    assert mon.stats.probes._order == []  # the copies carried no hooks back to the monitor
+    assert mon._stats.probes._order == []  # the copies carried no hooks back to the monitor
     mon.close()
 
 

@@ -142,10 +142,12 @@ def _may_import_line(doc: str) -> set[str] | None:
 
 @pytest.mark.parametrize(
     "folder",
-    [f for f in FOLDERS if f.startswith("_") and not f.startswith("__") and f != "_support"] + ["integrations"],
+    [f for f in FOLDERS if f.startswith("_") and not f.startswith("__")] + ["integrations"],
 )
 def test_each_folder_says_what_it_owns_and_what_it_may_import(folder):
     init = (ROOT / "integrations" if folder == "integrations" else ROOT / "nummon" / folder) / "__init__.py"
+    if folder == "_support":  # one module: the integrations' reach into the package
+        init = ROOT / "nummon" / "_support.py"
     doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
     assert doc, f"{init}: a docstring saying what the folder owns"
     assert _may_import_line(doc) == set(FOLDERS[folder]), f"{init}: its 'May import:' sentence and FOLDERS differ"
@@ -222,8 +224,6 @@ MAX_CLASS_LINES = 250
 #: grow, and an entry that fits again must be deleted (the list only shrinks). Keys: a module's
 #: path, or "path:qualified.function".
 OVERSIZE_ALLOWED: dict[str, int] = {
-    "nummon/_engine/engine.py:HealthEngine": 281,
-    "nummon/_monitor/monitor.py:Monitor": 384,
     "nummon/_stats/capture.py:ForwardCapture": 275,
     "nummon/_stats/collector.py:StatsCollector": 269,
     "nummon/_watch/watcher.py:Watcher": 402,

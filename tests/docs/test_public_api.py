@@ -74,7 +74,7 @@ def test_public_fields_are_typed_with_the_public_types():
     assert typing.get_type_hints(nummon.IncidentEvent)["state"] is nummon.IncidentState
     assert typing.get_type_hints(nummon.IncidentEvent)["contributors"] == tuple[nummon.Contributor, ...]
     assert typing.get_type_hints(nummon.BaseSink.on_incident)["event"] is nummon.IncidentEvent
-    assert typing.get_type_hints(nummon.Monitor)["incidents"] == list[nummon.IncidentEvent]
+    assert typing.get_type_hints(nummon.Monitor.incidents.fget)["return"] == list[nummon.IncidentEvent]
     for method in ("bind", "on_step", "on_histograms", "on_alert", "on_incident", "flush", "close"):
         assert hasattr(nummon.Sink, method) and hasattr(nummon.BaseSink, method), method
     assert isinstance(nummon.JsonlSink("x.jsonl"), nummon.Sink) and nummon.JsonlSink.durable

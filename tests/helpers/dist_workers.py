@@ -350,7 +350,7 @@ def compiled_ddp_mechanisms(rank, world, port, out_dir):
         {
             "records": records,
             "collectives": per_step,
-            "errors": mon.stats.mechanisms.errors,
+            "errors": mon._stats.mechanisms.errors,
             "weights": [float(p.detach().sum()) for p in model.parameters()],
         },
     )
@@ -391,7 +391,7 @@ def replica_faults(rank, world, port, out_dir, variant, steps, every, fault_step
             stopped_at = r.step
             break
     mon.close()
-    replica = mon._replicas
+    replica = mon._stats.replicas
     _out(
         out_dir,
         rank,

@@ -199,7 +199,7 @@ def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path)
     texts = [str(text) for _, text in fw.readme_blow_up(tmp_path, cb)]
     start, end = START.match(texts[0]), SUMMARY.match(texts[-1])
     assert start and end, (texts[0], texts[-1])
-    model, policy = cb.monitor.stats.model, cb.policy
+    model, policy = cb.monitor._stats.model, cb.policy
     params = list(model.parameters())
     name, number, unit, tensors, preset, stop, params_every, optim_every, acts, events, flight_dir = start.groups()
     assert name == type(model).__name__ and int(tensors) == len(params)

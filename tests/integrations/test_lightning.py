@@ -39,5 +39,5 @@ def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path
     resumed = NummonLightningCallback(follow_loggers=False)
     trainer2 = trainer_for(tmp_path / "b", [resumed], steps=14)
     trainer2.fit(TinyRegressor(1e-3, optimizer="adamw"), synthetic_data(), ckpt_path=str(ckpt))
-    steps = [r["step"] for r in resumed.monitor.engine.state_dict()["first"]]
+    steps = [r["step"] for r in resumed.monitor.engine_state()["first"]]
     assert steps == list(range(14))  # 0..11 from the checkpoint, then 12 and 13: not a cold start at 12

@@ -97,7 +97,7 @@ def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
         resumable_trainer(tmp_path, cb, steps=8, save_steps=2).train(resume_from_checkpoint=str(ckpt))
     warned = [r.getMessage() for r in caplog.records if r.name == "nummon" and "starts cold" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-    assert [r["step"] for r in cb.monitor.engine.state_dict()["first"]] == [6, 7] and cb.monitor.step == 8
+    assert [r["step"] for r in cb.monitor.engine_state()["first"]] == [6, 7] and cb.monitor.step == 8
     assert saved_nummon_state(tmp_path / "checkpoint-8")["nummon"]["step"] == 8  # and saves a good one
 
 
@@ -114,13 +114,13 @@ def test_a_run_resumed_from_a_checkpoint_resumes_the_health_engine_warm(tmp_path
 
     resumed = NummonTrainerCallback(follow_report_to=False, console=False)
     resumable_trainer(tmp_path, resumed, steps=8).train(resume_from_checkpoint=str(ckpt))
-    steps = [r["step"] for r in resumed.monitor.engine.state_dict()["first"]]
+    steps = [r["step"] for r in resumed.monitor.engine_state()["first"]]
     assert steps == list(range(8))  # 0..5 from the checkpoint, then 6 and 7: not a cold start at 6
     assert resumed.monitor.step == 8
 
     # the same callback object trained again from scratch starts cold (its own old state is not a checkpoint's)
     resumable_trainer(tmp_path / "fresh", resumed, steps=2).train()
-    assert [r["step"] for r in resumed.monitor.engine.state_dict()["first"]] == [0, 1]
+    assert [r["step"] for r in resumed.monitor.engine_state()["first"]] == [0, 1]
 
 
 def test_state_dict_round_trips_through_load_state_dict(tmp_path):
@@ -135,7 +135,7 @@ def test_state_dict_round_trips_through_load_state_dict(tmp_path):
     later.load_state_dict(state)
     assert later.state_dict() == state  # held until the run starts
     resumable_trainer(tmp_path / "b", later, steps=2).train()
-    assert [r["step"] for r in later.monitor.engine.state_dict()["first"]] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in later.monitor.engine_state()["first"]] == [0, 1, 2, 3, 4]
 
 
 def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():

@@ -44,7 +44,7 @@ def test_the_hugging_face_example_blowing_up_is_reproducible_with_accumulation(t
     )
     cb = NummonTrainerCallback(console=False)
     Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched), callbacks=[cb]).train()
-    assert set(_judged(cb.monitor.verdicts, cb.monitor.alerts)) == {("reproducible", True)}
+    assert set(_judged(cb.monitor._steps.verdicts, cb.monitor.alerts)) == {("reproducible", True)}
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -59,7 +59,7 @@ def test_a_lightning_run_blowing_up_is_reproducible_with_accumulation(tmp_path, 
     model = TinyRegressor(1.5)
     cb = NummonLightningCallback(follow_loggers=False, console=False)
     trainer_for(tmp_path, [cb], steps=40, accumulate=accumulate, clip=0.0).fit(model, synthetic_data(16))
-    assert set(_judged(cb.monitor.verdicts, cb.monitor.alerts)) == {("reproducible", True)}
+    assert set(_judged(cb.monitor._steps.verdicts, cb.monitor.alerts)) == {("reproducible", True)}
 
 
 def test_a_lightning_manual_optimization_step_is_never_re_run(tmp_path):
@@ -93,4 +93,4 @@ def test_a_lightning_manual_optimization_step_is_never_re_run(tmp_path):
     trainer = trainer_for(tmp_path, [cb], steps=40, clip=None)
     trainer.fit(model, synthetic_data(16))
     assert [a for a in cb.monitor.alerts if a.severity.value == "critical"], "the run never went critical"
-    assert model.calls == trainer.global_step and cb.monitor.verdicts == []
+    assert model.calls == trainer.global_step and cb.monitor._steps.verdicts == []

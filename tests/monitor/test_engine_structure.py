@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nummon import StepRecord, load_policy, replay
 from nummon._engine.engine import HealthEngine
-from nummon._engine.outcome import StepEvidence
+from nummon._engine.outcome import FlightRecordRef, StepEvidence
 from nummon._engine.segments import SegmentedEngine
 from nummon._tools.replay import iter_replay_records
 from nummon._watch.runs import WatchedRun
@@ -85,24 +85,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engine_members_used(path):
-    """The attributes the module reads off `self.engine` (the Monitor's HealthEngine)."""
+    """The attributes the module reads off an `engine` attribute (the Monitor's HealthEngine)."""
     used = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "engine"
-            and isinstance(node.value.value, ast.Name)
-            and node.value.value.id == "self"
-        ):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine":
             used.add(node.attr)
     return used
 
 
 def test_the_monitor_touches_the_health_engine_through_three_members():
-    """step (judge the record), finish (the outcome) and close (the run's end): every other
-    decision is the engine's."""
-    assert _engine_members_used(ROOT / "nummon" / "_monitor" / "monitor.py") == {"step", "finish", "close"}
+    """step (judge the record), finish (the outcome) and close (the run's end); beyond those only
+    its state is carried (a checkpoint): every other decision is the engine's."""
+    folder = ROOT / "nummon" / "_monitor"
+    assert _engine_members_used(folder / "pipeline.py") == {"step", "finish", "close"}
+    assert _engine_members_used(folder / "monitor.py") == {"state_dict", "load_state_dict"}
 
 
 def _alerts_built(path):
@@ -122,6 +118,7 @@ def test_recovery_forensics_and_replicas_build_no_alert():
         "_forensics/_alerts.py",
         "_forensics/replicas.py",
         "_monitor/monitor.py",
+        "_monitor/pipeline.py",
     ):
         assert _alerts_built(ROOT / "nummon" / rel) == [], rel
     assert _alerts_built(ROOT / "nummon" / "_engine" / "outcome.py")
@@ -135,3 +132,23 @@ def test_the_outcome_is_immutable():
     assert outcome.alerts and outcome.critical and outcome.stop
     with pytest.raises(dataclasses.FrozenInstanceError):
         outcome.stop = False
+
+
+def test_the_evidence_is_plain_data_and_the_outcome_names_the_files_due():
+    """The engine writes no file: the evidence carries no function, and the outcome says which
+    files are due (the run's first flight record, the report); the caller records their paths."""
+    assert not any("Callable" in str(f.type) for f in dataclasses.fields(StepEvidence))
+    engine = HealthEngine(POLICY)
+    rec = StepRecord.from_dict({"step": 0, "loss": float("nan")}, "t", 0)
+    outcome = engine.finish(engine.step(rec), StepEvidence(rec))
+    critical = [i for i, a in enumerate(outcome.alerts) if a.severity.value == "critical"]
+    assert [d.index for d in outcome.flight_record_due] == critical and outcome.report_due
+    assert outcome.flight_record is None and not any(a.flight_record for a in outcome.alerts)
+    done = outcome.with_flight_record(outcome.flight_record_due[0], FlightRecordRef("fr.json", [0], []))
+    done = done.with_report("report.html")
+    assert done.flight_record == "fr.json" and done.alerts[critical[0]].flight_record == "fr.json"
+    assert done.incidents and all(e.flight_record == "fr.json" and e.report == "report.html" for e in done.incidents)
+    assert not done.flight_record_due and not done.report_due
+    nxt = StepRecord.from_dict({"step": 1, "loss": float("nan")}, "t", 1)
+    later = engine.finish(engine.step(nxt), StepEvidence(nxt, flight_record="fr.json"))
+    assert not later.flight_record_due  # the run has its flight record already

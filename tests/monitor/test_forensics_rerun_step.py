@@ -83,8 +83,10 @@ def _every_micro_batch(model, batches):
 def test_a_functional_dropout_step_re_runs_bitwise(tmp_path):
     mon, reports = _blowup(tmp_path, _last_micro_batch)
     crit = _critical(reports)
-    assert crit and mon.verdicts, [a.message for a in crit]
-    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts), [v.sentence() for v in mon.verdicts]
+    assert crit and mon._steps.verdicts, [a.message for a in crit]
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon._steps.verdicts), [
+        v.sentence() for v in mon._steps.verdicts
+    ]
 
 
 def test_a_forward_drawing_from_pythons_random_re_runs_bitwise_once_an_incident_is_open(tmp_path):
@@ -92,20 +94,24 @@ def test_a_forward_drawing_from_pythons_random_re_runs_bitwise_once_an_incident_
     # generators too, and the re-run draws what the step drew
     mon, reports = _blowup(tmp_path, _last_micro_batch, net=StochasticDepthNet)
     crit = _critical(reports)
-    assert crit and mon.verdicts, [a.details.get("verdict_unavailable") for a in crit]
-    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts), [v.sentence() for v in mon.verdicts]
+    assert crit and mon._steps.verdicts, [a.details.get("verdict_unavailable") for a in crit]
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon._steps.verdicts), [
+        v.sentence() for v in mon._steps.verdicts
+    ]
 
 
 def test_an_accumulated_step_re_run_in_full_is_reproducible_bitwise(tmp_path):
     mon, reports = _blowup(tmp_path, _every_micro_batch, micro=2)
-    assert _critical(reports) and mon.verdicts
-    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts), [v.sentence() for v in mon.verdicts]
+    assert _critical(reports) and mon._steps.verdicts
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon._steps.verdicts), [
+        v.sentence() for v in mon._steps.verdicts
+    ]
 
 
 def test_a_re_run_of_one_micro_batch_of_two_gives_no_verdict_and_says_why(tmp_path):
     mon, reports = _blowup(tmp_path, _last_micro_batch, micro=2)
     crit = _critical(reports)
-    assert crit and mon.verdicts == []
+    assert crit and mon._steps.verdicts == []
     assert all("verdict" not in a.details for a in crit)
     why = crit[0].details["verdict_unavailable"]
     assert "forward 1 time(s) and the step 2" in why and "every micro-batch" in why
@@ -118,7 +124,7 @@ def test_a_recompute_that_draws_random_numbers_before_the_forward_gives_no_verdi
 
     mon, reports = _blowup(tmp_path, augmented)
     crit = _critical(reports)
-    assert crit and mon.verdicts == []
+    assert crit and mon._steps.verdicts == []
     assert "drew random numbers before the model's forward" in crit[0].details["verdict_unavailable"]
 
 
@@ -159,9 +165,9 @@ def test_training_after_a_verdict_is_bitwise_the_run_without_nummon(tmp_path, au
         # NumPy's generators, whose states a healthy step does not keep (30 µs a forward)
         why = [a.details.get("verdict_unavailable", "") for a in mon.alerts]
         assert any("drew from Python's or NumPy's random generator" in w for w in why), why
-        assert not mon.verdicts
+        assert not mon._steps.verdicts
     else:
-        assert [v.verdict for v in mon.verdicts] == ["reproducible"]
+        assert [v.verdict for v in mon._steps.verdicts] == ["reproducible"]
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
     assert torch.equal(after[0], plain_after[0]) and after[1:] == plain_after[1:]
@@ -216,12 +222,14 @@ def _holder_run(tmp_path, steps, poison_at=None, lr=3.0):
 
 def test_a_loop_that_calls_only_a_submodule_gets_a_bitwise_verdict(tmp_path):
     mon, reports = _holder_run(tmp_path, 60)
-    assert _critical(reports) and mon.verdicts, [a.details.get("verdict_unavailable") for a in _critical(reports)]
-    assert all(v.verdict == "reproducible" and v.bitwise for v in mon.verdicts)
+    assert _critical(reports) and mon._steps.verdicts, [
+        a.details.get("verdict_unavailable") for a in _critical(reports)
+    ]
+    assert all(v.verdict == "reproducible" and v.bitwise for v in mon._steps.verdicts)
 
 
 def test_a_critical_first_step_says_no_forward_was_seen(tmp_path):
     mon, reports = _holder_run(tmp_path, 3, poison_at=0, lr=0.05)
     crit = _critical(reports)
-    assert crit and mon.verdicts == []
+    assert crit and mon._steps.verdicts == []
     assert crit[0].details["verdict_unavailable"].startswith("no forward of the model was seen in this step")

@@ -98,7 +98,7 @@ def test_a_fault_that_fires_once_in_the_step_is_not_reproducible_and_names_the_p
     assert shown == pytest.approx(ev["rerun_loss"], rel=1e-5)
     # the flight record and the incident carry it too
     assert '"verdict": "not_reproducible"' in open(crit[0].flight_record).read()
-    assert [v.verdict for v in mon.verdicts] == ["not_reproducible"]
+    assert [v.verdict for v in mon._steps.verdicts] == ["not_reproducible"]
 
 
 def test_an_inf_in_the_batch_is_reproducible_and_names_the_batch(tmp_path):
@@ -116,14 +116,14 @@ def test_a_genuine_high_lr_blowup_is_reproducible(tmp_path):
     mon, reports, _, _ = _train(tmp_path, steps=60, lr=3.0, policy=pol)
     verdicts = [a.details.get("verdict") for a in _critical(reports) if "verdict" in a.details]
     assert verdicts and set(verdicts) == {"reproducible"}, [a.message for a in _critical(reports)]
-    assert not any(v.verdict == "not_reproducible" for v in mon.verdicts)
+    assert not any(v.verdict == "not_reproducible" for v in mon._steps.verdicts)
 
 
 def test_in_the_callbacks_order_a_finite_critical_step_is_re_run_bitwise(tmp_path):
     mon, reports, _, _ = _train(tmp_path, steps=60, lr=3.0, before_update=True)
     crit = _critical(reports)
     assert crit and all(a.details["verdict"] == "reproducible" for a in crit)
-    assert mon.verdicts[0].bitwise and math.isfinite(mon.verdicts[0].rerun_loss)
+    assert mon._steps.verdicts[0].bitwise and math.isfinite(mon._steps.verdicts[0].rerun_loss)
 
 
 def test_recovery_retries_a_transient_step_and_the_run_matches_a_run_without_the_fault(tmp_path):
@@ -156,7 +156,7 @@ def test_without_a_recompute_nothing_is_re_run(tmp_path):
         loss.backward()
         opt.step()
         r = mon.post_step(loss)
-    assert mon.verdicts == [] and all("verdict" not in a.details for a in r.alerts)
+    assert mon._steps.verdicts == [] and all("verdict" not in a.details for a in r.alerts)
 
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)

@@ -193,7 +193,7 @@ def test_grad_scaler_overflow_is_info_not_critical():
     mon.close()
     # without the scaler the same overflow is the critical alert it would be in fp32 training
     mon2 = Monitor(nn.Linear(4, 2), None)
-    lin = mon2.stats.watched.named[0][1]
+    lin = mon2._stats.watched.named[0][1]
     lin.grad = torch.full_like(lin, float("inf"))
     assert mon2.post_step(1.0).should_stop
     mon2.close()
@@ -263,7 +263,7 @@ def test_statistics_are_exact_for_every_dtype_and_layout():
     moms = [opt.state[p]["momentum_buffer"].double() for p in named.values()]
     assert rec.optim_state_norm == pytest.approx(sum(m.square().sum().item() for m in moms) ** 0.5, rel=1e-5)
     assert set(rec.layer_activation_max) == {"conv", "wide", "lowp"}
-    assert mon.stats.kernels.buffers  # the CPU path wrote into its preallocated buffers
+    assert mon._stats.kernels.buffers  # the CPU path wrote into its preallocated buffers
 
 
 def test_a_module_whose_output_dtype_changes_between_steps():
@@ -348,7 +348,7 @@ def test_histograms_match_a_reference():
     x = torch.randn(8, 16)
     model(x).sum().backward()
     mon = Monitor(model)
-    hist = mon.stats.histograms(bins=16)
+    hist = mon._stats.histograms(bins=16)
     mon.close()
     for name, p in model.named_parameters():
         h = hist[f"params/{name}"]

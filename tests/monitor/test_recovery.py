@@ -97,7 +97,7 @@ def test_planted_nan_gradient_skips_the_update_leaving_weights_and_state_untouch
     skip = [a for a in report.alerts if a.details.get("recovery") == "skip"]
     assert skip and skip[0].severity.value == "info" and "skipped the update of step 5" in skip[0].message
     assert skip[0].details.get("batch_fingerprint") == report.record.fingerprint
-    assert mon.recovery.skipped_batches == [report.record.fingerprint]
+    assert mon.skipped_batches == [report.record.fingerprint]
     assert [r["action"] for r in mon.recoveries] == ["skip"]
     # the next step trains again
     _step(model, opt, mon, x, y)
@@ -250,7 +250,7 @@ def test_healthy_run_with_recovery_is_bit_identical_to_one_without(tmp_path):
         runs.append((_state(model, opt), mon))
         mon.close()
     (plain, _), (guarded, mon) = runs
-    assert mon.recovery.guard.checked == 30 and mon.recovery.snapshots_taken > 1  # it really ran
+    assert mon._steps.recovery.guard.checked == 30 and mon._steps.recovery.snapshots_taken > 1  # it really ran
     assert mon.recoveries == []
     _assert_same(plain[0], guarded[0])
     _assert_same(plain[1], guarded[1])
@@ -265,7 +265,7 @@ def test_close_gives_optimizer_step_back_and_lr_scheduler_still_steps(tmp_path):
         _step(model, opt, mon, x, y)
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)
-    assert mon.recovery.guard.checked == 4
+    assert mon._steps.recovery.guard.checked == 4
     mon.close()
     before = model.fc1.weight.detach().clone()
     _step(model, opt, _Quiet(), x, y, plant=lambda m: m.fc1.weight.grad.fill_(float("nan")))

@@ -287,14 +287,14 @@ class _DoneEvent:
 def test_lagged_mode_first_report_is_pending_and_no_step_is_reported_twice():
     mem = MemorySink()
     mon = Monitor(sinks=[mem])
-    launch = mon.stats.launch
+    launch = mon._stats.launch
 
     def lagged_launch(*a, **k):
         p = launch(*a, **k)
         p.event = _DoneEvent()
         return p
 
-    mon.stats.launch = lagged_launch
+    mon._stats.launch = lagged_launch
     reports = [mon.post_step(float(i + 1)) for i in range(4)]
     assert reports[0].pending and reports[0].health is None and reports[0].record is None
     evaluated = [r.step for r in reports if not r.pending]

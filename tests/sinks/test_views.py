@@ -100,7 +100,7 @@ def test_default_tensorboard_sink_writes_histograms(tmp_path):
 
     tb = TensorBoardSink(tmp_path / "tb")  # default arguments, default policy (histogram_every 0)
     mon, _ = train(DemoCNN(), cnn_batch(), [tb], tmp_path, steps=3)
-    assert mon._hist_every == [DEFAULT_HISTOGRAM_EVERY]
+    assert mon._hist.every == [DEFAULT_HISTOGRAM_EVERY]
     hist_tags = event_tags(tmp_path / "tb").Tags()["histograms"]
     for name in ("params/fc1.weight", "grads/conv1.weight", "activations/fc2"):
         linear, log10 = histogram_tags(name)
@@ -113,7 +113,7 @@ def test_histograms_off_for_a_sink_that_says_so(tmp_path):
     from nummon.integrations.tensorboard import TensorBoardSink
 
     mon, _ = train(DemoCNN(), cnn_batch(), [TensorBoardSink(tmp_path / "tb", histogram_every=0)], tmp_path, steps=2)
-    assert mon._hist_every == []
+    assert mon._hist.every == []
     assert event_tags(tmp_path / "tb").Tags()["histograms"] == []
 
 

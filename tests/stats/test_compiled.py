@@ -75,7 +75,7 @@ def _train(how, steps=8, poison_at=None, net=None, errors=None):
         recs.append(mon.post_step(loss).record)
     mon.close()
     if errors is not None:
-        errors.append(mon.stats.mechanisms.errors)
+        errors.append(mon._stats.mechanisms.errors)
     return recs, dynamo.utils.counters["stats"]["unique_graphs"]
 
 

@@ -37,7 +37,7 @@ def test_a_family_missing_a_part_is_refused(change):
 def test_the_decoder_runs_exactly_the_families_decoders_in_their_order():
     mon = nummon.Monitor(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), sinks=[])
     try:
-        assert mon.stats.decoder.decoders == tuple(d for f in FAMILIES for d in f.decode)
+        assert mon._stats.decoder.decoders == tuple(d for f in FAMILIES for d in f.decode)
     finally:
         mon.close()
     extra = StatFamily("extra", {"x": frozenset({Reduce.SUM})}, FAMILIES[0].launch, (FAMILIES[0].decode[0],))

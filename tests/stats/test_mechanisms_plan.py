@@ -147,7 +147,7 @@ def test_a_planned_forward_measures_what_the_discovery_forward_measured(kind, pl
         loss.backward()
         opt.step()
         recs.append(mon.post_step(loss).record)
-    p = mon.stats.mechanisms.capture.plan
+    p = mon._stats.mechanisms.capture.plan
     mon.close()
     got = {
         "whole": p.whole,
@@ -288,7 +288,7 @@ def test_gradient_accumulation_measures_every_micro_batch_in_discovery_and_plann
             loss.backward()
         opt.step()
         recs.append(mon.post_step(loss).record)
-    p = mon.stats.mechanisms.capture.plan
+    p = mon._stats.mechanisms.capture.plan
     mon.close()
     assert p.heads and not (p.tail or p.whole)
     with torch.no_grad():

@@ -211,7 +211,7 @@ def test_pre_clip_statistics_use_a_few_anchor_hooks():
     model = Deep()
     mon = Monitor(model)
     n_params = sum(1 for _ in model.parameters())
-    assert n_params > ANCHORS and len(mon.stats.preclip._handles) == ANCHORS
+    assert n_params > ANCHORS and len(mon._stats.preclip._handles) == ANCHORS
     x = torch.randn(16, 4)
     model(x).square().mean().backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
@@ -234,7 +234,7 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
     rec = mon.post_step(1.0).record
     params = list(model.parameters())
-    anchors = mon.stats.anchors.cache[1]
+    anchors = mon._stats.anchors.cache[1]
     assert sum(params[i].numel() for i in anchors) <= CLIP_ANCHOR_ELEMENTS and len(anchors) > 1
     assert all(params[i] is not model.fc1.weight for i in anchors)
     assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-4)  # float32 sums over 1.6M squares, two orders
