@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # `fc1` instead of `fc2`, where the quickstart's excerpt (printed with AVX2 kernels, and checked
 # line by line against a fresh run) says `fc2`. Every other test passes on either (checked with
 # ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO ONEDNN_MAX_CPU_ISA=ALL, which override these), and
-# the demo's story is checked on the machine's own kernels too (tests/cli/test_demo.py).
+# the demo's story is checked on the machine's own kernels too (tests/tools/test_demo.py).
 if platform.machine().lower() in ("x86_64", "amd64"):  # the names are x86's (elsewhere torch warns)
     for _var, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
         os.environ.setdefault(_var, _isa)

@@ -81,7 +81,7 @@ def _tb(path, losses):
 
 
 def _logs(tmp_path):
-    """The same run as every log format replay reads (as tests/cli/test_replay_formats.py writes them)."""
+    """The same run as every log format replay reads (as tests/tools/test_replay_formats.py writes them)."""
     jsonl = tmp_path / "trace.jsonl"
     jsonl.write_text(
         "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))

@@ -401,7 +401,7 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     layer and operator, the optimizer-state column, the model and the claimed time) against one
     real run. Alert bullets are compared by severity, kind, metric and step only (their wording
     changes); every other excerpt line must be printed as shown. To refresh the excerpt after a
-    change: `python tests/cli/test_demo.py` prints it."""
+    change: `python tests/tools/test_demo.py` prints it."""
     from nummon._tools.demo_config import DEMO_BATCH, DEMO_SECONDS, IMAGE_SIDE, RUNAWAY_LR, SWITCH_STEP, WIDTH
 
     p, out = demo_run

@@ -7,7 +7,7 @@ falls 4.3 -> 0.8 and sits on its noise floor (~0.75 nats: the 10% random tokens)
 
 A 300-step run takes 450-680 s on this project's shared 2-core machine, so the per-step losses
 and grad norms of real runs are recorded once in tests/data/tiny_lm/seed*.jsonl
-(`python tests/detectors/test_tiny_lm_quiet.py SEED...` records them again) and replayed through the health
+(`python tests/engine/test_tiny_lm_quiet.py SEED...` records them again) and replayed through the health
 engine here; the end-to-end run under `nummon.Monitor` runs where NUMMON_SLOW_TESTS=1.
 """
 
@@ -151,7 +151,7 @@ def test_a_real_run_under_the_monitor_gets_no_warning(tmp_path):
     assert rows[0]["loss"] > 4.0 and sum(r["loss"] for r in rows[-50:]) / 50 < 1.0
 
 
-if __name__ == "__main__":  # record the fixtures: python tests/detectors/test_tiny_lm_quiet.py 0 1 2
+if __name__ == "__main__":  # record the fixtures: python tests/engine/test_tiny_lm_quiet.py 0 1 2
     torch.set_num_threads(1)
     DATA.mkdir(parents=True, exist_ok=True)
     for s in map(int, sys.argv[1:]):
