@@ -3,19 +3,13 @@
 import math
 import random
 
-from nummon import StepRecord
-from nummon._engine.engine import HealthEngine
+from helpers.detector_tester import loss_records, loud
+
 from nummon._policy.policy import load_policy
 
 
 def messages(losses, policy="default"):
-    engine = HealthEngine(load_policy(policy))
-    return [
-        a.message
-        for i, v in enumerate(losses)
-        for a in engine.step(StepRecord(step=i, loss=v)).alerts
-        if a.severity.rank >= 1
-    ]
+    return [a.message for a in loud(loss_records(losses), policy)]
 
 
 def test_a_seq2seq_loss_near_ln_6_is_not_called_a_6_class_classifier():

@@ -3,10 +3,11 @@
 import math
 
 from helpers.checkout import CORPUS, DATA
+from helpers.detector_tester import engine_alerts, loss_records
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nummon import Severity, StepRecord
+from nummon import Severity
 from nummon._engine.detectors.countdown import countdown
 from nummon._engine.engine import HealthEngine
 from nummon._logs.trace import read_trace
@@ -56,10 +57,7 @@ def test_every_runaway_of_the_dev_corpus_gets_an_honest_countdown():
 def test_a_sparse_log_counts_records_and_steps():
     """One record every 10 steps: "x571 over one record (10 steps)", never "10 consecutive steps"."""
     losses = [2.0, 1.9, 1.8, 1.85, 1.7, 1.75, 1.7, 1.65, 1.6, 1.62, 1.6, 1.58, 40.0, 2.3e4, 1.3e7]
-    engine = HealthEngine(load_policy("default"))
-    runaway = []
-    for i, loss in enumerate(losses):
-        runaway += [a for a in engine.step(StepRecord(step=10 * i, loss=loss)).alerts if a.kind.value == "runaway"]
+    runaway = [a for a in engine_alerts(loss_records(losses, every=10)) if a.kind.value == "runaway"]
     assert runaway, "no runaway alert"
     texts = " | ".join(a.message for a in runaway)
     assert "consecutive steps" not in texts, texts
@@ -107,9 +105,8 @@ def test_a_rate_that_slowed_over_four_points_promises_no_floor():
     later. Four points do not measure a falling rate: the range is said, and it holds the truth."""
     from nummon._core.events import Contributor
 
-    engine = HealthEngine(load_policy("default"))
     losses = [2.3, 2.1, 2.2, 2.0, 1.9, 2.0, 1.8, 1.9, 1.7, 1.8, 1.6, 1.7, 1.675, 18.59, 103.7, 220.1]
-    said = [a for i, v in enumerate(losses) for a in engine.step(StepRecord(step=i, loss=v)).alerts]
+    said = engine_alerts(loss_records(losses))
     (runaway,) = [a for a in said if a.kind.value == "runaway" and a.step == len(losses) - 1][-1:]
     assert "at least" not in runaway.message and "falling" not in runaway.message, runaway.message
     low, high = runaway.details["steps_to_overflow_range"]

@@ -4,28 +4,14 @@ scale-free detectors ignore the loss's units, and rows without a loss change not
 
 import math
 
+from helpers.detector_tester import alert_keys, engine_alerts, loss_records_at, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import Policy, StepRecord
-from nummon._engine.engine import HealthEngine
+from nummon import Policy, Severity, StepRecord
 
-P = Policy.load("default")
 # ln k matching is the one rule tied to the loss's units (nats of a k-class classifier)
 SCALE_FREE = Policy.load({"stall": {"chance_match": 0.0}})
-
-
-def alerts_of(records, policy=P):
-    """Every alert over the records, as comparable tuples (step, kind, severity, cleared)."""
-    eng = HealthEngine(policy)
-    out = []
-    for rec in records:
-        out += [(a.step, a.kind.value, a.severity.value, a.cleared) for a in eng.step(rec).alerts]
-    return out
-
-
-def loud(alerts):
-    return [a for a in alerts if a[2] in ("warning", "critical")]
 
 
 def unit_noise(seed: int, n: int) -> list[float]:
@@ -57,7 +43,7 @@ def falling_curves(draw):
 @settings(max_examples=80, deadline=None)
 @given(falling_curves())
 def test_a_falling_noisy_loss_never_warns(points):
-    got = loud(alerts_of(StepRecord(step=s, loss=v) for s, v in points))
+    got = loud(loss_records_at(points))
     assert got == []
 
 
@@ -90,8 +76,8 @@ def pretraining_with_spikes(draw):
 def test_llm_loss_spikes_that_recover_are_at_most_a_warning(points):
     """nanoGPT/llm.c-style spikes (3 -> 8 -> 3) recover by themselves: waking someone at night
     (a critical alert, stop_on_critical) for one would teach them to mute nummon."""
-    got = alerts_of(StepRecord(step=s, loss=v, grad_norm=g) for s, v, g in points)
-    assert [a for a in got if a[2] == "critical"] == []
+    got = engine_alerts(StepRecord(step=s, loss=v, grad_norm=g) for s, v, g in points)
+    assert [a for a in got if a.severity is Severity.CRITICAL] == []
 
 
 @st.composite
@@ -116,8 +102,8 @@ def test_scaling_the_loss_never_changes_the_alerts(points, power):
     """Spike, runaway, divergence, stall and oscillation judge ratios: a loss in other units
     (x 2**power, exact in floating point) raises the same alerts at the same steps."""
     scale = 2.0**power
-    base = alerts_of((StepRecord(step=s, loss=v) for s, v in points), SCALE_FREE)
-    scaled = alerts_of((StepRecord(step=s, loss=v * scale) for s, v in points), SCALE_FREE)
+    base = alert_keys(engine_alerts(loss_records_at(points), SCALE_FREE))
+    scaled = alert_keys(engine_alerts(loss_records_at((s, v * scale) for s, v in points), SCALE_FREE))
     assert scaled == base
 
 
@@ -128,7 +114,7 @@ def test_records_without_a_loss_change_nothing(points, data):
     inserting such rows anywhere leaves every alert as it was."""
     doubled = [(2 * s, v) for s, v in points]  # odd steps are free for the inserted rows
     inserted = data.draw(st.sets(st.sampled_from([s + 1 for s, _ in doubled]), max_size=len(doubled)))
-    plain = alerts_of(StepRecord(step=s, loss=v) for s, v in doubled)
+    plain = alert_keys(engine_alerts(loss_records_at(doubled)))
     rows = sorted([(s, v) for s, v in doubled] + [(s, None) for s in inserted])
-    mixed = alerts_of(StepRecord(step=s, loss=v) for s, v in rows)
+    mixed = alert_keys(engine_alerts(loss_records_at(rows)))
     assert mixed == plain

@@ -7,7 +7,8 @@ import random
 import re
 
 import pytest
-from helpers.loss_curves import P, loud
+from helpers.detector_tester import DEFAULT_POLICY as P
+from helpers.detector_tester import engine_alerts, engine_steps, log_records, loss_records, loss_records_at, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ def test_a_frozen_loss_is_a_stall_however_short_the_run():
     """TensorFlow issue 12287: after 8 erratic steps the loss prints 0.6931 for 20 steps; the
     100-step trend window never judged a 28-step log."""
     erratic = [0.6773, 2.4587, 5.3353, 1.0234, 10.6901, 1.9899, 3.5713, 0.6869]
-    got = loud(enumerate(erratic + [0.6931] * 20))
+    got = loud(loss_records_at(enumerate(erratic + [0.6931] * 20)))
     stalls = [a for a in got if a.kind is AlertKind.STALL]
     assert stalls and stalls[0].step <= 17
     assert "ln 2" in stalls[0].message and "2-class" in stalls[0].message
@@ -38,7 +39,7 @@ def test_a_frozen_loss_is_a_stall_however_short_the_run():
 @pytest.mark.parametrize("value", [3.7, 0.42, 123.0])
 def test_a_loss_frozen_at_any_high_level_is_a_stall(value):
     """Not only at ln k: a loss that does not move at all (a zero learning rate, a detached loss)."""
-    got = loud((s, value) for s in range(12))
+    got = loud(loss_records_at((s, value) for s in range(12)))
     assert kinds(got) == [AlertKind.STALL]
     assert "no longer changes" in got[0].message
 
@@ -47,7 +48,7 @@ def test_a_converged_loss_printed_at_its_rounding_floor_is_not_frozen():
     """Whisper fine-tune: 0.30 -> 0.0001, printed with 4 decimals, so 0.0001 repeats for 50
     records; near zero, repetition is rounding, not a stall."""
     pts = [(25 * i, 0.3 * math.exp(-i / 3)) for i in range(30)] + [(25 * i, 0.0001) for i in range(30, 90)]
-    assert [a for a in loud(pts) if a.kind is AlertKind.STALL] == []
+    assert [a for a in loud(loss_records_at(pts)) if a.kind is AlertKind.STALL] == []
 
 
 def test_a_loss_pinned_within_one_percent_of_ln_k_is_not_called_chance_without_the_class_count():
@@ -55,7 +56,7 @@ def test_a_loss_pinned_within_one_percent_of_ln_k_is_not_called_chance_without_t
     says it is a 4-class classifier (issue 24: "chance" only with the class count, or frozen exactly)."""
     rnd = random.Random(0)
     pts = [(20 * i, math.log(4) * (1 + 0.006 * rnd.uniform(-1, 1))) for i in range(12)]
-    assert not [a for a in loud(pts) if "chance" in a.message or "4-class" in a.message]
+    assert not [a for a in loud(loss_records_at(pts)) if "chance" in a.message or "4-class" in a.message]
 
 
 def test_a_classifier_starting_at_ln_k_through_its_warm_up_is_not_at_chance():
@@ -64,7 +65,7 @@ def test_a_classifier_starting_at_ln_k_through_its_warm_up_is_not_at_chance():
     rnd = random.Random(4)
     start = [math.log(10) * (1 + 0.006 * rnd.uniform(-1, 1)) for _ in range(40)]
     falling = [math.log(10) * math.exp(-i / 30) * (1 + 0.02 * rnd.uniform(-1, 1)) for i in range(1, 120)]
-    assert loud(enumerate(start + falling)) == []
+    assert loud(loss_records_at(enumerate(start + falling))) == []
 
 
 def test_a_noisy_plateau_near_ln_k_is_not_called_chance_without_the_class_count():
@@ -72,7 +73,7 @@ def test_a_noisy_plateau_near_ln_k_is_not_called_chance_without_the_class_count(
     nothing says it has 3 classes."""
     rnd = random.Random(1)
     pts = [(1, 3.56), (2, 2.19), (3, 1.43)] + [(s, 1.15 * (1 + 0.04 * rnd.uniform(-1, 1))) for s in range(4, 14)]
-    assert loud(pts) == []
+    assert loud(loss_records_at(pts)) == []
 
 
 # --------------------------------------------------------------------------- chance_loss (opt-in)
@@ -83,17 +84,17 @@ VIT = [3.5604, 2.1893, 1.4335, 1.1844, 1.1453, 1.1861, 1.11, 1.1615, 1.1251, 1.2
 def test_with_chance_loss_a_classifier_stuck_at_chance_is_a_stall():
     """ViT on 3 classes, per epoch: 3.56 -> 1.11..1.23 (ln 3 = 1.0986), train accuracy 0.27-0.42."""
     policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
-    got = loud(zip(range(1, 11), VIT), policy)
+    got = loud(loss_records_at(zip(range(1, 11), VIT)), policy)
     assert kinds(got) == [AlertKind.STALL] and got[0].step == 10
     assert "chance level" in got[0].message
-    assert loud(zip(range(1, 11), VIT)) == []  # the default policy knows no class count
+    assert loud(loss_records_at(zip(range(1, 11), VIT))) == []  # the default policy knows no class count
 
 
 def test_with_chance_loss_a_classifier_leaving_chance_is_not_a_stall():
     """Starting at chance is what a well-initialised classifier does; falling away from it is learning."""
     policy = Policy.load({"stall": {"chance_loss": math.log(3)}})
     pts = [(s, math.log(3) * math.exp(-s / 15)) for s in range(1, 40)]
-    assert loud(pts, policy) == []
+    assert loud(loss_records_at(pts), policy) == []
 
 
 # --------------------------------------------------------------------------- rebound above the best
@@ -103,14 +104,13 @@ def test_a_loss_held_three_times_above_its_best_is_a_divergence_warning():
     """mlx-examples issue 620: LoRA loss every 25 iterations 1.59, 1.41, then 3.3, 6.4, 5.5, 4.9, 4.9,
     4.6: never 10x its start, but ~3x the best it had reached, for five reports."""
     losses = [1.593, 1.406, 3.316, 6.437, 5.478, 4.857, 4.874, 4.604]
-    got = loud(zip(range(25, 225, 25), losses))
+    got = loud(loss_records_at(zip(range(25, 225, 25), losses)))
     assert kinds(got) == [AlertKind.DIVERGENCE]
     assert got[0].severity is Severity.WARNING and got[0].step <= 175
     # two records in a row each 2x above every earlier loss: the start's climb warns first, and the
     # condition stays open (no clear, no second alert) while the rebound rule takes over
     assert got[0].details["rule"] == "early_climb" and got[0].step == 100
-    eng = HealthEngine(P)
-    held = [eng.step(StepRecord(step=s, loss=v)) for s, v in zip(range(25, 225, 25), losses)][-1]
+    held = engine_steps(loss_records_at(zip(range(25, 225, 25), losses)))[-1]
     assert held.health.value == "incident"
     rebound = DivergenceDetector(P.divergence, StartLevel(P.trend.baseline_records))
     found = [f for s, v in zip(range(25, 225, 25), losses) for f in rebound.update(StepRecord(step=s, loss=v))]
@@ -122,14 +122,14 @@ def test_a_spike_of_two_records_that_recovers_is_no_rebound():
     losses = [4.0 * math.exp(-i / 40) * (1 + 0.03 * rnd.uniform(-1, 1)) for i in range(120)]
     losses[60] *= 6
     losses[61] *= 4
-    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+    assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.DIVERGENCE] == []
 
 
 def test_noise_around_a_loss_near_zero_is_no_rebound():
     """Overfitting to ~0.001 and bouncing up to 0.005: 5x the best, but 0.1% of the start."""
     rnd = random.Random(3)
     losses = [3.0 * math.exp(-i / 10) for i in range(80)] + [0.001 * (1 + 4 * rnd.random()) for _ in range(60)]
-    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+    assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.DIVERGENCE] == []
 
 
 def test_a_fall_still_under_way_is_no_rebound():
@@ -137,7 +137,7 @@ def test_a_fall_still_under_way_is_no_rebound():
     The median of the last five records (5.46) stands 13x above the latest low, but every record
     is lower than the one before: the best must come before most of the records held against it."""
     losses = [19.23, 14.42, 5.463, 0.4056, 0.1221, 0.03956, 0.02436, 0.01861, 0.01459, 0.01127, 0.0084, 0.005, 0.0041]
-    assert loud(zip(range(10, 140, 10), losses)) == []
+    assert loud(loss_records_at(zip(range(10, 140, 10), losses))) == []
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -147,7 +147,7 @@ def test_a_noisy_loss_that_only_wanders_is_no_rebound(seed):
     the run to, and 300 records of it raise no divergence."""
     rnd = random.Random(seed)
     losses = [0.05 * math.exp(-i / 400) * math.exp(rnd.gauss(0, 0.8)) for i in range(300)]
-    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+    assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.DIVERGENCE] == []
 
 
 def test_a_quiet_loss_held_twice_its_best_is_a_rebound():
@@ -157,7 +157,7 @@ def test_a_quiet_loss_held_twice_its_best_is_a_rebound():
     rnd = random.Random(5)
     fall = [0.83, 0.49, 0.16, 0.121, 0.118, 0.134]
     rise = [min(0.3, 0.134 + 0.012 * i) * (1 + 0.03 * rnd.uniform(-1, 1)) for i in range(1, 30)]
-    got = [a for a in loud(zip(range(25, 25 * 36, 25), fall + rise)) if a.kind is AlertKind.DIVERGENCE]
+    got = [a for a in loud(loss_records_at(zip(range(25, 25 * 36, 25), fall + rise))) if a.kind is AlertKind.DIVERGENCE]
     assert got and got[0].details["rule"] == "rebound" and 2.0 <= got[0].details["ratio"] < 3.0
     assert "the best 0.1" in got[0].message  # (the lowest median of three: 0.121)
 
@@ -179,27 +179,20 @@ def test_a_pretrained_models_slow_fine_tune_is_no_stall():
     rnd = random.Random(7)
     steps = range(500, 500 * 121, 500)
     losses = [1.996] + [(1.70 + 0.2 * math.exp(-s / 30000)) * (1 + 0.01 * rnd.uniform(-1, 1)) for s in steps[1:]]
-    assert [a for a in loud(zip(steps, losses)) if a.kind is AlertKind.STALL] == []
+    assert [a for a in loud(loss_records_at(zip(steps, losses))) if a.kind is AlertKind.STALL] == []
 
 
 def test_a_loss_at_chance_with_noise_is_still_a_stall_and_says_its_starting_level():
     rnd = random.Random(8)
     losses = [2.3026 * (1 + 0.004 * rnd.uniform(-1, 1)) for _ in range(60)]
-    stalls = [a for a in loud(zip(range(500, 500 * 61, 500), losses)) if a.kind is AlertKind.STALL]
+    stalls = [a for a in loud(loss_records_at(zip(range(500, 500 * 61, 500), losses))) if a.kind is AlertKind.STALL]
     assert stalls and stalls[0].step == 500 * 21  # as soon as the window holds stall.min_records (20) losses
     assert re.search(r"still at 100% of its starting level 2\.\d+$", stalls[0].message), stalls[0].message
 
 
 def _grad_alerts(norms):
-    eng = HealthEngine(P)
-    out = []
-    for i, g in enumerate(norms):
-        out += [
-            a
-            for a in eng.step(StepRecord(step=2 * i, loss=5.0 * 0.97**i, grad_norm=g)).alerts
-            if a.severity is not Severity.INFO
-        ]
-    return out
+    """The loud alerts over these grad norms beside a falling loss, a record every 2 steps."""
+    return loud(loss_records([5.0 * 0.97**i for i in range(len(norms))], norms, every=2))
 
 
 def test_one_jump_between_two_records_is_an_explosion_with_no_overflow_forecast():
@@ -220,9 +213,9 @@ def test_a_loss_printed_too_coarsely_to_move_is_not_frozen():
     decimals, so 0.0057 repeats while the model still learns: one printed unit is 1.8% of it."""
     pts = [(1, 0.0392), (2, 0.0138), (3, 0.0124), (4, 0.0114), (5, 0.0107), (6, 0.0102), (7, 0.01), (8, 0.0098)]
     pts += [(s, 0.0057) for s in range(9, 40)]
-    assert [a for a in loud(pts) if a.kind is AlertKind.STALL] == []
+    assert [a for a in loud(loss_records_at(pts)) if a.kind is AlertKind.STALL] == []
     # the same loss printed finely enough to show movement, and not moving, is frozen
-    assert [a.kind for a in loud(pts[:8] + [(s, 0.005712) for s in range(9, 40)])] == [AlertKind.STALL]
+    assert [a.kind for a in loud(loss_records_at(pts[:8] + [(s, 0.005712) for s in range(9, 40)]))] == [AlertKind.STALL]
 
 
 def test_a_fine_tune_that_came_down_and_drifts_is_no_stall():
@@ -231,26 +224,21 @@ def test_a_fine_tune_that_came_down_and_drifts_is_no_stall():
     the slow drift of a pretrained model is no stall (a loss held at its start is: tests above)."""
     rnd = random.Random(11)
     losses = [1.80 - 0.25 * min(s, 60) / 60 - 0.14 * s / 800 + 0.1 * rnd.uniform(-1, 1) for s in range(400)]
-    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.STALL] == []
+    assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.STALL] == []
 
 
 def test_losses_at_the_ends_of_the_float_range_do_not_break_the_rebound_rule():
     """Found by the property tests: 5e-324 after 1e308 (a ratio that underflows to 0)."""
     pts = list(enumerate([1e308, 5e-324, 1e308, 5e-324, 3.0, 2.0, 1.5, 1e-300, 1e300, 1.0, 2.0, 4.0, 4.0, 4.0]))
-    loud(pts)  # no exception
+    loud(loss_records_at(pts))  # no exception
 
 
 # --------------------------------------------------------------------------- a log's skipped fp16 steps, a noisy flat loss
 
 
 def _log_alerts(rows):
-    eng = HealthEngine(P)
-    return [
-        a
-        for i, (loss, g) in enumerate(rows)
-        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-        if a.severity is not Severity.INFO
-    ]
+    """The loud alerts over a log's (loss, grad_norm) rows, from step 1."""
+    return loud(log_records(rows, first=1))
 
 
 def test_a_logs_non_finite_grad_norm_beside_a_finite_loss_is_a_scaler_skip_and_no_alarm():
@@ -281,10 +269,7 @@ def test_a_logs_non_finite_grad_norm_beside_a_finite_loss_is_a_scaler_skip_and_n
     ]  # the log's steps 20 to 39
     rows = [(v, 0.7) for v in losses]
     rows[13] = (0.3391, math.inf)  # step 33 of the log: the loss within its batch-to-batch noise
-    eng = HealthEngine(P)
-    said = [
-        a for i, (loss, g) in enumerate(rows) for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-    ]
+    said = engine_alerts(log_records(rows, first=1))
     assert [(a.kind, a.severity, a.step) for a in said] == [(AlertKind.NONFINITE, Severity.INFO, 14)]
     assert "loss scaler (fp16 AMP) skipping the step" in said[0].message and "fp16" in said[0].hint
     assert "harmless" not in said[0].message
@@ -315,10 +300,14 @@ def test_a_flat_loss_that_varies_from_batch_to_batch_is_no_stall():
     for every input (the synthetic stalls: 0.2-3%); one whose loss varies this much is responding to them."""
     rnd = random.Random(12)
     assert [
-        a for a in loud((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)) if a.kind is AlertKind.STALL
+        a
+        for a in loud(loss_records_at((s, 1.1 * (1 + 0.08 * rnd.uniform(-1, 1))) for s in range(300)))
+        if a.kind is AlertKind.STALL
     ] == []
     rnd = random.Random(12)
-    assert AlertKind.STALL in kinds(loud((s, 2.3 * (1 + 0.02 * rnd.uniform(-1, 1))) for s in range(300)))
+    assert AlertKind.STALL in kinds(
+        loud(loss_records_at((s, 2.3 * (1 + 0.02 * rnd.uniform(-1, 1))) for s in range(300)))
+    )
 
 
 def test_a_logs_runaway_that_ends_in_an_infinite_grad_norm_is_critical_at_once():
@@ -332,7 +321,7 @@ def test_a_logs_runaway_that_ends_in_an_infinite_grad_norm_is_critical_at_once()
 def test_a_loss_held_five_times_its_start_is_a_divergence_warning():
     """QLoRA at lr 5 (tests/data/real/hf_qlora_lr5_collapse_ln32000): 1.64, then 11.8 and 10.3735 (ln 32000,
     a uniform guess over the vocabulary) from then on: 6.3x where it started, by the fifth record."""
-    got = loud(zip(range(1, 11), [1.637, 11.8069] + [10.3735] * 8))
+    got = loud(loss_records_at(zip(range(1, 11), [1.637, 11.8069] + [10.3735] * 8)))
     assert (
         got
         and got[0].kind is AlertKind.DIVERGENCE
@@ -347,7 +336,7 @@ def test_a_very_noisy_loss_that_only_wanders_is_not_held_five_times_its_start(se
     record it lies well below where the loss sits, and the 5x rule is judged against that noise."""
     rnd = random.Random(seed)
     losses = [0.05 * math.exp(rnd.gauss(0, 0.8)) for _ in range(300)]
-    assert [a for a in loud(enumerate(losses)) if a.kind is AlertKind.DIVERGENCE] == []
+    assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.DIVERGENCE] == []
 
 
 # --------------------------------------------------------------------------- issue 35 point 4: no skip reading beside a loss jump
@@ -361,13 +350,7 @@ def _noisy(level, n, rel, seed):
 
 def test_a_non_finite_grad_norm_beside_a_loss_28000x_its_median_is_critical_at_that_record():
     rows = [(v, 0.7) for v in _noisy(2.0, 30, 0.05, 1)] + [(2.0 * 28_000, math.nan)] + [(2.0, 0.7)] * 3
-    eng = HealthEngine(P)
-    said = [
-        a
-        for i, (loss, g) in enumerate(rows)
-        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-        if a.kind is AlertKind.NONFINITE
-    ]
+    said = [a for a in engine_alerts(log_records(rows, first=1)) if a.kind is AlertKind.NONFINITE]
     assert said[0].step == 31 and said[0].severity is Severity.CRITICAL, [str(a) for a in said]
     assert "beyond its noise" in said[0].message and "harmless" not in said[0].message
     assert not any(a.severity is Severity.INFO and not a.cleared for a in said)
@@ -402,11 +385,5 @@ def test_ordinary_fp16_skips_amid_a_noisy_flat_or_falling_loss_stay_info(seed, r
         for i in range(at + 10)
     ]
     rows = [(v, math.inf if i == at else 0.8) for i, v in enumerate(losses)]
-    eng = HealthEngine(P)
-    said = [
-        a
-        for i, (loss, g) in enumerate(rows)
-        for a in eng.step(StepRecord(step=i + 1, loss=loss, grad_norm=g)).alerts
-        if a.kind is AlertKind.NONFINITE
-    ]
+    said = [a for a in engine_alerts(log_records(rows, first=1)) if a.kind is AlertKind.NONFINITE]
     assert [(a.severity, a.step) for a in said] == [(Severity.INFO, at + 1)], [str(a) for a in said]

@@ -4,6 +4,7 @@ import math
 from collections import deque
 
 import pytest
+from helpers.detector_tester import detector_findings, make_detector
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,21 +27,8 @@ from nummon._engine.engine import HealthEngine
 P = Policy.load("default")
 
 
-def make(cls, policy=P):
-    """A detector as build_detectors makes it: its own section plus the shared values it needs."""
-    shared = shared_values(policy)
-    return cls(getattr(policy, cls.section), **{n: shared[n] for n in cls.needs})
-
-
-def run(det, values, field="loss", **extra):
-    out = []
-    for i, v in enumerate(values):
-        out.append(det.update(StepRecord(step=i, **{field: v}, **extra)))
-    return out
-
-
 def test_nonfinite_first_location_sticks_while_condition_holds():
-    det = make(NonfiniteDetector)
+    det = make_detector(NonfiniteDetector)
     assert det.update(StepRecord(step=0, loss=1.0)) == []
     f = det.update(
         StepRecord(
@@ -58,7 +46,7 @@ def test_nonfinite_first_location_sticks_while_condition_holds():
 
 
 def test_nonfinite_input_is_named_as_input():
-    f = make(NonfiniteDetector).update(StepRecord(step=0, loss=1.0, input_nonfinite=3))
+    f = make_detector(NonfiniteDetector).update(StepRecord(step=0, loss=1.0, input_nonfinite=3))
     assert f[0].location == "input batch" and f[0].metric == "input"
 
 
@@ -66,29 +54,29 @@ def test_spike_is_relative_to_the_runs_own_scale():
     # the same relative jump fires at scale 1e-3 and at scale 1e3; a fixed "> 100" rule could not
     for scale in (1e-3, 1.0, 1e3):
         vals = [scale * (1 + 0.1 * (i % 3)) for i in range(30)] + [scale * 50]
-        found = run(make(SpikeDetector), vals, "grad_norm")
+        found = detector_findings(make_detector(SpikeDetector), vals, "grad_norm")
         assert not any(found[:-1])
         assert found[-1][0].kind is AlertKind.EXPLOSION and found[-1][0].severity is Severity.WARNING
 
 
 def test_loss_spike_kind_and_no_alarm_for_noise():
     vals = [2.0 + 0.3 * math.sin(i) for i in range(60)]
-    assert not any(run(make(SpikeDetector), vals))
-    found = run(make(SpikeDetector), vals + [40.0])
+    assert not any(detector_findings(make_detector(SpikeDetector), vals))
+    found = detector_findings(make_detector(SpikeDetector), vals + [40.0])
     assert found[-1][0].kind is AlertKind.LOSS_SPIKE
 
 
 def test_spike_baseline_not_poisoned_by_nan_or_by_the_spike():
-    det = make(SpikeDetector)
+    det = make_detector(SpikeDetector)
     vals = [1.0] * 20 + [math.nan, math.inf, 1e6] + [1.0] * 5 + [30.0]
-    found = run(det, vals, "grad_norm")
+    found = detector_findings(det, vals, "grad_norm")
     assert found[22] and found[-1], "the spike after NaN/Inf and a spike is still judged against ~1.0"
     assert not any(found[23:-1])
 
 
 def test_runaway_critical_with_steps_to_overflow():
     vals = [1.0] * 10 + [3.0, 20.0, 300.0, 9000.0]
-    found = run(make(RunawayDetector), vals, "grad_norm")
+    found = detector_findings(make_detector(RunawayDetector), vals, "grad_norm")
     sev = [max((f.severity.rank for f in fs), default=-1) for fs in found]
     assert sev[11] == Severity.WARNING.rank and sev[12] == Severity.CRITICAL.rank
     crit = found[12][0]
@@ -97,14 +85,14 @@ def test_runaway_critical_with_steps_to_overflow():
 
 def test_runaway_handles_step_gaps_and_ignores_slow_growth():
     recs = [StepRecord(step=s, loss=v) for s, v in [(0, 1.0), (10, 2.0), (20, 4.0), (30, 8.0), (40, 16.0)]]
-    det = make(RunawayDetector)
+    det = make_detector(RunawayDetector)
     assert not any(det.update(r) for r in recs), "2x per 10 steps is not runaway growth"
     slow = [1.05**i for i in range(200)]
-    assert not any(run(make(RunawayDetector), slow, "param_norm"))
+    assert not any(detector_findings(make_detector(RunawayDetector), slow, "param_norm"))
 
 
 def test_headroom_per_dtype():
-    det = make(HeadroomDetector)
+    det = make_detector(HeadroomDetector)
     assert det.update(StepRecord(step=0, grad_max=1e3)) == []
     w = det.update(StepRecord(step=1, grad_max=1e30))
     assert w[0].kind is AlertKind.EXTREME and w[0].severity is Severity.WARNING
@@ -118,31 +106,34 @@ def test_divergence_judges_the_median_of_the_last_patience_records():
     # two records above 10x of a 5-record window are a blip; a majority above is divergence,
     # and a single dip below does not reset it
     vals = [2.0] * 10 + [50.0] * 2 + [2.0] * 5 + [50.0, 50.0, 50.0, 1.0, 50.0, 50.0]
-    found = run(make(DivergenceDetector), vals)
+    found = detector_findings(make_detector(DivergenceDetector), vals)
     assert not any(found[:19]) and found[19][0].kind is AlertKind.DIVERGENCE
     assert all(found[19:]), "the dip at record 20 does not clear it"
 
 
 def test_stall_flat_high_loss_but_not_converged_run():
     flat = [2.3 + 0.01 * math.sin(i) for i in range(150)]
-    assert any(run(make(StallDetector), flat))
+    assert any(detector_findings(make_detector(StallDetector), flat))
     converged = [2.3 * math.exp(-i / 20) + 0.01 for i in range(300)]
-    assert not any(run(make(StallDetector), converged))
+    assert not any(detector_findings(make_detector(StallDetector), converged))
 
 
 def test_oscillation_bouncing_but_not_minibatch_noise():
     bouncing = [1.5 + 0.8 * ((-1) ** i) * (1 + 0.3 * math.sin(i / 7)) for i in range(150)]
     bouncing = [2.3] * 10 + bouncing
-    assert any(f and f[0].kind is AlertKind.OSCILLATION for f in run(make(OscillationDetector), bouncing))
+    assert any(
+        f and f[0].kind is AlertKind.OSCILLATION
+        for f in detector_findings(make_detector(OscillationDetector), bouncing)
+    )
     import random
 
     rnd = random.Random(0)
     healthy = [2.3 * math.exp(-i / 40) * (1 + 0.5 * rnd.random()) for i in range(336)]
-    assert not any(run(make(OscillationDetector), healthy))
+    assert not any(detector_findings(make_detector(OscillationDetector), healthy))
 
 
 def test_vanishing_layer_among_live_ones():
-    det = make(VanishingDetector)
+    det = make_detector(VanishingDetector)
     found = []
     for i in range(65):  # b learns for 5 steps, then its gradient is gone
         found.append(
@@ -153,7 +144,7 @@ def test_vanishing_layer_among_live_ones():
 
 
 def test_vanished_layers_of_one_step_are_one_finding_naming_the_worst():
-    det = make(VanishingDetector)
+    det = make_detector(VanishingDetector)
     norms = {"live.weight": 1.0, **{f"l{i}.weight": i * 1e-9 for i in range(15)}}
     det.update(StepRecord(step=0, layer_grad_norms=dict.fromkeys(norms, 1.0)))  # every layer learned once
     for i in range(1, 51):

@@ -6,30 +6,18 @@ import math
 import random
 import re
 
-from helpers.loss_curves import P
+from helpers.detector_tester import engine_alerts, loss_records, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Severity, StepRecord
+from nummon import AlertKind, Severity
 from nummon._engine.detectors.divergence import CLIMB_FACTOR, CLIMB_RECORDS, JUMP_FACTOR
-from nummon._engine.engine import HealthEngine
 
 INSTABILITY = {AlertKind.DIVERGENCE, AlertKind.LOSS_SPIKE, AlertKind.RUNAWAY, AlertKind.EXPLOSION}
 MESSAGE = re.compile(
     r"loss climbed (\d+) records in a row within its first (\d+), each above every earlier one, to (\S+), "
     r"and stands at (\S+): (\S+)x the highest before the climb \((\S+)\); a start too short for a window"
 )
-
-
-def loud(losses, norms=None, every=1):
-    eng = HealthEngine(P)
-    norms = norms or [None] * len(losses)
-    return [
-        a
-        for i, (v, g) in enumerate(zip(losses, norms))
-        for a in eng.step(StepRecord(step=every * i, loss=v, grad_norm=g)).alerts
-        if a.severity.rank >= Severity.WARNING.rank and not a.cleared
-    ]
 
 
 def _close(text, want, digits=4):
@@ -39,7 +27,7 @@ def _close(text, want, digits=4):
 
 def test_a_ce_loss_rising_75_percent_over_5_records_into_nan_warns_before_it():
     losses = [2.30, 2.45, 2.70, 3.0, 3.5, 4.0, float("nan")]
-    got = loud(losses)
+    got = loud(loss_records(losses))
     assert got[0].kind is AlertKind.DIVERGENCE and got[0].step == 4 and got[0].severity is Severity.WARNING
     m = MESSAGE.fullmatch(got[0].message)
     assert m and m.groups() == ("4", "5", "3.5", "3.5", "1.52", "2.3"), got[0].message
@@ -47,7 +35,7 @@ def test_a_ce_loss_rising_75_percent_over_5_records_into_nan_warns_before_it():
 
 def test_a_loss_2_5x_then_8x_above_every_earlier_value_warns_at_the_second_record():
     losses = [2.1, 2.0, 1.95, 5.25, 16.8, 40.0, float("nan")]
-    got = loud(losses, every=10)
+    got = loud(loss_records(losses, every=10))
     assert got[0].kind is AlertKind.DIVERGENCE and got[0].step == 40
     m = MESSAGE.fullmatch(got[0].message)
     assert m and m.groups() == ("2", "5", "16.8", "16.8", "8", "2.1"), got[0].message
@@ -79,7 +67,7 @@ def test_a_climb_from_the_start_warns_at_the_record_that_crosses_with_true_numbe
         if (k >= CLIMB_RECORDS and climb[k - 1] >= CLIMB_FACTOR * base) or climb[0] >= JUMP_FACTOR * base:
             want = k
             break
-    got = [a for a in loud(losses, every=every) if a.kind is AlertKind.DIVERGENCE]
+    got = [a for a in loud(loss_records(losses, every=every)) if a.kind is AlertKind.DIVERGENCE]
     if want is None:
         assert [a for a in got if a.details.get("rule") == "early_climb"] == []
         return
@@ -115,7 +103,7 @@ def test_a_falling_or_wobbling_start_with_one_hard_batch_stays_quiet(seed, start
     losses = [start * (1 - fall) ** i * math.exp(noise * rng.uniform(-1, 1)) for i in range(n)]
     if at < n:
         losses[at] *= hard
-    assert [a for a in loud(losses, every=10) if a.kind in INSTABILITY] == []
+    assert [a for a in loud(loss_records(losses, every=10)) if a.kind in INSTABILITY] == []
 
 
 GRAD_MESSAGE = re.compile(
@@ -129,7 +117,7 @@ def test_a_lora_grad_norm_60x_up_over_six_records_while_the_loss_doubles_warns()
     """From the first record: grad norm 0.27 -> 23 over six records, the loss 1.2 -> 2.4."""
     norms = [0.27, 0.6, 1.5, 4.0, 9.0, 17.0, 23.0, 21.0, 19.0]
     losses = [1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.4, 2.4]
-    got = [a for a in loud(losses, norms, every=10) if a.kind is AlertKind.EXPLOSION]
+    got = [a for a in loud(loss_records(losses, norms, every=10)) if a.kind is AlertKind.EXPLOSION]
     assert got and got[0].step == 30, [str(a) for a in got]
     m = GRAD_MESSAGE.fullmatch(got[0].message)
     assert m and m.groups() == ("3", "4", "4", "14.8", "0.27", "1.5", "1.2"), got[0].message
@@ -158,13 +146,7 @@ def test_a_gradient_climb_beside_a_climbing_loss_warns_with_true_numbers(seed, p
         (k for k in range(3, length + 1) if norms[pre + k] >= 10 * gbase and losses[pre + k] >= 1.5 * lbase),
         None,
     )
-    eng = HealthEngine(P)
-    found = [
-        f
-        for i, (v, g) in enumerate(zip(losses, norms))
-        for f in eng.step(StepRecord(step=i, loss=v, grad_norm=g)).alerts
-        if f.kind is AlertKind.EXPLOSION and not f.cleared
-    ]
+    found = [f for f in engine_alerts(loss_records(losses, norms)) if f.kind is AlertKind.EXPLOSION and not f.cleared]
     if want is None:
         assert [f for f in found if f.details.get("rule") == "early_climb"] == []
         return
@@ -196,11 +178,5 @@ def test_a_warm_up_whose_grad_norm_climbs_under_a_level_loss_is_no_gradient_clim
     rng = random.Random(seed)
     norms = [g0 * up ** (i / (n - 1)) for i in range(n)]
     losses = [2.0 * math.exp(wobble * rng.uniform(-1, 1)) for _ in range(n)]
-    eng = HealthEngine(P)
-    found = [
-        a
-        for i, (v, g) in enumerate(zip(losses, norms))
-        for a in eng.step(StepRecord(step=i, loss=v, grad_norm=g)).alerts
-        if a.details.get("rule") == "early_climb"
-    ]
+    found = [a for a in engine_alerts(loss_records(losses, norms)) if a.details.get("rule") == "early_climb"]
     assert found == []

@@ -2,10 +2,11 @@
 
 import math
 
-from nummon import AlertKind, IncidentState, Policy, Severity, StepRecord
+from helpers.detector_tester import engine_steps, loss_records
+
+from nummon import AlertKind, IncidentState, Severity
 from nummon._core.alert_text import SUMMARY_MAX, TITLE_MAX
 from nummon._core.types import Alert
-from nummon._engine.engine import HealthEngine
 from nummon._engine.incidents import IncidentTracker
 
 S = IncidentState
@@ -99,13 +100,10 @@ def test_title_and_summary_fit_wandb_limits_and_serialise():
 
 def test_engine_reports_incident_events_for_a_run_that_blows_up():
     """A runaway that goes non-finite: one event per transition, not one per alert."""
-    eng = HealthEngine(Policy.load("default"))
-    events, alerts = [], []
     values = [1.0] * 20 + [3.0**i for i in range(1, 12)] + [math.inf]
-    for step, v in enumerate(values):
-        got = eng.step(StepRecord(step=step, grad_norm=v, loss=1.0))
-        events += got.incidents
-        alerts += got.alerts
+    steps = engine_steps(loss_records([1.0] * len(values), values))
+    events = [e for got in steps for e in got.incidents]
+    alerts = [a for got in steps for a in got.alerts]
     assert len(alerts) > len(events)
     assert [e.state for e in events] == [S.OPEN, S.CRITICAL, S.NONFINITE]
     lost = events[-1]

@@ -2,6 +2,8 @@
 
 import math
 
+from helpers.detector_tester import engine_steps, loss_records
+
 from nummon import AlertKind, Policy, Severity
 from nummon._core.types import Finding, Health, StepRecord
 from nummon._engine.engine import AlertLifecycle, HealthEngine, Transition
@@ -112,28 +114,21 @@ def test_health_is_extreme_only_for_headroom_and_incident_while_one_is_open():
 
 
 def _clears(records):
-    from nummon._engine.engine import HealthEngine
-    from nummon._policy.policy import load_policy
-
-    engine = HealthEngine(load_policy("default"))
-    return [(rec.step, a) for rec in records for a in engine.step(rec).alerts if a.cleared]
+    """(step, alert) of each "cleared" alert over the records."""
+    return [(rec.step, a) for rec, got in zip(records, engine_steps(records)) for a in got.alerts if a.cleared]
 
 
 def test_a_runaway_does_not_clear_while_its_metric_is_still_far_above_its_level():
     """The loss pauses (200 -> 207) on its way to NaN: no "back within limits" for it."""
-    from nummon import StepRecord
-
     losses = [2.0 + 0.01 * (i % 3) for i in range(20)] + [20.0, 200.0, 207.0, 482.0, 5140.0, float("nan")]
-    clears = _clears([StepRecord(step=i, loss=v) for i, v in enumerate(losses)])
+    clears = _clears(loss_records(losses))
     assert not [a for _, a in clears if a.metric == "loss"], [str(a) for _, a in clears]
 
 
 def test_an_explosion_clears_only_back_near_its_pre_spike_level():
     """grad_norm ~1, one jump to 50, then 20 for 14 steps (the spike's values become the median of
     a short history): still open; it clears when the norm is back near 1."""
-    from nummon import StepRecord
-
     norms = [1.0 + 0.02 * (i % 4) for i in range(8)] + [50.0] + [20.0] * 14 + [1.1] * 5
-    clears = _clears([StepRecord(step=i, loss=1.0 + 0.05 * (i % 3), grad_norm=v) for i, v in enumerate(norms)])
+    clears = _clears(loss_records([1.0 + 0.05 * (i % 3) for i in range(len(norms))], norms))
     grad = [step for step, a in clears if a.metric == "grad_norm"]
     assert grad and min(grad) >= 23, [(s, str(a)) for s, a in clears]

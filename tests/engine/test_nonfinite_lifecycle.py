@@ -10,14 +10,14 @@ import subprocess
 import pytest
 import torch
 from helpers.checkout import nummon_cmd
+from helpers.detector_tester import engine_steps, loss_records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from nummon import AlertKind, Monitor, Policy, Severity, StepRecord
+from nummon import AlertKind, Monitor, Policy, Severity
 from nummon._core.types import IncidentState
 from nummon._engine.detectors import DETECTORS
-from nummon._engine.engine import HealthEngine
 
 NAN = math.nan
 #: issue 35's picture: NaN every few steps, finite in between (a common fp16 run), then NaN for good
@@ -32,12 +32,8 @@ def only_nonfinite(**alerts):
 
 
 def run(losses, policy):
-    eng = HealthEngine(policy)
-    out = []
-    for step, loss in enumerate(losses):
-        got = eng.step(StepRecord(step=step, loss=loss))
-        out.append((step, got.alerts, got.incidents))
-    return out
+    """(step, alerts, incident events) of each record, one record per step from step 0."""
+    return [(step, got.alerts, got.incidents) for step, got in enumerate(engine_steps(loss_records(losses), policy))]
 
 
 @settings(max_examples=150, deadline=None)

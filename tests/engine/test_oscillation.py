@@ -5,23 +5,15 @@ import math
 import random
 
 import pytest
+from helpers.detector_tester import loss_records, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import StepRecord
 from nummon._engine.detectors.oscillation import wave_crossings
-from nummon._engine.engine import HealthEngine
-from nummon._policy.policy import load_policy
 
 
 def kinds(losses):
-    engine = HealthEngine(load_policy("default"))
-    return [
-        a.kind.value
-        for i, v in enumerate(losses)
-        for a in engine.step(StepRecord(step=i, loss=v)).alerts
-        if a.severity.rank >= 1
-    ]
+    return [a.kind.value for a in loud(loss_records(losses))]
 
 
 def fall_then(plateau):

@@ -5,23 +5,21 @@ import math
 import re
 import statistics
 
+from helpers.detector_tester import engine_steps, loss_records
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, StepRecord
-from nummon._engine.engine import HealthEngine
+from nummon import AlertKind
 
-P = Policy.load("default")
 SHORT = re.compile(
     r"beside a finite loss \((\S+)x the median of the (\d+) loss(?:es)? before it: too few to measure its noise\)"
 )
 
 
 def _skip_alert(losses, norms):
-    eng = HealthEngine(P)
-    for i, (v, g) in enumerate(zip(losses, norms)):
-        got = [a for a in eng.step(StepRecord(step=i, loss=v, grad_norm=g)).alerts if a.kind is AlertKind.NONFINITE]
-    return got[0]
+    """The non-finite alert of the last record."""
+    last = engine_steps(loss_records(losses, norms))[-1]
+    return [a for a in last.alerts if a.kind is AlertKind.NONFINITE][0]
 
 
 def test_a_nan_grad_norm_beside_a_loss_up_1_6x_after_two_records_claims_no_noise():

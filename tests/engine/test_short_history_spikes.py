@@ -5,24 +5,17 @@ healthy start (warm-up, a Hugging Face log's grad_norm 28 at step 0) is not."""
 import math
 import random
 
+from helpers.detector_tester import loss_records, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
-from nummon._engine.engine import HealthEngine
+from nummon import AlertKind
 
-P = Policy.load("default")
 LOUD = {AlertKind.LOSS_SPIKE, AlertKind.EXPLOSION, AlertKind.DIVERGENCE, AlertKind.RUNAWAY, AlertKind.EXTREME}
 
 
 def warnings(losses, norms, every=100):
-    eng = HealthEngine(P)
-    return [
-        a
-        for i, (l, g) in enumerate(zip(losses, norms))
-        for a in eng.step(StepRecord(step=every * i, loss=l, grad_norm=g)).alerts
-        if a.kind in LOUD and a.severity.rank >= Severity.WARNING.rank
-    ]
+    return [a for a in loud(loss_records(losses, norms, every=every)) if a.kind in LOUD]
 
 
 def test_the_pretraining_stretch_of_the_issue_warns_at_the_first_jump():

@@ -4,19 +4,12 @@ a noisy one that doubles may not have (synthetic curves; the real-log set keeps 
 import math
 import random
 
-from nummon import StepRecord
-from nummon._engine.engine import HealthEngine
-from nummon._policy.policy import load_policy
+from helpers.detector_tester import engine_alerts, loss_records
 
 
 def spikes(losses):
-    engine = HealthEngine(load_policy("default"))
-    return [
-        i
-        for i, v in enumerate(losses)
-        for a in engine.step(StepRecord(step=i, loss=v)).alerts
-        if a.kind.value == "loss_spike"
-    ]
+    """The steps of the loss-spike alerts (one record per step from step 0)."""
+    return [a.step for a in engine_alerts(loss_records(losses)) if a.kind.value == "loss_spike"]
 
 
 def test_a_smooth_large_model_loss_jumping_2_3x_is_a_spike():

@@ -7,12 +7,12 @@ import random
 import re
 import statistics
 
+from helpers.detector_tester import loss_records, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import AlertKind, Policy
 from nummon._engine.detectors.spike import LOSS_NOISE_FLOOR, NOISE_MULTIPLE
-from nummon._engine.engine import HealthEngine
 
 P = Policy.load("default")
 WINDOW = P.spike.window
@@ -28,14 +28,9 @@ def _curve(seed, n, level, noise):
     return [(level + 7.0 * (1 + i / 5) ** -1.0) * (1 + noise * rng.uniform(-1, 1)) for i in range(n)]
 
 
-def _loud(losses, every=20):
-    eng = HealthEngine(P)
-    return [
-        a
-        for i, v in enumerate(losses)
-        for a in eng.step(StepRecord(step=every * i, loss=v)).alerts
-        if a.severity.rank >= Severity.WARNING.rank and not a.cleared
-    ]
+def _loud(losses):
+    """The loud alerts over a pretraining log with a record every 20 steps."""
+    return loud(loss_records(losses, every=20))
 
 
 def _close(text, want, digits):

@@ -6,7 +6,7 @@ import math
 import random
 import re
 
-from helpers.loss_curves import loud
+from helpers.detector_tester import loss_records_at, loud
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +25,7 @@ def classifier(start, held, noise, seed, fall=4):
 
 
 def stalls(pts):
-    return [a for a in loud(pts) if a.kind is AlertKind.STALL]
+    return [a for a in loud(loss_records_at(pts)) if a.kind is AlertKind.STALL]
 
 
 @settings(max_examples=15, deadline=None)

@@ -18,12 +18,12 @@ import sys
 import pytest
 import torch
 from helpers import checkout
+from helpers.detector_tester import loud
 from torch import nn
 
 import nummon
 from nummon import StepRecord
 from nummon._engine.detectors.oscillation import swing_structure
-from nummon._engine.engine import HealthEngine
 from nummon._policy.policy import load_policy
 
 DATA = checkout.DATA / "tiny_lm"
@@ -108,13 +108,8 @@ def recorded(seed):
 
 
 def replay(rows, policy):
-    engine = HealthEngine(policy)
-    return [
-        a
-        for r in rows
-        for a in engine.step(StepRecord(step=r["step"], loss=r["loss"], grad_norm=r["grad_norm"])).alerts
-        if a.severity.rank >= 1
-    ]
+    """The loud alerts over the recorded rows."""
+    return loud((StepRecord(step=r["step"], loss=r["loss"], grad_norm=r["grad_norm"]) for r in rows), policy)
 
 
 def test_there_are_at_least_three_recorded_seeds_of_the_recipe():

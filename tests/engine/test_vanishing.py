@@ -4,19 +4,16 @@ first step on (structurally zero: a key LayerNorm's bias, an unused parameter) n
 import math
 
 import torch
+from helpers.detector_tester import detector_findings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from nummon import AlertKind, Monitor, Policy, StepRecord
+from nummon import AlertKind, Monitor, Policy
 from nummon._engine.detectors import VanishingDetector
 
 P = Policy().vanishing
 live_norm = st.floats(min_value=1e-3, max_value=1e3)
-
-
-def _run(det, steps):
-    return [det.update(StepRecord(step=i, layer_grad_norms=n)) for i, n in enumerate(steps)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -30,7 +27,7 @@ def _run(det, steps):
 def test_a_gradient_zero_from_its_first_step_never_warns(rows):
     # "k_ln.bias" stays below ratio x the largest layer's norm on every step, from the first
     steps = [{"w.weight": a, "k_ln.weight": b, "k_ln.bias": z * max(a, b)} for a, b, z in rows]
-    assert not any(_run(VanishingDetector(P), steps))
+    assert not any(detector_findings(VanishingDetector(P), steps, "layer_grad_norms"))
 
 
 @settings(max_examples=60, deadline=None)
@@ -43,7 +40,7 @@ def test_a_gradient_zero_from_its_first_step_never_warns(rows):
 def test_a_gradient_that_falls_to_zero_warns_after_patience_steps(live_steps, top, z, extra):
     steps = [{"w.weight": top, "fc.weight": top / 2}] * live_steps
     steps += [{"w.weight": top, "fc.weight": z * top}] * (P.patience + extra)
-    found = _run(VanishingDetector(P), steps)
+    found = detector_findings(VanishingDetector(P), steps, "layer_grad_norms")
     first = next(i for i, f in enumerate(found) if f)
     assert first == live_steps + P.patience - 1
     f = found[first][0]
@@ -52,7 +49,7 @@ def test_a_gradient_that_falls_to_zero_warns_after_patience_steps(live_steps, to
 
 def test_a_structurally_zero_gradient_that_comes_alive_and_vanishes_again_warns():
     steps = [{"w.weight": 1.0, "b": 0.0}] * 60 + [{"w.weight": 1.0, "b": 0.3}] * 3 + [{"w.weight": 1.0, "b": 0.0}] * 50
-    found = _run(VanishingDetector(P), steps)
+    found = detector_findings(VanishingDetector(P), steps, "layer_grad_norms")
     assert not any(found[:112]) and found[112][0].details["layers"] == {"b": 0.0}
 
 
