@@ -5,9 +5,8 @@ import re
 
 import pytest
 
-from nummon import AlertKind, Policy, Severity, StepRecord
+from nummon import Alert, AlertKind, Policy, Severity, StepRecord
 from nummon._core.format import alert_text, plain_text
-from nummon._core.types import Alert
 from nummon._engine.engine import HealthEngine
 from nummon._engine.incidents import IncidentTracker
 

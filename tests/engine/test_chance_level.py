@@ -5,7 +5,7 @@ import random
 
 from helpers.detector_tester import loss_records, loud
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 
 
 def messages(losses, policy="default"):

@@ -7,11 +7,9 @@ from helpers.detector_tester import engine_alerts, loss_records
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nummon import Severity
+from nummon import Severity, load_policy, read_trace
 from nummon._engine.detectors.countdown import countdown
 from nummon._engine.engine import HealthEngine
-from nummon._logs.trace import read_trace
-from nummon._policy.policy import load_policy
 
 F32_DECADES = math.log10(3.4028234663852886e38)
 
@@ -103,7 +101,7 @@ def test_a_rate_that_slowed_over_four_points_promises_no_floor():
     """The demo's loss at step 46 (1.7, 18.6, 104, 220 after a flat start: 11x, 5.6x, 2.1x) was
     said to have "at least ~212 steps" left; it grew 6.7x at the next step and overflowed 5 steps
     later. Four points do not measure a falling rate: the range is said, and it holds the truth."""
-    from nummon._core.events import Contributor
+    from nummon import Contributor
 
     losses = [2.3, 2.1, 2.2, 2.0, 1.9, 2.0, 1.8, 1.9, 1.7, 1.8, 1.6, 1.7, 1.675, 18.59, 103.7, 220.1]
     said = engine_alerts(loss_records(losses))
@@ -132,8 +130,7 @@ def test_a_rate_measured_to_fall_heads_with_the_streaks_rate_not_a_floor():
 
 def test_an_incident_bullet_with_a_range_names_its_location_once():
     """The bullet's range is its own text: the location it adds is still judged against the value's."""
-    from nummon._core.events import Contributor
-    from nummon._core.types import AlertKind, Severity
+    from nummon import AlertKind, Contributor, Severity
 
     c = Contributor(
         step=43,

@@ -29,10 +29,9 @@ from helpers.countdown_families import Family
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nummon import StepRecord
+from nummon import StepRecord, load_policy
 from nummon._engine.detectors.runaway import RunawayDetector
 from nummon._engine.engine import HealthEngine
-from nummon._policy.policy import load_policy
 
 POLICY = load_policy("default")
 MIN_GROWTH = POLICY.runaway.min_growth

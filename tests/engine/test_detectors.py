@@ -269,7 +269,7 @@ def test_traces_logged_every_n_steps(every):
 
     from helpers.checkout import CORPUS as corpus
 
-    from nummon._logs.trace import read_trace
+    from nummon import read_trace
 
     judged = ("healthy", "spike_recover", "shift_recover", "stall")
     labels = json.loads((corpus / "labels.json").read_text())

@@ -7,10 +7,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import nummon
-from nummon import AlertKind, IncidentState, Severity
-from nummon._core.types import Alert
+from nummon import Alert, AlertKind, IncidentState, MemorySink, Severity
 from nummon._engine.incidents import IncidentTracker
-from nummon._sinks.builtin import MemorySink
 
 
 def _alert(step, cleared=False):

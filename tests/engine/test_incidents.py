@@ -4,9 +4,8 @@ import math
 
 from helpers.detector_tester import engine_steps, loss_records
 
-from nummon import AlertKind, IncidentState, Severity
+from nummon import Alert, AlertKind, IncidentState, Severity
 from nummon._core.alert_text import SUMMARY_MAX, TITLE_MAX
-from nummon._core.types import Alert
 from nummon._engine.incidents import IncidentTracker
 
 S = IncidentState

@@ -4,8 +4,8 @@ import math
 
 from helpers.detector_tester import engine_steps, loss_records
 
-from nummon import AlertKind, Policy, Severity
-from nummon._core.types import Finding, Health, StepRecord
+from nummon import AlertKind, Health, Policy, Severity, StepRecord
+from nummon._core.types import Finding
 from nummon._engine.engine import AlertLifecycle, HealthEngine, Transition
 
 P = Policy.load("default")

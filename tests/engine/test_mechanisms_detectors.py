@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon._core.types import AlertKind, Severity, StepRecord
+from nummon import AlertKind, Policy, Severity, StepRecord
 from nummon._engine.detectors import AdamMomentDetector, AttentionDetector, OutputLogitsDetector
 from nummon._engine.engine import HealthEngine
-from nummon._policy.policy import AdamMomentPolicy, AttentionPolicy, OutputLogitsPolicy, Policy
+from nummon._policy.policy import AdamMomentPolicy, AttentionPolicy, OutputLogitsPolicy
 
 logits = st.floats(min_value=0.01, max_value=19.9, allow_nan=False)
 

@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from nummon import AlertKind, Monitor, Policy, Severity
-from nummon._core.types import IncidentState
+from nummon import AlertKind, IncidentState, Monitor, Policy, Severity
 from nummon._engine.detectors import DETECTORS
 
 NAN = math.nan

@@ -22,9 +22,8 @@ from helpers.detector_tester import loud
 from torch import nn
 
 import nummon
-from nummon import StepRecord
+from nummon import StepRecord, load_policy
 from nummon._engine.detectors.oscillation import swing_structure
-from nummon._policy.policy import load_policy
 
 DATA = checkout.DATA / "tiny_lm"
 SEEDS = sorted(int(p.stem[4:]) for p in DATA.glob("seed*.jsonl"))

@@ -18,8 +18,8 @@ pytest.importorskip("prometheus_client")
 from helpers.prometheus_servers import CONFIGS, prom_alerts, prom_query, start_prometheus, wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from nummon import load_policy
 from nummon._core.json import dumps  # noqa: E402
-from nummon._policy.policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
@@ -204,7 +204,7 @@ def test_prometheus_sink_on_a_taken_port_warns_and_training_goes_on(tmp_path, ca
 
 
 def test_prometheus_sink_serves_on_rank_0_only():
-    from nummon._sinks.builtin import RunContext
+    from nummon import RunContext
 
     other = PrometheusSink("127.0.0.1:0")
     other.bind(RunContext(rank=1, world_size=2))

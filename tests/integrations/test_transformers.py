@@ -143,7 +143,7 @@ def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():
     a language model's vocabulary is no chance level."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from nummon._policy.policy import load_policy
+    from nummon import load_policy
     from nummon.integrations._callback_common import with_class_count
     from nummon.integrations.transformers import classification_classes
 

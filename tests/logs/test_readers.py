@@ -18,9 +18,8 @@ from helpers.log_writers import (
     write_wandb,
 )
 
+from nummon import load_policy, replay
 from nummon._engine.engine import HealthEngine
-from nummon._policy.policy import load_policy
-from nummon._tools.replay import replay
 from nummon._watch import KeyMap, NotALogError, make_follower, read_records
 
 

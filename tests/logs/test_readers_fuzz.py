@@ -11,8 +11,7 @@ from helpers.log_writers import runaway_rows, write_csv, write_hf_run, write_jso
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nummon._core.errors import NummonError
-from nummon._policy.policy import load_policy
+from nummon import NummonError, load_policy
 from nummon._watch import make_follower, read_records
 from nummon._watch.watcher import Watcher
 

@@ -11,10 +11,9 @@ from helpers.checkout import CORPUS, nummon_cmd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nummon import JsonlSink, load_policy, replay
+from nummon import JsonlSink, load_policy, read_trace, replay
 from nummon._cli import main
 from nummon._engine.engine import HealthEngine
-from nummon._logs.trace import read_trace
 
 TRACE = CORPUS / "seq_cnn_lr0.1_s202.jsonl"  # 336 steps, a runaway with alerts
 

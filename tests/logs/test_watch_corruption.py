@@ -12,7 +12,7 @@ import pytest
 from helpers.log_writers import hf_history, write_hf_run, write_tensorboard, write_wandb_records
 from helpers.watching import read_events, two_incident_rows, write_lines
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch import read_records
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher

@@ -12,8 +12,7 @@ from conftest import start_ranks
 from helpers.models import MLP
 from torch import nn
 
-from nummon import Monitor, NummonError
-from nummon._policy.policy import load_policy
+from nummon import Monitor, NummonError, load_policy
 
 torch.set_num_threads(1)
 

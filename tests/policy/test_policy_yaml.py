@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from nummon._policy.policy import PolicyError, load_policy
+from nummon import PolicyError, load_policy
 
 DUP = """\
 spike:

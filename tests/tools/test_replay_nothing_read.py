@@ -11,8 +11,8 @@ from helpers.log_writers import runaway_rows, write_jsonl, write_wandb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nummon import replay
 from nummon._cli import main
-from nummon._tools.replay import replay
 
 
 def cli(*args):

@@ -23,8 +23,7 @@ from helpers.prometheus_servers import (
     wait_for,
 )
 
-from nummon._core.errors import NummonError
-from nummon._policy.policy import load_policy
+from nummon import NummonError, load_policy
 from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
 from nummon._watch.metrics import FleetMetrics
 from nummon._watch.targets import parse_target

@@ -18,8 +18,8 @@ pytest.importorskip("prometheus_client")
 from helpers.prometheus_servers import wait_for  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from nummon import load_policy
 from nummon._core.json import dumps  # noqa: E402
-from nummon._policy.policy import load_policy  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.watcher import Watcher  # noqa: E402
 from nummon.integrations.prometheus import label_value, serve_metrics  # noqa: E402

@@ -15,11 +15,10 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from nummon._core.types import AlertKind, StepRecord  # noqa: E402
+from nummon import AlertKind, StepRecord, load_policy
 from nummon._engine.engine import HealthEngine  # noqa: E402
 from nummon._logs.discovery import RunSpec  # noqa: E402
 from nummon._logs.readers import make_follower  # noqa: E402
-from nummon._policy.policy import load_policy  # noqa: E402
 from nummon._watch.metrics import HEALTH_CODES, FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.runs import WatchedRun  # noqa: E402
 from nummon.integrations.prometheus import PrometheusSink, _Collector  # noqa: E402

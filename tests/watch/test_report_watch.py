@@ -13,7 +13,7 @@ from helpers import webhook_receiver
 from helpers.checkout import ROOT
 from helpers.watching import WATCH, two_incident_rows, wait_for, write_lines
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._report import build_report
 from nummon._report.page import render
 from nummon._watch import make_follower
@@ -200,8 +200,7 @@ if __name__ == "__main__":
 def test_the_page_of_a_100000_step_run_stays_under_2_mb(tmp_path):
     """Size (no timing): 100,000 steps with 8 layers each and an incident at the end draw a page
     well under 2 MB (far from the incident each stretch keeps its extremes only)."""
-    from nummon._core.events import IncidentEvent
-    from nummon._core.types import IncidentState
+    from nummon import IncidentEvent, IncidentState
     from nummon._report.load import RunData, _new_record
 
     n, layers = 100_000, [f"block{i}.weight" for i in range(8)]

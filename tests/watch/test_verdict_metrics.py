@@ -1,7 +1,6 @@
 """Issue 40: the verdict and the suspect rank/host reach the exported metrics (nummon_verdicts)."""
 
-from nummon import AlertKind, Severity
-from nummon._core.types import Alert
+from nummon import Alert, AlertKind, Severity
 from nummon._watch.metrics import _verdict_key
 
 

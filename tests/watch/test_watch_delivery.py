@@ -25,7 +25,7 @@ from helpers.watching import (
 )
 from helpers.watching import watch_main as main
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch.watcher import Watcher
 from nummon._watch.webhook import WebhookTarget
 
@@ -320,8 +320,7 @@ def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
 
 
 def test_title_cut_at_a_word():
-    from nummon import Contributor, IncidentEvent, IncidentState
-    from nummon._core.types import AlertKind, Severity
+    from nummon import AlertKind, Contributor, IncidentEvent, IncidentState, Severity
     from nummon._watch.notices import RunIncident
 
     c = Contributor(

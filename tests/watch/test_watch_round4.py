@@ -22,7 +22,7 @@ from helpers.watching import (
 )
 from helpers.watching import watch_main as main
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
