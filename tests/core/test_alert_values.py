@@ -1,4 +1,4 @@
-"""Issue 35 point 5: every value an alert prints carries its name and unit: the terminal line, the
+"""Every value an alert prints carries its name and unit: the terminal line, the
 alert body and the incident text (Slack, webhook and Alertmanager texts are made from them)."""
 
 import re

@@ -1,4 +1,4 @@
-"""The runaway countdown against the truth, on generated families of runaways (issue 35, point 1).
+"""The runaway countdown against the truth, on generated families of runaways.
 
 THE CLAIM, at every runaway finding (every record the detector flags, so every alert too), with
 truth = the steps until |x| first exceeds the dtype's max (float32 unless the record names one):
@@ -146,7 +146,7 @@ def alerts_of(fam):
 
 
 def test_x3_per_step_exactly_constant_is_the_flat_rate():
-    """Issue 35's row: x3 per step, 76 steps left at the alert; the old countdown said "at most ~6"."""
+    """x3 per step: 76 steps left at the alert, not "at most ~6" (a countdown that assumed acceleration)."""
     got = alerts_of(Family("constant", math.log10(3.0), prefix=40))
     assert got
     for a, truth, _ in got:

@@ -1,4 +1,4 @@
-"""The stall and divergence rules that the real-log dev set asked for (issue 13, second round):
+"""The stall and divergence rules that the real-log dev set asked for:
 a frozen loss, a loss pinned at a classifier's chance level, an opt-in chance loss, and a loss
 held several times above the best it reached. Each is judged through the whole engine."""
 
@@ -26,8 +26,8 @@ def kinds(alerts):
 
 
 def test_a_frozen_loss_is_a_stall_however_short_the_run():
-    """TensorFlow issue 12287: after 8 erratic steps the loss prints 0.6931 for 20 steps; the
-    100-step trend window never judged a 28-step log."""
+    """A TensorFlow user's log (tests/data/real/tf_issue12287_const_ln2): after 8 erratic steps the
+    loss prints 0.6931 for 20 steps; a 100-step trend window alone would never judge a 28-step log."""
     erratic = [0.6773, 2.4587, 5.3353, 1.0234, 10.6901, 1.9899, 3.5713, 0.6869]
     got = loud(loss_records_at(enumerate(erratic + [0.6931] * 20)))
     stalls = [a for a in got if a.kind is AlertKind.STALL]
@@ -53,7 +53,7 @@ def test_a_converged_loss_printed_at_its_rounding_floor_is_not_frozen():
 
 def test_a_loss_pinned_within_one_percent_of_ln_k_is_not_called_chance_without_the_class_count():
     """Logged every 20 steps, within 0.6% of ln 4 for 12 records (220 steps): moving, so nothing
-    says it is a 4-class classifier (issue 24: "chance" only with the class count, or frozen exactly)."""
+    says it is a 4-class classifier ("chance" only with the class count, or frozen exactly)."""
     rnd = random.Random(0)
     pts = [(20 * i, math.log(4) * (1 + 0.006 * rnd.uniform(-1, 1))) for i in range(12)]
     assert not [a for a in loud(loss_records_at(pts)) if "chance" in a.message or "4-class" in a.message]
@@ -101,7 +101,7 @@ def test_with_chance_loss_a_classifier_leaving_chance_is_not_a_stall():
 
 
 def test_a_loss_held_three_times_above_its_best_is_a_divergence_warning():
-    """mlx-examples issue 620: LoRA loss every 25 iterations 1.59, 1.41, then 3.3, 6.4, 5.5, 4.9, 4.9,
+    """An mlx-examples LoRA log (tests/data/real/mlx_issue620_lora_loss_rise), every 25 iterations 1.59, 1.41, then 3.3, 6.4, 5.5, 4.9, 4.9,
     4.6: never 10x its start, but ~3x the best it had reached, for five reports."""
     losses = [1.593, 1.406, 3.316, 6.437, 5.478, 4.857, 4.874, 4.604]
     got = loud(loss_records_at(zip(range(25, 225, 25), losses)))
@@ -339,7 +339,7 @@ def test_a_very_noisy_loss_that_only_wanders_is_not_held_five_times_its_start(se
     assert [a for a in loud(loss_records_at(enumerate(losses))) if a.kind is AlertKind.DIVERGENCE] == []
 
 
-# --------------------------------------------------------------------------- issue 35 point 4: no skip reading beside a loss jump
+# --------------------------------------------------------------------------- no skip reading beside a loss jump
 
 
 def _noisy(level, n, rel, seed):
@@ -357,7 +357,7 @@ def test_a_non_finite_grad_norm_beside_a_loss_28000x_its_median_is_critical_at_t
 
 
 def test_a_non_finite_grad_norm_beside_a_16x_jump_that_stays_is_critical():
-    """Like the MiniCPM-V LoRA of issue 35: the loss jumps 1.6x at the NaN record and stays there."""
+    """Like a MiniCPM-V LoRA log: the loss jumps 1.6x at the NaN record and stays there."""
     before = _noisy(0.9, 30, 0.03, 2)
     after = _noisy(0.9 * 1.6, 10, 0.03, 3)
     rows = [(v, 0.5) for v in before] + [(0.9 * 1.6, math.nan)] + [(v, 0.5) for v in after]

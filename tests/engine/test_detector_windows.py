@@ -1,4 +1,4 @@
-"""Baselines and windows on runs shaped like the real logs of issue 13 (coarse logging, early
+"""Baselines and windows on runs shaped like the real logs of tests/data/real (coarse logging, early
 blow-ups, slow fine-tunes, long stalls, plateaus), each judged through the whole engine."""
 
 import math

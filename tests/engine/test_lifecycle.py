@@ -53,9 +53,9 @@ def test_cooldown_suppresses_repeats_but_not_escalation():
 
 
 def test_recurring_nonfinite_alerts_again_after_the_cooldown():
-    """Issue 12 item 7: NaN at steps 5, 10, 24 and 30 gave one critical alert, because each quiet
-    stretch restarted the cooldown. Issue 35: the condition of steps 5 and 10 clears after 10
-    finite records (step 20), so the NaN at 24 is a new alert; 30 comes back within its cooldown."""
+    """NaN at steps 5, 10, 24 and 30: a quiet stretch does not restart the cooldown (that gave one
+    critical alert for all four); the condition of steps 5 and 10 clears after 10 finite records
+    (step 20), so the NaN at 24 is a new alert; 30 comes back within its cooldown."""
     eng = HealthEngine(P)
     crit = []
     for step in range(40):
@@ -89,7 +89,7 @@ def test_nonfinite_record_does_not_clear_open_conditions():
 
 
 def test_a_record_without_the_metric_neither_opens_nor_clears_its_condition():
-    """Issue 13: a Hugging Face eval row (no `loss`) cleared an active divergence alert."""
+    """A Hugging Face eval row (no `loss`) does not clear an active divergence alert."""
     eng = HealthEngine(P)
     got = []
     for i in range(30):

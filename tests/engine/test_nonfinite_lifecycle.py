@@ -1,4 +1,4 @@
-"""Issue 35 point 3: a NaN that comes back. A non-finite condition clears only after
+"""A NaN that comes back. A non-finite condition clears only after
 `nonfinite.clear_records` finite records in a row; a return within that stretch is the same
 condition (announced again as recurring past the cooldown), a return after its clear is a new
 alert that re-opens the incident; "cleared" names the metric. Live Monitor and replay alike."""
@@ -19,8 +19,8 @@ from nummon import AlertKind, IncidentState, Monitor, Policy, Severity
 from nummon._engine.detectors import DETECTORS
 
 NAN = math.nan
-#: issue 35's picture: NaN every few steps, finite in between (a common fp16 run), then NaN for good
-ISSUE_LOSSES = [5.6, 5.3, 5.2, 5.0, NAN, 5.1, NAN, 5.9, 5.7, 5.5, NAN, 5.4] + [5.3, 5.2, NAN] * 8 + [NAN] * 5
+#: NaN every few steps, finite in between (a common fp16 run), then NaN for good
+RETURNING_NAN_LOSSES = [5.6, 5.3, 5.2, 5.0, NAN, 5.1, NAN, 5.9, 5.7, 5.5, NAN, 5.4] + [5.3, 5.2, NAN] * 8 + [NAN] * 5
 
 
 def only_nonfinite(**alerts):
@@ -77,8 +77,8 @@ def test_lifecycle_invariants_over_random_finite_and_non_finite_steps(bad, k, co
     assert incident_state in (IncidentState.NONE, IncidentState.NONFINITE, IncidentState.RESOLVED)
 
 
-def test_the_issue_sequence_is_one_condition_announced_again_as_recurring():
-    steps = run(ISSUE_LOSSES, Policy.load("default"))
+def test_a_nan_returning_before_it_cleared_is_one_condition_announced_again_as_recurring():
+    steps = run(RETURNING_NAN_LOSSES, Policy.load("default"))
     said = [(s, a) for s, alerts, _ in steps for a in alerts if a.kind is AlertKind.NONFINITE]
     assert [(s, a.severity, a.cleared) for s, a in said] == [
         (4, Severity.CRITICAL, False),
@@ -112,11 +112,12 @@ def test_a_grad_scaler_calibration_and_one_off_nan_clear_within_the_stretch():
     assert said[-1].cleared
 
 
-def test_replay_of_the_issue_sequence_says_the_nan_came_back(tmp_path):
+def test_replay_of_a_returning_nan_says_the_nan_came_back(tmp_path):
     trace = tmp_path / "fp16_nan.jsonl"
     trace.write_text(
         "".join(
-            json.dumps({"step": i, "loss": "NaN" if math.isnan(v) else v}) + "\n" for i, v in enumerate(ISSUE_LOSSES)
+            json.dumps({"step": i, "loss": "NaN" if math.isnan(v) else v}) + "\n"
+            for i, v in enumerate(RETURNING_NAN_LOSSES)
         )
     )
     p = subprocess.run(

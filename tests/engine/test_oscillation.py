@@ -62,7 +62,7 @@ def fall_onto_floor(start, floor, tau, sigma, seed, n=300):
     seed=st.integers(0, 10**6),
 )
 def test_a_loss_sitting_on_its_noise_floor_is_not_oscillation(start, floor_fraction, tau, sigma, seed):
-    """The tiny LM's picture (issue 35, point 9): the loss falls, then sits on its noise floor. A
+    """A tiny LM's picture: the loss falls, then sits on its noise floor. A
     straight line through fall + floor leaves one bend that autocorrelates like a wave; it is not
     one (a floor above the oscillation rule's level gate, so the rule itself must tell)."""
     assert "oscillation" not in kinds(fall_onto_floor(start, start * floor_fraction, tau, sigma, seed))

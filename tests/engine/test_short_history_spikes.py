@@ -1,4 +1,4 @@
-"""Issue 35 point 7: a loss that doubles within three records of a smooth run, with the gradient
+"""A loss that doubles within three records of a smooth run, with the gradient
 norm ten times its level or more, is at least a warning however short the history; a short
 healthy start (warm-up, a Hugging Face log's grad_norm 28 at step 0) is not."""
 
@@ -18,7 +18,7 @@ def warnings(losses, norms, every=100):
     return [a for a in loud(loss_records(losses, norms, every=every)) if a.kind in LOUD]
 
 
-def test_the_pretraining_stretch_of_the_issue_warns_at_the_first_jump():
+def test_a_pretraining_loss_jumping_2x_beside_a_15x_grad_norm_warns_at_the_first_jump():
     losses = [3.32, 3.42, 3.68, 7.27, 4.13, 7.60]
     norms = [9e4, 1.0e5, 1.1e5, 1.5e6, 1.0e6, 3.0e6]  # 15x their level at the jump
     got = warnings(losses, norms)

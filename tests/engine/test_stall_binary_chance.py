@@ -1,6 +1,6 @@
 """A loss that came down to ln 2 and stays there: a binary classifier at chance, however short the
-run (issue 35, point 8: a 21-step stall at ln 2 of a from-scratch classifier was missed once the
-trend stall needed its loss within 10% of the start and a 100-step window)."""
+run (a 21-step stall at ln 2 of a from-scratch classifier, which a trend stall needing its loss
+within 10% of the start and a 100-step window misses)."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""A tiny transformer language model watched by nummon as a new user would (issue 13, "Done when").
+"""A tiny transformer language model watched by nummon as a new user would.
 
 Two pre-norm blocks (d_model 32), AdamW with linear warm-up, clip_grad_norm_ 1.0 and bf16 autocast on
 CPU, trained on synthetic token sequences with learnable structure (arithmetic progressions mod 16 with

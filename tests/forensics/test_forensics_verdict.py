@@ -1,4 +1,4 @@
-"""Issue 40, one process: a failing step is re-run on the weights and batch of its forward; a
+"""One process: a failing step is re-run on the weights and batch of its forward; a
 fault that does not repeat is `not_reproducible` (naming rank, host and device), a poisoned batch
 and a genuine high-LR blow-up are `reproducible` (naming the batch). The evidence is taken before
 the update, so plain SGD's NaN weights after `optimizer.step()` do not decide it."""

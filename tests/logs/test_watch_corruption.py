@@ -1,5 +1,5 @@
-"""What `nummon watch` / `replay` read from damaged, rewritten, rotated and re-run logs (issue 23
-items 2, 8-14): real TensorBoard event files and W&B offline runs written by their own packages,
+"""What `nummon watch` / `replay` read from damaged, rewritten, rotated and re-run logs:
+real TensorBoard event files and W&B offline runs written by their own packages,
 real trainer_state.json and metrics.csv, each damaged as disks, killed writers and people do."""
 
 import json
@@ -55,7 +55,7 @@ def stderr_of(tmp_path):
     return (tmp_path / "watch.err").read_text()
 
 
-# --- item 2: a step that is not an integer is that row's problem, never the watcher's exit ----
+# --- a step that is not an integer is that row's problem, never the watcher's exit --------
 
 
 def _hf_state(rows_extra):
@@ -105,7 +105,7 @@ def test_csv_step_inf_and_wandb_bad_step_do_not_stop_the_other_runs(tmp_path):
     assert [r.step for r in read_records(str(root / "wb" / "run-bad.wandb"))] == [0, 3]  # step 2 holds no number
 
 
-# --- item 8: a JSONL log rewritten in place or rotated ------------------------------------
+# --- a JSONL log rewritten in place or rotated --------------------------------------------
 
 
 def test_jsonl_rewritten_in_place_is_read_again(tmp_path):
@@ -137,7 +137,7 @@ def test_jsonl_rotated_is_read_from_the_new_file_start(tmp_path):
     assert "replaced by a new file" in stderr_of(tmp_path)
 
 
-# --- item 9: a Hugging Face run re-run into the same output_dir ----------------------------
+# --- a Hugging Face run re-run into the same output_dir -----------------------------------
 
 
 @pytest.mark.slow
@@ -156,7 +156,7 @@ def test_hf_rerun_into_the_same_output_dir_is_watched(tmp_path):
     assert "a new run in the same output folder" in stderr_of(tmp_path)
 
 
-# --- item 10: a second TensorBoard run written into the same logdir -------------------------
+# --- a second TensorBoard run written into the same logdir --------------------------------
 
 
 def test_second_tensorboard_run_in_the_same_logdir_is_watched(tmp_path):
@@ -172,7 +172,7 @@ def test_second_tensorboard_run_in_the_same_logdir_is_watched(tmp_path):
     assert "a new segment" in stderr_of(tmp_path)
 
 
-# --- item 11 and 13: TensorBoard records flipped and cut -----------------------------------
+# --- TensorBoard records flipped and cut --------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_tensorboard_file_cut_by_7_bytes_warns_of_a_torn_tail(long_tb, tmp_path)
     assert p.returncode == 0 and "last record torn at byte" in p.stderr
 
 
-# --- items 12 and 13: W&B blocks ----------------------------------------------------------
+# --- W&B blocks ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def test_wandb_file_cut_mid_record_warns_of_a_torn_tail(wandb_run, tmp_path):
     assert p.returncode == 0 and "last record torn at byte" in p.stderr
 
 
-# --- item 14: a trainer_state.json caught half-written ------------------------------------
+# --- a trainer_state.json caught half-written ---------------------------------------------
 
 
 def test_half_written_trainer_state_is_read_once_complete(tmp_path):
@@ -290,7 +290,7 @@ def test_half_written_trainer_state_is_read_once_complete(tmp_path):
     assert [e["step"] for e in nonfinite_events(notes)] == [60]
 
 
-# --- item 19: a long backlog streams in bounded memory ------------------------------------
+# --- a long backlog streams in bounded memory ---------------------------------------------
 
 PEAK = r"""
 import resource, subprocess, sys

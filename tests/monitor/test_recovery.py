@@ -1,4 +1,4 @@
-"""Recovery (issue 17): the gradient guard skips poisoned updates, rollbacks restore exact state."""
+"""Recovery: the gradient guard skips poisoned updates, rollbacks restore exact state."""
 
 import datetime
 import json

@@ -119,7 +119,7 @@ def test_audit_safetensors(tmp_path):
     assert rc == 1 and json.loads(out)["tensors"][0]["nan"] == 1
 
 
-# ------------------------------------------------------------------ exact comparisons (issue 12, item 12)
+# ------------------------------------------------------------------ exact comparisons
 
 
 def compare_files(tmp_path, a, b):
@@ -183,7 +183,7 @@ def test_a_large_checkpoint_is_read_memory_mapped_and_in_chunks(tmp_path):
     assert grown < 2.0 * size * 4, f"peak grew by {grown / 2**20:.0f} MB for a 256 MB checkpoint"
 
 
-# ------------------------------------------------------------------ special tensors (issue 12, item 14)
+# ------------------------------------------------------------------ special tensors
 
 
 def test_float8_meta_sparse_and_quantized_tensors(tmp_path):
@@ -222,7 +222,7 @@ def test_auditing_a_quantized_checkpoint_prints_no_torch_deprecation(tmp_path):
     assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
-# ------------------------------------------------------------------ files that are not checkpoints (item 15, defect 9)
+# ------------------------------------------------------------------ files that are not checkpoints
 
 
 @pytest.mark.parametrize(

@@ -323,7 +323,7 @@ def test_a_wandb_start_that_fails_is_a_note_and_the_demo_goes_on(tmp_path, wandb
 
 @pytest.mark.slow  # 80 steps
 def test_demo_with_recovery_stays_finite_and_learns(tmp_path):
-    """Issue 17: every step finite, the new classes learned (median loss of the last 10 <= 1.0,
+    """Every step finite, the new classes learned (median loss of the last 10 <= 1.0,
     chance is 2.3), one or two rollbacks, each in the event log."""
     import statistics
 

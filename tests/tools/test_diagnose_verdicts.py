@@ -26,7 +26,7 @@ CE = nn.functional.cross_entropy
 
 
 class MLP(nn.Sequential):
-    """The issue's 10 -> 32 -> 3 MLP."""
+    """A 10 -> 32 -> 3 MLP."""
 
     def __init__(self) -> None:
         super().__init__(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
@@ -128,7 +128,7 @@ def test_every_check_passes_a_healthy_model(kind):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_the_issues_mlp_memorises_16_random_samples_with_default_arguments():
+def test_a_small_mlp_memorises_16_random_samples_with_default_arguments():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     rep = overfit_one_batch(MLP(), (torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)), CE)

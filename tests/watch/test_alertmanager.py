@@ -329,7 +329,7 @@ def test_two_alertmanager_targets_are_two_in_the_outbox_and_failures_count_once(
         b.close()
 
 
-# --- round 4: a hung member, a hung Alertmanager, redirects, a deleted run ---------------------
+# --- a hung member, a hung Alertmanager, redirects, a deleted run -----------------------------
 
 
 class Hung:

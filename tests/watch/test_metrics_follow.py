@@ -141,7 +141,7 @@ def same(a, b):
 
 
 def test_a_x3_runaway_counts_down_and_is_gone_once_non_finite(tmp_path):
-    """The issue's case: x3 per step; the exported countdown falls record after record (it
+    """x3 per step: the exported countdown falls record after record (it
     stayed at its first value for 34 records), and is absent from the non-finite record on."""
     run, fleet = watched(tmp_path)
     found = findings_of_each_record(run.engine)

@@ -1,4 +1,4 @@
-"""Issue 40: the verdict and the suspect rank/host reach the exported metrics (nummon_verdicts)."""
+"""The verdict and the suspect rank/host reach the exported metrics (nummon_verdicts)."""
 
 from nummon import Alert, AlertKind, Severity
 from nummon._watch.metrics import _verdict_key

@@ -1,6 +1,7 @@
-"""`nummon watch` under the fourth round of attacks (issue 36 items 8-12, 20-22, the webhook
-target's counters shared with the metrics thread) and what it says of the runs it picks up
-(issue 35 point 10): real files, real watcher processes and signals, real HTTP receivers."""
+"""`nummon watch` under faults and odd inputs (misspelt targets, run folders named with a newline
+or a non-UTF-8 byte, lock files that are links, a full disk, the webhook target's counters read by
+the metrics thread, unreadable and bursting runs, kills, deleted runs) and what it says of the runs
+it picks up: real files, real watcher processes and signals, real HTTP receivers."""
 
 import json
 import os
@@ -26,7 +27,7 @@ from nummon import load_policy
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
-# --- 36.22: a misspelled target kind never prints the URL's secrets ------------------------
+# --- a misspelled target kind never prints the URL's secrets ----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ def test_a_near_miss_kind_gets_a_hint(tmp_path, capsys):
     assert "did you mean alertmanager:?" in capsys.readouterr().err
 
 
-# --- 36.11 (round 3) and 36.12: run names that are not UTF-8 and hold a newline -----------
+# --- run names that are not UTF-8 and hold a newline ------------------------------------------
 
 
 def _strict_lines(path):
@@ -137,7 +138,7 @@ def test_a_non_utf8_run_name_has_a_shard_and_the_other_runs_nan_is_notified(tmp_
     assert got[odd_shard] == {"bad-\\xff"} and got[1 - odd_shard] == {f"ok-{i}"}
 
 
-# --- 36.10: a symlinked state.json.lock is refused, its target untouched --------------------
+# --- a symlinked state.json.lock is refused, its target untouched -----------------------------
 
 
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, capsys):
@@ -164,7 +165,7 @@ def test_a_dangling_lock_link_is_refused_and_nothing_is_created(tmp_path, capsys
     assert not (tmp_path / "elsewhere.pid").exists()
 
 
-# --- 36.8: the JSONL event record on a full disk ----------------------------------------------
+# --- the JSONL event record on a full disk ----------------------------------------------------
 
 FSIZE_LIMITED = r"""
 import resource, sys
@@ -202,7 +203,7 @@ def test_event_record_on_a_full_disk_never_tears_a_line_and_reports_each_event_n
     assert lost and "2 notifications" in p.stderr, p.stderr  # the two events not written are counted, not delivered
 
 
-# --- thread safety: the webhook target's counters, read by the metrics scrape thread --------
+# --- thread safety: the webhook target's counters, read by the metrics scrape thread ----------
 
 
 class _CountingEndpoint:
@@ -291,7 +292,7 @@ def test_webhook_counters_are_consistent_for_a_scrape_thread_under_fast_switchin
     assert _counts(t) == (n - n // 4, n // 4, 0, 0, 0)
 
 
-# --- 35.10: watch names each run it picks up and says when it stops ---------------------------
+# --- watch names each run it picks up and says when it stops ----------------------------------
 
 
 def test_watch_names_each_run_it_picks_up_and_its_stop_with_true_numbers(tmp_path):
@@ -337,7 +338,7 @@ def test_watch_once_ends_with_its_summary_and_counts_what_was_lost(tmp_path):
     )
 
 
-# --- 36.20: one unreadable JSONL in the root is that run's problem only ----------------------
+# --- one unreadable JSONL in the root is that run's problem only ------------------------------
 
 
 def _without_file_capabilities():
@@ -390,7 +391,7 @@ def test_an_unreadable_jsonl_is_that_runs_problem_and_the_other_runs_nan_is_noti
     assert len(said) == 1 and "Permission denied" in said[0], err
 
 
-# --- 36.21: a run whose log grows by a lot is read in bounded chunks, fairly ---------------
+# --- a run whose log grows by a lot is read in bounded chunks, fairly -------------------------
 
 
 def _healthy(n, start=0):
@@ -474,7 +475,7 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
         w.close()
 
 
-# --- 36.11 (round 3): SIGKILL every second while the run writes: every event exactly once ----
+# --- SIGKILL every second while the run writes: every event exactly once ----------------------
 
 
 KILLS = 20  # SIGKILLs of the watcher per run of the test below
@@ -564,7 +565,7 @@ def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_
     assert [json.loads(line)["transition"] for line in lines[1:]] == ["opened", "escalated", "escalated"]
 
 
-# --- 36.9: runs deleted from the root are forgotten after a grace period ---------------------
+# --- runs deleted from the root are forgotten after a grace period ----------------------------
 
 
 def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_restarts(tmp_path):
