@@ -5,16 +5,11 @@ them, and the alerts (or findings) a test asks about."""
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from nummon import Alert, Policy, Severity, StepRecord
+from nummon import Alert, Policy, Severity, StepRecord, load_policy
 from nummon._engine.detectors import shared_values
-from nummon._engine.engine import EngineStep, HealthEngine
+from nummon._engine.engine import HealthEngine
 
-DEFAULT_POLICY = Policy.load("default")
-
-
-def as_policy(policy: Policy | str | dict) -> Policy:
-    """A Policy as given, or loaded from a preset name or a dict of overrides."""
-    return policy if isinstance(policy, Policy) else Policy.load(policy)
+DEFAULT_POLICY = load_policy("default")
 
 
 def loss_records(
@@ -42,14 +37,15 @@ def loss_records_at(points: Iterable[tuple[int, float | None]]) -> list[StepReco
     return [StepRecord(step=s, loss=v) for s, v in points]
 
 
-def feed(engine: HealthEngine, recs: Iterable[StepRecord]) -> list[EngineStep]:
-    """What `engine` concludes from each record, in order."""
+def feed(engine: HealthEngine, recs: Iterable[StepRecord]) -> list[Any]:
+    """What `engine` concludes from each record (its alerts, health and incident events), in order."""
     return [engine.step(r) for r in recs]
 
 
-def engine_steps(recs: Iterable[StepRecord], policy: Policy | str | dict = DEFAULT_POLICY) -> list[EngineStep]:
-    """What a fresh HealthEngine under `policy` concludes from each record, in order."""
-    return feed(HealthEngine(as_policy(policy)), recs)
+def engine_steps(recs: Iterable[StepRecord], policy: Policy | str | dict = DEFAULT_POLICY) -> list[Any]:
+    """What a fresh HealthEngine under `policy` (a Policy, a preset name or a mapping) concludes
+    from each record, in order."""
+    return feed(HealthEngine(load_policy(policy)), recs)
 
 
 def engine_alerts(recs: Iterable[StepRecord], policy: Policy | str | dict = DEFAULT_POLICY) -> list[Alert]:
