@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/nm:/tmp/site
 repo=$PWD
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   (cd /tmp && python3 -c "import torch, nummon; print('torch', torch.__version__, torch.cuda.get_device_name(0), nummon.__file__)"); } 2>&1 | tee "$out/gpu_env.txt"
-(cd tests && timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-test_hot_path.py test_stats_collector.py test_stats_preclip.py test_monitor.py test_detectors.py test_diagnose.py test_distributed.py} 2>&1 | tail -15) | tee "$out/gpu_tests.txt"
+(cd tests && timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-stats/test_hot_path.py stats/test_stats_collector.py stats/test_stats_preclip.py monitor/test_monitor.py engine/test_detectors.py tools/test_diagnose.py monitor/test_distributed.py} 2>&1 | tail -15) | tee "$out/gpu_tests.txt"
 for dev in cpu cuda; do  # from /tmp: the checkout's nummon/ must not shadow the installed package
   (cd /tmp && timeout 90 python3 -m nummon demo --device $dev --no-wandb --no-tensorboard --out /tmp/demo_$dev 2>&1 | grep -E "warned|no warning|first NaN|\(.* s;|error") | tee -a "$out/gpu_demo.txt"
 done

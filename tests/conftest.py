@@ -17,16 +17,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # `fc1` instead of `fc2`, where the quickstart's excerpt (printed with AVX2 kernels, and checked
 # line by line against a fresh run) says `fc2`. Every other test passes on either (checked with
 # ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO ONEDNN_MAX_CPU_ISA=ALL, which override these), and
-# the demo's story is checked on the machine's own kernels too (tests/cli/test_demo.py).
+# the demo's story is checked on the machine's own kernels too (tests/tools/test_demo.py).
 if platform.machine().lower() in ("x86_64", "amd64"):  # the names are x86's (elsewhere torch warns)
     for _var, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_CBWR", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
         os.environ.setdefault(_var, _isa)
 
 import pytest  # noqa: E402
-
-# the checkout's paths and the CLI command live in helpers.checkout; still importable from here for
-# test_demo.py, test_distributed.py and test_real_logs.py until they import helpers (after the merge)
-from helpers.checkout import CORPUS, DATA, ROOT, nummon_cmd  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
@@ -55,31 +51,6 @@ def wandb_env(tmp_path, monkeypatch):
         monkeypatch.setenv(var, val)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
-
-
-def start_ranks(fn, nprocs, args):
-    """Run fn(rank, *args) in `nprocs` processes and wait for them (torch.multiprocessing's
-    start_processes: a rank that raises or dies fails the call). The ranks are forked from a fork
-    server that imported torch and nummon once per xdist worker, not started as fresh interpreters
-    that each import torch (some 3 s of CPU per rank); the server is a clean single-threaded
-    process started for this purpose, so forking it is safe."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    # read when the server starts (the first call in this process); modules that fail to import
-    # are skipped by the server and imported by the ranks themselves
-    multiprocessing.set_forkserver_preload(
-        [
-            "torch",
-            "torch._dynamo",
-            "torch.distributed",
-            "nummon._monitor.monitor",
-            "helpers.dist_workers",
-            "helpers.models",
-        ]
-    )
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 try:  # hypothesis keeps no example database in the checkout, and draws the same examples on every run

@@ -56,7 +56,7 @@ def pages(gen, tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_policy_key_has_a_row_with_its_default(pages, gen):
-    from nummon._policy.policy import Policy
+    from nummon import Policy
 
     page = pages["reference/policy.md"]
     default = Policy()
@@ -71,7 +71,7 @@ def test_every_policy_key_has_a_row_with_its_default(pages, gen):
 def test_policy_keys_cover_every_section_of_the_model(gen):
     from pydantic import BaseModel
 
-    from nummon._policy.policy import Policy
+    from nummon import Policy
 
     keys = set(gen.policy_keys())
     for name in Policy.model_fields:
@@ -92,7 +92,7 @@ def test_a_unit_is_split_from_the_meaning_only_when_it_is_a_unit(gen):
 
 
 def test_every_alert_kind_has_a_section_with_its_detector_and_hint(pages):
-    from nummon._core.types import AlertKind
+    from nummon import AlertKind
     from nummon._engine.detectors import DETECTORS
     from nummon._engine.hints import _BASE
 

@@ -1,7 +1,7 @@
 """Score `nummon replay` on real training logs written by other people (tests/data/real, sources in SOURCES.md).
 
-The scoring is the shared corpus scorer (score.py), run as a real subprocess over the real CLI; each target of
-issue 13 is one test.  One stall cannot be seen in the numbers alone (NEEDS_CLASS_COUNT): it is scored with a
+The scoring is the shared corpus scorer (score.py), run as a real subprocess over the real CLI; each target
+is one test.  One stall cannot be seen in the numbers alone (NEEDS_CLASS_COUNT): it is scored with a
 policy that names the classifier's chance loss, as its user would set it.
 """
 

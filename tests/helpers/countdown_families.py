@@ -1,5 +1,5 @@
 """Generated families of runaways with their truth: for the countdown's property tests
-(tests/detectors/test_countdown_families.py) and its benchmark (benchmarks/countdown.py).
+(tests/engine/test_countdown_families.py) and its benchmark (benchmarks/countdown.py).
 
 A family is log10|x| over steps: a healthy prefix (a loss near 2, slowly falling) and then a
 runaway of a given shape, with multiplicative noise on every step (a normal number of decades),

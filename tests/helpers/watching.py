@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from helpers.checkout import ROOT
+from nummon import load_policy
 from nummon._core.json import dumps
-from nummon._policy.policy import load_policy
 from nummon._watch import make_follower
 from nummon._watch.runs import WatchedRun
 

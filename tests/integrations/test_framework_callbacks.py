@@ -191,7 +191,7 @@ SUMMARY = re.compile(
 
 
 def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path):
-    """Issue 35 point 10: one line at the start (what is watched, the policy, the sampling, where
+    """One line at the start (what is watched, the policy, the sampling, where
     the files go) and one at the end (steps, incidents, the worst state and moment, the files),
     every number in them checked against the run."""
     memory = MemorySink()

@@ -37,7 +37,7 @@ def saved_nummon_state(ckpt):
 
 @pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_saved_without_nummon_saves_its_state(tmp_path):
-    """Issue 36 item 16: a checkpoint written before nummon was added has no NummonTrainerCallback entry;
+    """A checkpoint written before nummon was added has no NummonTrainerCallback entry;
     the resumed run's first save used to die with KeyError('NummonTrainerCallback')."""
     resumable_trainer(tmp_path, None, steps=6).train()
     ckpt = tmp_path / "checkpoint-6"
@@ -80,7 +80,7 @@ CORRUPTIONS = {
 def test_a_corrupted_nummon_state_in_the_checkpoint_warns_once_and_starts_cold(
     tmp_path, nummon_checkpoint, corruption, caplog
 ):
-    """Issue 36 item 17: a checkpoint whose nummon entry is not a saved state (edited, truncated, or
+    """A checkpoint whose nummon entry is not a saved state (edited, truncated, or
     from another tool) used to kill the resume with AttributeError / StateError."""
     import logging
     import shutil
@@ -143,7 +143,7 @@ def test_a_classifier_names_its_chance_level_and_a_language_model_does_not():
     a language model's vocabulary is no chance level."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from nummon._policy.policy import load_policy
+    from nummon import load_policy
     from nummon.integrations._callback_common import with_class_count
     from nummon.integrations.transformers import classification_classes
 
@@ -177,7 +177,7 @@ def screen_lines(raw):
 
 @pytest.mark.slow
 def test_console_lines_start_on_their_own_line_beside_the_trainers_progress_bar(tmp_path):
-    """Issue 35 point 10: with the Trainer's tqdm bar open, nummon's line used to be glued to the
+    """With the Trainer's tqdm bar open, nummon's line used to be glued to the
     bar (`...[00:02<02:06, 2.57s/it]nummon: run lost...`)."""
     import os
     import subprocess

@@ -1,24 +1,17 @@
 """Real gloo process groups on CPU: DDP, FSDP2, identical decisions, one collective per step."""
 
 import json
-import socket
 
 import pytest
-from conftest import start_ranks
 from helpers import dist_workers as W
+from helpers.ranks import free_port, start_ranks
 
 # gloo process groups from a fork server (about 5 s to start per xdist worker): the full suite's
 pytestmark = pytest.mark.slow
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(fn, world, tmp_path, *extra):
-    start_ranks(fn, world, (world, _port(), str(tmp_path), *extra))
+    start_ranks(fn, world, (world, free_port(), str(tmp_path), *extra))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

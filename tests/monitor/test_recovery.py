@@ -1,19 +1,17 @@
-"""Recovery (issue 17): the gradient guard skips poisoned updates, rollbacks restore exact state."""
+"""Recovery: the gradient guard skips poisoned updates, rollbacks restore exact state."""
 
 import datetime
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
-from conftest import start_ranks
 from helpers.models import MLP
+from helpers.ranks import free_port, start_ranks
 from torch import nn
 
-from nummon import Monitor, NummonError
-from nummon._policy.policy import load_policy
+from nummon import Monitor, NummonError, load_policy
 
 torch.set_num_threads(1)
 
@@ -286,12 +284,6 @@ class _Quiet:
 
 
 # ---------------------------------------------------------------- torch.distributed, 2 gloo ranks
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
@@ -340,7 +332,7 @@ def _ddp_worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 def test_ddp_two_gloo_ranks_skip_and_restore_the_same_step(tmp_path):
-    start_ranks(_ddp_worker, 2, (2, _port(), str(tmp_path)))
+    start_ranks(_ddp_worker, 2, (2, free_port(), str(tmp_path)))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert [(e["action"], e["step"]) for e in r["recoveries"]] == [("skip", 6), ("rollback", 8)]

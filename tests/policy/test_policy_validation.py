@@ -1,4 +1,4 @@
-"""Validation is the only gate (issue 12 item 10): nothing accepted can switch a detector off or
+"""Validation is the only gate: nothing accepted can switch a detector off or
 crash later; every problem is one line."""
 
 import json

@@ -1,12 +1,12 @@
-"""A policy YAML with a key given twice is refused, naming the key and both lines (issue 23
-item 21): the last value used to win silently and `policy validate` said "valid"."""
+"""A policy YAML with a key given twice is refused, naming the key and both lines:
+the last value used to win silently and `policy validate` said "valid"."""
 
 import subprocess
 import sys
 
 import pytest
 
-from nummon._policy.policy import PolicyError, load_policy
+from nummon import PolicyError, load_policy
 
 DUP = """\
 spike:

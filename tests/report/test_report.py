@@ -81,7 +81,7 @@ def _tb(path, losses):
 
 
 def _logs(tmp_path):
-    """The same run as every log format replay reads (as tests/cli/test_replay_formats.py writes them)."""
+    """The same run as every log format replay reads (as tests/tools/test_replay_formats.py writes them)."""
     jsonl = tmp_path / "trace.jsonl"
     jsonl.write_text(
         "".join(json.dumps({"step": i, "loss": str(v) if v != v else v}) + "\n" for i, v in enumerate(LOSSES))
@@ -175,7 +175,7 @@ def test_thin_keeps_every_point_near_the_incident_and_each_buckets_extremes(ys, 
 @given(st.integers(20, 60), st.integers(2, 12), st.floats(2.0, 10.0))
 def test_the_lead_and_steps_on_the_page_are_those_of_the_log(tmp_path_factory, healthy, grow, rate):
     """Whatever the run, the steps the page claims (warning, first NaN, lead) are the detectors'."""
-    from nummon._tools.replay import replay
+    from nummon import replay
 
     losses = [2.0 * 0.99**i for i in range(healthy)] + [2.0 * rate**k for k in range(1, grow + 1)] + [math.nan]
     log = tmp_path_factory.mktemp("p") / "trace.jsonl"
@@ -294,7 +294,7 @@ def test_a_healthy_monitor_run_with_no_folder_makes_none(tmp_path, monkeypatch):
 def test_the_fast_reader_reads_what_the_trace_reader_reads(values, step):
     """The report's lenient reader gives the values `replay`'s reader gives, for every line the
     latter accepts."""
-    from nummon._logs.trace import TraceError
+    from nummon import TraceError
     from nummon._report.load import _lean_record
 
     obj = {"step": step, **values, "layer_grad_norms": {"a": 1.5, "b": "nan"}}

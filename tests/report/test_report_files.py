@@ -43,7 +43,7 @@ def test_report_dash_o_never_follows_a_planted_link(tmp_path, victim, capsys):
 
 
 def test_a_flight_record_never_follows_a_link_planted_at_its_temporary_name(tmp_path, victim):
-    from nummon._core.types import Alert, AlertKind, Severity, StepRecord
+    from nummon import Alert, AlertKind, Severity, StepRecord
     from nummon._monitor.recorder import FlightRecorder
 
     rec = FlightRecorder(4)

@@ -25,11 +25,10 @@ import pytest
 from helpers.webhook_receiver import Receiver
 
 import nummon
+from nummon import BaseSink, load_policy
 from nummon._core.json import dumps
 from nummon._logs.discovery import RunSpec
 from nummon._logs.readers import make_follower
-from nummon._policy.policy import load_policy
-from nummon._sinks.builtin import BaseSink
 from nummon._watch.notices import Notice
 from nummon._watch.output import Outcome, Target
 from nummon._watch.runs import WatchedRun

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from nummon import JsonlSink
-from nummon._core.errors import NummonError
+from nummon import JsonlSink, NummonError
 
 
 def _refused(path):

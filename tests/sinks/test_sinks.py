@@ -20,8 +20,7 @@ from helpers.wandb_reader import find_run_file, history_rows, read_records
 from torch import nn
 
 import nummon
-from nummon import AlertKind, Health, JsonlSink, Monitor, Severity
-from nummon._core.types import Alert
+from nummon import Alert, AlertKind, Health, JsonlSink, Monitor, Severity
 
 HIST_EVERY = 10
 POLICY = {"sampling": {"histogram_every": HIST_EVERY}, "alerts": {"stop_on_critical": False}}

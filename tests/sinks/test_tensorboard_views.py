@@ -1,4 +1,4 @@
-"""TensorBoard views a new user can read with TensorBoard's defaults (issue 39, part 3): state
+"""TensorBoard views a new user can read with TensorBoard's defaults: state
 charts whose range shows every state with "ignore outliers" on, per-layer charts that name
 their layers (one custom-scalars chart per layer group), no linear histogram whose axis would
 be an unreadable string of digits. Read back from the real event files of a real runaway."""

@@ -1,4 +1,4 @@
-"""Each statistic family is one unit (issue 37.3): it declares its segments with their
+"""Each statistic family is one unit: it declares its segments with their
 cross-rank rules, its launch function and its decoders, and the collector and the decoder both
 run from that one list, so a family cannot be launched without being decoded."""
 

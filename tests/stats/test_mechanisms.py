@@ -12,7 +12,7 @@ from helpers.attention import Attn, attention_reference
 from torch import nn
 
 import nummon
-from nummon._logs.trace import read_trace
+from nummon import read_trace
 
 
 def _step(model, opt, mon, x, y, **kw):

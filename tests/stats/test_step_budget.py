@@ -1,6 +1,6 @@
 """The host work of an ordinary monitored step, pinned by counts (no timing): Python calls per
 stage, torch (aten) ops per stage, Python-level hook calls and host reads. A change that adds
-per-step work fails here; raise a budget only with the reason (and benchmarks/RESULTS.md, #42).
+per-step work fails here; raise a budget only with the reason (and in benchmarks/RESULTS.md).
 
 Counts come from benchmarks/step_budget.py (sys.setprofile and a TorchDispatchMode) on the
 README's demo CNN (batch 8: the counts do not depend on the batch) and a 40-tensor chain."""

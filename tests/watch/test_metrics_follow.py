@@ -15,11 +15,10 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from nummon._core.types import AlertKind, StepRecord  # noqa: E402
+from nummon import AlertKind, StepRecord, load_policy
 from nummon._engine.engine import HealthEngine  # noqa: E402
 from nummon._logs.discovery import RunSpec  # noqa: E402
 from nummon._logs.readers import make_follower  # noqa: E402
-from nummon._policy.policy import load_policy  # noqa: E402
 from nummon._watch.metrics import HEALTH_CODES, FleetMetrics, MetricsObserver  # noqa: E402
 from nummon._watch.runs import WatchedRun  # noqa: E402
 from nummon.integrations.prometheus import PrometheusSink, _Collector  # noqa: E402
@@ -142,7 +141,7 @@ def same(a, b):
 
 
 def test_a_x3_runaway_counts_down_and_is_gone_once_non_finite(tmp_path):
-    """The issue's case: x3 per step; the exported countdown falls record after record (it
+    """x3 per step: the exported countdown falls record after record (it
     stayed at its first value for 34 records), and is absent from the non-finite record on."""
     run, fleet = watched(tmp_path)
     found = findings_of_each_record(run.engine)

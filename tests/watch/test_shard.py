@@ -8,8 +8,8 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nummon import load_policy
 from nummon._core.json import dumps
-from nummon._policy.policy import load_policy
 from nummon._watch.shard import Shard, parse_shard, run_key, shard_of
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher

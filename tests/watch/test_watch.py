@@ -20,7 +20,7 @@ from helpers.watching import (
     write_lines,
 )
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch import make_follower
 from nummon._watch.runs import WatchedRun
 

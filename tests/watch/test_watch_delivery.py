@@ -1,6 +1,6 @@
 """`nummon watch` as an unattended process: FIFOs in the tree, unwritable and broken state files,
 bad targets, endpoints that hang, redirect, answer slowly or refuse, two watchers on one state
-file (issue 23 items 1, 3-7, 15-18) and what the watcher says where people look (issue 24)."""
+file, and what the watcher says where people look."""
 
 import json
 import os
@@ -25,7 +25,7 @@ from helpers.watching import (
 )
 from helpers.watching import watch_main as main
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch.watcher import Watcher
 from nummon._watch.webhook import WebhookTarget
 
@@ -102,7 +102,7 @@ def run_once(*args):
     return subprocess.run(WATCH + [str(a) for a in args] + ["--once"], capture_output=True, text=True, timeout=300)
 
 
-# --- item 1: a FIFO under the root ---------------------------------------------------------
+# --- a FIFO under the root -----------------------------------------------------------------
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
@@ -121,7 +121,7 @@ def test_fifo_in_the_tree_never_blocks_and_sigterm_stops_the_watcher(tmp_path):
     assert main([str(tmp_path / "run" / "pipe.jsonl"), "--once"]) == 2  # named as a root: one line
 
 
-# --- item 3: a state file that cannot be written -----------------------------------------
+# --- a state file that cannot be written ---------------------------------------------------
 
 LIMITED = r"""
 import resource, sys
@@ -156,7 +156,7 @@ def test_unwritable_state_file_still_sends_every_notification(tmp_path, endpoint
     assert p.stderr.count("cannot write the state file") == 1 and "Traceback" not in p.stderr
 
 
-# --- items 4 and 5: broken state files, paths under a regular file -------------------------
+# --- broken state files, paths under a regular file ----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_target_or_state_under_a_regular_file_is_one_line_exit_2(tmp_path, capsy
     assert "FILE" in err and len(err.strip().splitlines()) == 1
 
 
-# --- item 6: malformed webhook URLs refused at start ---------------------------------------
+# --- malformed webhook URLs refused at start -----------------------------------------------
 
 
 @pytest.mark.parametrize("url", ["http://[::1", "http://a b/", "http://:80/x", "http://h:99999/", "https://"])
@@ -201,7 +201,7 @@ def test_malformed_webhook_url_exits_2_at_start(tmp_path, capsys, url):
     assert "webhook" in err and len(err.strip().splitlines()) == 1
 
 
-# --- item 7: SIGTERM with an endpoint that never answers ----------------------------------
+# --- SIGTERM with an endpoint that never answers -------------------------------------------
 
 
 @pytest.mark.slow
@@ -227,7 +227,7 @@ def test_sigterm_with_a_hanging_endpoint_keeps_the_events_for_the_next_start(tmp
     assert json.loads(state.read_text())["outbox"] == []
 
 
-# --- items 15, 16 and issue 24's failure line: no secret, the reason, the event --------------
+# --- the failure line: no secret, the reason, the event ------------------------------------
 
 
 def test_failure_line_names_reason_and_event_and_never_the_secret(tmp_path):
@@ -271,7 +271,7 @@ def test_refused_notifications_make_once_exit_non_zero_with_plural_right(tmp_pat
     )
 
 
-# --- item 17: a slow receiver gets each event once, nothing delivered is called lost ---------
+# --- a slow receiver gets each event once, nothing delivered is called lost ----------------
 
 
 @pytest.mark.slow
@@ -289,7 +289,7 @@ def test_slow_receiver_gets_each_event_once_and_close_keeps_the_last(tmp_path, e
     assert w.lost == 0 and "could not deliver" not in errors.read_text() and hook.sent == 6
 
 
-# --- item 18: one watcher per state file ---------------------------------------------------
+# --- one watcher per state file ------------------------------------------------------------
 
 
 def test_second_watcher_on_the_same_state_exits_2_naming_the_first(tmp_path):
@@ -306,7 +306,7 @@ def test_second_watcher_on_the_same_state_exits_2_naming_the_first(tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and rc == 0, err
 
 
-# --- issue 24: what the watcher says -------------------------------------------------------
+# --- what the watcher says -----------------------------------------------------------------
 
 
 def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
@@ -320,8 +320,7 @@ def test_watch_names_what_it_watches_and_an_empty_root(tmp_path):
 
 
 def test_title_cut_at_a_word():
-    from nummon import Contributor, IncidentEvent, IncidentState
-    from nummon._core.types import AlertKind, Severity
+    from nummon import AlertKind, Contributor, IncidentEvent, IncidentState, Severity
     from nummon._watch.notices import RunIncident
 
     c = Contributor(

@@ -9,7 +9,7 @@ import sys
 from helpers.log_writers import runaway_rows, write_jsonl, write_tensorboard
 from helpers.watching import read_events, reference_ids
 
-from nummon._policy.policy import load_policy
+from nummon import load_policy
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 

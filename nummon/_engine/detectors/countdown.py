@@ -21,7 +21,7 @@ the metric's own record-to-record noise before the streak, and `NOISE_FLOOR`).
   show a significant rise (then the accelerated figure).
 
 The headline (`Countdown.steps`) is what a person and `details["steps_to_overflow"]` read; the
-property tests in tests/detectors/test_countdown_families.py hold it within [truth/1.5 - 2, 1.5 truth + 2]
+property tests in tests/engine/test_countdown_families.py hold it within [truth/1.5 - 2, 1.5 truth + 2]
 on generated families of runaways. Pure maths over host floats.
 """
 
