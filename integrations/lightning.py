@@ -33,7 +33,7 @@ from ._callback_common import (
     take_per_sample,
 )
 
-pl = require("lightning.pytorch", "lightning")
+pl: Any = require("lightning.pytorch", "lightning")  # Any: loaded by name, mypy sees no classes in it
 
 __all__ = ["NummonLightningCallback"]
 
@@ -171,7 +171,9 @@ class NummonLightningCallback(pl.Callback):
         batches, self._batches = self._batches, []
         if not batches or not pl_module.automatic_optimization:  # a manual step would step the optimizer again
             return None
-        return MicroBatches([lambda b=b, i=i: loss_of(pl_module.training_step(b, i)) for b, i in batches])
+        # built before the call: inside MicroBatches(...) mypy cannot type a lambda with default arguments
+        parts = [lambda b=b, i=i: loss_of(pl_module.training_step(b, i)) for b, i in batches]
+        return MicroBatches(parts)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if self.monitor is None or not pl_module.training:

@@ -156,7 +156,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def setup(self) -> None:
-        self.timeout = self.server.idle_timeout_s  # a client silent this long is dropped
+        # a client silent this long is dropped (typeshed: a class variable; setup() reads the instance's)
+        self.timeout = self.server.idle_timeout_s  # type: ignore[misc]
         super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server name

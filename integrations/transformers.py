@@ -37,7 +37,7 @@ from ._callback_common import (
     with_class_count,
 )
 
-transformers = require("transformers", "transformers")
+transformers: Any = require("transformers", "transformers")  # Any: loaded by name, mypy sees no classes in it
 
 __all__ = ["NummonTrainerCallback"]
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import os as _os
 from typing import TYPE_CHECKING, Any
 
-# A source checkout keeps integrations/ and configs/ beside nummon/ (the project's layout); an
-# install maps them into the package (pyproject's package-dir). Let `python -m nummon` run from
-# the checkout's root, where the source tree shadows the install, resolve them the same way.
+# a source checkout's integrations/ and configs/ join the package: see pyproject.toml, [tool.setuptools.package-dir]
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "configs")) and all(
     _os.path.isfile(_os.path.join(_root, d, "__init__.py")) for d in ("integrations", "configs")

@@ -8,6 +8,7 @@ import linecache
 import os
 import sys
 import sysconfig
+import warnings
 from types import FrameType
 from typing import Any
 
@@ -82,9 +83,15 @@ class ModuleScope:
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.inputs: list[tuple[torch.Tensor, str]] = []  # (tensor, "input to <module>")
         self._handles: list[Any] = []
+        self._quiet: warnings.catch_warnings | None = None
 
     # -- hooks -------------------------------------------------------------------------------
     def install(self) -> None:
+        # torch warns that global hooks also fire for torch.compile's wrapper; `_enter` skips the
+        # wrapper, so to the user that warning would only say something nummon already handles
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", r"Using `torch\.compile\(module\)` when there are global hooks", UserWarning)
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._enter),
             module_hooks.register_module_forward_hook(self._leave, always_call=True),
@@ -94,6 +101,9 @@ class ModuleScope:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._quiet is not None:
+            self._quiet.__exit__(None, None, None)
+            self._quiet = None
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if is_compile_wrapper(module):  # torch.compile's wrapper: its module is the root (no `_orig_mod.` in names)

@@ -51,7 +51,7 @@ def findings(fam: Family, engine: bool = False):
     out = []
     for i, (step, v) in enumerate(recs):
         rec = StepRecord(step=step, loss=v, headroom_dtype=dtype)
-        got = [a for a in eng.step(rec).alerts if a.kind.value == "runaway"] if engine else det.update(rec)
+        got = [a for a in eng.step(rec).alerts if a.kind.value == "runaway"] if eng is not None else det.update(rec)
         out += [(f, over - step, recs[: i + 1]) for f in got if "steps_to_overflow" in f.details]
     return out
 

@@ -18,7 +18,9 @@ from nummon._forensics import CAUSES, NonfiniteReport, explain_nonfinite
 
 def _next_line() -> str:
     """'this_file:N+1' where N is the caller's line: mark the line just below the call."""
-    return f"{__file__}:{inspect.currentframe().f_back.f_lineno + 1}"
+    frame = inspect.currentframe()
+    assert frame is not None and frame.f_back is not None  # CPython keeps frames
+    return f"{__file__}:{frame.f_back.f_lineno + 1}"
 
 
 def _assert_report(report: NonfiniteReport | None, op: str, cause: str, stage: str, location: str) -> NonfiniteReport:
@@ -325,7 +327,7 @@ def test_report_serialises_and_reads_as_one_paragraph():
     assert "\n" not in text and text.startswith("division_by_zero in aten::div during the forward at ")
     assert "Remedy: add an epsilon" in text
     with pytest.raises(dataclasses_frozen_error()):
-        report.op = "x"  # type: ignore[misc]
+        report.op = "x"
 
 
 def dataclasses_frozen_error() -> type[Exception]:

@@ -73,5 +73,5 @@ class Family:
             recs.append((t, 10.0 ** series[t]))
         else:
             if math.isfinite(over):
-                recs.append((((over // self.every) + 1) * self.every, math.inf))
+                recs.append((((int(over) // self.every) + 1) * self.every, math.inf))
         return recs, over

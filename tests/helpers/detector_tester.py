@@ -68,7 +68,7 @@ def alert_keys(alerts: Iterable[Alert]) -> list[tuple[int, str, str, bool]]:
     return [(a.step, a.kind.value, a.severity.value, a.cleared) for a in alerts]
 
 
-def make_detector(cls: type, policy: Policy = DEFAULT_POLICY) -> Any:
+def make_detector(cls: Any, policy: Policy = DEFAULT_POLICY) -> Any:
     """A detector as build_detectors makes it: its own policy section plus the shared values it needs."""
     shared = shared_values(policy)
     return cls(getattr(policy, cls.section), **{n: shared[n] for n in cls.needs})

@@ -12,7 +12,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 import yaml
@@ -76,7 +78,7 @@ class Server:
     def _ready(self, path: str) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(
-                f"{self.proc.args[0]} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+                f"{cast(list, self.proc.args)[0]} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
             )
         with urllib.request.urlopen(self.url + path, timeout=2) as r:
             return r.status == 200
@@ -93,7 +95,7 @@ class Server:
 
 
 def start_prometheus(
-    tmp_path: Path, targets: list[str], rules: list[Path] = (), alertmanager: str | None = None
+    tmp_path: Path, targets: list[str], rules: Sequence[Path] = (), alertmanager: str | None = None
 ) -> Server:
     """Prometheus scraping `targets` (host:port) every second, evaluating `rules` every second."""
     exe = binary("prometheus")

@@ -7,10 +7,15 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 class Receiver:
     """Serves on a free port until `close()`; `bodies` holds each posted JSON body in order."""
+
+    bodies: list[Any]
+    event_ids: list[str | None]
+    answered: list[str | None]
 
     def __init__(self, path: str = "/hook", delay_s: float = 0.0) -> None:
         bodies = self.bodies = []

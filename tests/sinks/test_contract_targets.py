@@ -20,6 +20,8 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from helpers.webhook_receiver import Receiver
@@ -57,7 +59,9 @@ def subclasses(base: type) -> list[type]:
             importlib.import_module(name)
         except ImportError:  # an extra that is not installed: its outputs cannot be built here
             continue
-    found, todo = set(), [base]
+    found: set[type] = set()
+    todo = [base]
+    c: type  # mypy infers no element type for type.__subclasses__()
     while todo:
         for c in todo.pop().__subclasses__():
             todo.append(c)
@@ -71,7 +75,7 @@ def subclasses(base: type) -> list[type]:
 
 @dataclass
 class Env:
-    tmp_path: object
+    tmp_path: Path
     receiver: Receiver  # a live HTTP endpoint recording each JSON body
     dead_url: str  # an http URL nothing listens on (connection refused)
 
@@ -277,7 +281,7 @@ def test_a_dead_endpoint_never_raises_into_the_watcher_and_is_said(name, env, tm
 
 @dataclass
 class SinkSetting:
-    make: Callable[[object], object]  # tmp_path -> the sink
+    make: Callable[[Path], object]  # tmp_path -> the sink
     delivered: Callable[[object, object, str], bool]  # (sink, tmp_path, incident title): it holds them
     marks: tuple = ()
 
@@ -381,7 +385,7 @@ def test_every_monitor_sink_runs_its_lifecycle_under_a_monitor(name, tmp_path, c
         import urllib.request
 
         def scraped() -> str:
-            return urllib.request.urlopen(sink.url, timeout=5).read().decode()
+            return urllib.request.urlopen(cast(Any, sink).url, timeout=5).read().decode()  # a PrometheusSink's url
 
         nonfinite = re.compile(r'^nummon_health_state\{run="contract",[^}]*\} 3\.0$', re.M)  # 3: non-finite
         _wait_for("the non-finite health on the endpoint", lambda: nonfinite.search(scraped()) is not None)
