@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from .decode import (
+from ..decode import (
     RecordBuild,
     decode_activations,
     decode_clip_ratio,
@@ -25,8 +25,8 @@ from .decode import (
     decode_optimizer,
     decode_params,
 )
-from .distributed import Reduce
-from .launch import (
+from ..distributed import Reduce
+from ..launch import (
     Collecting,
     LaunchStep,
     launch_activations,
@@ -37,7 +37,7 @@ from .launch import (
     launch_optimizer,
     launch_params,
 )
-from .transport import Segment
+from ..transport import Segment
 
 __all__ = ["FAMILIES", "StatFamily", "decoders", "declared_rules"]
 
