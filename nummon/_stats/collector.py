@@ -3,14 +3,14 @@ start the single device->host copy (`launch`); later, read it and build the reco
 
 The parts: `params` (which parameters are watched), `optim` (state tensors, LR, kind), `kernels` (norms,
 extremes), `probes` (activation hooks), `fingerprints`, `transport` (segments, packing, the
-lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
+lagged copy), `families/` (each statistic's segments, launch and decoders), `decode` (values ->
+StepRecord, non-finite localisation), `histograms`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,13 +21,14 @@ from .._core.errors import NummonError
 from .._core.types import StepRecord
 from .._policy.policy import Policy
 from .compiled import has_compiled_parts, unwrap_compiled
-from .decode import Decoder, exact_where_overflowed
+from .decode import Decoder
 from .distributed import LayoutHeader
-from .families import FAMILIES, decoders
+from .families import FAMILIES, parameters
+from .families.family import LaunchStep
+from .families.gradients import ClipAnchors
 from .fingerprints import Fingerprinter
 from .histograms import histograms
-from .kernels import NormKernels, as_real
-from .launch import ClipAnchors, LaunchStep
+from .kernels import NormKernels
 from .mechanisms import MechanismProbes
 from .optim import OptimizerView
 from .params import WatchedParams
@@ -107,7 +108,7 @@ class StatsCollector:
         self.probes = ActivationProbes(policy.sampling.activations_exclude)
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
-        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, decoders())
+        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, FAMILIES)
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = (
             MechanismProbes(
@@ -264,28 +265,13 @@ class StatsCollector:
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)
         if rec.nonfinite_parts and not pending.params and self.dist is None:
-            self._check_params(rec)
+            parameters.check_now(self.watched, self.kernels, rec)
         if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
             self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
             self.probes.set_detail(True)
             if self.preclip is not None:  # and measure max |g| from the next backward on
                 self.preclip.absmax = True
         return rec
-
-    def _check_params(self, rec: StepRecord) -> None:
-        """A non-finite step that did not measure the parameters (not due) measures them now:
-        weights an update made non-finite are the recovery's cue to roll back, where skipping the
-        batch would not help. The failure path only: its host read costs a healthy run nothing.
-        (Under torch.distributed the next due step, identical on every rank, tells it.)"""
-        params = self.watched.params
-        if not params:
-            return
-        with torch.no_grad():
-            measured = [as_real(p) for p in self.watched.local(params)]
-            norms = exact_where_overflowed(self.kernels.l2_norms(measured, key="param_check").tolist(), measured)
-        rec.param_norm = math.sqrt(math.fsum(v * v for v in norms)) if all(map(math.isfinite, norms)) else math.nan
-        if not math.isfinite(rec.param_norm) and "parameters" not in rec.nonfinite_parts:
-            rec.nonfinite_parts = rec.nonfinite_parts + ("parameters",)
 
     # ------------------------------------------------------------------ the rest
     def optimizer_kind(self) -> str | None:
