@@ -64,6 +64,7 @@ ENTRIES = {
     ("_stats/mechanisms.py", "*"): "probes",
     ("_stats/capture.py", "*"): "probes",
     ("_stats/capture_maths.py", "*"): "probes",
+    ("_stats/capture_plan.py", "*"): "probes",
     ("_stats/adam_stats.py", "*"): "probes",
     ("_stats/preclip.py", "*"): "end_of_backward",
     ("nummon/_monitor/monitor.py", "post_step"): "post_step",

@@ -2,15 +2,14 @@
 start the single device->host copy (`launch`); later, read it and build the record (`resolve`).
 
 The parts: `params` (which parameters are watched), `optim` (state tensors, LR, kind), `kernels` (norms,
-extremes), `probes` (activation hooks), `fingerprints`, `transport` (segments, packing, the
+extremes), `probes` (activation hooks), `fingerprints`, `families/` (each statistic's segments,
+launch and decoders), `cadence` (what is measured when), `transport` (segments, packing, the
 lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,14 +19,16 @@ from torch import nn
 from .._core.errors import NummonError
 from .._core.types import StepRecord
 from .._policy.policy import Policy
+from .cadence import NARROW_GRAD_DTYPES, Cadence
 from .compiled import has_compiled_parts, unwrap_compiled
-from .decode import Decoder, exact_where_overflowed
+from .decode import Decoder
 from .distributed import LayoutHeader
-from .families import FAMILIES, decoders
+from .families import FAMILIES, parameters
+from .families.family import LaunchStep
+from .families.gradients import ClipAnchors
 from .fingerprints import Fingerprinter
 from .histograms import histograms
-from .kernels import NormKernels, as_real
-from .launch import ClipAnchors, LaunchStep
+from .kernels import NormKernels
 from .mechanisms import MechanismProbes
 from .optim import OptimizerView
 from .params import WatchedParams
@@ -37,14 +38,6 @@ from .probes import ActivationProbes
 from .transport import PinnedPool, pack, rules_of, signature
 
 __all__ = ["StatsCollector", "check_grad_scaler", "refuse_unwatchable"]
-
-log = logging.getLogger("nummon")
-
-#: after a non-finite step, every module's output is hooked for this many steps
-DETAIL_AFTER_NONFINITE = 50
-#: gradient dtypes whose range is narrow enough that max |g| is measured on every step (for the
-#: others the L2 norm, an upper bound of max |g|, stands for it between the sampled steps)
-NARROW_GRAD_DTYPES = ("float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
 def check_grad_scaler(scaler: Any) -> None:
@@ -107,7 +100,7 @@ class StatsCollector:
         self.probes = ActivationProbes(policy.sampling.activations_exclude)
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
-        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, decoders())
+        self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, FAMILIES)
         mp = policy.mechanisms  # sampled mechanism probes (attention, output log Z, Adam): mechanisms.py
         self.mechanisms = (
             MechanismProbes(
@@ -124,9 +117,6 @@ class StatsCollector:
         )
         if self.mechanisms is not None and self.mechanisms.replay is not None:  # a replayed forward is no training step
             self.mechanisms.replay.others_paused = self._activations_paused
-        self._incident_open = False
-        self._detail_until = -1  # every module hooked up to this step (after a non-finite one)
-        self._narrow_grads = False  # the last gradients had a narrow dtype (float16, float8)
         self.anchors = ClipAnchors()
         self.said_no_grads = False  # the warning that no parameter has a gradient, given once
         self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_forensics/replicas.py)
@@ -134,6 +124,9 @@ class StatsCollector:
         # their own, which may run after this one), nor with a GradScaler (gradients are still
         # scaled at the end of backward)
         self.preclip = PreClipCapture(self.watched, self.kernels) if dist is None and grad_scaler is None else None
+        self.cadence = Cadence(policy, self.probes, self.preclip)
+        # the Monitor's call, every step: the cadence's own method, with no call in between
+        self.watch_all_modules = self.cadence.watch_all_modules
         if dist is not None:  # a capacity derived from the model, agreed between ranks (see _distributed)
             n, a = len(self.watched.params), len(self.probes.names)
             dist.agree_capacity(4 * n + 4 * a + 32)
@@ -160,14 +153,15 @@ class StatsCollector:
         params = self.watched.params
         # the loss's device, else the model's (it may have moved)
         dev = loss.device if isinstance(loss, torch.Tensor) else params[0].device if params else self.device
-        close = self._watch_closely(step)  # while an incident is open or after a non-finite step
+        cadence = self.cadence
+        close = cadence.watch_closely(step)  # while an incident is open or after a non-finite step
         s = LaunchStep(
             step,
             loss,
             batch,
             params_due or close,
             optim_due or close,
-            self._extremes_due(step, params_due),
+            cadence.extremes_due(step, params_due),
             dev,
             self.dist is not None,
             clip_norm=clip_norm,
@@ -176,7 +170,7 @@ class StatsCollector:
             s.segments += family.launch(self, s)
         if self.replicas is not None:  # fingerprints of the replicated gradients and parameters, when due
             s.segments += self.replicas.segments(step, s.grads, self.watched.local(params), s.dev)
-        self._narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
+        cadence.narrow_grads = s.grad_dtype in NARROW_GRAD_DTYPES
         packed, layout = pack(s.segments, s.dev, wide=s.distributed)
         ticket = None
         if s.distributed:
@@ -192,9 +186,7 @@ class StatsCollector:
             packed, local, capacity = self.dist.gather(packed, header)
             ticket = GatherTicket(local, capacity)
         host, event = self.pinned.to_host(packed)
-        self._arm_probes(step + 1)
-        if self.preclip is not None:  # what the next backward measures
-            self.preclip.absmax = self._extremes_due(step + 1, self.policy.sampling.params_due(step + 1))
+        cadence.arm_next(step + 1)  # what the next forward and backward measure
         return Pending(
             step=step,
             packed=host,
@@ -214,14 +206,6 @@ class StatsCollector:
             clip_anchors=s.clip_anchors,
         )
 
-    def _watch_closely(self, step: int) -> bool:
-        return self._incident_open or step <= self._detail_until
-
-    def _extremes_due(self, step: int, params_due: bool) -> bool:
-        """max |g| is measured with the parameters' cadence, every step for narrow dtypes and
-        while the run is watched closely; the L2 norm bounds it (and shows NaN/Inf) between."""
-        return params_due or self._narrow_grads or self._watch_closely(step)
-
     def _refresh(self) -> None:
         if self.watched.refresh():
             if self.model is not None and self.policy.sampling.activations:
@@ -229,24 +213,6 @@ class StatsCollector:
             if self.preclip is not None:  # its last backward missed the new parameters
                 self.preclip.take()
                 self.preclip.install()
-
-    def _arm_probes(self, next_step: int) -> None:
-        """Every module's output hooked on the next forward (not only the block boundaries) on
-        the cadence, while an incident is open, after a non-finite step, or for histograms:
-        decided from the step number and the (rank-identical) records, so alike on every rank."""
-        every = self.policy.sampling.activations_all_every
-        self.probes.set_detail(
-            self.probes.want_tensors or self._incident_open or next_step <= self._detail_until or next_step % every == 0
-        )
-
-    def watch_all_modules(self, on: bool) -> None:
-        """Hook every watched module's output, and measure everything every step, while `on`
-        (the Monitor: while an incident is open)."""
-        self._incident_open = on
-        if on:
-            self.probes.set_detail(True)
-            if self.preclip is not None:
-                self.preclip.absmax = True
 
     def resolve(self, pending: Pending) -> StepRecord:
         """Read a launched step on the host (waits for its copy) and build the StepRecord."""
@@ -264,28 +230,10 @@ class StatsCollector:
             sources = {name: src[s.start : s.stop] for name, s in pending.layout.items()}
         rec = self.decoder.record(pending, vals, sources)
         if rec.nonfinite_parts and not pending.params and self.dist is None:
-            self._check_params(rec)
-        if rec.nonfinite_parts:  # name the first non-finite module exactly on the next steps
-            self._detail_until = max(self._detail_until, rec.step + 1 + DETAIL_AFTER_NONFINITE)
-            self.probes.set_detail(True)
-            if self.preclip is not None:  # and measure max |g| from the next backward on
-                self.preclip.absmax = True
+            parameters.check_now(self.watched, self.kernels, rec)
+        if rec.nonfinite_parts:
+            self.cadence.after_nonfinite(rec.step)
         return rec
-
-    def _check_params(self, rec: StepRecord) -> None:
-        """A non-finite step that did not measure the parameters (not due) measures them now:
-        weights an update made non-finite are the recovery's cue to roll back, where skipping the
-        batch would not help. The failure path only: its host read costs a healthy run nothing.
-        (Under torch.distributed the next due step, identical on every rank, tells it.)"""
-        params = self.watched.params
-        if not params:
-            return
-        with torch.no_grad():
-            measured = [as_real(p) for p in self.watched.local(params)]
-            norms = exact_where_overflowed(self.kernels.l2_norms(measured, key="param_check").tolist(), measured)
-        rec.param_norm = math.sqrt(math.fsum(v * v for v in norms)) if all(map(math.isfinite, norms)) else math.nan
-        if not math.isfinite(rec.param_norm) and "parameters" not in rec.nonfinite_parts:
-            rec.nonfinite_parts = rec.nonfinite_parts + ("parameters",)
 
     # ------------------------------------------------------------------ the rest
     def optimizer_kind(self) -> str | None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .capture import SAME_VALUES
+from .capture_plan import SAME_VALUES
 
 __all__ = [
     "autocast_state",

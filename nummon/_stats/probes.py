@@ -16,7 +16,6 @@ elements are read in full only while detail is on (otherwise their first `ACT_BU
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,22 +229,3 @@ class ActivationProbes:
             else:
                 segments.append(Segment(f"act_minmax:{dtype}", buf.view(-1), Reduce.LOCAL))
         return step, segments
-
-
-def act_values(get: Callable[[str], list[float] | None], acts: ActivationStep) -> dict[int, float]:
-    """max |output| of each module that ran this step (NaN-aware), from the per-dtype buffer it
-    wrote to; keyed by module index, in execution order."""
-    out: dict[int, float] = {}
-    cache: dict[Any, tuple[list[float] | None, list[float] | None]] = {}
-    for i in acts.order:
-        dtype = acts.src[i]
-        if dtype not in cache:
-            cache[dtype] = (get(f"act_minmax:{dtype}"), get(f"act_max:{dtype}"))
-        pairs, maxima = cache[dtype]
-        if pairs is not None:
-            lo, hi = pairs[2 * i], pairs[2 * i + 1]
-            out[i] = math.nan if lo != lo or hi != hi else max(hi, -lo)
-        else:  # distributed: maxima already taken on the device
-            assert maxima is not None  # a dtype's buffer is packed as one segment or the other
-            out[i] = maxima[i]
-    return out

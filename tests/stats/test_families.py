@@ -5,6 +5,7 @@ run from that one list, so a family cannot be launched without being decoded."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -25,9 +26,32 @@ def test_every_family_declares_segments_rules_launch_and_decoder():
         assert callable(f.launch) and f.decode and all(map(callable, f.decode)), f.name
 
 
+def test_each_family_is_one_module_holding_its_launch_and_its_decoders():
+    modules = [f.launch.__module__ for f in FAMILIES]
+    assert len(set(modules)) == len(FAMILIES)
+    for f, module in zip(FAMILIES, modules):
+        assert module.startswith("nummon._stats.families.") and module != "nummon._stats.families.family", f.name
+        assert {d.__module__ for d in f.decode} == {module}, f.name
+        assert sys.modules[module].FAMILY is f, f.name
+
+
+def test_the_norm_families_declare_what_the_decoder_recomputes_across_ranks():
+    mon = nummon.Monitor(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), sinks=[])
+    try:
+        assert list(mon._stats.decoder.overflow) == ["grad_norms", "param_norms", "state_norms"]
+    finally:
+        mon.close()
+
+
 @pytest.mark.parametrize(
     "change",
-    [{"decode": ()}, {"segments": {}}, {"segments": {"loss": frozenset({"average"})}}, {"launch": None}],
+    [
+        {"decode": ()},
+        {"segments": {}},
+        {"segments": {"loss": frozenset({"average"})}},
+        {"launch": None},
+        {"overflow": {"param_norms": lambda p: p.params}},  # a segment the family does not declare
+    ],
 )
 def test_a_family_missing_a_part_is_refused(change):
     with pytest.raises(ValueError, match="statistic family 'loss'"):

@@ -224,7 +224,7 @@ def test_pre_clip_statistics_use_a_few_anchor_hooks():
 def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_largest_gradient():
     """The demo CNN has 8 tensors: the 8 smallest would be all of them, fc1's 1.6M elements
     included; the clip ratio comes from the small ones."""
-    from nummon._stats.launch import CLIP_ANCHOR_ELEMENTS
+    from nummon._stats.families.gradients import CLIP_ANCHOR_ELEMENTS
     from nummon._tools.demo_model import DemoCNN
 
     torch.manual_seed(0)
