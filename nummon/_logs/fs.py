@@ -141,12 +141,14 @@ def is_dir(path: str) -> bool:
     return fs.isdir(p)
 
 
-def walk_files(root: str, max_depth: int = 8) -> Iterator[str]:
-    """Every file under `root` (as paths of the same kind as `root`), skipping hidden folders."""
+def walk_files(root: str, max_depth: int = 8, follow_links: bool = False) -> Iterator[str]:
+    """Every regular file under `root` (as paths of the same kind as `root`), `max_depth` levels
+    deep, skipping hidden folders; folders that are links are entered with `follow_links` only
+    (a shallow look at folders a person named: a link there is a run folder, never a loop)."""
     if not is_url(root):
         base = _local(root)
         depth0 = base.rstrip(os.sep).count(os.sep)
-        for d, dirs, files in os.walk(base):
+        for d, dirs, files in os.walk(base, followlinks=follow_links):
             if d.count(os.sep) - depth0 >= max_depth - 1:
                 dirs[:] = []
             dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from .._core.display import printable
 from .._core.errors import NummonError
-from .._logs.discovery import RunSpec, discover, root_is_here
+from .._logs.discovery import RunSpec, find_runs, root_is_here
 from .._logs.keymap import KeyMap
 from .._logs.read_mlflow import MlflowError, is_mlflow_source
 from .._logs.readers import make_follower
@@ -138,7 +138,8 @@ class Watcher:
 
     # --- discovery ---------------------------------------------------------------------
     def discover(self) -> None:
-        specs, problems = discover(self.roots, self.format, self.exclude, self.asks)
+        found, problems = find_runs(self.roots, self.format, roots=True, exclude=self.exclude, ask=self.asks)
+        specs = {spec.id: spec for spec in found}
         started: list[tuple[RunSpec, bool]] = []
         if self.shard is not None:
             specs = self.shard.select(specs, self.roots)
