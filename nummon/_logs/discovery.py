@@ -149,7 +149,7 @@ def _named_runs(path: str, format: str | None) -> list[RunSpec]:
         return [RunSpec(path, format, [path])]
     path = str(Path(path))  # as pathlib spells it: `./a/` is `a`, as every message names it
     if fs.is_dir(path):
-        files = list(fs.walk_files(path, max_depth=2, follow_links=True))
+        files = list(fs.walk_files(path, max_depth=2, follow_links=True, only_regular=False))
         top = {f for f in files if os.path.dirname(f) == path}
         if format in (None, "jsonl") and (logs := [f for f in files if f in top and f.endswith(".jsonl")]):
             return [RunSpec(f, "jsonl", [f]) for f in logs]
@@ -158,7 +158,7 @@ def _named_runs(path: str, format: str | None) -> list[RunSpec]:
             runs = sorted({fs.dirname(f) for f in events})
             return [RunSpec(d, "tensorboard", [f for f in events if fs.dirname(f) == d]) for d in runs]
         if format in (None, "wandb") and len(run_files := wandb_run_files(path)) > 1:
-            return [RunSpec(str(Path(f)), "wandb", [f]) for f in run_files]
+            return [RunSpec(f, "wandb", [f]) for f in run_files]
     if not os.path.exists(path):
         raise TraceError(f"trace not found: {path}")
     return [RunSpec(path, format, [path])]

@@ -158,7 +158,7 @@ def _event_log(p: Path, format: str | None) -> Path | None:
         return p if p.suffix in (".jsonl", ".ndjson") else None
     runs, _ = find_runs([str(p)], format)
     logs = [Path(run.id) for run in runs if run.format == "jsonl" and run.id != str(p)]
-    own = [log for log in logs if log.name == EVENT_LOG]
+    own = [log for log in logs if log.name == EVENT_LOG and log.is_file()]
     return own[0] if own else logs[0] if len(logs) == 1 else None
 
 

@@ -68,6 +68,13 @@ def test_a_missing_named_path_is_an_error_and_a_missing_root_a_problem_line(tmp_
     assert runs == [] and problems == [f"{missing}: not found"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_like_a_log_is_named_to_its_reader_but_never_a_run_under_a_root(tmp_path):
+    os.mkfifo(tmp_path / "events.jsonl")
+    assert _ids(find_runs([str(tmp_path)])[0]) == [(str(tmp_path / "events.jsonl"), "jsonl")]  # refused when read
+    assert find_runs([str(tmp_path)], roots=True)[0] == []
+
+
 def test_an_mlflow_run_is_one_run_as_given():
     source = "mlflow:http://127.0.0.1:1#abc"
     assert _ids(find_runs([source])[0]) == [(source, None)]
