@@ -59,17 +59,19 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .._core.text import clean_text
+    from .._logs.discovery import find_runs
 
     policy = load_policy_with_hints(args.policy)
-    paths = _expand(args.paths, args.input_format)
+    runs, _ = find_runs(args.paths, args.input_format)  # a path that does not exist: TraceError, one line
     n_alerts, unread = 0, 0
-    for path in paths:
+    for run in runs:
+        path = run.id
         tally = _Tally(args.min_severity)
-        for a in _alerts(path, args.input_format, policy, tally):
+        for a in _alerts(path, run.format, policy, tally):
             if not tally.shown(a):
                 continue
             if args.format == "jsonl":
-                print(json.dumps({"source": str(path), **a.to_dict()}, allow_nan=False), flush=True)
+                print(json.dumps({"source": path, **a.to_dict()}, allow_nan=False), flush=True)
             else:
                 print(clean_text(f"{path}: {a}"), flush=True)
         n_alerts += tally.n_shown
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(clean_text(f"{path}: {tally.no_alerts()}"))
     if args.format == "text":
         empty = f"; {unread} with no step records" if unread else ""
-        print(f"{len(paths)} trace(s), {n_alerts} alert(s){empty}")
+        print(f"{len(runs)} trace(s), {n_alerts} alert(s){empty}")
     return EXIT_ERROR if unread else 0
 
 
@@ -116,56 +118,13 @@ class _Tally:
         return f"no alerts at or above {self.floor.value} ({counts})"
 
 
-def _alerts(path: Any, forced: str | None, policy: Any, tally: _Tally) -> Any:
-    from .._logs.readers import read_records
+def _alerts(path: str, format: str | None, policy: Any, tally: _Tally) -> Any:
+    """The alerts over one run's log (`format` None: detected from the log now)."""
+    from .._logs.readers import detect_format, read_records
     from .._tools.replay import iter_replay, iter_replay_records
 
-    fmt = forced or _format_of(path)
+    fmt = format or detect_format(path)
     if fmt == "jsonl":
         return iter_replay(path, policy, warn=warn, on_record=tally.count)
-    records = read_records(str(path), fmt, warn=warn)
-    return iter_replay_records(records, policy, warn=warn, source=str(path), on_record=tally.count)
-
-
-def _format_of(path: Any) -> str:
-    from .._logs.readers import detect_format
-
-    return detect_format(str(path))
-
-
-def _expand(paths: list[str], forced: str | None) -> list[Any]:
-    """Files and run folders as given; a folder holding *.jsonl traces means each of them, a
-    TensorBoard logdir whose runs are its subfolders (`tensorboard --logdir` style) each run, and
-    a W&B folder of several runs (`wandb/offline-run-*/run-*.wandb`) each run file."""
-    from pathlib import Path
-
-    from .._logs.read_tb import is_event_file
-    from .._logs.read_wandb import wandb_run_files
-    from .._logs.trace import TraceError, expand_paths
-
-    out: list[Any] = []
-    for p in paths:
-        if p.startswith("mlflow:"):  # a run on an MLflow tracking server: mlflow:<uri>#<run-id>
-            out.append(p)
-            continue
-        path = Path(p)
-        if path.is_dir() and forced in (None, "jsonl") and any(path.glob("*.jsonl")):
-            out.extend(expand_paths([p]))
-        elif (
-            path.is_dir()
-            and forced in (None, "tensorboard")
-            and not any(is_event_file(str(f)) for f in path.iterdir())
-            and (
-                runs := sorted(
-                    d for d in path.iterdir() if d.is_dir() and any(is_event_file(str(f)) for f in d.iterdir())
-                )
-            )
-        ):
-            out.extend(runs)
-        elif path.is_dir() and forced in (None, "wandb") and len(files := wandb_run_files(p)) > 1:
-            out.extend(Path(f) for f in files)  # a `wandb/` folder: each of its runs
-        elif path.exists():
-            out.append(path)
-        else:
-            raise TraceError(f"trace not found: {path}")
-    return out
+    records = read_records(path, fmt, warn=warn)
+    return iter_replay_records(records, policy, warn=warn, source=path, on_record=tally.count)

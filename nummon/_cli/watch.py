@@ -1,6 +1,12 @@
-"""`nummon watch PATH...`: follow runs' logs from outside the training process and notify
-incidents. Exit codes: 0 ok; 2 bad input (one line on stderr), and with
---once a run that could not be read; 1 with --once when a notification was lost."""
+"""`nummon watch PATH...`: follow training runs' logs from outside the training process and
+notify their incidents (--notify: the console by default), until SIGINT or SIGTERM, or after one
+pass with --once.
+
+Each PATH is a log file, a run folder or a root holding many runs (found anew at each poll):
+TensorBoard, Hugging Face trainer_state.json, Lightning metrics.csv, W&B offline runs, MLflow
+and nummon JSONL logs. Exit status: 0 fine; 2 bad input (one line on stderr), or with --once a
+run that could not be read; 1 with --once when a notification was lost.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,13 @@ from typing import Any
 
 from .._core.errors import NummonError
 from .._logs import fs
+from .._logs.keymap import KeyMap
 from .._logs.readers import FORMATS
 from .._watch.targets import TARGET_SPECS, Target, parse_target
-from .._watch.watcher import IDLE_TIMEOUT_S, INTERVAL_S
+from .._watch.watcher import IDLE_TIMEOUT_S, INTERVAL_S, Watcher
 from ._common import non_empty, seconds
 
-__all__ = ["add_arguments", "add_parser", "run"]
+__all__ = ["add_parser", "run"]
 
 #: Polls more often than every 10 ms spin a core for nothing; a day is the longest wait that means
 #: anything (and Event.wait overflows far beyond it).
@@ -30,11 +37,11 @@ def add_parser(sub: Any) -> None:
     w = sub.add_parser(
         "watch", help="follow TensorBoard / HF / Lightning / W&B / nummon logs and notify incidents live"
     )
-    add_arguments(w)
-    w.set_defaults(run=lambda args, parser: run(args))
+    _add_arguments(w)
+    w.set_defaults(run=run)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
         nargs="+",
@@ -108,9 +115,8 @@ def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _keymap(pairs: list[str]):
-    from .._logs.keymap import KeyMap
-
+def _keymap(pairs: list[str]) -> KeyMap:
+    """The default key map with the --key TAG=FIELD entries."""
     extra = {}
     for p in pairs:
         tag, sep, field = p.rpartition("=")
@@ -123,8 +129,8 @@ def _keymap(pairs: list[str]):
         raise NummonError(f"--key: {e}") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Watch until SIGINT/SIGTERM (or one pass with --once)."""
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Watch until SIGINT/SIGTERM (or one pass with --once); the exit status."""
     from .policy import load_policy_with_hints
 
     _check_args(args)
@@ -227,9 +233,7 @@ def _watcher(
     exclude: set[str],
     observer: Any,
     shard: Any,
-) -> Any:
-    from .._watch.watcher import Watcher
-
+) -> Watcher:
     return Watcher(
         args.paths,
         policy,
@@ -244,7 +248,7 @@ def _watcher(
     )
 
 
-def _stop_on_signals(watcher: Any) -> dict[signal.Signals, Any]:
+def _stop_on_signals(watcher: Watcher) -> dict[signal.Signals, Any]:
     """SIGINT and SIGTERM stop the watcher within one interval; the handlers they replace."""
     previous: dict[signal.Signals, Any] = {}
 
@@ -261,7 +265,7 @@ def _stop_on_signals(watcher: Any) -> dict[signal.Signals, Any]:
 
 
 def _wandb_sink(**kwargs: Any) -> Any:
-    """The W&B sink, from the integrations layer ."""
+    """The W&B sink, from the integrations layer (imported only for --notify wandb)."""
     from ..integrations.wandb import WandbSink
 
     return WandbSink(**kwargs)

@@ -1,30 +1,34 @@
-"""Find the runs under watch roots: one event folder, one trainer_state.json lineage, one
-metrics CSV, one W&B run file or one nummon JSONL log each."""
+"""Find runs: the one place that turns the paths given to `replay`, `report` and `watch` into
+runs (one event folder, one trainer_state.json lineage, one metrics CSV, one W&B run, one MLflow
+run or one nummon JSONL log each). See `find_runs`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .._core.errors import TraceError
 from .._core.text import printable
 from . import fs
 from .read_hf import STATE_NAME, lineage_root
 from .read_mlflow import MLFLOW_PREFIX, MlflowError, MlflowServer, is_mlflow_source, parse_source, safe_uri
 from .read_tb import is_event_file
-from .read_wandb import is_wandb_file
+from .read_wandb import is_wandb_file, wandb_run_files
 from .readers import detect_format
 
-__all__ = ["RunSpec", "discover", "root_is_here"]
+__all__ = ["RunSpec", "find_runs", "root_is_here"]
 
 
 @dataclass
 class RunSpec:
-    """A run found on disk: its id (path of its folder or file), format and files."""
+    """A run found: its id (path of its folder or file, or its MLflow source), format (None: not
+    known yet, detected when the run is read) and files."""
 
     id: str
-    format: str
+    format: str | None
     files: list[str] = field(default_factory=list)
     beside: list[str] = field(default_factory=list)  # formats of the same run's other logs, not read
     covered: list[str] = field(default_factory=list)  # those logs' run ids
@@ -107,14 +111,63 @@ def _mlflow_runs(root: str, runs: dict[str, RunSpec], problems: list[str], ask: 
         problems.append(f"{e}; asked again at each poll")
 
 
-def discover(
-    roots: list[str], format: str | None = None, exclude: Collection[str] = frozenset(), ask: Any = None
-) -> tuple[dict[str, RunSpec], list[str]]:
-    """Runs under `roots` by id, and one line per root that does not exist or holds no log.
+def find_runs(
+    paths: Sequence[str],
+    format: str | None = None,
+    *,
+    roots: bool = False,
+    exclude: Collection[str] = frozenset(),
+    ask: Any = None,
+) -> tuple[list[RunSpec], list[str]]:
+    """The runs `paths` hold, in order, and one line per problem found (`format` forces one).
 
-    A root that is a file is one run (its format detected from its content when its name says
-    nothing); a folder is searched (8 levels deep); an MLflow root is asked for its runs (on
-    `ask`'s threads when given: see `_mlflow_runs`)."""
+    Named logs (``roots=False``: `replay`, `report`, read once, now): each path is one run as
+    given (its name kept), a file of any name whose format is detected when it is read, unless it
+    is a folder whose top holds several runs (see `_named_runs`). An MLflow source is one run. A
+    path that does not exist is a TraceError ("trace not found: PATH"); there are no problem lines.
+
+    Watch roots (``roots=True``: `watch`, searched at each poll): a folder is searched 8 levels
+    deep and each log found goes to its run (the logs of one run are one run: see
+    `_one_source_per_run_folder`); a file is one run, its format detected now; an MLflow root is
+    asked for its runs (on `ask`'s threads when given: see `_mlflow_runs`). Ids are absolute
+    paths; files in `exclude` are never runs. A root that does not exist, a file that cannot be
+    read or is not a log, a server that cannot be asked: a problem line each, never an error
+    (a root may appear later)."""
+    if not roots:
+        return [spec for path in paths for spec in _named_runs(path, format)], []
+    return _runs_under_roots(paths, format, exclude, ask)
+
+
+def _named_runs(path: str, format: str | None) -> list[RunSpec]:
+    """The runs of one path named by a person: the path itself, or, for a folder holding several
+    runs at its top, each of them: its *.jsonl logs (each a trace, whatever else the folder
+    holds), else the run folders of a TensorBoard logdir (`tensorboard --logdir` style: no event
+    file of its own, event files one level down), else the runs of a W&B folder
+    (`wandb/offline-run-*/run-*.wandb`, when there are several). `format` keeps only the rule of
+    that format."""
+    if is_mlflow_source(path):  # a run on an MLflow tracking server: mlflow:<uri>#<run-id>
+        return [RunSpec(path, format, [path])]
+    path = str(Path(path))  # as pathlib spells it: `./a/` is `a`, as every message names it
+    if fs.is_dir(path):
+        files = list(fs.walk_files(path, max_depth=2, follow_links=True, only_regular=False))
+        top = {f for f in files if os.path.dirname(f) == path}
+        if format in (None, "jsonl") and (logs := [f for f in files if f in top and f.endswith(".jsonl")]):
+            return [RunSpec(f, "jsonl", [f]) for f in logs]
+        events = [f for f in files if f not in top and is_event_file(f)]
+        if format in (None, "tensorboard") and events and not any(is_event_file(f) for f in top):
+            runs = sorted({fs.dirname(f) for f in events})
+            return [RunSpec(d, "tensorboard", [f for f in events if fs.dirname(f) == d]) for d in runs]
+        if format in (None, "wandb") and len(run_files := wandb_run_files(path)) > 1:
+            return [RunSpec(f, "wandb", [f]) for f in run_files]
+    if not os.path.exists(path):
+        raise TraceError(f"trace not found: {path}")
+    return [RunSpec(path, format, [path])]
+
+
+def _runs_under_roots(
+    roots: Sequence[str], format: str | None, exclude: Collection[str], ask: Any
+) -> tuple[list[RunSpec], list[str]]:
+    """`find_runs` over watch roots."""
     runs: dict[str, RunSpec] = {}
     problems: list[str] = []
     for root in roots:
@@ -133,22 +186,27 @@ def discover(
                 continue
             runs.setdefault(root, RunSpec(root, fmt, [root]))
             continue
-        for f in fs.walk_files(root):
-            if _norm(f) in exclude:
-                continue
-            try:
-                kind = _kind(f)
-            except OSError as e:  # unreadable (a chmod 000 file): that file's problem, said once
-                problems.append(
-                    f"{printable(f)}: cannot be read ({e.strerror or e}); skipped, tried again at each poll"
-                )
-                continue
-            if kind is None or (format and kind[0] != format):
-                continue
-            fmt, run_id = kind
-            spec = runs.setdefault(run_id, RunSpec(run_id, fmt))
-            spec.files.append(f)
-    return _one_source_per_run_folder(_one_run_per_output_dir(runs)), problems
+        _search(root, format, exclude, runs, problems)
+    return list(_one_source_per_run_folder(_one_run_per_output_dir(runs)).values()), problems
+
+
+def _search(
+    root: str, format: str | None, exclude: Collection[str], runs: dict[str, RunSpec], problems: list[str]
+) -> None:
+    """Each log under the folder `root` (8 levels deep), added to its run in `runs`."""
+    for f in fs.walk_files(root):
+        if _norm(f) in exclude:
+            continue
+        try:
+            kind = _kind(f)
+        except OSError as e:  # unreadable (a chmod 000 file): that file's problem, said once
+            problems.append(f"{printable(f)}: cannot be read ({e.strerror or e}); skipped, tried again at each poll")
+            continue
+        if kind is None or (format and kind[0] != format):
+            continue
+        fmt, run_id = kind
+        spec = runs.setdefault(run_id, RunSpec(run_id, fmt))
+        spec.files.append(f)
 
 
 def _one_run_per_output_dir(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
@@ -195,7 +253,7 @@ def _one_source_per_run_folder(runs: dict[str, RunSpec]) -> dict[str, RunSpec]:
             out[rid] = spec
             continue
         owner.covered.append(rid)
-        if spec.format not in owner.beside:
+        if spec.format and spec.format not in owner.beside:
             owner.beside.append(spec.format)
     return out
 

@@ -141,18 +141,22 @@ def is_dir(path: str) -> bool:
     return fs.isdir(p)
 
 
-def walk_files(root: str, max_depth: int = 8) -> Iterator[str]:
-    """Every file under `root` (as paths of the same kind as `root`), skipping hidden folders."""
+def walk_files(root: str, max_depth: int = 8, follow_links: bool = False, only_regular: bool = True) -> Iterator[str]:
+    """Every regular file under `root` (as paths of the same kind as `root`), `max_depth` levels
+    deep, skipping hidden folders. For a shallow look at a folder a person named, `follow_links`
+    enters folders that are links (a run folder linked in, never a loop that deep) and
+    `only_regular=False` keeps every entry that is no folder (a FIFO named like a log is then
+    named to its reader, which refuses it in one line, rather than passed over)."""
     if not is_url(root):
         base = _local(root)
         depth0 = base.rstrip(os.sep).count(os.sep)
-        for d, dirs, files in os.walk(base):
+        for d, dirs, files in os.walk(base, followlinks=follow_links):
             if d.count(os.sep) - depth0 >= max_depth - 1:
                 dirs[:] = []
             dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
             for f in sorted(files):
                 full = os.path.join(d, f)
-                if stat(full) is not None:  # regular files only: a FIFO is never a log
+                if not only_regular or stat(full) is not None:  # a FIFO under a root is never a log
                     yield full
         return
     fs, p = _fs(root)

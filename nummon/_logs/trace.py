@@ -31,7 +31,6 @@ __all__ = [
     "LogFile",
     "UnreadableLine",
     "WarnFn",
-    "expand_paths",
     "iter_steps",
     "open_log",
     "parse_step_line",
@@ -191,20 +190,3 @@ def read_trace(path: str | Path, warn: WarnFn | None = None) -> Iterator[StepRec
     """Step records of one JSONL trace, in file order (see `iter_steps` for the error rules)."""
     for _, rec in iter_steps(path, warn):
         yield rec
-
-
-def expand_paths(paths: list[str]) -> list[Path]:
-    """Files as given; a directory means every *.jsonl in it (sorted)."""
-    out: list[Path] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(path.glob("*.jsonl"))
-            if not found:
-                raise TraceError(f"no *.jsonl traces in directory {path}")
-            out.extend(found)
-        elif path.exists():
-            out.append(path)
-        else:
-            raise TraceError(f"trace not found: {path}")
-    return out

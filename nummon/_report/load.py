@@ -75,7 +75,7 @@ def load_run(
     p = Path(text)
     if not p.exists():
         raise ReportError(f"{text}: not found")
-    events = _event_log(p) if format in (None, "jsonl") else None
+    events = _event_log(p, format)
     if events is not None:
         run = _from_event_log(events, text, warn, detect, policy)
         run.flight_records = read_flight_records(events.parent, warn)
@@ -147,16 +147,19 @@ def _flight_order(f: Path) -> tuple[int, str]:
     return (int(digits) if digits else 0, f.name)
 
 
-def _event_log(p: Path) -> Path | None:
-    """The Monitor event log `p` is or holds (None: not a Monitor folder or nummon JSONL)."""
-    if p.is_dir():
-        if (p / EVENT_LOG).is_file():
-            return p / EVENT_LOG
-        logs = sorted(p.glob("*.jsonl"))
-        return logs[0] if len(logs) == 1 else None
-    if p.suffix in (".jsonl", ".ndjson"):
-        return p
-    return None
+def _event_log(p: Path, format: str | None) -> Path | None:
+    """The Monitor event log `p` is or holds (None: not a Monitor folder or nummon JSONL): a
+    JSONL file, or of the logs `find_runs` names in a folder, its events.jsonl or its only JSONL log."""
+    from .._logs.discovery import find_runs
+
+    if format not in (None, "jsonl"):
+        return None
+    if not p.is_dir():
+        return p if p.suffix in (".jsonl", ".ndjson") else None
+    runs, _ = find_runs([str(p)], format)
+    logs = [Path(run.id) for run in runs if run.format == "jsonl" and run.id != str(p)]
+    own = [log for log in logs if log.name == EVENT_LOG and log.is_file()]
+    return own[0] if own else logs[0] if len(logs) == 1 else None
 
 
 def _any_log(folder: Path) -> bool:

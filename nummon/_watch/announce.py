@@ -20,7 +20,7 @@ def watching_lines(
 ) -> tuple[list[str], list[str]]:
     """(the opening lines, the roots with no run yet): what is watched and notified, then one
     line per root where nothing was found (and no problem was said about it)."""
-    formats = sorted({s.format for s in specs.values()})
+    formats = sorted({s.format for s in specs.values() if s.format})
     shown = ", ".join(t.shown for t in targets)
     lines = [
         f"watching {plural(len(specs), 'run')} under {', '.join(roots)}"
@@ -62,7 +62,7 @@ def _source(spec: RunSpec) -> str:
     """The run's format, and where the same run's other logs lie beside it, which one is read."""
     beside = getattr(spec, "beside", None)
     if not beside:
-        return spec.format
+        return spec.format or "detected when read"
     others = " and ".join(sorted(beside))
     return f"{spec.format}: nummon's own log, read in place of the same run's {others} logs in its folder"
 

@@ -223,9 +223,7 @@ MAX_CLASS_LINES = 250
 #: Offenders being split right now, each at its size when it was listed: one may shrink, none may
 #: grow, and an entry that fits again must be deleted (the list only shrinks). Keys: a module's
 #: path, or "path:qualified.function".
-OVERSIZE_ALLOWED: dict[str, int] = {
-    "nummon/_watch/watcher.py:Watcher": 402,
-}
+OVERSIZE_ALLOWED: dict[str, int] = {}
 
 
 def function_lengths(tree: ast.AST, prefix: str = "") -> dict[str, int]:

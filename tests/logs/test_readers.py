@@ -233,8 +233,8 @@ def test_fsspec_memory_urls(rows):
             fh.write(f'{{"step": {s}, "loss": {loss}, "grad_norm": {g}}}\n')
     recs = list(read_records("memory://watchroot/a/trace.jsonl"))
     assert [r.step for r in recs] == list(range(10))
-    from nummon._logs.discovery import discover
+    from nummon._logs.discovery import find_runs
 
-    runs, problems = discover(["memory://watchroot"])
-    assert problems == [] and [s.format for s in runs.values()] == ["jsonl"]
-    assert list(read_records(next(iter(runs)))) == recs
+    runs, problems = find_runs(["memory://watchroot"], roots=True)
+    assert problems == [] and [s.format for s in runs] == ["jsonl"]
+    assert list(read_records(runs[0].id)) == recs
