@@ -20,8 +20,9 @@ from .._core.errors import NummonError
 from .._logs import fs
 from .._logs.keymap import KeyMap
 from .._logs.readers import FORMATS
+from .._watch.settings import IDLE_TIMEOUT_S, INTERVAL_S, WatchSettings
 from .._watch.targets import TARGET_SPECS, Target, parse_target
-from .._watch.watcher import IDLE_TIMEOUT_S, INTERVAL_S, Watcher
+from .._watch.watcher import Watcher
 from ._common import non_empty, seconds
 
 __all__ = ["add_parser", "run"]
@@ -238,13 +239,15 @@ def _watcher(
         args.paths,
         policy,
         targets,
-        format=args.format,
-        keymap=keymap,
-        state_path=args.state,
-        idle_timeout_s=args.idle_timeout,
-        exclude=exclude,
-        observer=observer,  # the metrics (the watcher tells the targets itself)
-        shard=shard,
+        settings=WatchSettings(
+            format=args.format,
+            keymap=keymap,
+            state_path=args.state,
+            idle_timeout_s=args.idle_timeout,
+            exclude=frozenset(exclude),
+            shard=shard,
+        ),
+        observer=observer,
     )
 
 

@@ -26,6 +26,7 @@ from .reports import RunMemory, WatchReports
 from .runpaths import gone_since, run_name, signature, under
 from .runs import WatchedRun
 from .saving import StateSaver
+from .settings import WatchSettings
 from .state import runs_state
 
 __all__ = ["Roster"]
@@ -43,27 +44,23 @@ class Roster:
         saved_runs: dict[str, dict[str, Any]],
         state: StateSaver,
         say: Callable[[str], None],
+        settings: WatchSettings,
         *,
-        format: str | None = None,
-        keymap: KeyMap | None = None,
         exclude: Collection[str] = frozenset(),
         observer: Any = None,
-        shard: Any = None,
-        poll_bytes: int | None = None,
-        forget_after_s: float,
         reports: WatchReports | None = None,
     ) -> None:
         self.roots, self.policy, self.targets, self.state, self.say = roots, policy, targets, state, say
-        self.format, self.keymap, self.exclude = format, keymap or KeyMap(), exclude
+        self.format, self.keymap, self.exclude = settings.format, settings.keymap or KeyMap(), exclude
         self.observer = observer  # metrics.MetricsObserver: told of each run started and retired
-        self.shard = shard  # shard.Shard: only the runs whose stable hash falls in this shard
-        self.poll_bytes = poll_bytes  # the most one run's log gives a pass (base.POLL_BYTES): others get turns
+        self.shard = settings.shard  # shard.Shard: only the runs whose stable hash falls in this shard
+        self.poll_bytes = settings.poll_bytes  # the most one run's log gives a pass (base.POLL_BYTES): others get turns
         self.reports = reports
         self.runs: dict[str, WatchedRun] = {}
         self.bad: dict[str, Any] = {}  # unhealthy runs (and problem lines) -> their files' signature then
         self.saved_runs = saved_runs  # retired or not yet seen again
         # runs whose files were not found: since when (wall-clock seconds, kept in the state file)
-        self.forget_after_s = forget_after_s
+        self.forget_after_s = settings.forget_after_s
         self.wall_clock = time.time  # a test may put its own clock here
         self.gone_since = gone_since(saved_runs)
         self.retired_sig: dict[str, tuple] = {}

@@ -15,11 +15,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Collection
 from typing import IO, Any
 
 from .._logs.discovery import RunSpec
-from .._logs.keymap import KeyMap
 from .._policy.policy import Policy
 from .announce import pending_line, stopped_line
 from .delivery import Delivery
@@ -30,39 +28,30 @@ from .reports import WatchReports
 from .roster import Roster
 from .runs import WatchedRun
 from .saving import StateSaver
+from .settings import INTERVAL_S, WatchSettings
 
 __all__ = ["Watcher"]
 
-#: Seconds between polls (and between state-file saves) unless told otherwise.
-INTERVAL_S = 5.0
-#: Seconds without a new record after which a run is retired (its state kept; it wakes on a change).
-IDLE_TIMEOUT_S = 1800.0
-
 _ONCE_DRAIN_S = 120.0  # --once waits this long at most for slow endpoints (then: kept or lost, said)
-FORGET_AFTER_S = 24 * 3600.0  # a run whose files are gone this long (wall clock, across restarts) is forgotten
 
 
 class Watcher:
     """Follows the runs under `roots` (`poll_once`, or `run` until `stop` is set) and notifies
-    `targets` of their incident events; `close` when done (`run` closes by itself)."""
+    `targets` of their incident events; `close` when done (`run` closes by itself). `errors`
+    receives the one-line problems (default stderr), `observer` the hooks (hooks.py)."""
 
     def __init__(
         self,
         roots: list[str],
         policy: Policy,
         targets: list[Target],
-        format: str | None = None,
-        keymap: KeyMap | None = None,
-        state_path: str | None = None,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-        state_every_s: float = INTERVAL_S,
+        settings: WatchSettings | None = None,
+        *,
         errors: IO[str] | None = None,
-        exclude: Collection[str] = frozenset(),
         observer: Any = None,
-        shard: Any = None,
-        poll_bytes: int | None = None,
-        forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
+        settings = settings or WatchSettings()
+        state_path = settings.state_path
         self.roots = roots
         self.observer = observer  # metrics.MetricsObserver: runs, records, polls, failures
         self.backlog = False  # some run had more to read than one pass reads: the next pass comes at once
@@ -73,8 +62,8 @@ class Watcher:
         self.delivery = Delivery(targets, self.say, self._target_failed, self.state.file.journal_path)
         self.targets = self.delivery.targets  # the JSONL record of events first
         saved = self.state.open()
-        self.idle_timeout_s = idle_timeout_s
-        self.state_every_s = state_every_s
+        self.idle_timeout_s = settings.idle_timeout_s
+        self.state_every_s = settings.state_every_s
         self.stop = threading.Event()
         # incident reports beside the state file (reports.py: on critical, at retire and stop)
         self.reports = WatchReports.beside(state_path, say=self.say) if state_path and policy.report.enabled else None
@@ -85,13 +74,9 @@ class Watcher:
             saved["runs"],
             self.state,
             self.say,
-            format=format,
-            keymap=keymap,
-            exclude=set(exclude) | self.state.file.own_files(),  # the state file is never a run
+            settings,
+            exclude=set(settings.exclude) | self.state.file.own_files(),  # the state file is never a run
             observer=observer,
-            shard=shard,
-            poll_bytes=poll_bytes,
-            forget_after_s=forget_after_s,
             reports=self.reports,
         )
         self.delivery.load(saved.get("outbox", []))

@@ -288,6 +288,36 @@ def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path, monkeyp
         test_no_module_or_function_outgrows_its_room()
 
 
+#: A signature longer than this wants a settings object (the watcher's WatchSettings): the
+#: longest today are the public checklist's keyword options (nummon.diagnose.lr_range_test, 11).
+MAX_PARAMETERS = 12
+
+
+def long_signatures(roots: dict[str, Path] = PACKAGES) -> dict[str, int]:
+    """{"path:function": parameters, self and cls left out} of every function over MAX_PARAMETERS."""
+    found = {}
+    for root in roots.values():
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                    n = len([x for x in names if x not in ("self", "cls")])
+                    if n > MAX_PARAMETERS:
+                        found[f"{path.relative_to(root.parent).as_posix()}:{node.name}"] = n
+    return found
+
+
+def test_no_signature_outgrows_a_settings_object(tmp_path):
+    assert long_signatures() == {}
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "_wide.py").write_text(
+        "def f(self, " + ", ".join(f"a{i}" for i in range(MAX_PARAMETERS + 1)) + "):\n    pass\n"
+    )
+    assert long_signatures({"pkg": pkg}) == {"pkg/_wide.py:f": MAX_PARAMETERS + 1}
+
+
 # --- one meaning per name -------------------------------------------------------------------
 #: A command's front end in nummon/_cli/ shares its name with what it runs, and a package may
 #: hold a module of its own name: those pairs mean one thing. Any other two modules or packages

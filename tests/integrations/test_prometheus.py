@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from nummon import load_policy
 from nummon._core.json import dumps  # noqa: E402
 from nummon._watch.metrics import FleetMetrics, MetricsObserver  # noqa: E402
-from nummon._watch.watcher import Watcher  # noqa: E402
+from nummon._watch.watcher import Watcher, WatchSettings  # noqa: E402
 from nummon.integrations.prometheus import METRICS, PrometheusSink, serve_metrics  # noqa: E402
 
 WATCH = [sys.executable, "-m", "nummon", "watch"]
@@ -117,7 +117,11 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
     write_log(log, rows(125, runaway_at=115))
     state = tmp_path / "state.json"
     first = Watcher(
-        [str(tmp_path / "runs")], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w")
+        [str(tmp_path / "runs")],
+        load_policy("default"),
+        [],
+        settings=WatchSettings(state_path=str(state)),
+        errors=open(os.devnull, "w"),
     )
     first.poll_once()
     first.close()
@@ -126,7 +130,7 @@ def test_restarted_watcher_reports_the_saved_incident_and_the_log_time(tmp_path)
         [str(tmp_path / "runs")],
         load_policy("default"),
         [],
-        state_path=str(state),
+        settings=WatchSettings(state_path=str(state)),
         observer=MetricsObserver(fleet),
         errors=open(os.devnull, "w"),
     )

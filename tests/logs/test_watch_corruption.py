@@ -14,6 +14,7 @@ from helpers.watching import read_events, two_incident_rows, write_lines
 
 from nummon import load_policy
 from nummon._watch import read_records
+from nummon._watch.settings import WatchSettings
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
@@ -43,7 +44,11 @@ def watcher(root, tmp_path, **kw):
     notes = tmp_path / "notes.jsonl"
     errors = open(tmp_path / "watch.err", "a")
     return Watcher(
-        [str(root)], load_policy("default"), [JsonlTarget(str(notes))], errors=errors, exclude={str(notes)}, **kw
+        [str(root)],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        settings=WatchSettings(exclude=frozenset({str(notes)}), **kw),
+        errors=errors,
     ), notes
 
 

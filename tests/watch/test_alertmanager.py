@@ -26,6 +26,7 @@ from helpers.prometheus_servers import (
 from nummon import NummonError, load_policy
 from nummon._watch.alertmanager import ALERTNAME, AlertmanagerTarget
 from nummon._watch.metrics import FleetMetrics
+from nummon._watch.settings import WatchSettings
 from nummon._watch.targets import parse_target
 from nummon._watch.watcher import Watcher
 
@@ -289,7 +290,7 @@ def test_restarted_watcher_reposts_the_open_incident_with_the_same_identity(sink
             [str(tmp_path / "runs")],
             load_policy("default"),
             [target],
-            state_path=str(state),
+            settings=WatchSettings(state_path=str(state)),
             observer=Observers([target]),
             errors=open(os.devnull, "w"),
         )

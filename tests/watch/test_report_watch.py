@@ -19,6 +19,7 @@ from nummon._report.page import render
 from nummon._watch import make_follower
 from nummon._watch.reports import LONG_VIEW, NEAR_MAX, RECENT, RunMemory
 from nummon._watch.runs import WatchedRun
+from nummon._watch.settings import WatchSettings
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
@@ -111,7 +112,12 @@ def test_a_second_escalation_soon_after_is_written_once_then_at_stop(tmp_path):
     write_lines(log, rows[:60])
     notes = tmp_path / "notes.jsonl"
     state = tmp_path / "state" / "watch.json"
-    w = Watcher([str(tmp_path / "runs")], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
+    w = Watcher(
+        [str(tmp_path / "runs")],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        settings=WatchSettings(state_path=str(state)),
+    )
     w.reports.min_interval_s = 3600.0
     w.poll_once()
     (page,) = pages(state)
@@ -134,7 +140,12 @@ def test_no_reports_when_the_policy_says_so_or_there_is_no_state_folder(tmp_path
     log.parent.mkdir()
     write_lines(log, two_incident_rows())
     state = tmp_path / "state" / "watch.json"
-    w = Watcher([str(log.parent)], load_policy(policy), [], state_path=str(state) if with_state else None)
+    w = Watcher(
+        [str(log.parent)],
+        load_policy(policy),
+        [],
+        settings=WatchSettings(state_path=str(state) if with_state else None),
+    )
     w.run(once=True)
     assert w.reports is None and not (tmp_path / "state" / "reports").exists()
     assert not list(tmp_path.rglob("*.html"))
@@ -149,7 +160,7 @@ def test_one_page_per_run_named_by_the_run(tmp_path):
         p.parent.mkdir(parents=True, exist_ok=True)
         write_lines(p, rows)
     state = tmp_path / "state.json"
-    w = Watcher([str(tmp_path / "runs")], load_policy("default"), [], state_path=str(state))
+    w = Watcher([str(tmp_path / "runs")], load_policy("default"), [], settings=WatchSettings(state_path=str(state)))
     w.run(once=True)
     got = pages(state)
     assert len(got) == 2 and all(p.name.startswith("x_events.jsonl-") for p in got)
@@ -167,7 +178,12 @@ def test_a_run_whose_name_is_not_utf8_gets_its_page_and_the_events_name_it(tmp_p
     path.parent.mkdir(parents=True, exist_ok=True)
     write_lines(path, two_incident_rows())
     notes, state = tmp_path / "notes.jsonl", tmp_path / "state" / "watch.json"
-    w = Watcher([str(tmp_path / "runs")], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
+    w = Watcher(
+        [str(tmp_path / "runs")],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        settings=WatchSettings(state_path=str(state)),
+    )
     w.run(once=True)
     (page,) = pages(state)
     assert [p.name for p in page.parent.iterdir()] == [page.name]  # no temporary file left
@@ -185,7 +201,12 @@ def test_when_reports_cannot_be_made_no_event_names_a_page(tmp_path):
     notes, state = tmp_path / "notes.jsonl", tmp_path / "state" / "watch.json"
     state.parent.mkdir()
     (state.parent / "reports").write_text("a file where the folder would go")
-    w = Watcher([str(log.parent)], load_policy("default"), [JsonlTarget(str(notes))], state_path=str(state))
+    w = Watcher(
+        [str(log.parent)],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        settings=WatchSettings(state_path=str(state)),
+    )
     w.run(once=True)
     events = read_events(notes)
     assert any(e.get("state") == "nonfinite" for e in events)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from nummon import load_policy
 from nummon._core.json import dumps
+from nummon._watch.settings import WatchSettings
 from nummon._watch.shard import Shard, parse_shard, run_key, shard_of
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
@@ -72,8 +73,7 @@ def test_shards_watch_every_run_exactly_once_and_resume_after_a_restart(tmp_path
             [str(root)],
             load_policy("default"),
             [notes],
-            state_path=str(tmp_path / f"state-{i}.json"),
-            shard=Shard(i, k),
+            settings=WatchSettings(state_path=str(tmp_path / f"state-{i}.json"), shard=Shard(i, k)),
             errors=quiet,
         )
 

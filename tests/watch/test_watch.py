@@ -288,7 +288,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
 
 def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     from nummon._watch.targets import JsonlTarget
-    from nummon._watch.watcher import Watcher
+    from nummon._watch.watcher import Watcher, WatchSettings
 
     rows = two_incident_rows()
     a = tmp_path / "a" / "events.jsonl"
@@ -296,7 +296,10 @@ def test_new_runs_picked_up_idle_runs_retired_and_revived(tmp_path):
     write_lines(a, rows[:60])
     notes = tmp_path / "notes.jsonl"
     w = Watcher(
-        [str(tmp_path)], load_policy("default"), [JsonlTarget(str(notes))], idle_timeout_s=60, exclude={str(notes)}
+        [str(tmp_path)],
+        load_policy("default"),
+        [JsonlTarget(str(notes))],
+        settings=WatchSettings(idle_timeout_s=60, exclude=frozenset({str(notes)})),
     )
     w.poll_once()
     assert list(w.runs) == [str(a)]

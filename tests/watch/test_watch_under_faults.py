@@ -24,6 +24,7 @@ from helpers.watching import (
 from helpers.watching import watch_main as main
 
 from nummon import load_policy
+from nummon._watch.settings import WatchSettings
 from nummon._watch.targets import JsonlTarget
 from nummon._watch.watcher import Watcher
 
@@ -410,23 +411,13 @@ def _healthy(n, start=0):
 
 
 def _bounded_watcher(root, tmp_path, poll_bytes, monkeypatch):
-    import inspect
-
     notes = tmp_path / "notes.jsonl"
-    kw = {}
-    if "poll_bytes" in inspect.signature(Watcher).parameters:
-        kw["poll_bytes"] = poll_bytes
-    else:  # before: one module-wide bound, and a run's whole backlog read in one pass
-        import nummon._logs.read_jsonl as rj
-
-        monkeypatch.setattr(rj, "POLL_BYTES", poll_bytes)
     w = Watcher(
         [str(root)],
         load_policy("default"),
         [JsonlTarget(str(notes))],
+        settings=WatchSettings(exclude=frozenset({str(notes)}), poll_bytes=poll_bytes),
         errors=open(tmp_path / "err", "a"),
-        exclude={str(notes)},
-        **kw,
     )
     return w, notes
 
@@ -569,7 +560,6 @@ def test_an_event_record_left_mid_line_by_a_crash_gets_its_next_event_on_a_line_
 
 
 def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_restarts(tmp_path):
-    import inspect
     import shutil
     import time
 
@@ -582,10 +572,15 @@ def test_runs_deleted_from_the_root_are_forgotten_after_the_grace_period_across_
     state = tmp_path / "state.json"
     err = open(tmp_path / "err", "a")
     grace = 3600.0
-    kw = {"forget_after_s": grace} if "forget_after_s" in inspect.signature(Watcher).parameters else {}
 
     def session(clock):
-        w = Watcher([str(root)], load_policy("default"), [], state_path=str(state), errors=err, **kw)
+        w = Watcher(
+            [str(root)],
+            load_policy("default"),
+            [],
+            settings=WatchSettings(state_path=str(state), forget_after_s=grace),
+            errors=err,
+        )
         w.wall_clock = lambda: clock
         try:
             w.poll_once()
@@ -617,7 +612,11 @@ def test_runs_under_a_root_that_is_away_are_never_forgotten(tmp_path):
     write_lines(root / "run" / "events.jsonl", _healthy(20))
     state = tmp_path / "state.json"
     w = Watcher(
-        [str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"), forget_after_s=0.0
+        [str(root)],
+        load_policy("default"),
+        [],
+        settings=WatchSettings(state_path=str(state), forget_after_s=0.0),
+        errors=open(os.devnull, "w"),
     )
     w.poll_once()
     w.close()
@@ -625,7 +624,11 @@ def test_runs_under_a_root_that_is_away_are_never_forgotten(tmp_path):
     os.rmdir(root / "run")
     os.rmdir(root)  # the whole share unmounted
     w = Watcher(
-        [str(root)], load_policy("default"), [], state_path=str(state), errors=open(os.devnull, "w"), forget_after_s=0.0
+        [str(root)],
+        load_policy("default"),
+        [],
+        settings=WatchSettings(state_path=str(state), forget_after_s=0.0),
+        errors=open(os.devnull, "w"),
     )
     w.poll_once()
     w.close()
