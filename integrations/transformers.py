@@ -18,12 +18,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from nummon import StepReport
-from nummon._support import PolicyLike, require, untraced
+from nummon._support import PolicyLike, clip_ratio, require, untraced
 
 from ._callback_common import (
     StepAsMetric,
     StepLoss,
-    clip_ratio,
     console_log,
     console_sinks,
     events_sink,

@@ -17,9 +17,9 @@ from ._core.lazy import require
 from ._core.maths import clip_ratio
 from ._core.text import plain_text
 from ._core.types import HEALTH_LEGEND
+from ._engine.incidents import escalated_to_critical
 from ._logs.read_mlflow import nonfinite_marker
 from ._policy.policy import PolicyLike
-from ._report.live import escalated_to_critical
 from ._report.page import SIGNALS
 from ._report.svg import MARK_COLORS, MARK_WORDS
 from ._sinks.layout import (

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch import nn
 
     from .._tools.demo_model import DemoCNN, SyntheticDigits
-    from ..diagnose import Status, run_all
+    from .._tools.diagnose_common import Status
+    from ..diagnose import run_all
 
     torch.manual_seed(args.seed)
     data = SyntheticDigits(args.seed)

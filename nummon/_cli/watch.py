@@ -20,8 +20,9 @@ from .._core.errors import NummonError
 from .._logs import fs
 from .._logs.keymap import KeyMap
 from .._logs.readers import FORMATS
+from .._watch.output import Target
 from .._watch.settings import IDLE_TIMEOUT_S, INTERVAL_S, WatchSettings
-from .._watch.targets import TARGET_SPECS, Target, parse_target
+from .._watch.targets import TARGET_SPECS, parse_target
 from .._watch.watcher import Watcher
 from ._common import non_empty, seconds
 

@@ -10,7 +10,8 @@ from typing import Any, Literal
 from .._core.errors import NummonError, StateError
 from .._core.events import IncidentEvent
 from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
-from .._policy.policy import AlertPolicy, Policy
+from .._policy.policy import Policy
+from .._policy.runtime import AlertPolicy
 from .detectors import MAGNITUDE_FIELDS, build_detectors
 from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from .._core.types import StepRecord
 from .._policy.policy import Policy
-from .engine import WARM_FIRST, WARM_RECENT, HealthEngine
+from .engine import HealthEngine
 from .outcome import StepOutcome
+from .warm import WARM_FIRST, WARM_RECENT
 
 __all__ = ["SegmentedEngine"]
 

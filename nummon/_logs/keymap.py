@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._core.record_dict import NONFINITE_WORDS
 from .._core.types import SCALAR_FIELDS, StepRecord
-from .trace import NONFINITE_WORDS
 
 __all__ = ["DEFAULT_KEYS", "KeyMap"]
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._core.errors import NummonError
+from .._core.errors import NummonError, TraceError
 from .._core.text import printable
 from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, SCALAR_FIELDS, StepRecord
 from .._engine.engine import HealthEngine
-from .._logs.trace import TraceError, open_log
+from .._logs.trace import open_log
 from .._policy.policy import PolicyLike, load_policy
 from .fields import clean_alert, clean_event, step_of
 from .stream import Collector, _new_record

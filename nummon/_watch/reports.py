@@ -27,10 +27,11 @@ from typing import Any
 
 from .._core.text import plural, printable, raw_bytes
 from .._core.types import StepRecord
+from .._engine.incidents import escalated_to_critical
 from .._report import _version, write_html
-from .._report.live import escalated_to_critical
-from .._report.load import RunData, _new_record
+from .._report.load import RunData
 from .._report.page import SIGNALS, render
+from .._report.stream import _new_record
 from .notices import RunIncident
 
 __all__ = ["RunMemory", "WatchReports", "REPORTS_DIR"]

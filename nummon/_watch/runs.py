@@ -7,8 +7,9 @@ import time
 from typing import Any
 
 from .._core.types import StepRecord
-from .._engine.engine import WARM_FIRST, WARM_RECENT, HealthEngine
+from .._engine.engine import HealthEngine
 from .._engine.segments import SegmentedEngine
+from .._engine.warm import WARM_FIRST, WARM_RECENT
 from .._logs.follow import Follower
 from .._policy.policy import Policy
 from .notices import RunIncident

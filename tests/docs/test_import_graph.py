@@ -132,6 +132,52 @@ def test_only_the_integrations_reach_their_private_modules():
     assert private == []
 
 
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """The names a module defines itself (functions, classes, assignments, also under if/try)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def second_hand_imports() -> list[str]:
+    """Imports of a name from a plain module that only imports it too: a name is imported from
+    where it is defined, or from a folder's face (its `__init__`), the package's, or `_support`."""
+    known = modules()
+    trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in known.items()}
+    faces = {m for m, p in known.items() if p.name == "__init__.py"} | {"nummon._support"}
+    found = []
+    for m, tree in trees.items():
+        pkg = m if known[m].name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = pkg.split(".")[: len(pkg.split(".")) - max(node.level - 1, 0)] if node.level else []
+            src = (
+                ".".join(base + [node.module])
+                if node.level and node.module
+                else (".".join(base) if node.level else node.module or "")
+            )
+            if src not in known or src in faces:
+                continue
+            defined = _top_level_names(trees[src])
+            found += [
+                f"{m}: {a.name} from {src}"
+                for a in node.names
+                if a.name not in defined and f"{src}.{a.name}" not in known
+            ]
+    return sorted(found)
+
+
+def test_a_name_is_imported_from_where_it_is_defined():
+    assert second_hand_imports() == []
+
+
 def _may_import_line(doc: str) -> set[str] | None:
     """The folders a package docstring's "May import: `_core`, `_policy`." sentence names."""
     m = re.search(r"May import: ([^.]*)\.", " ".join(doc.split()))

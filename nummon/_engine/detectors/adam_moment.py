@@ -8,7 +8,7 @@ import math
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import AdamMomentPolicy
+from ..._policy.mechanism_sections import AdamMomentPolicy
 
 __all__ = ["AdamMomentDetector"]
 

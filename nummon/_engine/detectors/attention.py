@@ -8,7 +8,7 @@ from collections import deque
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import AttentionPolicy
+from ..._policy.mechanism_sections import AttentionPolicy
 from .trend import StartLevel
 
 __all__ = ["AttentionDetector"]

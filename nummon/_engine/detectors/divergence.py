@@ -8,7 +8,7 @@ from collections import deque
 from ..._core import maths as F
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import DivergencePolicy
+from ..._policy.sections import DivergencePolicy
 from .climb import Climb
 from .trend import StartLevel
 

@@ -8,7 +8,7 @@ from typing import cast
 from ..._core import maths as F
 from ..._core.alert_text import sci
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import HeadroomPolicy
+from ..._policy.sections import HeadroomPolicy
 from .base import MAGNITUDE_FIELDS
 
 __all__ = ["HeadroomDetector"]

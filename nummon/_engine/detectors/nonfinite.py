@@ -9,7 +9,7 @@ from ..._core.alert_text import sci
 from ..._core.maths import median, robust_center
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import NonfinitePolicy
+from ..._policy.sections import NonfinitePolicy
 
 __all__ = ["NonfiniteDetector"]
 

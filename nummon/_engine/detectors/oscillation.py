@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import OscillationPolicy
+from ..._policy.sections import OscillationPolicy
 from .trend import LossTrend, improvement_needed
 
 __all__ = ["OscillationDetector", "noise_sigma", "swing_structure", "wave_crossings"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import OutputLogitsPolicy
+from ..._policy.mechanism_sections import OutputLogitsPolicy
 
 __all__ = ["OutputLogitsDetector"]
 

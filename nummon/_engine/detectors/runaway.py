@@ -7,7 +7,7 @@ from collections import deque
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import RunawayPolicy
+from ..._policy.sections import RunawayPolicy
 from .countdown import countdown, noise_of
 
 __all__ = ["RunawayDetector"]

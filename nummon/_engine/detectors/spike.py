@@ -8,7 +8,7 @@ from collections import deque
 from ..._core import maths as F
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import SpikePolicy
+from ..._policy.sections import SpikePolicy
 from .climb import Climb
 
 __all__ = [

@@ -9,7 +9,7 @@ from collections import deque
 from ..._core import maths as F
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import StallPolicy
+from ..._policy.sections import StallPolicy
 from .trend import LossTrend, StartLevel, improvement_needed
 
 __all__ = ["StallDetector", "CHANCE_CLASSES", "chance_classes"]

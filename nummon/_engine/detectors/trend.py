@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..._core import maths as F
 from ..._core.types import StepRecord
-from ..._policy.policy import TrendPolicy
+from ..._policy.sections import TrendPolicy
 
 __all__ = ["StartLevel", "LossTrend", "TrendStats", "improvement_needed"]
 

@@ -10,7 +10,7 @@ import math
 
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
-from ..._policy.policy import VanishingPolicy
+from ..._policy.sections import VanishingPolicy
 
 __all__ = ["VanishingDetector"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..._core.maths import robust_center
-from ..._policy.policy import RecoveryPolicy
+from ..._policy.runtime import RecoveryPolicy
 from ..._stats.distributed import local_tensor
 
 __all__ = ["GradientGuard", "SkipDecision"]

@@ -17,7 +17,7 @@ import torch
 from ..._core.errors import NummonError
 from ..._core.types import Alert, AlertKind, Health, Severity, StepRecord
 from ..._engine.outcome import RecoveryAction, RecoveryReport, recovery_alert, rollback_message
-from ..._policy.policy import RecoveryPolicy
+from ..._policy.runtime import RecoveryPolicy
 from ..recorder import FlightRecords
 from ._guard import GradientGuard, SkipDecision
 from ._snapshot import Snapshot
