@@ -92,3 +92,14 @@ def test_the_host_cost_bar_is_absent_without_the_peer():
     assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.2}) is None
     assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.3, "per-parameter .item()": 1.1})["meets_bar"]
     assert not overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.5, "per-parameter .item()": 1.1})["meets_bar"]
+
+
+def test_the_hook_cost_benchmark_compares_like_with_like():
+    """benchmarks/hook_cost.py: the no-op hooks sit on exactly the modules the probes hook."""
+    import hook_cost
+
+    res = hook_cost.measure("mlp", rounds=1, steps=1)
+    assert set(res) == {"bare", "no-op hooks", "probes (as installed)", "probes, boundaries only"}
+    assert res["bare"] == (1.0, 0)
+    assert res["no-op hooks"][1] == res["probes (as installed)"][1] > 0
+    assert all(math.isfinite(ratio) and ratio > 0 for ratio, _ in res.values())
