@@ -37,7 +37,7 @@ IDLE_TIMEOUT_RANGE_S = (1.0, 1e9)
 
 def add_parser(sub: Any) -> None:
     w = sub.add_parser(
-        "watch", help="follow TensorBoard / HF / Lightning / W&B / nummon logs and notify incidents live"
+        "watch", help="follow TensorBoard / HF / Lightning / W&B / MLflow / nummon logs and notify incidents live"
     )
     _add_arguments(w)
     w.set_defaults(run=run)
@@ -49,7 +49,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="PATH",
         type=non_empty("a path or URL"),
-        help="log files, run folders or roots with many runs (fsspec URLs when fsspec is installed)",
+        help="log files, run folders, roots with many runs, MLflow runs or servers (mlflow:URI#RUN_ID, mlflow:URI), or fsspec URLs (when fsspec is installed)",
     )
     parser.add_argument("--policy", default="default", help="preset name or policy file (default: default)")
     parser.add_argument(
