@@ -12,7 +12,7 @@ from .._core.events import IncidentEvent
 from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
 from .._policy.policy import Policy
 from .._policy.runtime import AlertPolicy
-from .detectors import MAGNITUDE_FIELDS, build_detectors
+from .detectors import MAGNITUDE_FIELDS, build_detectors, shared_values
 from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical
 from .levels import ClearLevels
@@ -27,6 +27,7 @@ from .outcome import (
     with_verdict,
     without_verdict,
 )
+from .quiet import QuietPlan, QuietRegion, last_values
 from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
 __all__ = ["Transition", "AlertLifecycle", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
@@ -136,6 +137,11 @@ class AlertLifecycle:
         """The latest finding of every open condition."""
         return [c.finding for c in self._open.values()]
 
+    @property
+    def any_open(self) -> bool:
+        """Whether any condition is open (announced or not)."""
+        return bool(self._open)
+
 
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
@@ -157,11 +163,12 @@ class HealthEngine:
         *,
         warm_first: int = WARM_FIRST,
         warm_recent: int = WARM_RECENT,
+        quiet_path: bool = True,
     ) -> None:
         self.policy = policy
         self.context = context or {}
-        self.detectors = build_detectors(policy)
-        self._samplers = _samplers(self.detectors)
+        self.quiet_path = quiet_path  # records inside a quiet region skip the detectors (quiet.py)
+        self._build_detectors()
         self.lifecycle = AlertLifecycle(policy.alerts)
         self._incidents = IncidentTracker(policy.alerts.incident_quiet_steps)
         self._warm = WarmRecords(warm_first, warm_recent)
@@ -169,6 +176,18 @@ class HealthEngine:
         # stood before the condition opened (median of its last finite values then)
         self._levels = ClearLevels(MAGNITUDE_FIELDS)
         self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
+        self._region: QuietRegion | None = None  # where the next records are provably quiet
+        self._booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
+        self._last: dict[str, float] = {}  # each magnitude's latest finite positive value (quiet.py)
+
+    def _build_detectors(self) -> None:
+        shared = shared_values(self.policy)
+        self.detectors = build_detectors(self.policy, shared)
+        self._samplers = _samplers(self.detectors)
+        needs = {n for d in self.detectors for n in d.needs}
+        # the shared values, booked once per quiet record (the trend books the level too)
+        self._shared = shared["trend"] if "trend" in needs else shared["level"] if "level" in needs else None
+        self._quiet_ok = all(hasattr(d, "quiet") for d in self.detectors)
 
     def wants_sample(self) -> bool:
         """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
@@ -188,8 +207,10 @@ class HealthEngine:
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
-        self.detectors = build_detectors(self.policy)
-        self._samplers = _samplers(self.detectors)
+        self._booked.clear()  # (they are history before the rollback too)
+        self._region = None
+        self._last.clear()
+        self._build_detectors()
         self.lifecycle = AlertLifecycle(self.policy.alerts)
         self._warm.clear()
         self._levels.clear()
@@ -202,6 +223,7 @@ class HealthEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The incident state and the records that re-warm the detectors, as plain (strict-JSON) data."""
+        self._book()
         first, history = self._warm.saved()
         return {"incident": self._incidents.to_state(), "first": first, "history": history}
 
@@ -221,6 +243,7 @@ class HealthEngine:
             raise StateError(f"{origin}: not a saved engine state ({type(e).__name__}: {e})") from None
         for rec in records:
             self.step(rec)  # the contributors come back with the records
+        self._book()
         self._incidents.load_state(incident)
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
@@ -277,6 +300,12 @@ class HealthEngine:
         (the record is frozen from here on: sinks hold it); `replicas`: the record's replica
         mismatches (`_replicas.ReplicaMismatch`), one alert. `finish` completes it."""
         rec.freeze()
+        region = self._region
+        if region is not None and not replicas and region.admits(rec, len(self._booked)):
+            self._booked.append(rec)  # provably quiet: booked in bulk before the next full evaluation
+            return StepOutcome(rec.step, Health.HEALTHY, incident_state=self._incidents.state)
+        self._book()
+        last_values((rec,), self._last)
         findings: list[Finding] = []
         for d in self.detectors:
             findings.extend(d.update(rec))
@@ -313,11 +342,43 @@ class HealthEngine:
             health = Health.HEALTHY
         if replicas:  # identical on every rank: every row was compared
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
+        self._region = self._quiet_region(rec, health)
         return StepOutcome(rec.step, health, alerts, events, incident_state=self.incident_state)
+
+    def _quiet_region(self, rec: StepRecord, health: Health) -> QuietRegion | None:
+        """Where the records after `rec` are provably quiet (quiet.py): only after a healthy
+        record, with no condition open and no incident; None when any detector cannot say."""
+        if not (self.quiet_path and self._quiet_ok and health is Health.HEALTHY) or self.lifecycle.any_open:
+            return None
+        if self._incidents.state.active:
+            return None
+        plan = QuietPlan(rec.step, self._last, rec.headroom_dtype)
+        for d in self.detectors:
+            if not d.quiet(plan):
+                return None
+        return plan.region()
+
+    def _book(self) -> None:
+        """Book the quiet records into the state every full evaluation reads, in order."""
+        records = self._booked
+        if not records:
+            return
+        self._booked = []
+        if self._shared is not None:
+            for rec in records:
+                self._shared.observe(rec)
+        for d in self.detectors:
+            d.absorb(records)
+        self._levels.absorb(records)
+        for rec in records:
+            self._warm.keep(rec)
+        self._finite_run += len(records)
+        last_values(records, self._last)
 
     def close(self, step: int) -> tuple[IncidentEvent, ...]:
         """The run ended at `step` (its last record): the incident event that ends an incident
         whose conditions had all cleared (none when one is still open or none was)."""
+        self._book()
         return tuple(self._incidents.close(step))
 
     def finish(self, got: StepOutcome, ev: StepEvidence) -> StepOutcome:

@@ -48,6 +48,13 @@ class ClearLevels:
                 if len(levels) > self.KEPT:
                     del levels[0]
 
+    def absorb(self, records: Iterable[StepRecord]) -> None:
+        """`note` for records while no condition is open, in bulk."""
+        self._before.clear()
+        for m, levels in self._levels.items():
+            levels.extend(abs(float(v)) for rec in records if is_finite(v := rec.__dict__[m]) and v > 0)
+            del levels[: -self.KEPT]
+
     def clear(self) -> None:
         self._before.clear()
         for levels in self._levels.values():

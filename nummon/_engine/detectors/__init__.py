@@ -74,10 +74,10 @@ def shared_values(policy: Policy) -> dict[str, Any]:
     }
 
 
-def build_detectors(policy: Policy) -> list[Detector]:
+def build_detectors(policy: Policy, shared: dict[str, Any] | None = None) -> list[Detector]:
     """One instance of every detector the policy enables, each given only its own section and
-    the shared values it declares in ``needs``."""
-    shared = shared_values(policy)
+    the shared values it declares in ``needs`` (from `shared`, else from `shared_values(policy)`)."""
+    shared = shared_values(policy) if shared is None else shared
     out: list[Detector] = []
     for cls in DETECTORS:
         section = getattr(policy, cls.section)

@@ -5,10 +5,15 @@ most |g| below eps, the update is eps-dominated)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.mechanism_sections import AdamMomentPolicy
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["AdamMomentDetector"]
 
@@ -55,6 +60,13 @@ class AdamMomentDetector:
             return p.warning_rms, max(crit, p.warning_rms)
         warn = max(p.warning_rms, p.bound_fraction * bound)
         return warn, max(crit, warn)
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent on a record without Adam statistics (a quiet region admits none); no state to book."""
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Nothing to book: a record without Adam statistics changes nothing here."""
 
     def update(self, rec: StepRecord) -> list[Finding]:
         if rec.adam_ratio_rms is None or rec.step < self._p.start_step:

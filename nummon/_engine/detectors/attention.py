@@ -5,11 +5,16 @@ collapses, the loss jumps and can stay at chance while every value is still fini
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.mechanism_sections import AttentionPolicy
 from .trend import StartLevel
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["AttentionDetector"]
 
@@ -49,6 +54,13 @@ class AttentionDetector:
         n = self._held.get(key, 0) + 1 if on else 0
         self._held[key] = n
         return n
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent on a record without attention logits (a quiet region admits none); no state to book."""
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Nothing to book: a record without attention logits changes nothing here."""
 
     def update(self, rec: StepRecord) -> list[Finding]:
         start = self._level.observe(rec)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..._core.types import AlertKind, Finding, StepRecord
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["Detector", "DetectorClass", "MAGNITUDE_FIELDS"]
 
@@ -29,6 +33,17 @@ class Detector(Protocol):
 
     def update(self, rec: StepRecord) -> list[Finding]:
         """Findings active at this step."""
+        ...
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Narrow `plan` (the bands, steps and records of the next records, `_engine/quiet.py`)
+        to a region where `update` provably returns no finding, whatever in-region records came
+        before; False when no such region can be given now."""
+        ...
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records of the region `quiet` gave, in order, leaving the state `update` would
+        have left (the shared values, `level` and `trend`, are booked by the engine)."""
         ...
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.text import fmt_num
@@ -11,6 +13,9 @@ from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import DivergencePolicy
 from .climb import Climb
 from .trend import StartLevel
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["DivergenceDetector", "CLIMB_RECORDS", "CLIMB_FACTOR", "JUMP_FACTOR"]
 
@@ -73,8 +78,33 @@ class DivergenceDetector:
         climb = self._early_climb(loss) if start else None
         return [climb] if climb is not None else []
 
-    def _held(self, base: float | None, loss: float) -> list[Finding]:
-        """The held median far above the starting level (or, a warning, far above the best)."""
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Past the start's climb rule and with the starting level settled, no rule fires while
+        every loss held (the window's and the band's) stays under the lowest bar: `warning_factor`
+        and `critical_factor` x the start, `rebound_factor` x the lowest best the loss can reach
+        by then (the best, the medians waiting to become it, the window's losses, the band's
+        lower end). The held median is at most their largest."""
+        lo = plan.lo("loss")
+        base = self._level.value
+        if self._climbed is not None or not self._climb.over or not self._level.complete or lo is None:
+            return False
+        if base is None or base <= 0:
+            return True  # `_held` judges nothing without a starting level
+        p = self._p
+        low = min([lo, *self._young, *self._smooth, *([] if self._best is None else [self._best])])
+        bar = min(p.warning_factor * base, p.critical_factor * base, p.rebound_factor * low)
+        if self._recent and max(self._recent) >= bar:
+            return False
+        plan.cap("loss", bar)
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records `quiet` promised silence on, as `_held` would."""
+        for rec in records:
+            self._book(float(rec.loss))  # type: ignore[arg-type]
+
+    def _book(self, loss: float) -> None:
+        """Add a finite loss to the held window, the noise and the candidates for the best."""
         self._recent.append(loss)
         self._smooth.append(loss)
         if self._last is not None and self._last > 0 and loss > 0:
@@ -86,6 +116,10 @@ class DivergenceDetector:
             m = self._young.popleft()
             self._best = m if self._best is None else min(self._best, m)
             self._candidates += 1
+
+    def _held(self, base: float | None, loss: float) -> list[Finding]:
+        """The held median far above the starting level (or, a warning, far above the best)."""
+        self._book(loss)
         if base is None or base <= 0 or len(self._recent) < self._p.patience:
             return []
         held = F.median(self._recent)

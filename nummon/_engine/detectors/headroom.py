@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from ..._core import maths as F
 from ..._core.alert_text import sci
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import HeadroomPolicy
 from .base import MAGNITUDE_FIELDS
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["HeadroomDetector"]
 
@@ -23,6 +27,28 @@ class HeadroomDetector:
 
     def __init__(self, p: HeadroomPolicy) -> None:
         self._p = p
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent while every magnitude keeps more decades of the region's dtype than both
+        limits (a region admits no record with a headroom of its own); no state."""
+        dtype = plan.dtype or self._p.default_dtype
+        limits = [
+            d
+            for d in (
+                cast("dict[str, float]", lim).get(dtype) for lim in (self._p.critical_decades, self._p.warning_decades)
+            )
+            if d is not None
+        ]
+        if limits:
+            top = F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"])
+            for metric in MAGNITUDE_FIELDS:
+                if metric not in plan.bands:
+                    return False
+                plan.cap(metric, top / F.pow10(max(limits)))
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Nothing to book: the headroom is judged from each record alone."""
 
     def update(self, rec: StepRecord) -> list[Finding]:
         dtype = rec.headroom_dtype or self._p.default_dtype

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core.alert_text import sci
 from ..._core.maths import median, robust_center
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import NonfinitePolicy
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["NonfiniteDetector"]
 
@@ -130,6 +135,24 @@ class NonfiniteDetector:
         # (on a skip the first non-finite is kept: the loss may follow at the next record)
         out.append(skip if skip is not None else self._critical(rec, parts, jump, gap))
         return out
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent on a finite record (the only kind a quiet region admits) outside an episode
+        and with no level shift being watched: such a record only books its values."""
+        return self._first is None and self._shift is None
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book finite records `quiet` promised silence on, as `_on_finite` would, in bulk."""
+        norms, isfinite = self._norms, math.isfinite
+        for rec in records:
+            g = rec.grad_norm
+            if g is not None and isfinite(g) and g > 0:
+                norms.append(g)
+            self._note_loss(rec.loss)
+        self._skips = 0
+        self._finite_run += len(records)
+        if self._finite_run >= self._p.clear_records:
+            self._first, self._since, self._records = None, None, 0
 
     def _on_finite(self, rec: StepRecord) -> Finding | None:
         """Book a record with no non-finite statistic; a level shift after a skip reading, if one shows."""

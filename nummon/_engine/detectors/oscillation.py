@@ -6,11 +6,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import OscillationPolicy
-from .trend import LossTrend, improvement_needed
+from .trend import LossTrend, TrendStats, improvement_needed
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["OscillationDetector", "noise_sigma", "swing_structure", "wave_crossings"]
 
@@ -104,6 +108,25 @@ class OscillationDetector:
         self._trend = trend
         self._losses: deque[tuple[int, float]] = deque(maxlen=MAX_POINTS)
 
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent while the trend holds numbers that do not call for the swings to be judged."""
+        end = self._trend.held_until(plan.step)
+        if end is None:
+            return False
+        plan.cap_step(end)
+        t = self._trend.current
+        return t is None or not self._judged(t)
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records `quiet` promised silence on (their losses are finite)."""
+        self._losses.extend((rec.step, float(rec.loss)) for rec in records)  # type: ignore[arg-type]
+
+    def _judged(self, t: TrendStats) -> bool:
+        """Whether the trend calls for the swings to be judged: spread wide, no downward trend, no rise."""
+        p = self._p
+        need = improvement_needed(p.min_improvement, t.expected)
+        return -need < t.change < p.min_improvement and t.spread >= p.min_spread and t.level >= p.high_fraction
+
     def update(self, rec: StepRecord) -> list[Finding]:
         t = self._trend.observe(rec)
         if F.is_finite(rec.loss):
@@ -111,8 +134,7 @@ class OscillationDetector:
         if t is None or rec.loss is None:
             return []
         p = self._p
-        need = improvement_needed(p.min_improvement, t.expected)
-        if not (-need < t.change < p.min_improvement and t.spread >= p.min_spread and t.level >= p.high_fraction):
+        if not self._judged(t):
             return []
         window = [v for s, v in self._losses if s > rec.step - t.span]
         shape, corr = swing_structure(window)

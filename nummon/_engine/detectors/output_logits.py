@@ -3,9 +3,15 @@ log Z of the output softmax drifts away from where it started; z-loss holds it n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.mechanism_sections import OutputLogitsPolicy
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["OutputLogitsDetector"]
 
@@ -28,6 +34,13 @@ class OutputLogitsDetector:
     def wants_sample(self) -> bool:
         """A drift seen but not held for `patience` samples yet: sample the next step too."""
         return 0 < self._held < self._p.patience
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent on a record without output logits (a quiet region admits none); no state to book."""
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Nothing to book: a record without output logits changes nothing here."""
 
     def update(self, rec: StepRecord) -> list[Finding]:
         z, top = rec.output_logsumexp_mean, rec.output_logit_max

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import RunawayPolicy
 from .countdown import countdown, noise_of
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["RunawayDetector"]
 
@@ -48,6 +53,40 @@ class RunawayDetector:
             if finding is not None:
                 out.append(finding)
         return out
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """No streak can start while each metric's band is narrower than `min_growth` and holds
+        the metric's last value: every record then grows less than that from the one before it,
+        and `_extend_streak` ends the streak at each."""
+        for metric in self._p.metrics:
+            if metric not in plan.bands:
+                return False  # a metric no band covers: judged every record
+            lo = plan.lo(metric)
+            if lo is None:
+                continue
+            last = self._state.get(metric)
+            if last is not None and last[1] < lo:  # a record could grow min_growth x from it
+                plan.absent(metric)
+                continue
+            plan.cap(metric, lo * self._p.min_growth)
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records `quiet` promised silence on: each value into the history; each ended the
+        streak, so the state is the last value's alone."""
+        log10 = F.log10_safe
+        for metric in self._p.metrics:
+            hist, last = self._hist[metric], None
+            for rec in records:
+                v = rec.__dict__[metric]
+                if v is not None:  # (inside its band: finite and positive)
+                    hist.append(log10(v))
+                    last = rec.step, float(v)
+            if last is not None:
+                step, v = last
+                self._state[metric] = (step, v, 0, step, v)
+                self._records[metric] = 0
+                self._points[metric] = deque([(step, log10(v))], maxlen=_POINTS)
 
     def _observe(self, metric: str, step: int, v: float, dtype: str) -> Finding | None:
         streak = self._extend_streak(metric, step, v)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import SpikePolicy
 from .climb import Climb
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = [
     "SpikeDetector",
@@ -100,6 +105,39 @@ class SpikeDetector:
                 out.append(found)
             hist.append(F.log10_safe(v))
         return out
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Past the start's climb rules, no jump can be found while each value stays under its
+        floor (the smallest `_jump` ever uses) x the lowest value its window can then hold (the
+        window's lowest, or the band's lower end): `_jump`'s pre-check then returns at once, and
+        the gradient witness stays 1."""
+        if self._grad_climbed is not None or not self._climbs["grad_norm"].over:
+            return False
+        p = self._p
+        for metric, hist in self._hist.items():
+            lo = plan.lo(metric)
+            if lo is None:
+                continue
+            if metric in self.LOSS_METRICS:
+                floor = min(
+                    p.loss_factor, p.loss_factor * p.short_history_multiplier, LOSS_MIN_FACTOR, LOSS_NOISE_FLOOR
+                )
+            else:
+                floor = min(p.grad_factor, p.grad_factor * p.short_history_multiplier)
+            low = min(F.pow10(min(hist)), lo) if hist else lo
+            plan.cap(metric, floor * low)
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records `quiet` promised silence on: each value into its window, a witness of 1."""
+        ratios, hists, isfinite, log10 = self._grad_ratios, self._hist.items(), F.is_finite, F.log10_safe
+        for rec in records:
+            ratios.append(1.0)
+            d = rec.__dict__
+            for metric, hist in hists:
+                v = d[metric]
+                if isfinite(v) and v > 0:
+                    hist.append(log10(v))
 
     def _jump(self, metric: str, hist: deque[float], v: float, witness: float) -> Finding | None:
         """`v` jumped far above the metric's recent median (its own noise, a short history's raised factor)."""

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..._core import maths as F
 from ..._core.text import fmt_num
 from ..._core.types import AlertKind, Finding, Severity, StepRecord
 from ..._policy.sections import StallPolicy
 from .trend import LossTrend, StartLevel, improvement_needed
+
+if TYPE_CHECKING:
+    from ..quiet import QuietPlan
 
 __all__ = ["StallDetector", "CHANCE_CLASSES", "chance_classes"]
 
@@ -96,6 +101,42 @@ class StallDetector:
                 )
             ]
         return []
+
+    def quiet(self, plan: QuietPlan) -> bool:
+        """Silent while the trend holds its numbers (judged quiet at the last record), while the
+        losses that stay in every `frozen_records` window still move more than
+        `frozen_tolerance`, and while no stretch at ln 2 can reach `min_records`. With
+        `chance_loss` set every record is judged."""
+        p = self._p
+        end = self._trend.held_until(plan.step)
+        if p.chance_loss is not None or end is None or self._first_loss is None:
+            return False
+        plan.cap_step(end)
+        first, ln2 = self._first_loss, math.log(2)
+        if BINARY_START[0] * ln2 <= first <= BINARY_START[1] * ln2:  # a binary classifier's start
+            plan.cap_records(p.min_records - 1 - (self._pinned_records if self._pinned_k == 2 else 0))
+        n, band = p.frozen_records, plan.bands["loss"]
+        if band is None:
+            return False
+        for k in range(min(plan.records, n - 2), 0, -1):
+            if len(self._recent) + k < n:  # no window of `n` fills by then
+                break
+            kept = list(self._recent)[-(n - k) :]  # in every window of the last `n` up to k records on
+            top = max(max(list(self._recent)[-(n - 1) :]), band[1])  # the held median is at most this
+            if max(kept) - min(kept) > p.frozen_tolerance * top * (1 + 1e-9):
+                break
+        else:
+            return False
+        plan.cap_records(k)
+        return True
+
+    def absorb(self, records: Sequence[StepRecord]) -> None:
+        """Book records `quiet` promised silence on (their losses are finite)."""
+        for rec in records:
+            loss = float(rec.loss)  # type: ignore[arg-type]
+            self._recent.append(loss)
+            self._track_pinned(rec.step, loss)
+        self._finite += len(records)
 
     def _track_pinned(self, step: int, loss: float) -> None:
         """Follow the current stretch of losses all within ``chance_match`` of one ln k."""

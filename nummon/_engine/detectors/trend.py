@@ -27,6 +27,11 @@ class StartLevel:
         self._seen: StepRecord | None = None
         self.value: float | None = None
 
+    @property
+    def complete(self) -> bool:
+        """Whether the level is settled (its first `records` finite losses are in: it no longer moves)."""
+        return len(self._first) >= self._n
+
     def observe(self, rec: StepRecord) -> float | None:
         """The level after this record (idempotent per record: every sharer may call it)."""
         if rec is self._seen:
@@ -100,6 +105,36 @@ class LossTrend:
         elapsed = step - self._first_step
         cadence = elapsed / max(self._records - 1, 1)
         return int(max(self._p.min_span, self._p.span_fraction * elapsed, self._p.min_records * cadence))
+
+    @property
+    def current(self) -> TrendStats | None:
+        """What `observe` returned for the last record."""
+        return self._stats if self._judged_at is not None else None
+
+    def held_until(self, step: int) -> int | None:
+        """The last step up to which `observe` surely returns `current` again, for records after
+        `step` (the last one observed) that carry a finite loss; None when the next one may change it.
+
+        While judged: until the next recomputation (span // 20 steps after the last, span at
+        least `min_span` and `span_fraction` x the steps so far), provided the window keeps
+        `min_records` losses however many it drops by then. While too short to judge: until the
+        step the window first spans `min_span`."""
+        p, first = self._p, self._first_step
+        if first is None or not self.level.complete or p.min_records > self.MAX_POINTS // 2:
+            return None
+        if self._judged_at is None:
+            end = first + p.min_span - 2  # `observe` returns None while step - first < min_span - 1
+            return end if end > step else None
+        shortest = max(p.min_span, int(p.span_fraction * (step - first)))
+        end = self._judged_at + max(1, shortest // 20) - 1
+        dropped = 0  # losses at or before `end - shortest` may leave the window by then
+        for s, _ in self._values:
+            if s > end - shortest:
+                break
+            dropped += 1
+        # (within MAX_RECORDS of MAX_POINTS the window may be thinned to every other loss: twice the margin)
+        need = p.min_records if len(self._values) + 8 < self.MAX_POINTS else 2 * p.min_records + 2
+        return end if end > step and len(self._values) - dropped >= need else None
 
     def observe(self, rec: StepRecord) -> TrendStats | None:
         """The trend after this record, or None while the run is too short (idempotent per record)."""

@@ -1,0 +1,140 @@
+"""The fast path for quiet records: after each full evaluation every detector declares the region
+of the next records in which it provably stays silent, and records inside it skip the detectors.
+
+The region (`QuietRegion`) is a band per magnitude (`lo <= value <= hi`, the band made around
+the last value and narrowed by each detector), the last step and the number of records it
+holds for, and the dtype the headroom was judged in. A record inside it is finite, carries none
+of the sampled mechanism statistics (their detectors judge every sample) and has each magnitude
+it carries inside its band: every detector would return no finding for it, whatever records
+inside the region came before it. Such records are kept in a short buffer and booked into the
+detectors' state in bulk (`absorb`) before the next full evaluation, so every decision is the
+one the full path makes.
+
+Each detector's `quiet(plan)` narrows the plan (or returns False: no fast path now) and its
+`absorb(records)` books records it was promised to stay silent on. The proofs are in each
+detector's `quiet`; `tests/engine/test_quiet_path.py` checks them step for step against the full
+path on generated families of runs and on real logs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, StepRecord
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["BAND_FIELDS", "BAND_RATIO", "MAX_RECORDS", "QuietPlan", "QuietRegion", "mechanism_free"]
+
+#: the magnitudes a quiet record may carry, each inside its band
+BAND_FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max")
+#: the band proposed around a magnitude's last value: [last / BAND_RATIO, last * BAND_RATIO]
+#: (its width, BAND_RATIO ** 2 = 1.44, stays under the runaway rule's growth of 1.5 per step)
+BAND_RATIO = 1.2
+#: how far under a detector's own threshold a band's top stays (relative)
+MARGIN = 1e-9
+#: records booked in one bulk update at most (the windows stay fresh: a full evaluation at least
+#: this often)
+MAX_RECORDS = 8
+
+#: what only a sampled step or a failing one carries: such a record is always evaluated in full
+_FULL_ONLY = ("headroom", "nonfinite_count", *MECHANISM_FIELDS)
+
+
+def mechanism_free(rec: StepRecord) -> bool:
+    """Whether `rec` carries none of the statistics only a sampled or failing step has (the
+    sampled mechanism probes, a headroom of its own, a GradScaler's skip, a non-finite input)."""
+    d = rec.__dict__
+    return not (
+        rec.scaler_skipped
+        or rec.input_nonfinite
+        or any(d[k] is not None for k in _FULL_ONLY)
+        or any(d[k] for k in MECHANISM_LAYER_FIELDS)
+    )
+
+
+class QuietPlan:
+    """The region being built after a full evaluation at `step`: detectors narrow it."""
+
+    def __init__(self, step: int, last: dict[str, float], dtype: str | None) -> None:
+        self.step = step
+        self.until_step = math.inf  # the last step the region holds for
+        self.records = MAX_RECORDS  # records it holds for
+        self.dtype = dtype
+        # per magnitude: [lo, hi]; a magnitude with no last value must be absent (None)
+        self.bands: dict[str, list[float] | None] = {
+            f: ([last[f] / BAND_RATIO, last[f] * BAND_RATIO] if f in last else None) for f in BAND_FIELDS
+        }
+
+    def lo(self, field: str) -> float | None:
+        """The band's lower end for `field` (None: the field must be absent)."""
+        band = self.bands[field]
+        return None if band is None else band[0]
+
+    def cap(self, field: str, hi: float) -> None:
+        """Values of `field` must stay below `hi` (with a relative margin of `MARGIN`: the
+        detectors compare in log space, where rounding differs)."""
+        band = self.bands[field]
+        if band is not None:
+            band[1] = min(band[1], hi * (1.0 - MARGIN) if hi > 0 else -math.inf)
+            if band[1] < band[0]:
+                self.bands[field] = None
+
+    def absent(self, field: str) -> None:
+        """A record carrying `field` is evaluated in full."""
+        self.bands[field] = None
+
+    def cap_records(self, n: int) -> None:
+        self.records = min(self.records, n)
+
+    def cap_step(self, step: int | float) -> None:
+        self.until_step = min(self.until_step, step)
+
+    def region(self) -> QuietRegion | None:
+        """The finished region, or None when it holds for no record."""
+        if self.records < 1 or self.until_step <= self.step:
+            return None
+        checks = tuple((f, b[0], b[1]) for f, b in self.bands.items() if b is not None)
+        absent = tuple(f for f, b in self.bands.items() if b is None)
+        if "loss" in absent:  # a quiet record carries its loss (a record without one is judged in full)
+            return None
+        return QuietRegion(self.step, self.until_step, self.records, self.dtype, checks, absent)
+
+
+@dataclass(frozen=True)
+class QuietRegion:
+    """Where the next records are provably quiet (see the module docstring)."""
+
+    after: int  # the step of the full evaluation it was made at
+    until_step: float
+    records: int
+    dtype: str | None
+    checks: tuple[tuple[str, float, float], ...]  # (field, lo, hi)
+    absent: tuple[str, ...]  # fields a quiet record must not carry
+
+    def admits(self, rec: StepRecord, booked: int) -> bool:
+        """Whether `rec` lies inside the region (`booked`: quiet records already taken since it was made)."""
+        if booked >= self.records or not self.after < rec.step <= self.until_step or rec.headroom_dtype != self.dtype:
+            return False
+        d = rec.__dict__
+        for f in self.absent:
+            if d[f] is not None:
+                return False
+        for f, lo, hi in self.checks:
+            v = d[f]
+            if v is not None and not lo <= v <= hi:  # (NaN fails both)
+                return False
+        return mechanism_free(rec) and rec.is_finite()
+
+
+def last_values(records: Sequence[StepRecord], last: dict[str, float]) -> None:
+    """Update `last` (magnitude -> its latest finite positive value) with `records`, in order."""
+    for rec in records:
+        d = rec.__dict__
+        for f in BAND_FIELDS:
+            v = d[f]
+            if v is not None and math.isfinite(v) and v > 0:
+                last[f] = float(v)

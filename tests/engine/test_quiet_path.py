@@ -1,0 +1,236 @@
+"""The fast path for quiet records (nummon/_engine/quiet.py) decides exactly what the full path
+decides: the same health, alerts and incident events at every step, and the same state after,
+on generated families of runs (healthy, noisy, stalled, oscillating, diverging, spiking, running
+away, vanishing, non-finite, frozen, at chance, sparse and sampled logs) and on every real log
+and labelled trace the project scores. Each family is also checked to take the fast path at all
+where it is quiet (an equality that never skipped a detector would prove nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nummon import StepRecord
+from nummon._engine.engine import HealthEngine
+from nummon._logs.trace import iter_steps
+from nummon._policy.policy import Policy, load_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+REAL = sorted((ROOT / "tests" / "data" / "real").glob("*.jsonl"))
+DEV = sorted((ROOT.parent / "shared" / "corpus" / "dev").glob("*.jsonl"))
+
+
+def outcomes(records: Iterable[dict], quiet_path: bool, policy: Policy | None = None) -> tuple[list, dict, int]:
+    """(per record: step, health, alerts, incident events; the engine's saved state; records that
+    took the fast path). A step that goes backwards starts a new engine, as replay does."""
+    pol = policy or Policy()
+    engine, last, out, fast = HealthEngine(pol, quiet_path=quiet_path), None, [], 0
+    for d in records:
+        rec = StepRecord.from_dict(d) if isinstance(d, dict) else d
+        if last is not None and rec.step <= last:
+            engine = HealthEngine(pol, quiet_path=quiet_path)
+        last = rec.step
+        booked = len(engine._booked)
+        got = engine.step(rec)
+        fast += len(engine._booked) > booked
+        out.append(
+            (
+                got.step,
+                got.health.value,
+                [json.dumps(a.to_dict(), sort_keys=True, default=str) for a in got.alerts],
+                [json.dumps(e.to_dict(), sort_keys=True, default=str) for e in got.incidents],
+            )
+        )
+    out.append(("closed", [e.to_dict() for e in engine.close(last or 0)]))
+    return out, engine.state_dict(), fast
+
+
+def assert_same(records: list, policy: Policy | None = None) -> int:
+    """The fast path's outcomes equal the full path's, record for record; how many were fast."""
+    full, full_state, none = outcomes(records, quiet_path=False, policy=policy)
+    fast, fast_state, n = outcomes(records, quiet_path=True, policy=policy)
+    assert none == 0
+    for a, b in zip(full, fast):
+        assert a == b, f"first difference at {a[0]}"
+    assert full_state == fast_state
+    return n
+
+
+def lcg(seed: int, n: int) -> list[float]:
+    """n deterministic values in [-1, 1] (hypothesis draws the seed, not the values)."""
+    out, x = [], seed or 1
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(2 * x / 2**31 - 1)
+    return out
+
+
+FAMILIES = (
+    "falling",
+    "plateau",
+    "oscillating",
+    "diverging",
+    "spikes",
+    "runaway",
+    "vanishing",
+    "nonfinite",
+    "frozen",
+    "binary_chance",
+    "rebound",
+    "extreme",
+    "slow_rise",
+    "settling",
+    "skipped",
+)
+
+#: policies whose bars bind before the band's own width does (the default's rarely do): each
+#: proof must hold for the thresholds the policy sets, not only for the defaults
+POLICIES = (
+    Policy(),
+    load_policy({"spike": {"loss_factor": 1.1, "grad_factor": 1.3, "window": 10, "robust_z": 0.5}}),
+    load_policy({"divergence": {"warning_factor": 1.3, "patience": 2, "rebound_factor": 1.05, "noise_multiple": 0.0}}),
+    load_policy({"stall": {"frozen_records": 4, "frozen_tolerance": 0.01, "min_records": 5}, "trend": {"min_span": 20, "min_records": 5}}),
+    load_policy({"runaway": {"min_growth": 1.02, "warning_steps": 2, "warning_total_factor": 1.1, "short_history": 1}}),
+    load_policy({"vanishing": {"patience": 3, "ratio": 0.3}}),
+    load_policy({"headroom": {"warning_decades": {"float32": 36.5}, "critical_decades": {"float32": 36.0}}}),
+    load_policy({"oscillation": {"min_spread": 0.01, "high_fraction": 0.01}, "trend": {"min_span": 10, "min_records": 5}}),
+)
+
+
+@st.composite
+def runs(draw) -> tuple[str, list[dict]]:
+    """One generated run: a family, its length, logging cadence, noise and sampled fields."""
+    family = draw(st.sampled_from(FAMILIES))
+    n = draw(st.integers(30, 400))
+    every = draw(st.sampled_from([1, 1, 1, 5, 50]))
+    noise = draw(st.sampled_from([0.0, 0.002, 0.02, 0.1, 0.4]))
+    start = draw(st.sampled_from([0.05, 0.6931, 2.3, 10.9]))
+    sampled = draw(st.sampled_from([1, 10, 0]))  # parameter norms every k records (0: never)
+    at = draw(st.integers(5, max(6, n - 5)))  # where the family's event starts
+    rate = draw(st.sampled_from([0.003, 0.01, 0.03, 0.1]))  # slow_rise: growth per record
+    amplitude, period = draw(st.sampled_from([0.03, 0.1, 0.4])), draw(st.sampled_from([2, 6, 15]))
+    u = lcg(draw(st.integers(0, 2**30)), 4 * n)
+    rows = []
+    for i in range(n):
+        loss = start * (0.3 + 0.7 * math.exp(-i / max(n / 3, 1)))
+        grad = 1.0 + 0.3 * math.exp(-i / 50)
+        layers = {"a": grad * 0.5, "b": grad * 0.8, "c": grad * 1e-3}
+        act = 5.0
+        k = i - at
+        if family == "plateau":
+            loss = start
+        elif family == "oscillating":
+            loss = start * (1 + amplitude * math.sin(i / period))
+        elif family == "diverging" and k >= 0:
+            loss *= 1.05**k
+        elif family == "spikes" and 0 <= k < 3:
+            loss, grad = loss * 6, grad * 40
+        elif family == "runaway" and k >= 0:
+            grad *= 1.7**k
+            act *= 1.3**k
+        elif family == "vanishing" and k >= 0:
+            layers["a"] = 0.0
+        elif family == "nonfinite" and 0 <= k < 2:
+            loss = math.nan
+        elif family == "frozen" and k >= 0:
+            loss = round(start * 0.9, 4)
+        elif family == "binary_chance" and k >= 0:
+            loss = math.log(2) * (1 + 0.002 * u[i])
+        elif family == "rebound" and k >= 0:
+            loss = start * 0.3 * (1 + min(k, 30) / 10)
+        elif family == "extreme" and k >= 0:
+            act = 1e25 * 10.0 ** min(k, 12)
+        elif family == "slow_rise" and k >= 0:
+            loss *= (1 + rate) ** k  # crosses every loss bar at some record, quiet or not
+            grad *= (1 + rate) ** k
+            act *= (1 + rate) ** k
+        elif family == "skipped" and k >= 0:
+            grad = math.nan if k == 0 else grad  # a loss scaler's skipped step in a log, then the loss shifts
+            loss *= 1 if k == 0 else 1 + rate * 30
+        elif family == "settling" and k >= 0:
+            loss = start * 0.5 * (1 + 0.01 * u[i] * 0.7**k)  # its noise dies out: frozen at some record
+        row = {
+            "step": i * every,
+            "loss": loss * (1 + noise * u[i]) if family not in ("frozen", "binary_chance", "settling") or k < 0 else loss,
+            "grad_norm": grad * (1 + noise * u[n + i]),
+            "activation_max": act * (1 + 0.1 * noise * u[2 * n + i]),
+            "layer_grad_norms": {key: v * (1 + noise * u[3 * n + i]) for key, v in layers.items()},
+            "lr": 1e-3,
+        }
+        if sampled and i % sampled == 0:
+            row["param_norm"] = 30.0 + i * 0.01
+            row["grad_max"] = grad * 0.05
+        rows.append(row)
+    return family, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs(), st.sampled_from(POLICIES))
+def test_the_fast_path_decides_as_the_full_path_on_generated_runs(run, policy):
+    family, rows = run
+    assert_same(rows, policy)
+
+
+@pytest.mark.parametrize("family", ["falling", "plateau", "spikes", "vanishing"])
+def test_the_fast_path_is_taken_where_a_run_is_quiet(family):
+    # a long, per-step, lightly noisy run of each family: its quiet records skip the detectors
+    # (the plateau's stall and the vanishing layer stay open once found: those are judged in full)
+    u = lcg(7, 2000)
+    rows = []
+    for i in range(500):
+        loss = 2.3 * (0.3 + 0.7 * math.exp(-i / 150)) * (1 + 0.01 * u[i])
+        if family == "plateau":
+            loss = 2.3 * (1 + 0.01 * u[i])
+        if family == "spikes" and i in (300, 301):
+            loss *= 6
+        grad = 1.0 + 0.02 * u[500 + i]
+        layers = {"a": 0.0 if family == "vanishing" and i > 200 else grad * 0.5, "b": grad}
+        rows.append({"step": i, "loss": loss, "grad_norm": grad, "layer_grad_norms": layers})
+    fast = assert_same(rows)
+    assert fast >= {"falling": 0.7, "plateau": 0.1, "spikes": 0.6, "vanishing": 0.3}[family] * len(rows), fast
+
+
+def test_a_record_crossing_its_band_is_judged_in_full():
+    u = lcg(11, 200)
+    rows = [{"step": i, "loss": 2.0 * math.exp(-i / 300) * (1 + 0.01 * u[i]), "grad_norm": 1.0} for i in range(200)]
+    rows[150]["loss"] = 2.0 * 50  # far outside the band: the spike rule must see it at its own step
+    full, _, _ = outcomes(rows, quiet_path=False)
+    fast, _, n = outcomes(rows, quiet_path=True)
+    assert fast == full and n > 100
+    assert any(row[2] for row in fast if row[0] == 150), "the spike is announced at its step"
+
+
+@pytest.mark.parametrize("path", REAL + DEV, ids=lambda p: p.stem)
+def test_the_fast_path_decides_as_the_full_path_on_real_logs(path):
+    records = [rec for _, rec in iter_steps(path, warn=lambda _msg: None)]
+    assert_same(records)
+
+
+def test_the_fast_path_holds_under_other_policies():
+    # tighter and looser thresholds, short windows: the proofs read the policy, not constants
+    policies = [
+        load_policy({"spike": {"loss_factor": 1.5, "grad_factor": 2.0, "window": 10}}),
+        load_policy({"stall": {"frozen_records": 4, "min_records": 5}, "trend": {"min_span": 20, "min_records": 5}}),
+        load_policy({"runaway": {"min_growth": 1.05, "warning_steps": 3}, "vanishing": {"patience": 3}}),
+        load_policy({"divergence": {"warning_factor": 1.2, "patience": 2, "rebound_factor": 1.1}}),
+        load_policy({"headroom": {"warning_decades": {"float32": 30.0}}}),
+    ]
+    u = lcg(3, 3000)
+    rows = [
+        {
+            "step": i,
+            "loss": 2.0 * (0.5 + 0.5 * math.exp(-i / 200)) * (1 + 0.03 * u[i]) * (1.6 if 400 <= i < 404 else 1),
+            "grad_norm": (1.0 + 0.05 * u[1000 + i]) * (1.08 ** max(0, i - 700) if i < 760 else 1),
+            "activation_max": 1e8 * (1 + 0.01 * u[2000 + i]),
+            "layer_grad_norms": {"a": 0.5, "b": 1e-9 if i > 500 else 0.4},
+        }
+        for i in range(1000)
+    ]
+    for pol in policies:
+        assert_same(rows, pol)
