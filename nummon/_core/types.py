@@ -25,6 +25,8 @@ __all__ = [
     "MECHANISM_FIELDS",
     "MECHANISM_LAYER_FIELDS",
     "StepRecord",
+    "record_draft",
+    "publish",
     "Finding",
     "Alert",
     "IncidentState",
@@ -303,6 +305,27 @@ class StepRecord:
         return all(map(isfinite, self.layer_grad_norms.values())) and all(
             map(isfinite, self.layer_activation_max.values())
         )
+
+
+class _Draft(StepRecord):
+    """A StepRecord while one builder fills it in: assignments are the C-level ones, not a
+    Python call of the guard each (a decoded step sets ~50 fields). `record_draft` makes one,
+    `publish` turns it into a plain StepRecord; nobody else ever holds one."""
+
+    __slots__ = ()
+    __setattr__ = object.__setattr__  # type: ignore[assignment]  # the C one: no Python frame per assignment
+
+
+def record_draft(step: int) -> StepRecord:
+    """A new record (every field at its default) to fill in without the guard; `publish` it when done."""
+    return _Draft(step)
+
+
+def publish(rec: StepRecord) -> StepRecord:
+    """The draft as a plain StepRecord (the same object: the guard applies from here on)."""
+    if type(rec) is _Draft:
+        object.__setattr__(rec, "__class__", StepRecord)
+    return rec
 
 
 @dataclass(frozen=True)

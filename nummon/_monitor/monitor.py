@@ -159,13 +159,17 @@ class Monitor:
         and so into alerts, incidents and the flight record ("the batch that did it").
         """
         loss = check_loss(loss)
-        clip_norm = check_clip_norm(clip_norm)
-        per_sample_loss = check_per_sample(per_sample_loss)
+        if clip_norm is not None:
+            clip_norm = check_clip_norm(clip_norm)
+        if per_sample_loss is not None:
+            per_sample_loss = check_per_sample(per_sample_loss)
         if recompute is not None and not callable(recompute):
             raise NummonError(f"recompute must be a function returning the loss, got {type(recompute).__name__}")
-        with _shutdown.safe_point(), self._lock:  # a SIGTERM within it is acted on after it
+        with _shutdown.SAFE_POINT, self._lock:  # a SIGTERM within it is acted on after it
             if self._closed:
                 raise NummonError("post_step on a closed Monitor")
+            if recompute is None and self._steps.forward is None:  # no forensics: nothing to bracket
+                return self._post_step(loss, batch, clip_norm, per_sample_loss)
             self._steps.begin(recompute, loss)
             report = None
             try:
@@ -199,7 +203,7 @@ class Monitor:
                 return StepReport(step=s, health=None, should_stop=self._steps.stop, pending=True)
             report = self._evaluate(*previous)
         else:
-            report = self._evaluate(pending, clip_norm)
+            report = self._steps.evaluate(pending, clip_norm, next_step=self.step)
             if report.incidents and hist is None and self._hist.every:
                 # the moment of trouble: histograms of this step's parameters and gradients too
                 self._sinks.histograms(s, self._stats.histograms())
@@ -211,7 +215,7 @@ class Monitor:
 
     def flush(self) -> StepReport | None:
         """Evaluate a step still in flight (lagged mode) and wait (bounded) for the sinks to write."""
-        with _shutdown.safe_point(), self._lock:
+        with _shutdown.SAFE_POINT, self._lock:
             report = None
             if self._pending is not None:
                 pending, self._pending = self._pending, None
@@ -222,7 +226,7 @@ class Monitor:
     def close(self) -> None:
         """Evaluate what is in flight, then flush and close every sink (within
         `sinks.close_timeout_s`) and remove the hooks. Called at exit and on SIGTERM too."""
-        with _shutdown.safe_point(), self._lock:
+        with _shutdown.SAFE_POINT, self._lock:
             if self._closed:
                 return
             if self._pending is not None:

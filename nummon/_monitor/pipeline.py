@@ -65,8 +65,9 @@ class StepPipeline:
         self.stop = False  # a critical alert nobody handled
         self.sample_next = False  # the engine's directive: sample the mechanism probes at the next step
         # forensics: the weights a failing step's re-run needs; installed at the first step given a
-        # `recompute` (a loop without one pays nothing: no hooks, no per-step check)
-        self._forward: ForwardState | None = None
+        # `recompute` (a loop without one pays nothing: no hooks, no per-step check; while it is
+        # None a step without a `recompute` needs no `begin` / `end`)
+        self.forward: ForwardState | None = None
         self._recompute: Callable[[], Any] | None = None  # this step's way to re-run its loss
         self._step_loss: Any = None  # this step's loss as passed (the verdict compares its re-run with it)
 
@@ -74,26 +75,33 @@ class StepPipeline:
     def begin(self, recompute: Callable[[], Any] | None, loss: Any) -> None:
         """A `post_step` starts: its way to re-run the loss (None: no forensics) and its loss."""
         self._recompute, self._step_loss = recompute, loss
-        if recompute is not None and self._forward is None:
-            self._forward = self._forward_state()
+        if recompute is not None and self.forward is None:
+            self.forward = self._forward_state()
 
     def end(self, report: StepReport | None) -> None:
         """The `post_step` ended with `report` (None: it raised)."""
         self._recompute = self._step_loss = None
-        if self._forward is not None:
-            self._forward.step_done()
+        if self.forward is not None:
+            self.forward.step_done()
             # the host generators are kept at each forward only while something is open
-            self._forward.keep_host = report is not None and report.health is not Health.HEALTHY
+            self.forward.keep_host = report is not None and report.health is not Health.HEALTHY
 
     def evaluate(self, pending: Pending, clip_norm: float | None, next_step: int) -> StepReport:
         """One step: statistics -> health engine -> torch-side evidence (cause, verdict,
         recovery) -> the engine's outcome -> its files -> dispatch. `next_step`: the Monitor's."""
-        rec = self._resolve(pending, clip_norm)
-        found = self.stats.replicas.take() if self.stats.replicas is not None else ()
+        stats = self.stats
+        rec = stats.resolve(pending)
+        if clip_norm is not None:
+            rec = self._clipped(rec, clip_norm)
+        found = stats.replicas.take() if stats.replicas is not None else ()
         got = self.engine.step(rec, replicas=found)  # the record is frozen from here on
-        self.stats.watch_all_modules(got.detail_on)  # every module's output while an incident is open
+        detail = got.detail_on
+        if detail or stats.cadence.incident_open:  # every module's output while an incident is open
+            stats.watch_all_modules(detail)
         self.recorder.add(rec, got.health)
-        outcome = self._write_files(self.engine.finish(got, self._gather(rec, got, next_step)))
+        outcome = self.engine.finish(got, self._gather(rec, got, next_step))
+        if outcome.flight_record_due or outcome.report_due:
+            outcome = self._write_files(outcome)
         self.sample_next = outcome.sample_next
         self.stop = self.stop or outcome.stop
         if outcome.flight_record is not None:
@@ -125,8 +133,8 @@ class StepPipeline:
         """Give back what recovery and forensics hooked (optimizer.step, the forward's weights)."""
         if self.recovery is not None:
             self.recovery.close()
-        if self._forward is not None:
-            self._forward.close()
+        if self.forward is not None:
+            self.forward.close()
 
     def write_final_report(self) -> Path | None:
         """The whole run's report (from the event log when the run folder has one), when the run
@@ -139,9 +147,10 @@ class StepPipeline:
         return report.from_folder(lambda: report.from_memory(self.recorder.records, self.alerts, self.incidents))
 
     # ------------------------------------------------------------------ the stages
-    def _resolve(self, pending: Pending, clip_norm: float | None) -> StepRecord:
-        rec = self.stats.resolve(pending)
-        if clip_norm is not None and rec.clip_ratio is None and not rec.frozen:
+    @staticmethod
+    def _clipped(rec: StepRecord, clip_norm: float) -> StepRecord:
+        """The record with the clip ratio the loop's `clip_norm` implies, when it has none."""
+        if rec.clip_ratio is None and not rec.frozen:
             ratio = clip_ratio(rec.grad_norm, clip_norm)
             if ratio is not None:
                 rec = dataclasses.replace(rec, clip_ratio=ratio)
@@ -154,7 +163,7 @@ class StepPipeline:
         forensics = self._recompute is not None and self.policy.forensics.enabled
         if forensics and not rec.is_finite() and self.cause is None:
             cause = self.cause = self._cause()
-        if self._recompute is not None and self._forward is not None and rerun_due(got.alerts):
+        if self._recompute is not None and self.forward is not None and rerun_due(got.alerts):
             verdict, unavailable = self._verdict(rec, current=rec.step == next_step - 1)
         if self.recovery is not None:
             recovery = self.recovery.on_record(rec, got.health, got.alerts, verdict)
@@ -195,7 +204,7 @@ class StepPipeline:
         for ev in outcome.incidents:
             self.incidents.append(ev)
             self.sinks.incident(ev)
-        if outcome.critical:
+        if outcome.alerts and outcome.critical:
             # the alert that precedes a crash is in the event log before post_step returns; the
             # other sinks (W&B, webhooks) get it asynchronously, so they never stall training
             self.sinks.flush(timeout=self.policy.sinks.critical_timeout_s, durable_only=True)
@@ -214,7 +223,7 @@ class StepPipeline:
         from .._forensics import explain_quietly
 
         assert self._recompute is not None  # post_step explains only a step that has a way to re-run
-        weights = self._forward.forward_state() if self._forward is not None and self._forward.faithful else None
+        weights = self.forward.forward_state() if self.forward is not None and self.forward.faithful else None
         with self.stats.hooks_paused(), weights or contextlib.nullcontext():  # the re-run is not a training forward
             return explain_quietly(self._recompute, self.stats.model)
 
@@ -224,10 +233,10 @@ class StepPipeline:
         of the step's forward (it was not lagged)."""
         from .._forensics.verdict import gather_verdict
 
-        assert self._recompute is not None and self._forward is not None
+        assert self._recompute is not None and self.forward is not None
         with self.stats.hooks_paused():  # the re-run is not a training forward
             v, why = gather_verdict(
-                self._recompute, rec, self._step_loss, self._forward, self.rank or 0, current=current
+                self._recompute, rec, self._step_loss, self.forward, self.rank or 0, current=current
             )
         if v is not None:
             self.verdicts.append(v)

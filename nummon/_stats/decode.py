@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._core.maths import headroom_decades
-from .._core.types import StepRecord
+from .._core.types import StepRecord, publish, record_draft
 from .families import decoders
 from .families.family import RecordBuild, StatFamily, dense
 from .pending import Pending
@@ -54,18 +54,16 @@ class Decoder:
         if self.dist is not None:
             vals = self._exact_overflowed_across_ranks(vals, pending)
 
-        def get(name: str) -> list[float] | None:
-            s = lay.get(name)
-            return None if s is None else vals[s.start : s.stop]
-
-        b = RecordBuild(pending, get, StepRecord(step=pending.step), local=self.dist is None)
+        # every segment's values, sliced once: `get` is then a dict's own (C) method
+        get = {name: vals[s.start : s.stop] for name, s in lay.items()}.get
+        b = RecordBuild(pending, get, record_draft(pending.step), local=self.dist is None)
         for decode in self.decoders:
             decode(b)
         rec = b.rec
         self._headroom(rec, pending, b.grad_bound)
         self._scaler_skip(b)
-        origin = _Origin(b.first_bad_act, b.bad_grads)
         if b.parts:
+            origin = _Origin(b.first_bad_act, b.bad_grads)
             rec.nonfinite_parts = tuple(b.parts)
             rec.nonfinite_location = locate(rec, origin)
             # exact counts are rank-local: left out under torch.distributed so every rank's alert is identical
@@ -75,7 +73,7 @@ class Decoder:
         elif sources and rec.grad_max is not None and "grad_absmax" in sources:
             gm = get("grad_absmax")
             rec.rank = sources["grad_absmax"][max(range(len(gm)), key=gm.__getitem__)] if gm else None
-        return rec
+        return publish(rec)
 
     def _named_count(self, rec: StepRecord, origin: _Origin, pending: Pending) -> int | None:
         """The non-finite elements of the tensor `locate` names (failure path only: a sync): the

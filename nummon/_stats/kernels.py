@@ -38,8 +38,9 @@ GRAIN = 1 << 15
 #: dtypes `_foreach_norm(..., dtype=float32)` measures in float32 (at least as wide as theirs)
 _FOREACH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: takes a group's tensors out of a list, as a list (`_picker`)
-_Pick = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+#: takes a group's tensors out of a list, as a sequence (`_picker`)
+_Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]
+_Pick = Callable[[Sequence[torch.Tensor]], _Tensors]
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
@@ -135,19 +136,64 @@ class _Stale(Exception):
 
 
 def _picker(idx: list[int]) -> _Pick:
-    """A function returning the tensors at `idx` of a list, as a list (one C call)."""
-    get = operator.itemgetter(*idx)
-    return (lambda ts: [get(ts)]) if len(idx) == 1 else (lambda ts: list(get(ts)))
+    """A C-level function returning the tensors at `idx` of a list (a list for a run of
+    consecutive positions, else a tuple): no Python call per step."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return operator.itemgetter(slice(idx[0], idx[0] + len(idx)))
+    return operator.itemgetter(*idx) if len(idx) > 1 else operator.itemgetter(slice(idx[0], idx[0] + 1))
 
 
-def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
+def _rows(ts: _Tensors) -> torch.Tensor:
     """Same-shape tensors as the rows of one (k, numel) tensor (one copy; none for one tensor)."""
-    if ts[0].dim() == 0:
-        x = torch.stack(ts)
+    if ts[0].dim() == 1 and len(ts) > 1:
+        x = torch.stack(ts)  # already (k, numel): one op where a cat and its reshape are two
     else:
-        x = torch.cat(ts) if len(ts) > 1 else ts[0]
-    x = x.reshape(len(ts), -1)
+        x = torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts) if len(ts) > 1 else ts[0]
+        x = x.reshape(len(ts), -1)
     return x.float() if x.dtype in HALF_DTYPES else x
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One list's float32 results, preallocated per plan: a buffer in the plan's order (its
+    groups, its singles, its big tensors) whose parts every kernel writes into (`out=`; no cat
+    of parts, no view per step), and the result in the list's order (the buffer itself when the
+    plan keeps the order, else one `index_select` into it)."""
+
+    plan: _Plan
+    buf: torch.Tensor  # (n,), in the plan's order
+    result: torch.Tensor  # (n,), in the list's order
+    groups: list[torch.Tensor]  # per group, its part of `buf`
+    singles: torch.Tensor  # the singles' part
+    big: torch.Tensor  # the big tensors' part
+    big_rows: list[torch.Tensor]  # its 0-d views (norms: a dot into each)
+    minmax: torch.Tensor  # max |x|: the big tensors' (n, 2) (min, max) buffer
+    minmax_rows: list[tuple[torch.Tensor, torch.Tensor]]
+    minmax_cols: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def make(plan: _Plan, minmax: bool) -> _Work:
+        dev, nbig = plan.device, len(plan.big)
+        buf = torch.zeros(plan.n, device=dev)
+        *groups, singles, big = buf.split([*map(len, plan.groups), len(plan.singles), nbig])
+        mm = torch.zeros(nbig if minmax else 0, 2, device=dev)
+        return _Work(
+            plan,
+            buf,
+            buf if plan.inverse is None else torch.zeros(plan.n, device=dev),
+            groups,
+            singles,
+            big,
+            [] if minmax else [big[i] for i in range(nbig)],
+            mm,
+            [(mm[i, 0], mm[i, 1]) for i in range(len(mm))],
+            (mm[:, 0], mm[:, 1]),
+        )
+
+    def in_order(self, plan: _Plan) -> torch.Tensor:
+        if plan.inverse is not None:
+            torch.index_select(self.buf, 0, plan.inverse, out=self.result)
+        return self.result
 
 
 class NormKernels:
@@ -155,8 +201,8 @@ class NormKernels:
 
     def __init__(self, fused: bool | None = None) -> None:
         self.fused = fused  # None: fused multi-tensor kernels on every device but the CPU
-        # per key: the (n,) or (n, 2) float32 result buffer and, on CPU, its per-row 0-d views
-        self.buffers: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]] = {}
+        # per key (and statistic): the CPU path's preallocated results (`_Work`)
+        self.buffers: dict[str, _Work] = {}
         self._plans: dict[str, _Plan] = {}
 
     def l2_norms(self, tensors: list[torch.Tensor], key: str = "norms") -> torch.Tensor:
@@ -199,16 +245,13 @@ class NormKernels:
             return self._grouped(tensors, self._plan(key, tensors, stale=True), key, norms, absmax)
 
     def _grouped(self, tensors: list[torch.Tensor], plan: _Plan, key: str, norms: bool, absmax: bool) -> tuple:
-        nparts: list[torch.Tensor] = []
-        mparts: list[torch.Tensor] = []
-        for pick, total in zip(plan.pick, plan.totals):
+        nw = self._work(key + ":n", plan, minmax=False) if norms else None
+        mw = self._work(key + ":m", plan, minmax=True) if absmax else None
+        for i, (pick, total) in enumerate(zip(plan.pick, plan.totals)):
             ts = pick(tensors)
-            if total == 0:
+            if total == 0:  # its places keep the zeros they were made with
                 if ts[0].numel():
                     raise _Stale
-                zero = torch.zeros(len(ts), device=plan.device)
-                nparts.append(zero)
-                mparts.append(zero)
                 continue
             try:
                 x = _rows(ts)
@@ -216,43 +259,35 @@ class NormKernels:
                 raise _Stale from None
             if x.numel() != total:
                 raise _Stale
-            if norms:
-                nparts.append(torch.linalg.vector_norm(x, dim=1).float())
-            if absmax:
-                # abs + amax: NaN propagates; aminmax(dim=1) is ~1000x slower on CPU
-                mparts.append(x.abs().amax(dim=1).float())
+            if nw is not None:
+                _row_norms(x, nw.groups[i])
+            if mw is not None:
+                _row_absmax(x, mw.groups[i])
         if plan.singles:
             assert plan.pick_singles is not None  # made whenever `singles` is not empty
             ts = plan.pick_singles(tensors)
             try:  # (an empty tensor has no max: it went stale, and is re-planned into the empty group)
-                if norms:
-                    nparts.append(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)))
-                if absmax:  # the inf-norm is max |x|, NaN propagating
-                    mparts.append(torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)))
+                if nw is not None:
+                    torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32), out=nw.singles)
+                if mw is not None:  # the inf-norm is max |x|, NaN propagating
+                    torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32), out=mw.singles)
             except RuntimeError:
                 raise _Stale from None
         if plan.big:
             assert plan.pick_big is not None  # made whenever `big` is not empty
             big = plan.pick_big(tensors)
-            if norms:
-                nparts.append(self._big_norms(big, key))
-            if absmax:
-                mparts.append(self._big_absmax(big, key))
-        return (
-            self._in_order(nparts, plan, key + ":n", len(tensors)) if norms else None,
-            self._in_order(mparts, plan, key + ":m", len(tensors)) if absmax else None,
-        )
+            if nw is not None:
+                _big_norms(big, nw)
+            if mw is not None:
+                _big_absmax(big, mw)
+        return (nw.in_order(plan) if nw is not None else None, mw.in_order(plan) if mw is not None else None)
 
-    def _in_order(self, parts: list[torch.Tensor], plan: _Plan, key: str, n: int) -> torch.Tensor:
-        buf = self._buffer(key, n, 1, plan.device, views=False)[0].view(-1)
-        if plan.inverse is None:
-            if len(parts) == 1:
-                buf.copy_(parts[0])
-            else:
-                torch.cat(parts, out=buf)
-        else:
-            torch.index_select(torch.cat(parts) if len(parts) > 1 else parts[0], 0, plan.inverse, out=buf)
-        return buf
+    def _work(self, key: str, plan: _Plan, minmax: bool) -> _Work:
+        """The list's preallocated results for this plan (made again with a new plan)."""
+        work = self.buffers.get(key)
+        if work is None or work.plan is not plan:
+            work = self.buffers[key] = _Work.make(plan, minmax)
+        return work
 
     @staticmethod
     def _foreach(tensors: list[torch.Tensor], plan: _Plan, norms: bool, absmax: bool) -> tuple:
@@ -275,44 +310,50 @@ class NormKernels:
             out.append(res if plan.inverse is None else res.index_select(0, plan.inverse))
         return tuple(out)
 
-    def _big_norms(self, tensors: list[torch.Tensor], key: str) -> torch.Tensor:
-        """A BLAS dot per dense float32 tensor (half the time of `vector_norm` on the tensors
-        that matter, measured inside a training step) into a preallocated buffer, one sqrt."""
-        buf, views = self._buffer(key + ":big_n", len(tensors), 1, tensors[0].device)
-        for t, (v,) in zip(tensors, views):
-            if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
-                f = t.view(-1)
-                torch.dot(f, f, out=v)
-            else:  # other dtypes, layouts, devices (rare)
-                n = (
-                    torch.linalg.vector_norm(t, dtype=torch.float32)
-                    if t.dtype in HALF_DTYPES
-                    else torch.linalg.vector_norm(t)
-                )
-                v.copy_(n.square())
-        return buf.view(-1).sqrt()
 
-    def _big_absmax(self, tensors: list[torch.Tensor], key: str) -> torch.Tensor:
-        """One `aminmax` per tensor into a preallocated (n, 2) buffer, then max |x| per row."""
-        dev = tensors[0].device
-        buf, views = self._buffer(key + ":big_m", len(tensors), 2, dev)
-        for g, (lo, hi) in zip(tensors, views):
-            if g.dtype == torch.float32 and g.device == dev:
-                torch.aminmax(g, out=(lo, hi))
-            else:
-                mn, mx = torch.aminmax(g)
-                lo.copy_(mn)
-                hi.copy_(mx)
-        return absmax_rows(buf)
+def _row_norms(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The L2 norm of each row of `x`, into `out` (float32)."""
+    if x.dtype == torch.float32:
+        torch.linalg.vector_norm(x, dim=1, out=out)
+    else:  # float64 rows: measured in float64, then rounded once, as `.float()` would
+        out.copy_(torch.linalg.vector_norm(x, dim=1))
 
-    def _buffer(
-        self, key: str, n: int, width: int, dev: torch.device, views: bool = True
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
-        """A preallocated float32 (n, width) buffer and its per-row 0-d views (none unless
-        `views`), made once per shape."""
-        hit = self.buffers.get((key, n))
-        if hit is None or hit[0].device != dev:
-            buf = torch.zeros(n, width, device=dev)
-            rows = [tuple(buf[i, j] for j in range(width)) for i in range(n)] if views else []
-            hit = self.buffers[(key, n)] = (buf, rows)
-        return hit
+
+def _row_absmax(x: torch.Tensor, out: torch.Tensor) -> None:
+    """max |x| of each row of `x`, into `out` (float32; abs + amax: NaN propagates, where
+    aminmax(dim=1) is ~1000x slower on CPU)."""
+    if x.dtype == torch.float32:
+        torch.amax(x.abs(), dim=1, out=out)
+    else:
+        out.copy_(x.abs().amax(dim=1))
+
+
+def _big_norms(tensors: Sequence[torch.Tensor], work: _Work) -> None:
+    """A BLAS dot per dense float32 tensor (half the time of `vector_norm` on the tensors that
+    matter, measured inside a training step) into its place, then one sqrt in place."""
+    for t, v in zip(tensors, work.big_rows):
+        if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
+            f = t.view(-1)
+            torch.dot(f, f, out=v)
+        else:  # other dtypes, layouts, devices (rare)
+            n = (
+                torch.linalg.vector_norm(t, dtype=torch.float32)
+                if t.dtype in HALF_DTYPES
+                else torch.linalg.vector_norm(t)
+            )
+            v.copy_(n.square())
+    work.big.sqrt_()
+
+
+def _big_absmax(tensors: Sequence[torch.Tensor], work: _Work) -> None:
+    """One `aminmax` per tensor into a preallocated (n, 2) buffer, then max |x| per row into its place."""
+    dev = work.minmax.device
+    for g, (lo, hi) in zip(tensors, work.minmax_rows):
+        if g.dtype == torch.float32 and g.device == dev:
+            torch.aminmax(g, out=(lo, hi))
+        else:
+            mn, mx = torch.aminmax(g)
+            lo.copy_(mn)
+            hi.copy_(mx)
+    lo_col, hi_col = work.minmax_cols
+    torch.maximum(hi_col, lo_col.neg(), out=work.big)  # absmax_rows, into place

@@ -118,7 +118,8 @@ class WatchedParams:
                 names = [n for n, g in zip(names, grads) if g is not None]
                 grads = [g for g in grads if g is not None]
         raw = grads
-        grads = self.local(grads)
+        if self.local_views:
+            grads = self.local(grads)
         if any(map(_sparse, grads)):
             grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
         if self.has_complex:

@@ -81,7 +81,9 @@ class PreClipCapture:
 
     def _end_of_backward(self) -> None:
         self._queued = False
-        with torch.no_grad():
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad()'s own switch, without its ~7 Python calls
+        try:
             params = self.watched.params
             dev = params[0].device if params else torch.device("cpu")
             grads, names, raw = self.watched.grads(dev, distributed=False)
@@ -93,6 +95,8 @@ class PreClipCapture:
             else:
                 norms, extremes = self.kernels.l2_norms(grads, key="preclip"), None
             self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, extremes)
+        finally:
+            torch._C._set_grad_enabled(was)
 
     def take(self) -> PreClipGrads | None:
         """The statistics of the last backward since the previous call, or None."""

@@ -8,6 +8,7 @@ step later; on CPU it already is on the host.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from .distributed import Reduce
 __all__ = ["PinnedPool", "Segment", "Slot", "pack", "rules_of", "signature"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Segment:
     """A named run of statistics and how each combines across ranks: one rule for all, or a
     tuple with one rule per element (norms, where some tensors are sharded and some not)."""
@@ -28,10 +29,13 @@ class Segment:
     tensor: torch.Tensor
     reduce: str | tuple[str, ...]
 
-    def __post_init__(self) -> None:
-        rules = (self.reduce,) if isinstance(self.reduce, str) else self.reduce
-        if not set(rules) <= Reduce.ALL:
-            raise ValueError(f"unknown reduction {self.reduce!r} for segment {self.name!r}")
+    def __init__(self, name: str, tensor: torch.Tensor, reduce: str | tuple[str, ...]) -> None:
+        # written out (not the dataclass's __init__ and __post_init__): one Python call per segment, not two
+        if not (reduce in Reduce.ALL if isinstance(reduce, str) else Reduce.ALL.issuperset(reduce)):
+            raise ValueError(f"unknown reduction {reduce!r} for segment {name!r}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "reduce", reduce)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,53 @@ class Slot:
 Layout = dict[str, Slot]
 
 
+#: what a segment's place in the packed vector depends on (read in C, no Python call per segment)
+_SEGMENT_KEY = operator.attrgetter("name", "reduce", "tensor.dtype", "tensor.shape", "tensor.device")
+_TENSOR = operator.attrgetter("tensor")
+
+
+@dataclass(frozen=True)
+class _PackPlan:
+    """How one combination of segments (names, rules, dtypes, shapes, devices) packs."""
+
+    layout: Layout  # shared by every step packed alike (read-only)
+    narrow: list[int]  # positions of the float32/16 segments, packed first as float32
+    wide: list[int]  # positions of the float64 and integer segments, packed after as float64
+    plain: bool  # every segment float32 on the target device, nothing widened: one cat as they are
+
+
+#: plans by segment signature; an ordinary step's repeats, so its packing costs no Python per segment
+_PLANS: dict[tuple, _PackPlan] = {}
+_MAX_PLANS = 256  # cleared past this (a run whose shapes keep changing re-plans rather than grows)
+
+
+def _plan(segments: list[Segment], dev: torch.device, wide: bool) -> _PackPlan:
+    key = (dev, wide, *map(_SEGMENT_KEY, segments))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(segments, dev, wide)
+    return plan
+
+
+def _make_plan(segments: list[Segment], dev: torch.device, wide: bool) -> _PackPlan:
+    def is_narrow(t: torch.Tensor) -> bool:
+        return t.is_floating_point() and t.dtype != torch.float64
+
+    narrow = [i for i, s in enumerate(segments) if is_narrow(s.tensor)]
+    wide_segs = [i for i, s in enumerate(segments) if not is_narrow(s.tensor)]
+    layout, pos = {}, 0
+    for i in narrow + wide_segs:
+        s = segments[i]
+        layout[s.name] = Slot(pos, pos + s.tensor.numel(), s.reduce)
+        pos += s.tensor.numel()
+    plain = (
+        not wide_segs and not wide and all(s.tensor.dtype == torch.float32 and s.tensor.device == dev for s in segments)
+    )
+    return _PackPlan(layout, narrow, wide_segs, plain and bool(segments))
+
+
 def pack(segments: list[Segment], dev: torch.device, wide: bool = False) -> tuple[torch.Tensor, Layout]:
     """One new vector holding every segment, and where each lies in it.
 
@@ -57,31 +108,26 @@ def pack(segments: list[Segment], dev: torch.device, wide: bool = False) -> tupl
     or integer segments (fingerprints, counts, a float64 loss) or `wide` is set is it widened,
     once, to float64, so those join exactly.
     """
-
-    def is_narrow(t: torch.Tensor) -> bool:
-        return t.is_floating_point() and t.dtype != torch.float64
-
-    narrow = [s for s in segments if is_narrow(s.tensor)]
-    wide_segs = [s for s in segments if not is_narrow(s.tensor)]
-    chunks, layout, pos = [], {}, 0
-    for group, narrow_group in ((narrow, True), (wide_segs, False)):
+    plan = _plan(segments, dev, wide)
+    if plan.plain:  # an ordinary step: copied as they are (segments may be reused buffers)
+        ts = list(map(_TENSOR, segments))
+        return (torch.cat(ts) if len(ts) > 1 else ts[0].clone()), plan.layout
+    chunks = []
+    for group, narrow_group in ((plan.narrow, True), (plan.wide, False)):
         if not group:
             continue
-        ts = [s.tensor if s.tensor.device == dev else s.tensor.to(dev) for s in group]
+        ts = [t if t.device == dev else t.to(dev) for t in (segments[i].tensor for i in group)]
         if narrow_group:
             ts = [t if t.dtype == torch.float32 else t.float() for t in ts]
             chunk = torch.cat(ts) if len(ts) > 1 else ts[0].clone()
-            if wide_segs or wide:
+            if plan.wide or wide:
                 chunk = chunk.to(torch.float64)
         else:
             chunk = torch.cat([t.to(torch.float64) for t in ts])
         chunks.append(chunk)
-        for s in group:
-            layout[s.name] = Slot(pos, pos + s.tensor.numel(), s.reduce)
-            pos += s.tensor.numel()
     if not chunks:
-        return torch.zeros(0, device=dev, dtype=torch.float64 if wide else torch.float32), layout
-    return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), layout
+        return torch.zeros(0, device=dev, dtype=torch.float64 if wide else torch.float32), plan.layout
+    return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), plan.layout
 
 
 def rules_of(layout: Layout) -> list[str]:

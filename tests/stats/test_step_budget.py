@@ -26,12 +26,12 @@ pytestmark = pytest.mark.slow  # a profiled run of a few steps: seconds on a bus
 CNN_CALLS = {
     "forward_hooks": 8,  # 4 activation hooks (one call each, and the dtype's name once a step)
     "probes": 26,  # the mechanism probes' unarmed pre-hook / forward hook / optimizer hooks
-    "end_of_backward": 36,
-    "launch": 85,
-    "read_decode": 107,
+    "end_of_backward": 23,  # 19: the pre-clip hooks and the callback, grad mode switched in C
+    "launch": 50,  # 42: a packing plan per segment signature, C-level pickers
+    "read_decode": 40,  # 33: the record built as a draft (no guard call per field)
     "detectors": 125,  # in a run's first 10 records the start-of-run climb rules book each value (climb.py)
     "dispatch": 3,
-    "post_step": 69,
+    "post_step": 42,  # 35: no begin/end without forensics, one shared safe point
     "other": 0,  # nummon code outside the stages above (a new kind of hook): none
 }
 #: per stage, the most aten ops an ordinary demo-CNN step may dispatch (exact: one more op is
@@ -39,8 +39,8 @@ CNN_CALLS = {
 CNN_OPS = {
     "forward_hooks": 12,  # per hooked module: detach, aminmax (+ view and slice of a large output)
     "probes": 0,
-    "end_of_backward": 11,
-    "launch": 13,
+    "end_of_backward": 8,  # results written in place (out=): no cat of parts, no views
+    "launch": 9,
     "read_decode": 0,
     "detectors": 0,
     "dispatch": 0,

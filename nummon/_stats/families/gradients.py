@@ -4,6 +4,7 @@ today's gradients; and the clip ratio, from a few gradients measured again after
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -103,11 +104,19 @@ def launch_grads(c: Collecting, s: LaunchStep) -> list[Segment]:
         elif grads:
             segs.append(Segment("grad_norms", c.kernels.l2_norms(grads, key="grads"), param_rules))
         s.grads, s.grad_names, raw_dtypes = grads, names, set(map(operator.attrgetter("dtype"), raw))
-    for dt in raw_dtypes:
-        s.grad_dtype = narrowest(s.grad_dtype, dtype_name(dt))
+    s.grad_dtype = _narrowest_name(frozenset(raw_dtypes))
     if not s.grads and c.watched.params and not c.said_no_grads:
         _say_no_grads(c, s.step)
     return segs
+
+
+@functools.cache  # a C-level call per step once seen: the gradients' dtypes rarely change
+def _narrowest_name(dtypes: frozenset[torch.dtype]) -> str | None:
+    """The name of the narrowest of these dtypes (None for none)."""
+    name = None
+    for dt in dtypes:
+        name = narrowest(name, dtype_name(dt))
+    return name
 
 
 def _say_no_grads(c: Collecting, step: int) -> None:

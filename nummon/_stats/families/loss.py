@@ -18,11 +18,12 @@ __all__ = ["FAMILY", "decode_loss", "launch_loss"]
 
 def launch_loss(c: Collecting, s: LaunchStep) -> list[Segment]:
     """The loss as a (1,) segment when it is a tensor (or under torch.distributed); else noted on the host."""
-    params = c.watched.params
-    s.loss_dtype = dtype_name(params[0].dtype) if params else "float32"
     if isinstance(s.loss, torch.Tensor):
         s.loss_dtype = dtype_name(s.loss.dtype)
-        return [Segment("loss", s.loss.detach().reshape(1), Reduce.MEAN)]
+        # no detach: the collector launches under no_grad, where the view carries no history
+        return [Segment("loss", s.loss.reshape(1), Reduce.MEAN)]
+    params = c.watched.params
+    s.loss_dtype = dtype_name(params[0].dtype) if params else "float32"
     if s.distributed:  # every rank must pack the same layout
         return [Segment("loss", torch.tensor([float(s.loss)], device=s.dev), Reduce.MEAN)]
     s.loss_host = float(s.loss)
