@@ -142,3 +142,25 @@ def test_activations_off_hooks_nothing_even_while_watched_closely():
     recs, hooks = _run(model, mon, 6, poison={2})
     mon.close()
     assert hooks == [0] * 6 and all(r.activation_max is None for r in recs)
+
+
+def test_forensics_names_the_module_of_a_nan_on_an_unsampled_step_at_once():
+    # the record of an unsampled step cannot name the module; the re-run under operator
+    # interception (post_step(..., recompute=)) does, on that very step
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay those of the failing forward
+    mon = Monitor(model, opt, policy=NO_MECHANISMS)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    recs = []
+    for step in range(4):
+        if step == 3:
+            with torch.no_grad():
+                model[2].weight[0, 0] = math.inf
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        recs.append(mon.post_step(loss, recompute=lambda: model(x).square().mean()).record)
+    mon.close()
+    assert recs[3].activation_max is None and "output of" not in (recs[3].nonfinite_location or "")
+    assert mon.cause is not None and mon.cause.module == "2" and mon.cause.stage == "forward"
