@@ -2,10 +2,10 @@
 
 Times one training forward+backward of each shape (CPU, medians of interleaved rounds, each
 variant a copy of the same model): bare; with a no-op forward hook on each module nummon hooks
-every step (the cost of being called); with nummon's probes as installed by a Monitor (every
-watched module while a model has at most `FULL_LIMIT`, else the block boundaries); and with the
-probes limited to the block boundaries whatever the model's size. Reports ms per step and µs per
-hooked module.
+on a measuring step (the cost of being called); with nummon's probes as a Monitor hooks them on a
+measuring step (every `activations_every` steps: every watched module while a model has at most
+`FULL_LIMIT`, else the block boundaries); and with the probes limited to the block boundaries
+whatever the model's size. Reports ms per step and µs per hooked module.
 
     python benchmarks/hook_cost.py [--shapes mlp,lm2,lm8,cnn] [--rounds 15] [--steps 5]
 """
@@ -36,6 +36,7 @@ def _probes(model: torch.nn.Module, full_limit: int | None) -> ActivationProbes:
     try:
         p = ActivationProbes()
         p.install(model)
+        p.arm(True, False)  # hooked as on a measuring step (a Monitor: every `activations_every` steps)
     finally:
         probes_module.FULL_LIMIT = saved
     return p

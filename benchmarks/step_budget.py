@@ -11,8 +11,8 @@ Counts mode (default) runs each model under `sys.setprofile` and a `TorchDispatc
 counts, per step and stage, Python function calls (by nummon module), torch (aten) ops and host
 reads (`tolist`, `item`, `_local_scalar_dense`). Counts are exact and repeatable on a loaded
 machine, and work on any checkout (stages are found by module and function name). Steps are
-`ordinary` (no parameter / optimizer-state / mechanism sample, no full activation hooks) or
-`sampled`.
+`ordinary` (no parameter / optimizer-state / mechanism sample, no activation hooks, none
+registered for the next forward) or `sampled`.
 
     python benchmarks/step_budget.py [--models cnn,lm12,tiny-1000] [--steps 40] [--times] [--json out.json]
 
@@ -157,7 +157,8 @@ class StepCounter(TorchDispatchMode):
 
 
 def _sampled(mon: Any, step: int) -> bool:
-    """Whether `step` does more than an ordinary step (a cadence or a probe sample is due)."""
+    """Whether `step` does more than an ordinary step (a cadence or a probe sample is due, its
+    forward measures the activations, or the full activation hooks are on)."""
     sp = mon._policy.sampling
     mech = getattr(mon._stats, "mechanisms", None)
     probes = getattr(mon._stats, "probes", None)
@@ -166,7 +167,16 @@ def _sampled(mon: Any, step: int) -> bool:
         or step % sp.optimizer_every == 0
         or bool(mech is not None and getattr(mech, "armed", False))
         or bool(probes is not None and getattr(probes, "detail", False) and getattr(probes, "_always", None))
+        or _arms_activations(mon)
     )
+
+
+def _arms_activations(mon: Any) -> bool:
+    """Whether the activation hooks are registered for the next forward (checkouts that hook on a
+    cadence: `probes.measuring`). Before a step: its forward measures; after it: the step
+    registered them at its end (their cost is the sample's, so that step counts as sampled)."""
+    probes = getattr(mon._stats, "probes", None)
+    return bool(probes is not None and getattr(probes, "measuring", False) and getattr(probes, "_modules", None))
 
 
 def count_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
@@ -236,6 +246,8 @@ def _count_steps(
                 sys.setprofile(None)
                 if ops_pass:
                     counter.__exit__(None, None, None)
+        if _arms_activations(mon):  # this step registered the next forward's activation hooks
+            kind = "sampled"
         if measured:
             per[kind].append(
                 {
@@ -349,6 +361,8 @@ def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
         loss.backward()
         opt.step()
         mon.post_step(loss)
+        if _arms_activations(mon):  # this step registered the next forward's activation hooks
+            kind = "sampled"
         if i >= warmup:
             per[kind].append(dict(timer.us))
     mon.close()

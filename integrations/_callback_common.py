@@ -180,7 +180,8 @@ def start_line(model: Any, policy: Policy, events_path: Path, run_dir: str | os.
         f"nummon: watching {type(model).__name__} ({_count(trainable)} trainable parameters in {len(params)} tensors), "
         f"policy {policy.name} (stop on critical: {'yes' if policy.alerts.stop_on_critical else 'no'}); "
         f"gradients every step, parameters every {s.params_every} and optimizer state every {s.optimizer_every} "
-        f"steps, activations {'on' if s.activations else 'off'}; events in {events_path}, flight records in {run_dir}"
+        f"steps, activations {f'every {s.activations_every} steps' if s.activations else 'off'}; events in {events_path}, "
+        f"flight records in {run_dir}"
     )
 
 

@@ -113,7 +113,9 @@ class Monitor:
         sink_list = policy_sinks(self._policy, sinks)
         self._dist = _reducer(process_group)
         rank = self._dist.rank if self._dist else None  # None: a single process
-        self._stats = StatsCollector(model, optimizer, self._policy, dist=self._dist, grad_scaler=grad_scaler)
+        self._stats = StatsCollector(
+            model, optimizer, self._policy, dist=self._dist, grad_scaler=grad_scaler, start_step=start_step
+        )
         _replica_check(self._stats, self._policy, self._dist, model)
         # every rank resolves the same folder from the same arguments, before rank-0-only sinks are dropped
         folder = RunFolder(self._policy.recorder.directory, run_dir, sink_list)

@@ -48,14 +48,22 @@ class SamplingPolicy(_Section):
         10,
         description="optimizer-state norm every this many steps, and every step while an incident is open or after a non-finite value (steps)",
     )
-    activations: bool = Field(True, description="max |activation| of modules with parameters via forward hooks")
+    activations: bool = Field(
+        True, description="max |activation| of modules with parameters via forward hooks (off: never)"
+    )
+    activations_every: Steps = Field(
+        10,
+        description="the activation hooks run on every this many steps only, and every step while an incident is open, after a non-finite value or for histograms; no hook is registered on the other steps (a hook costs 2-20 µs per module per forward). "
+        "Gives up activation maxima on every step (a runaway of activation_max shows on every sampled step; between samples the gradient norm, measured every step, sees the same blow-up) "
+        "and naming the first non-finite module on a non-finite step that was not sampled (named from the next step on, or at once by forensics with recompute=) (steps)",
+    )
     activations_exclude: tuple[str, ...] = Field(
         (),
         description="module names (fnmatch patterns) the activation hooks skip, e.g. a language model's vocabulary head, whose logits can be most of the bytes the hooks read",
     )
     activations_all_every: Steps = Field(
         50,
-        description="on models with more than 64 watched modules, only the block boundaries are hooked every step; every watched module's output every this many steps (and while an incident is open)",
+        description="on models with more than 64 watched modules, a measuring step hooks only the block boundaries; every watched module's output every this many steps (and while an incident is open) (steps)",
     )
     histogram_every: StepsOrZero = Field(
         0,
@@ -70,6 +78,10 @@ class SamplingPolicy(_Section):
         """Whether `step` measures the parameters and max |g| on the cadence (the Monitor for
         this step, the pre-clip capture for the next backward: one rule for both)."""
         return step % self.params_every == 0
+
+    def activations_due(self, step: int) -> bool:
+        """Whether `step`'s forward measures the activation maxima on the cadence."""
+        return self.activations and step % self.activations_every == 0
 
     def optimizer_due(self, step: int) -> bool:
         """Whether `step` measures the optimizer state on the cadence."""

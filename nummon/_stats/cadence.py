@@ -1,7 +1,8 @@
 """What the statistics collector measures and hooks on a given step, beyond the policy's
-sampling cadence: everything while an incident is open and for `DETAIL_AFTER_NONFINITE` steps
-after a non-finite one, max |g| every step for narrow gradient dtypes. Decided from the step
-number and the (rank-identical) records, so alike on every rank."""
+sampling cadence (the activation hooks only on their steps): everything while an incident is
+open and for `DETAIL_AFTER_NONFINITE` steps after a non-finite one, max |g| every step for
+narrow gradient dtypes. Decided from the step number and the (rank-identical) records, so alike
+on every rank."""
 
 from __future__ import annotations
 
@@ -39,17 +40,23 @@ class Cadence:
         while the run is watched closely; the L2 norm bounds it (and shows NaN/Inf) between."""
         return params_due or self.narrow_grads or self.watch_closely(step)
 
-    def arm_next(self, next_step: int) -> None:
-        """Every module's output hooked on the next forward (not only the block boundaries) on
-        the cadence, while an incident is open, after a non-finite step, or for histograms; and
-        whether the next backward measures max |g|."""
+    def arm_next(self, next_step: int, first: bool = False) -> None:
+        """What the next forward hooks: nothing between the activation samples; the boundaries
+        (every module on a small model) every `activations_every` steps; every module every
+        `activations_all_every` steps, while an incident is open, after a non-finite step, and
+        for histograms. And whether the next backward measures max |g|. The `first` forward
+        is measured whatever its step: a model compiled after the Monitor traces the hooks then
+        (and keeps them, see `ActivationProbes.traced`)."""
         sampling = self.policy.sampling
-        self.probes.set_detail(
+        detail = (
             self.probes.want_tensors
             or self.incident_open
             or next_step <= self.detail_until
-            or next_step % sampling.activations_all_every == 0
+            # (not the first: a compiled model guards on the detail flag, and its first graph
+            # would be recompiled at the second forward)
+            or (not first and next_step % sampling.activations_all_every == 0)
         )
+        self.probes.arm(first or sampling.activations_due(next_step), detail)
         if self.preclip is not None:
             self.preclip.absmax = self.extremes_due(next_step, sampling.params_due(next_step))
 

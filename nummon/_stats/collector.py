@@ -70,7 +70,8 @@ def refuse_unwatchable(watched: WatchedParams, distributed: bool) -> None:
 
 
 class StatsCollector:
-    """Computes one step's health statistics for a model and optimizer."""
+    """Computes one step's health statistics for a model and optimizer; `start_step`: the step
+    number of the first forward it sees."""
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class StatsCollector:
         policy: Policy,
         dist: Any = None,
         grad_scaler: Any = None,
+        start_step: int = 0,
     ) -> None:
         check_grad_scaler(grad_scaler)
         # a torch.compile wrapper: its module is watched (names without `_orig_mod.`), and the
@@ -97,7 +99,7 @@ class StatsCollector:
         self.kernels = NormKernels()
         self.fingerprint = Fingerprinter()
         self.pinned = PinnedPool()
-        self.probes = ActivationProbes(policy.sampling.activations_exclude)
+        self.probes = ActivationProbes(policy.sampling.activations_exclude, traced=compiled)
         if model is not None and policy.sampling.activations:
             self.probes.install(model)
         self.decoder = Decoder(dist, grad_scaler, self._count_nonfinite, FAMILIES)
@@ -125,6 +127,7 @@ class StatsCollector:
         # scaled at the end of backward)
         self.preclip = PreClipCapture(self.watched, self.kernels) if dist is None and grad_scaler is None else None
         self.cadence = Cadence(policy, self.probes, self.preclip)
+        self.cadence.arm_next(start_step, first=True)  # the first forward, made before any launch
         # the Monitor's call, every step: the cadence's own method, with no call in between
         self.watch_all_modules = self.cadence.watch_all_modules
         if dist is not None:  # a capacity derived from the model, agreed between ranks (see _distributed)

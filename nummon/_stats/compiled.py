@@ -7,7 +7,8 @@ registers hooks or enters a mode then breaks the graph or recompiles it on every
 So on a compiled model the forward's mechanism probes keep the sampled step's inputs (a side
 effect that traces cleanly) and replay its first sample eagerly when the step is taken
 (`first_sample`, `replayed`). The activation probes' hook traces into the graph as it is (no
-break, no recompile per step).
+break, no recompile per step), and stays registered on every step: dynamo does not see a hook
+added after it compiled, and recompiles when one is removed.
 """
 
 from __future__ import annotations

@@ -1,16 +1,27 @@
 """Activation probes: forward hooks writing a module's output (min, max) into a per-dtype buffer
 on the device (one `aminmax`, no conversion, no host read).
 
-A forward hook is a Python call per module per step, so on a large model only the block
-boundaries are hooked every step: the outputs of the blocks of its main stack (the children of
-the module with the most children holding watched modules, e.g. a transformer's `blocks.3`, at
-most `BOUNDARY_LIMIT`, evenly spaced) and the watched modules outside it (embeddings, final
-norm, head). Every watched module is hooked as well ("detail") on a cadence, while an incident
-is open, after a non-finite value (for `DETAIL_AFTER_NONFINITE` steps) and when histograms want
-the outputs. A non-finite value propagates along the stack, so the first non-finite boundary
-always shows it; with detail on, the first non-finite module is named exactly. Models with at
-most `FULL_LIMIT` watched modules are hooked in full every step. Outputs above `ACT_BUDGET`
-elements are read in full only while detail is on (otherwise their first `ACT_BUDGET`).
+A forward hook is a Python call per module per forward (~2 µs on CPU just to be called, 10-20 µs
+with its body), so the activation maxima are measured on a cadence: the hooks are registered
+only for the forwards that measure (every `activations_every` steps; `arm`, from the cadence at
+the end of the step before) and removed after them. A step that does not measure has no forward
+hook at all, and its record no `activation_max` / `layer_activation_max`. This gives up the
+activation maxima on every step (a runaway of `activation_max` is seen on every sampled step;
+between samples the gradient norm, measured every step, sees the same blow-up) and naming the
+first non-finite module on a non-finite step that was not sampled (named from the next step on,
+when every module is hooked, or at once by forensics with `recompute=`). It keeps full detail
+while the run is watched closely: every step, every watched module, while an incident is open,
+after a non-finite value (for `DETAIL_AFTER_NONFINITE` steps) and when histograms want the outputs.
+
+On a large model a measuring step hooks only the block boundaries: the outputs of the blocks of
+its main stack (the children of the module with the most children holding watched modules, e.g.
+a transformer's `blocks.3`, at most `BOUNDARY_LIMIT`, evenly spaced) and the watched modules
+outside it (embeddings, final norm, head). Every watched module is hooked as well ("detail")
+every `activations_all_every` steps and whenever the run is watched closely. A non-finite value
+propagates along the stack, so the first non-finite boundary always shows it; with detail on,
+the first non-finite module is named exactly. Models with at most `FULL_LIMIT` watched modules
+are hooked in full on every measuring step. Outputs above `ACT_BUDGET` elements are read in
+full only while detail is on (otherwise their first `ACT_BUDGET`).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import torch
 from torch import nn
 
 from .._core.maths import spaced
+from .compiled import tracing
 from .distributed import Reduce
 from .dtypes import dtype_name, narrowest
 from .kernels import absmax_rows
@@ -33,9 +45,9 @@ __all__ = ["ACT_BUDGET", "ActivationProbes", "ActivationStep", "block_boundaries
 
 _OUTPUT_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # buffers made at install
 
-#: models with at most this many watched modules are hooked in full on every step
+#: models with at most this many watched modules are hooked in full on every measuring step
 FULL_LIMIT = 64
-#: at most this many blocks of the main stack are hooked on every step (evenly spaced)
+#: at most this many blocks of the main stack are hooked on every measuring step (evenly spaced)
 BOUNDARY_LIMIT = 32
 #: of a larger (contiguous) output only the first this many elements (the first sample or
 #: samples of the batch) are read, except while detail is on: a value gone non-finite through
@@ -46,15 +58,16 @@ ACT_BUDGET = 1 << 15
 
 @dataclass(frozen=True)
 class ActivationStep:
-    """What the probes saw in one step: modules in execution order, the buffer dtype each wrote
-    to (None: not called), the narrowest output dtype, and which modules are hooked every step
-    (`activation_max` is taken over those only, so it means the same on every step)."""
+    """What the probes saw in one step: modules in execution order (none: the step did not
+    measure), the buffer dtype each wrote to (None: not called), the narrowest output dtype, and
+    which modules are hooked on every measuring step (`activation_max` is taken over those only,
+    so it means the same on every measuring step)."""
 
     names: list[str]
     order: list[int]
     src: list[torch.dtype | None]
     dtype: str | None
-    always: frozenset[int] | None = None  # None: every module is hooked every step
+    always: frozenset[int] | None = None  # None: every module is hooked on every measuring step
 
 
 def _watched(model: nn.Module, exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -68,7 +81,7 @@ def _watched(model: nn.Module, exclude: Sequence[str]) -> list[tuple[str, nn.Mod
 
 
 def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str] = ()) -> list[str]:
-    """The module names hooked every step on a large model: the blocks of its main stack and
+    """The module names hooked on every measuring step of a large model: the blocks of its main stack and
     the watched modules outside it (each capped at `BOUNDARY_LIMIT`, evenly spaced)."""
     children: dict[str, dict[str, None]] = {}  # parent -> its children holding watched modules
     for w in watched:
@@ -85,16 +98,23 @@ def block_boundaries(model: nn.Module, watched: list[str], exclude: Sequence[str
 
 
 class ActivationProbes:
-    """Forward hooks on the watched modules: the boundaries every step, the rest on demand."""
+    """Forward hooks on the watched modules, registered only for the forwards that measure:
+    the boundaries (all modules on a small model), the rest on demand ("detail")."""
 
-    def __init__(self, exclude: Sequence[str] = ()) -> None:
+    def __init__(self, exclude: Sequence[str] = (), traced: bool = False) -> None:
         self.exclude = tuple(exclude)
         self.names: list[str] = []
         self._modules: list[nn.Module] = []
         self._index: dict[int, int] = {}  # id(module) -> its index in `names`
-        self._always: frozenset[int] | None = None  # None: every module every step
-        self._hooks: list[Any] = []  # the every-step hooks
+        self._always: frozenset[int] | None = None  # None: every module on every measuring step
+        self._hook_fns: list[Callable] = []  # per module, its hook (made once)
+        self._hooks: list[Any] = []  # the measuring steps' hooks, while registered
         self._detail_hooks: list[Any] = []  # the other modules' hooks, while detail is on
+        self.measuring = False  # the next forward measures: its hooks are registered
+        # the hooks run inside a compiled graph (torch.compile): they cost no Python call there,
+        # and dynamo ignores hooks added after it compiled (and recompiles when one is removed),
+        # so they stay registered on every step
+        self.traced = traced
         self.detail = False
         self._bufs: dict[torch.dtype, torch.Tensor] = {}  # per dtype, (modules, 2) min and max
         self._views: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -107,9 +127,10 @@ class ActivationProbes:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def install(self, model: nn.Module) -> None:
-        """Choose and hook the modules (again when the model grew). Modules keep their index
-        (new ones are appended), so a forward already observed this step still reads right."""
-        self.remove()
+        """Choose the modules (again when the model grew), and hook them when the next forward
+        measures. Modules keep their index (new ones are appended), so a forward already
+        observed this step still reads right."""
+        self._unhook()
         watched = _watched(model, self.exclude)
         names = [n for n, _ in watched]
         chosen, bounds = watched, None
@@ -125,6 +146,7 @@ class ActivationProbes:
                 self.names.append(n)
                 self._modules.append(m)
                 self._src.append(None)
+                self._hook_fns.append(self._make_hook(len(self._hook_fns)))
         self._always = None if bounds is None else frozenset(self._index[id(m)] for n, m in chosen if n in bounds)
         self._views.clear()  # buffers sized for the new module count
         # made now for the float dtypes outputs come in, not in the first forward: on a compiled
@@ -135,34 +157,58 @@ class ActivationProbes:
             params = {p.dtype for p in model.parameters() if p.is_floating_point()}
             for dtype in (torch.float32, torch.bfloat16, torch.float16, *sorted(params - _OUTPUT_DTYPES, key=str)):
                 self._buffer_views(dtype, device)
-        for i, m in enumerate(self._modules):
-            if self._always is None or i in self._always:
-                self._hooks.append(m.register_forward_hook(self._make_hook(i)))
-        if self.detail:
-            self.detail = False
-            self.set_detail(True)
+        measuring, detail = self.measuring, self.detail
+        self.measuring = self.detail = False
+        self.arm(measuring, detail)
+
+    def arm(self, measure: bool, detail: bool) -> None:
+        """What the next forward measures: nothing (no hook registered: a registered hook costs
+        its call), the boundaries (every module on a small model), or every module (`detail`,
+        which implies `measure`). Registers or removes only what changes."""
+        measure = measure or detail or self.traced
+        if measure != self.measuring:
+            self.measuring = measure
+            if measure:
+                fns = self._hook_fns
+                self._hooks = [
+                    m.register_forward_hook(fns[i])
+                    for i, m in enumerate(self._modules)
+                    if self._always is None or i in self._always
+                ]
+            else:
+                for h in self._hooks:
+                    h.remove()
+                self._hooks = []
+        self.set_detail(detail)
 
     def set_detail(self, on: bool) -> None:
-        """Hook every watched module (on) or only the boundaries (off) from the next forward."""
+        """Hook every watched module (on: measuring too) or only the boundaries (off) from the next forward."""
+        if on and not self.measuring:
+            self.arm(True, True)
+            return
         if on == self.detail or self._always is None:
             self.detail = on
             return
         self.detail = on
         if on:
+            fns = self._hook_fns
             self._detail_hooks = [
-                m.register_forward_hook(self._make_hook(i))
-                for i, m in enumerate(self._modules)
-                if i not in self._always
+                m.register_forward_hook(fns[i]) for i, m in enumerate(self._modules) if i not in self._always
             ]
         else:
             for h in self._detail_hooks:
                 h.remove()
             self._detail_hooks = []
 
-    def remove(self) -> None:
+    def _unhook(self) -> None:
         for h in self._hooks + self._detail_hooks:
             h.remove()
         self._hooks, self._detail_hooks = [], []
+
+    def remove(self) -> None:
+        """Remove every hook; nothing is measured until armed again."""
+        self._unhook()
+        self.measuring = self.detail = False
 
     def _make_hook(self, idx: int) -> Callable:
         def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
@@ -193,6 +239,8 @@ class ActivationProbes:
                 self._order.append(idx)
                 if dtype not in self._step_dtypes:  # the narrowest output dtype: once per dtype and step
                     self._step_dtypes.add(dtype)
+                    if tracing():  # (a side effect of the compiled graph)
+                        self.traced = True
                     self._dtype = narrowest(self._dtype, dtype_name(dtype))
             else:  # a module called twice in one step (weight sharing, loops)
                 lo, hi = self._buffer_views(src, t.device)[idx]
@@ -214,7 +262,9 @@ class ActivationProbes:
         return views
 
     def take(self, distributed: bool) -> tuple[ActivationStep, list[Segment]]:
-        """This step's observations and their segments; resets for the next forward.
+        """This step's observations and their segments; resets for the next forward (its hooks
+        stay until the cadence arms the next one, at the end of the same launch: removed unless
+        it measures too).
 
         Under torch.distributed every rank packs every module's slot (detail is decided alike
         on every rank; a module not called reads as NaN-free zeros)."""

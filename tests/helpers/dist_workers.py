@@ -80,7 +80,12 @@ def ddp_nan_on_one_rank(rank, world, port, out_dir):
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     mem = MemorySink()
-    mon = nummon.Monitor(ddp, opt, sinks=[mem, JsonlSink(os.path.join(out_dir, "events-rank{rank}.jsonl"))])
+    mon = nummon.Monitor(  # activations every step: the NaN's module is named at its own step
+        ddp,
+        opt,
+        policy={"sampling": {"activations_every": 1}},
+        sinks=[mem, JsonlSink(os.path.join(out_dir, "events-rank{rank}.jsonl"))],
+    )
     calls = CountCollectives().__enter__()
     x, y, _, _ = data_for(rank, world)
     stopped_at, per_step_collectives = None, []

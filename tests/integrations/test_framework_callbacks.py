@@ -150,7 +150,10 @@ def incident_lines(lines):
 
 def test_the_readme_example_driven_to_blow_up_prints_incident_lines_before_the_first_nonfinite_step(fw, tmp_path):
     memory = MemorySink()
-    cb = fw.callback([memory], stop_on_critical=False, console=True)
+    # activations every step: on the Trainer's blow-up the first critical alert is then the
+    # activation maximum's runaway (step 3), whose countdown is checked below; on the default
+    # cadence it is the loss's runaway a step later, whose countdown promises more steps
+    cb = fw.callback([memory], policy={"sampling": {"activations_every": 1}}, stop_on_critical=False, console=True)
     lines = fw.readme_blow_up(tmp_path, cb)
     first_bad = next(r.step for r in memory.records if not r.is_finite())
     incidents = incident_lines(lines)
@@ -181,7 +184,7 @@ def _claimed_count(number, unit):
 START = re.compile(
     r"nummon: watching (\w+) \(([\d.]+)([kMB]?) trainable parameters in (\d+) tensors\), policy (\w+) "
     r"\(stop on critical: (yes|no)\); gradients every step, parameters every (\d+) and optimizer state "
-    r"every (\d+) steps, activations (on|off); events in (.+), flight records in (.+)$"
+    r"every (\d+) steps, activations (every \d+ steps|off); events in (.+), flight records in (.+)$"
 )
 SUMMARY = re.compile(
     r"nummon: finished watching (\d+) steps?: (?:no incident|(\d+) incidents?, worst state (\w+); the worst "
@@ -209,7 +212,7 @@ def test_the_callback_says_what_it_watches_and_ends_with_a_summary(fw, tmp_path)
         "no",
         policy.sampling.params_every,
         policy.sampling.optimizer_every,
-        "on",
+        f"every {policy.sampling.activations_every} steps",
     )
     assert Path(events).is_file() and Path(flight_dir).is_dir()
 

@@ -151,7 +151,7 @@ class Shared(nn.Module):
 def test_activation_max_covers_every_call_and_dtype():
     torch.manual_seed(0)
     model = Shared()
-    mon = Monitor(model)
+    mon = Monitor(model, policy={"sampling": {"activations_every": 1}})
     x = torch.randn(3, 4)
     with torch.no_grad():
         a = model.lin(x)
@@ -242,7 +242,7 @@ def test_statistics_are_exact_for_every_dtype_and_layout():
     model = Mixed()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     mon = Monitor(
-        model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1}}
+        model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1, "activations_every": 1}}
     )  # every statistic, every step
     x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
     for _ in range(2):
@@ -270,7 +270,7 @@ def test_a_module_whose_output_dtype_changes_between_steps():
     """Autocast on one step, off the next: each step reads the buffer its modules wrote to."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    mon = Monitor(model)
+    mon = Monitor(model, policy={"sampling": {"activations_every": 1}})
     x = torch.randn(3, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_bf16 = model(x)

@@ -20,7 +20,12 @@ from nummon._stats.compiled import autocast_state, first_sample, replayed
 
 dynamo = pytest.importorskip("torch._dynamo")
 
-QUIET = {"recorder": {"write": False}, "alerts": {"stop_on_critical": False}, "mechanisms": {"every": 1}}
+QUIET = {
+    "recorder": {"write": False},
+    "alerts": {"stop_on_critical": False},
+    "mechanisms": {"every": 1},
+    "sampling": {"activations_every": 1},  # eager and compiled records compared on every step
+}
 
 
 class Block(nn.Module):
@@ -43,7 +48,7 @@ class Net(nn.Module):
         return self.head(self.blocks(self.emb(x)))
 
 
-def _train(how, steps=8, poison_at=None, net=None, errors=None):
+def _train(how, steps=8, poison_at=None, net=None, errors=None, policy=QUIET):
     """Records of `steps` AdamW steps on one seeded model, data and Monitor; `how`: "eager",
     "before" (torch.compile, then the Monitor), "after" (the Monitor, then torch.compile) or
     "block" (one block compiled in place). At `poison_at` a weight of blocks.1.fc goes Inf.
@@ -58,7 +63,7 @@ def _train(how, steps=8, poison_at=None, net=None, errors=None):
         run = torch.compile(model, backend="aot_eager", fullgraph=True)
     if how == "block":
         model.blocks[0].compile(backend="aot_eager", fullgraph=True)
-    mon = nummon.Monitor(run, opt, policy=QUIET)
+    mon = nummon.Monitor(run, opt, policy=policy)
     if how == "after":
         run = torch.compile(model, backend="aot_eager", fullgraph=True)
     g = torch.Generator().manual_seed(1)
@@ -136,6 +141,23 @@ def test_the_first_non_finite_module_of_a_compiled_model_is_named():
     compiled, _ = _train("before", steps=4, poison_at=2)
     assert eager[2].nonfinite_location == "output of `blocks.1.fc` (forward)"
     assert [r.nonfinite_location for r in compiled] == [r.nonfinite_location for r in eager]
+
+
+@pytest.mark.slow
+def test_a_compiled_model_keeps_its_activation_hooks_on_every_step():
+    # dynamo ignores a hook added after it compiled and recompiles when one is removed: the hooks
+    # traced into the graph stay (and cost no Python call there), also when the model was
+    # compiled after the Monitor; an eager model is hooked on the sampled steps only
+    policy = {**QUIET, "sampling": {"activations_every": 5}}
+    eager, _ = _train("eager", steps=12, policy=policy)
+    assert [r.step for r in eager if r.activation_max is not None] == [0, 5, 10]
+    for how in ("before", "after"):
+        compiled, graphs = _train(how, steps=12, policy=policy)
+        assert all(r.activation_max is not None for r in compiled), how
+        assert graphs <= 2, how
+        for e in eager:
+            if e.activation_max is not None:
+                assert _same(compiled[e.step].activation_max, e.activation_max), (how, e.step)
 
 
 class Attention(nn.Module):

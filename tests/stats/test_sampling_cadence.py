@@ -51,7 +51,8 @@ def test_parameters_state_and_max_grad_on_the_cadence_norms_and_clip_ratio_every
 def test_every_step_is_measured_in_full_after_a_non_finite_step():
     model = _deep()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    mon = Monitor(model, opt, policy=QUIET)  # default cadence: every 10 steps
+    # default cadence for the parameters (every 10 steps); the activations every step, to name the NaN's module
+    mon = Monitor(model, opt, policy={**QUIET, "sampling": {"activations_every": 1}})
     x, bad = torch.randn(5, 6), torch.randn(5, 6)
     bad[1, 2] = math.nan
     # one batch with a NaN (its update skipped, as a GradScaler would): the step after is clean again
@@ -88,7 +89,7 @@ def test_a_large_output_is_read_in_part_until_a_non_finite_value_asks_for_all_of
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    mon = Monitor(model, opt, policy=QUIET)
+    mon = Monitor(model, opt, policy={**QUIET, "sampling": {"activations_every": 1}})
     x = torch.randn(2 * ACT_BUDGET // 64, 64)
     x[-1, 0] = 1e4  # the largest activation, in the last sample: outside the part read
     bad = x.clone()

@@ -15,7 +15,7 @@ from nummon import AlertKind, Health, Monitor, NummonError
 QUIET = {
     "recorder": {"write": False},
     "alerts": {"stop_on_critical": False},
-    "sampling": {"params_every": 1, "optimizer_every": 1},
+    "sampling": {"params_every": 1, "optimizer_every": 1, "activations_every": 1},
 }
 
 
@@ -175,7 +175,7 @@ def test_a_deep_model_hooks_block_boundaries_and_names_the_first_nonfinite_modul
     torch.manual_seed(0)
     model = Deep()
     x = torch.randn(16, 4)
-    mon = Monitor(model, policy={**QUIET, "sampling": {"activations_all_every": 1000}})
+    mon = Monitor(model, policy={**QUIET, "sampling": {"activations_every": 1, "activations_all_every": 1000}})
     names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
     bounds = block_boundaries(model, names)
     assert bounds[0] == "inp" and bounds[-1] == "head" and "blocks.39" in bounds and len(bounds) <= 2 + 32
