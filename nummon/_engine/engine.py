@@ -27,7 +27,7 @@ from .outcome import (
     with_verdict,
     without_verdict,
 )
-from .quiet import QuietPlan, QuietRegion, last_values
+from .quiet import QuietPath
 from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
 __all__ = ["Transition", "AlertLifecycle", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
@@ -176,18 +176,15 @@ class HealthEngine:
         # stood before the condition opened (median of its last finite values then)
         self._levels = ClearLevels(MAGNITUDE_FIELDS)
         self._finite_run = 0  # finite records in a row: a non-finite condition clears at nonfinite.clear_records
-        self._region: QuietRegion | None = None  # where the next records are provably quiet
-        self._booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
-        self._last: dict[str, float] = {}  # each magnitude's latest finite positive value (quiet.py)
 
     def _build_detectors(self) -> None:
         shared = shared_values(self.policy)
         self.detectors = build_detectors(self.policy, shared)
         self._samplers = _samplers(self.detectors)
         needs = {n for d in self.detectors for n in d.needs}
-        # the shared values, booked once per quiet record (the trend books the level too)
-        self._shared = shared["trend"] if "trend" in needs else shared["level"] if "level" in needs else None
-        self._quiet_ok = all(hasattr(d, "quiet") for d in self.detectors)
+        # the shared value booked once per quiet record (the trend books the level too)
+        booked = shared["trend"] if "trend" in needs else shared["level"] if "level" in needs else None
+        self._quiet = QuietPath(self.detectors, booked, self.quiet_path)
 
     def wants_sample(self) -> bool:
         """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
@@ -207,10 +204,7 @@ class HealthEngine:
     def rebaseline(self) -> None:
         """Fresh detector windows and alert lifecycle (after a rollback, the history before it is
         not this run's); the incident is kept: it is what was recovered from."""
-        self._booked.clear()  # (they are history before the rollback too)
-        self._region = None
-        self._last.clear()
-        self._build_detectors()
+        self._build_detectors()  # (with a fresh fast path: quiet records before the rollback are dropped)
         self.lifecycle = AlertLifecycle(self.policy.alerts)
         self._warm.clear()
         self._levels.clear()
@@ -256,7 +250,7 @@ class HealthEngine:
                 step=step,
                 kind=f.kind,
                 severity=Severity.INFO,
-                message=self._cleared_text(f),
+                message=_cleared_text(f, self.policy.nonfinite.clear_records),
                 metric=f.metric,
                 location=f.location,
                 cleared=True,
@@ -279,33 +273,15 @@ class HealthEngine:
             details=details,
         )
 
-    def _cleared_text(self, f: Finding) -> str:
-        """What cleared, by the name of its metric (a non-finite condition: the values that were
-        non-finite, and the stretch of finite records that cleared it)."""
-        if f.kind is not AlertKind.NONFINITE:
-            return f"cleared: {f.kind.value} on {f.metric} is back within limits"
-        d = f.details or {}
-        names = ", ".join(d.get("parts") or [f.location or f.metric])
-        k = self.policy.nonfinite.clear_records
-        text = f"cleared: {names} finite again, {k} finite record{'' if k == 1 else 's'} in a row"
-        since, last, n = d.get("since"), d.get("last"), d.get("records")
-        if isinstance(since, int) and isinstance(last, int):
-            span = f"at step {since}" if since == last else f"from step {since} to step {last}"
-            many = f", in {n} records" if isinstance(n, int) and n > 1 else ""
-            text += f" (non-finite {span}{many})"
-        return text
-
     def step(self, rec: StepRecord, replicas: Any = ()) -> StepOutcome:
         """The judged outcome of one record: its alerts as raised, its health and incident events
         (the record is frozen from here on: sinks hold it); `replicas`: the record's replica
         mismatches (`_replicas.ReplicaMismatch`), one alert. `finish` completes it."""
         rec.freeze()
-        region = self._region
-        if region is not None and not replicas and region.admits(rec, len(self._booked)):
-            self._booked.append(rec)  # provably quiet: booked in bulk before the next full evaluation
+        if not replicas and self._quiet.takes(rec):  # provably quiet: booked in bulk later
             return StepOutcome(rec.step, Health.HEALTHY, incident_state=self._incidents.state)
         self._book()
-        last_values((rec,), self._last)
+        self._quiet.judged(rec)
         findings: list[Finding] = []
         for d in self.detectors:
             findings.extend(d.update(rec))
@@ -342,38 +318,18 @@ class HealthEngine:
             health = Health.HEALTHY
         if replicas:  # identical on every rank: every row was compared
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
-        self._region = self._quiet_region(rec, health)
+        quiet = health is Health.HEALTHY and not self.lifecycle.any_open and not self._incidents.state.active
+        self._quiet.plan(rec, quiet)
         return StepOutcome(rec.step, health, alerts, events, incident_state=self.incident_state)
 
-    def _quiet_region(self, rec: StepRecord, health: Health) -> QuietRegion | None:
-        """Where the records after `rec` are provably quiet (quiet.py): only after a healthy
-        record, with no condition open and no incident; None when any detector cannot say."""
-        if not (self.quiet_path and self._quiet_ok and health is Health.HEALTHY) or self.lifecycle.any_open:
-            return None
-        if self._incidents.state.active:
-            return None
-        plan = QuietPlan(rec.step, self._last, rec.headroom_dtype)
-        for d in self.detectors:
-            if not d.quiet(plan):
-                return None
-        return plan.region()
-
     def _book(self) -> None:
-        """Book the quiet records into the state every full evaluation reads, in order."""
-        records = self._booked
-        if not records:
-            return
-        self._booked = []
-        if self._shared is not None:
+        """Book the quiet records taken since the last full evaluation, in order."""
+        records = self._quiet.take_booked()
+        if records:
+            self._levels.absorb(records)
             for rec in records:
-                self._shared.observe(rec)
-        for d in self.detectors:
-            d.absorb(records)
-        self._levels.absorb(records)
-        for rec in records:
-            self._warm.keep(rec)
-        self._finite_run += len(records)
-        last_values(records, self._last)
+                self._warm.keep(rec)
+            self._finite_run += len(records)
 
     def close(self, step: int) -> tuple[IncidentEvent, ...]:
         """The run ended at `step` (its last record): the incident event that ends an incident
@@ -442,3 +398,20 @@ def _samplers(detectors: list[Any]) -> list[Any]:
     """The detectors that can ask for a mechanism sample (a `wants_sample` of their own): found
     once, not by an attribute lookup per detector per step."""
     return [d for d in detectors if hasattr(type(d), "wants_sample")]
+
+
+def _cleared_text(f: Finding, clear_records: int) -> str:
+    """What cleared, by the name of its metric (a non-finite condition: the values that were
+    non-finite, and the stretch of finite records that cleared it)."""
+    if f.kind is not AlertKind.NONFINITE:
+        return f"cleared: {f.kind.value} on {f.metric} is back within limits"
+    d = f.details or {}
+    names = ", ".join(d.get("parts") or [f.location or f.metric])
+    k = clear_records
+    text = f"cleared: {names} finite again, {k} finite record{'' if k == 1 else 's'} in a row"
+    since, last, n = d.get("since"), d.get("last"), d.get("records")
+    if isinstance(since, int) and isinstance(last, int):
+        span = f"at step {since}" if since == last else f"from step {since} to step {last}"
+        many = f", in {n} records" if isinstance(n, int) and n > 1 else ""
+        text += f" (non-finite {span}{many})"
+    return text

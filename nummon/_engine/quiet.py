@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, StepRecord
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["BAND_FIELDS", "BAND_RATIO", "MAX_RECORDS", "QuietPlan", "QuietRegion", "mechanism_free"]
+__all__ = ["BAND_FIELDS", "BAND_RATIO", "MAX_RECORDS", "QuietPath", "QuietPlan", "QuietRegion", "mechanism_free"]
 
 #: the magnitudes a quiet record may carry, each inside its band
 BAND_FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max")
@@ -41,12 +41,12 @@ MARGIN = 1e-9
 MAX_RECORDS = 8
 
 #: what only a sampled step or a failing one carries: such a record is always evaluated in full
-_FULL_ONLY = ("headroom", "nonfinite_count", *MECHANISM_FIELDS)
+_FULL_ONLY = ("nonfinite_count", *MECHANISM_FIELDS)
 
 
 def mechanism_free(rec: StepRecord) -> bool:
     """Whether `rec` carries none of the statistics only a sampled or failing step has (the
-    sampled mechanism probes, a headroom of its own, a GradScaler's skip, a non-finite input)."""
+    sampled mechanism probes, a GradScaler's skip, a non-finite input)."""
     d = rec.__dict__
     return not (
         rec.scaler_skipped
@@ -68,6 +68,7 @@ class QuietPlan:
         self.bands: dict[str, list[float] | None] = {
             f: ([last[f] / BAND_RATIO, last[f] * BAND_RATIO] if f in last else None) for f in BAND_FIELDS
         }
+        self.bands["headroom"] = [-math.inf, math.inf]  # a record's own headroom (decades), when it has one
 
     def lo(self, field: str) -> float | None:
         """The band's lower end for `field` (None: the field must be absent)."""
@@ -82,6 +83,12 @@ class QuietPlan:
             band[1] = min(band[1], hi * (1.0 - MARGIN) if hi > 0 else -math.inf)
             if band[1] < band[0]:
                 self.bands[field] = None
+
+    def floor(self, field: str, lo: float) -> None:
+        """Values of `field` must be at least `lo` (a field whose band no magnitude proposes)."""
+        band = self.bands[field]
+        if band is not None:
+            band[0] = max(band[0], lo)
 
     def absent(self, field: str) -> None:
         """A record carrying `field` is evaluated in full."""
@@ -138,3 +145,56 @@ def last_values(records: Sequence[StepRecord], last: dict[str, float]) -> None:
             v = d[f]
             if v is not None and math.isfinite(v) and v > 0:
                 last[f] = float(v)
+
+
+class QuietPath:
+    """The engine's fast path: the region made at the last full evaluation, the quiet records it
+    took since, and each magnitude's latest value (the next region's bands are made around it).
+
+    `detectors`: the engine's; `shared`: the shared value they read that books itself per record
+    (the loss trend, which books the starting level; None when no detector reads either)."""
+
+    def __init__(self, detectors: Sequence[Any], shared: Any, on: bool = True) -> None:
+        self.detectors = detectors
+        self.shared = shared
+        self.on = on and all(hasattr(d, "quiet") for d in detectors)
+        self.region: QuietRegion | None = None
+        self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
+        self.last: dict[str, float] = {}
+
+    def takes(self, rec: StepRecord) -> bool:
+        """Whether `rec` lies in the region (then it is kept, to be booked before the next full evaluation)."""
+        region = self.region
+        if region is not None and region.admits(rec, len(self.booked)):
+            self.booked.append(rec)
+            return True
+        return False
+
+    def judged(self, rec: StepRecord) -> None:
+        """`rec` is being evaluated in full: its values are the latest."""
+        last_values((rec,), self.last)
+
+    def plan(self, rec: StepRecord, quiet_now: bool) -> None:
+        """The region after `rec`, judged in full: none unless the run is quiet now (`quiet_now`:
+        healthy, no condition open, no incident) and every detector can give one."""
+        self.region = None
+        if not (self.on and quiet_now):
+            return
+        plan = QuietPlan(rec.step, self.last, rec.headroom_dtype)
+        for d in self.detectors:
+            if not d.quiet(plan):
+                return
+        self.region = plan.region()
+
+    def take_booked(self) -> list[StepRecord]:
+        """The quiet records to book, in order, with the shared value booked for each already;
+        the caller books them into the detectors and the engine's own state."""
+        records, self.booked = self.booked, []
+        if records:
+            if self.shared is not None:
+                for rec in records:
+                    self.shared.observe(rec)
+            for d in self.detectors:
+                d.absorb(records)
+            last_values(records, self.last)
+        return records

@@ -36,9 +36,9 @@ def outcomes(records: Iterable[dict], quiet_path: bool, policy: Policy | None = 
         if last is not None and rec.step <= last:
             engine = HealthEngine(pol, quiet_path=quiet_path)
         last = rec.step
-        booked = len(engine._booked)
+        booked = len(engine._quiet.booked)
         got = engine.step(rec)
-        fast += len(engine._booked) > booked
+        fast += len(engine._quiet.booked) > booked
         out.append(
             (
                 got.step,
@@ -95,11 +95,18 @@ POLICIES = (
     Policy(),
     load_policy({"spike": {"loss_factor": 1.1, "grad_factor": 1.3, "window": 10, "robust_z": 0.5}}),
     load_policy({"divergence": {"warning_factor": 1.3, "patience": 2, "rebound_factor": 1.05, "noise_multiple": 0.0}}),
-    load_policy({"stall": {"frozen_records": 4, "frozen_tolerance": 0.01, "min_records": 5}, "trend": {"min_span": 20, "min_records": 5}}),
+    load_policy(
+        {
+            "stall": {"frozen_records": 4, "frozen_tolerance": 0.01, "min_records": 5},
+            "trend": {"min_span": 20, "min_records": 5},
+        }
+    ),
     load_policy({"runaway": {"min_growth": 1.02, "warning_steps": 2, "warning_total_factor": 1.1, "short_history": 1}}),
     load_policy({"vanishing": {"patience": 3, "ratio": 0.3}}),
     load_policy({"headroom": {"warning_decades": {"float32": 36.5}, "critical_decades": {"float32": 36.0}}}),
-    load_policy({"oscillation": {"min_spread": 0.01, "high_fraction": 0.01}, "trend": {"min_span": 10, "min_records": 5}}),
+    load_policy(
+        {"oscillation": {"min_spread": 0.01, "high_fraction": 0.01}, "trend": {"min_span": 10, "min_records": 5}}
+    ),
 )
 
 
@@ -115,6 +122,7 @@ def runs(draw) -> tuple[str, list[dict]]:
     at = draw(st.integers(5, max(6, n - 5)))  # where the family's event starts
     rate = draw(st.sampled_from([0.003, 0.01, 0.03, 0.1]))  # slow_rise: growth per record
     amplitude, period = draw(st.sampled_from([0.03, 0.1, 0.4])), draw(st.sampled_from([2, 6, 15]))
+    own_headroom = draw(st.booleans())  # the Monitor's records carry their own headroom (decades)
     u = lcg(draw(st.integers(0, 2**30)), 4 * n)
     rows = []
     for i in range(n):
@@ -157,7 +165,9 @@ def runs(draw) -> tuple[str, list[dict]]:
             loss = start * 0.5 * (1 + 0.01 * u[i] * 0.7**k)  # its noise dies out: frozen at some record
         row = {
             "step": i * every,
-            "loss": loss * (1 + noise * u[i]) if family not in ("frozen", "binary_chance", "settling") or k < 0 else loss,
+            "loss": loss * (1 + noise * u[i])
+            if family not in ("frozen", "binary_chance", "settling") or k < 0
+            else loss,
             "grad_norm": grad * (1 + noise * u[n + i]),
             "activation_max": act * (1 + 0.1 * noise * u[2 * n + i]),
             "layer_grad_norms": {key: v * (1 + noise * u[3 * n + i]) for key, v in layers.items()},
@@ -166,6 +176,10 @@ def runs(draw) -> tuple[str, list[dict]]:
         if sampled and i % sampled == 0:
             row["param_norm"] = 30.0 + i * 0.01
             row["grad_max"] = grad * 0.05
+        if own_headroom:
+            top = max(abs(v) for k, v in row.items() if k in ("loss", "grad_norm", "activation_max", "param_norm"))
+            # (from the largest element, which no scalar of the record shows: here 10x the largest one)
+            row["headroom"], row["headroom_dtype"] = math.log10(3.4028234663852886e38) - math.log10(10 * top), "float32"
         rows.append(row)
     return family, rows
 

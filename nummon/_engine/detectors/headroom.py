@@ -30,7 +30,7 @@ class HeadroomDetector:
 
     def quiet(self, plan: QuietPlan) -> bool:
         """Silent while every magnitude keeps more decades of the region's dtype than both
-        limits (a region admits no record with a headroom of its own); no state."""
+        limits, and so does a record's own headroom when it has one; no state."""
         dtype = plan.dtype or self._p.default_dtype
         limits = [
             d
@@ -41,6 +41,7 @@ class HeadroomDetector:
         ]
         if limits:
             top = F.DTYPE_MAX.get(dtype, F.DTYPE_MAX["float32"])
+            plan.floor("headroom", max(limits))
             for metric in MAGNITUDE_FIELDS:
                 if metric not in plan.bands:
                     return False
