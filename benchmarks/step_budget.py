@@ -12,7 +12,8 @@ counts, per step and stage, Python function calls (by nummon module), torch (ate
 reads (`tolist`, `item`, `_local_scalar_dense`). Counts are exact and repeatable on a loaded
 machine, and work on any checkout (stages are found by module and function name). Steps are
 `ordinary` (no parameter / optimizer-state / mechanism sample, no activation hooks, none
-registered for the next forward) or `sampled`.
+registered for the next forward), `quiet` (an ordinary step whose record the engine's fast path
+took: provably quiet, it skipped the detectors; `nummon/_engine/quiet.py`) or `sampled`.
 
     python benchmarks/step_budget.py [--models cnn,lm12,tiny-1000] [--steps 40] [--times] [--json out.json]
 
@@ -171,6 +172,13 @@ def _sampled(mon: Any, step: int) -> bool:
     )
 
 
+def _quiet_taken(mon: Any) -> int:
+    """Records the engine's fast path holds (checkouts with one: `engine._quiet.booked`); one
+    more after a step: its record was provably quiet and skipped the detectors."""
+    quiet = getattr(getattr(getattr(mon, "_steps", None), "engine", None), "_quiet", None)
+    return len(quiet.booked) if quiet is not None else 0
+
+
 def _arms_activations(mon: Any) -> bool:
     """Whether the activation hooks are registered for the next forward (checkouts that hook on a
     cadence: `probes.measuring`). Before a step: its forward measures; after it: the step
@@ -211,7 +219,7 @@ def _count_run(make: Any, steps: int, warmup: int, policy: Any, ops_pass: bool) 
     mon = nummon.Monitor(model, opt, policy=policy)
     counter = StepCounter()
     counter.ops_pass = ops_pass
-    per: dict[str, list[dict[str, Any]]] = {"ordinary": [], "sampled": []}
+    per: dict[str, list[dict[str, Any]]] = {"ordinary": [], "quiet": [], "sampled": []}
     # no collection inside a counted step: it runs the finalizers of whatever an earlier test or
     # model left (a closed Monitor's), counted as calls of the stage it interrupted
     gc.collect()
@@ -229,6 +237,7 @@ def _count_steps(
 ) -> None:
     for i in range(warmup + steps):
         kind = "sampled" if _sampled(mon, mon.step) else "ordinary"
+        taken = _quiet_taken(mon)
         counter.reset()
         measured = i >= warmup
         if measured:
@@ -248,6 +257,8 @@ def _count_steps(
                     counter.__exit__(None, None, None)
         if _arms_activations(mon):  # this step registered the next forward's activation hooks
             kind = "sampled"
+        elif kind == "ordinary" and _quiet_taken(mon) > taken:  # its record skipped the detectors
+            kind = "quiet"
         if measured:
             per[kind].append(
                 {
@@ -351,9 +362,10 @@ def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
     mon = nummon.Monitor(model, opt, policy="default")
     timer = StageTimer()
     _wrap_methods(timer, mon)
-    per: dict[str, list[dict[str, float]]] = {"ordinary": [], "sampled": []}
+    per: dict[str, list[dict[str, float]]] = {"ordinary": [], "quiet": [], "sampled": []}
     for i in range(warmup + steps):
         kind = "sampled" if _sampled(mon, mon.step) else "ordinary"
+        taken = _quiet_taken(mon)
         _wrap_hooks(timer, model)
         timer.us.clear()
         opt.zero_grad(set_to_none=True)
@@ -363,6 +375,8 @@ def time_steps(name: str, steps: int, warmup: int = 3) -> dict[str, Any]:
         mon.post_step(loss)
         if _arms_activations(mon):  # this step registered the next forward's activation hooks
             kind = "sampled"
+        elif kind == "ordinary" and _quiet_taken(mon) > taken:  # its record skipped the detectors
+            kind = "quiet"
         if i >= warmup:
             per[kind].append(dict(timer.us))
     mon.close()
