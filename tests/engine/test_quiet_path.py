@@ -26,11 +26,12 @@ REAL = sorted((ROOT / "tests" / "data" / "real").glob("*.jsonl"))
 DEV = sorted((ROOT.parent / "shared" / "corpus" / "dev").glob("*.jsonl"))
 
 
-def outcomes(records: Iterable[dict], quiet_path: bool, policy: Policy | None = None) -> tuple[list, dict, int]:
+def outcomes(records: Iterable[dict | StepRecord], quiet_path: bool, policy: Policy | None = None) -> tuple[list, dict, int]:
     """(per record: step, health, alerts, incident events; the engine's saved state; records that
     took the fast path). A step that goes backwards starts a new engine, as replay does."""
     pol = policy or Policy()
-    engine, last, out, fast = HealthEngine(pol, quiet_path=quiet_path), None, [], 0
+    engine, last, fast = HealthEngine(pol, quiet_path=quiet_path), None, 0
+    out: list[tuple] = []
     for d in records:
         rec = StepRecord.from_dict(d) if isinstance(d, dict) else d
         if last is not None and rec.step <= last:
