@@ -10,6 +10,9 @@ in bf16 autocast with fused AdamW).
 
 `--shape` picks one of the four shapes of the host-cost bar (nummon's added time at most 1.5x the
 per-parameter `.item()` monitor's added time + 0.25 ms), printed at the end with both added times.
+Each round's Monitor resumes the engine state of the last round's (`engine_state()`), so the
+timed steps are those of a run in progress; `--cold` starts a new run each round instead (its
+first ten records judged in full while the detectors warm up).
 """
 
 from __future__ import annotations
@@ -168,12 +171,19 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
 
     def monitor(policy, sinks=()):
         steps = [0]  # the step count carries over between rounds, so every-k work lands on schedule
+        # ... and so does the health engine's state (a resumed run's, `engine_state()`): the
+        # measured steps are those of a run in progress, not the first ten of a new one, whose
+        # detectors are still warming up (the fast path for quiet steps starts after those)
+        state: list = [None]
 
         def attach(model, opt):
             mon = nummon.Monitor(model, opt, policy=policy, sinks=list(sinks), start_step=steps[0])
+            if state[0] is not None and not COLD[0]:
+                mon.load_engine_state(state[0])
 
             def detach():
                 steps[0] = mon.step
+                state[0] = mon.engine_state()
                 mon.close()
 
             return mon.post_step, detach
@@ -243,6 +253,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
 
 
 _CLEANUPS: list[Callable] = []  # run after the measurement (e.g. finish the wandb run)
+COLD = [False]  # --cold: every round's Monitor starts a new run (its engine cold), as before
 
 
 class _NullHistSink(nummon.BaseSink):
@@ -505,6 +516,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
     ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="every round's Monitor starts a new run (default: it resumes the engine state of the last round's)",
+    )
+    ap.add_argument(
         "--probe-hooks",
         action="store_true",
         help="also time ways of reducing the hooked outputs (on by default on CUDA)",
@@ -515,6 +531,7 @@ def main(argv=None) -> int:
         help="comma-separated variant names to run (the bare step and its A/A control always run)",
     )
     a = ap.parse_args(argv)
+    COLD[0] = a.cold
     steady = False if a.system_malloc else steady_allocator()
     cuda = a.device.startswith("cuda")
     rounds = a.rounds or (7 if cuda else 60)
@@ -522,9 +539,10 @@ def main(argv=None) -> int:
     only = {v.strip() for v in a.only.split(",")} | {"bare", "bare (A/A)"} if a.only else None
     res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda, shape=a.shape)
     res["steady_allocator"] = steady
+    res["engine"] = "cold (a new run each round)" if a.cold else "resumed (engine_state() carried over rounds)"
     print(
         f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
-        f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps)"
+        f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps, engine {res['engine']})"
     )
     print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s} {'paired':>7s} {'mean':>7s}")
     for k, r in res["ratio_to_bare"].items():
