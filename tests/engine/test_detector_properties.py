@@ -4,7 +4,7 @@ scale-free detectors ignore the loss's units, and rows without a loss change not
 
 import math
 
-from helpers.detector_tester import alert_keys, engine_alerts, loss_records_at, loud
+from helpers.detector_tester import alert_keys, engine_alerts, loss_records_at, loud, unit_noise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,15 +12,6 @@ from nummon import Severity, StepRecord, load_policy
 
 # ln k matching is the one rule tied to the loss's units (nats of a k-class classifier)
 SCALE_FREE = load_policy({"stall": {"chance_match": 0.0}})
-
-
-def unit_noise(seed: int, n: int) -> list[float]:
-    """n deterministic values in [-1, 1] (a cheap LCG: hypothesis draws the seed, not 300 floats)."""
-    out, x = [], seed or 1
-    for _ in range(n):
-        x = (1103515245 * x + 12345) % 2**31
-        out.append(2 * x / 2**31 - 1)
-    return out
 
 
 @st.composite

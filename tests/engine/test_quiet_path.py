@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from helpers.detector_tester import unit_noise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,9 @@ REAL = sorted((ROOT / "tests" / "data" / "real").glob("*.jsonl"))
 DEV = sorted((ROOT.parent / "shared" / "corpus" / "dev").glob("*.jsonl"))
 
 
-def outcomes(records: Iterable[dict | StepRecord], quiet_path: bool, policy: Policy | None = None) -> tuple[list, dict, int]:
+def outcomes(
+    records: Iterable[dict | StepRecord], quiet_path: bool, policy: Policy | None = None
+) -> tuple[list, dict, int]:
     """(per record: step, health, alerts, incident events; the engine's saved state; records that
     took the fast path). A step that goes backwards starts a new engine, as replay does."""
     pol = policy or Policy()
@@ -61,15 +64,6 @@ def assert_same(records: list, policy: Policy | None = None) -> int:
         assert a == b, f"first difference at {a[0]}"
     assert full_state == fast_state
     return n
-
-
-def lcg(seed: int, n: int) -> list[float]:
-    """n deterministic values in [-1, 1] (hypothesis draws the seed, not the values)."""
-    out, x = [], seed or 1
-    for _ in range(n):
-        x = (1103515245 * x + 12345) % 2**31
-        out.append(2 * x / 2**31 - 1)
-    return out
 
 
 FAMILIES = (
@@ -124,7 +118,7 @@ def runs(draw) -> tuple[str, list[dict]]:
     rate = draw(st.sampled_from([0.003, 0.01, 0.03, 0.1]))  # slow_rise: growth per record
     amplitude, period = draw(st.sampled_from([0.03, 0.1, 0.4])), draw(st.sampled_from([2, 6, 15]))
     own_headroom = draw(st.booleans())  # the Monitor's records carry their own headroom (decades)
-    u = lcg(draw(st.integers(0, 2**30)), 4 * n)
+    u = unit_noise(draw(st.integers(0, 2**30)), 4 * n)
     rows = []
     for i in range(n):
         loss = start * (0.3 + 0.7 * math.exp(-i / max(n / 3, 1)))
@@ -196,7 +190,7 @@ def test_the_fast_path_decides_as_the_full_path_on_generated_runs(run, policy):
 def test_the_fast_path_is_taken_where_a_run_is_quiet(family):
     # a long, per-step, lightly noisy run of each family: its quiet records skip the detectors
     # (the plateau's stall and the vanishing layer stay open once found: those are judged in full)
-    u = lcg(7, 2000)
+    u = unit_noise(7, 2000)
     rows = []
     for i in range(500):
         loss = 2.3 * (0.3 + 0.7 * math.exp(-i / 150)) * (1 + 0.01 * u[i])
@@ -212,7 +206,7 @@ def test_the_fast_path_is_taken_where_a_run_is_quiet(family):
 
 
 def test_a_record_crossing_its_band_is_judged_in_full():
-    u = lcg(11, 200)
+    u = unit_noise(11, 200)
     rows = [{"step": i, "loss": 2.0 * math.exp(-i / 300) * (1 + 0.01 * u[i]), "grad_norm": 1.0} for i in range(200)]
     rows[150]["loss"] = 2.0 * 50  # far outside the band: the spike rule must see it at its own step
     full, _, _ = outcomes(rows, quiet_path=False)
@@ -236,7 +230,7 @@ def test_the_fast_path_holds_under_other_policies():
         load_policy({"divergence": {"warning_factor": 1.2, "patience": 2, "rebound_factor": 1.1}}),
         load_policy({"headroom": {"warning_decades": {"float32": 30.0}}}),
     ]
-    u = lcg(3, 3000)
+    u = unit_noise(3, 3000)
     rows = [
         {
             "step": i,

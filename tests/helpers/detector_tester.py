@@ -77,3 +77,12 @@ def make_detector(cls: Any, policy: Policy = DEFAULT_POLICY) -> Any:
 def detector_findings(det: Any, values: Sequence[Any], field: str = "loss", **extra: Any) -> list[list[Any]]:
     """The findings of `det` at each record step=i, `field`=values[i] (plus the `extra` fields)."""
     return [det.update(StepRecord(step=i, **{field: v}, **extra)) for i, v in enumerate(values)]
+
+
+def unit_noise(seed: int, n: int) -> list[float]:
+    """n deterministic values in [-1, 1] (a cheap LCG: hypothesis draws the seed, not 300 floats)."""
+    out, x = [], seed or 1
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(2 * x / 2**31 - 1)
+    return out
