@@ -342,6 +342,10 @@ class HealthEngine:
         (cause, verdict, what recovery did, rank, batch), its incident events (recovery's actions
         included), whether to stop, whether to sample the next step, and the files due (the run's
         first flight record, the HTML report), which the caller writes and records in it."""
+        if not (got.alerts or got.incidents or ev.recovery is not None):  # a quiet step: nothing to complete
+            return StepOutcome(
+                ev.rec.step, got.health, (), (), False, self._sample_next(), incident_state=got.incident_state
+            )
         alerts = list(got.alerts)
         if ev.cause is not None:
             alerts = with_cause(alerts, ev.cause)
@@ -363,19 +367,22 @@ class HealthEngine:
                 stop = stop or (self.policy.alerts.stop_on_critical and not handled)
             alerts[i] = with_record_facts(a, ev.rec, ev.distributed)
         events = self._events(got.incidents, alerts, ev.flight_record)
-        mp = self.policy.mechanisms
-        sample = self.wants_sample() or (mp.during_incident and self._incidents.state.active)
         return StepOutcome(
             ev.rec.step,
             got.health,
             tuple(alerts),
             events,
             stop,
-            sample,
+            self._sample_next(),
             incident_state=self.incident_state,
             flight_record_due=tuple(due),
             report_due=escalated_to_critical(events),
         )
+
+    def _sample_next(self) -> bool:
+        """Whether the next step samples the mechanism probes: a sampled detector must confirm
+        what it saw, or an incident is open (`mechanisms.during_incident`)."""
+        return self.wants_sample() or (self.policy.mechanisms.during_incident and self._incidents.state.active)
 
     def _events(
         self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None

@@ -19,6 +19,7 @@ path on generated families of runs and on real logs.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +45,18 @@ MAX_RECORDS = 8
 _FULL_ONLY = ("nonfinite_count", *MECHANISM_FIELDS)
 
 
+_full_only = operator.itemgetter(*_FULL_ONLY)
+_mechanism_layers = operator.itemgetter(*MECHANISM_LAYER_FIELDS)
+
+
 def mechanism_free(rec: StepRecord) -> bool:
     """Whether `rec` carries none of the statistics only a sampled or failing step has (the
     sampled mechanism probes, a GradScaler's skip, a non-finite input)."""
-    d = rec.__dict__
-    return not (
-        rec.scaler_skipped
-        or rec.input_nonfinite
-        or any(d[k] is not None for k in _FULL_ONLY)
-        or any(d[k] for k in MECHANISM_LAYER_FIELDS)
+    d = rec.__dict__  # (item getters and C-level counts: no Python call per field)
+    return (
+        not (rec.scaler_skipped or rec.input_nonfinite)
+        and _full_only(d).count(None) == len(_FULL_ONLY)
+        and not any(_mechanism_layers(d))
     )
 
 
