@@ -37,7 +37,7 @@ def _train(late_lr: float, steps: int, fast: bool, run_dir) -> tuple[list, int]:
         alerts = [
             json.dumps(a.to_dict(), sort_keys=True, default=str).replace(str(run_dir), "<run>") for a in report.alerts
         ]
-        seen.append((report.step, report.health.value, alerts, [e.state.value for e in report.incidents]))
+        seen.append((report.step, report.health, alerts, [e.state.value for e in report.incidents]))
     mon.close()
     return seen, fast_steps
 
