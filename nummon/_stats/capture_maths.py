@@ -68,35 +68,36 @@ class CaptureMaths:
             return
         a = dict(zip(self._MHA_FORWARD, args))
         a.update(kwargs)
-        q, k = a["query"], a["key"]
-        if mod.batch_first and q.ndim == 3:
-            q, k = q.transpose(0, 1), k.transpose(0, 1)
+        # grad mode off by its C switch (a `no_grad` block is ~6 Python calls)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:  # the projections now (the weights the forward used); the logits of all layers at take, batched
-            with torch.no_grad():
-                self._pending.append(
-                    (
-                        name,
-                        self._mha_qk(
-                            {
-                                "query": q,
-                                "key": k,
-                                "num_heads": mod.num_heads,
-                                "in_proj_weight": mod.in_proj_weight,
-                                "in_proj_bias": mod.in_proj_bias,
-                                "use_separate_proj_weight": not mod._qkv_same_embed_dim,
-                                "q_proj_weight": mod.q_proj_weight,
-                                "k_proj_weight": mod.k_proj_weight,
-                                "attn_mask": a.get("attn_mask"),
-                                "key_padding_mask": a.get("key_padding_mask"),
-                                "is_causal": a.get("is_causal", False),
-                            }
-                        ),
-                    )
-                )
+            q, k = a["query"], a["key"]
+            if mod.batch_first and q.ndim == 3:
+                q, k = q.transpose(0, 1), k.transpose(0, 1)
+            params = mod._parameters  # (where `mod.in_proj_weight` finds them, without Module.__getattr__'s call)
+            qk = self._mha_qk(
+                {
+                    "query": q,
+                    "key": k,
+                    "num_heads": mod.num_heads,
+                    "in_proj_weight": params.get("in_proj_weight"),
+                    "in_proj_bias": params.get("in_proj_bias"),
+                    "use_separate_proj_weight": not mod._qkv_same_embed_dim,
+                    "q_proj_weight": params.get("q_proj_weight"),
+                    "k_proj_weight": params.get("k_proj_weight"),
+                    "attn_mask": a.get("attn_mask"),
+                    "key_padding_mask": a.get("key_padding_mask"),
+                    "is_causal": a.get("is_causal", False),
+                }
+            )
+            self._pending.append((name, qk))
         except Exception:  # a probe must never break the user's forward
             self.errors += 1
+        finally:
+            torch._C._set_grad_enabled(grad)
 
-    @torch.no_grad()
+    # (no `no_grad` below where every tensor read is detached: a `no_grad` costs ~6 Python calls)
     def _attention(self, scores: torch.Tensor) -> None:
         """The max over every score now; a copy of the first slices' scores for the entropy,
         computed for every call of the step at once (`attention_values`)."""
@@ -110,7 +111,6 @@ class CaptureMaths:
         k = max(1, ENTROPY_BUDGET // max(rows.shape[1] * rows.shape[2], 1))
         self.attn.setdefault(self._where(), []).append((mx, rows[:k].to(torch.float32, copy=True)))
 
-    @torch.no_grad()
     def attention_values(self) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
         """Per attention module: its max logit over the step's calls and its mean normalised
         entropy (entropy / ln keys, over the query rows with two keys or more), the mean over
@@ -155,7 +155,6 @@ class CaptureMaths:
             means = torch.zeros(len(names), device=mx.device).scatter_reduce(0, own, means, "mean", include_self=False)
         return names, mx, means
 
-    @torch.no_grad()
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
         if not self.want_attention:
             return
@@ -275,7 +274,6 @@ class CaptureMaths:
         outside a replayed forward read (see compiled.py)."""
         self._output(logits, -1)
 
-    @torch.no_grad()
     def _output(self, logits: torch.Tensor, dim: int) -> None:
         if not self.want_output or logits.numel() == 0:
             return

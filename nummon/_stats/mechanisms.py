@@ -209,7 +209,9 @@ class MechanismProbes:
             if cap is not None:
                 cap.reset()
             return ms, segs
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # (no_grad by its C switch: a `no_grad` block is ~6 Python calls)
+        try:
             if cap is not None:
                 if kept is not None and replay is not None and replay.active and not replay.failed:
                     replay.run(kept, loss, self._refresh_adam)
@@ -224,6 +226,8 @@ class MechanismProbes:
                 if names:
                     ms.adam, ms.adam_elements, ms.adam_bound = names, elements, bound
                     segs += adam_segs
+        finally:
+            torch._C._set_grad_enabled(grad)
         if not self._hooks:
             self._stepped = False
         return ms, segs
