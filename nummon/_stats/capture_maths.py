@@ -73,13 +73,12 @@ class CaptureMaths:
         torch._C._set_grad_enabled(False)
         try:  # the projections now (the weights the forward used); the logits of all layers at take, batched
             q, k = a["query"], a["key"]
-            if mod.batch_first and q.ndim == 3:
-                q, k = q.transpose(0, 1), k.transpose(0, 1)
             params = mod._parameters  # (where `mod.in_proj_weight` finds them, without Module.__getattr__'s call)
             qk = self._mha_qk(
                 {
                     "query": q,
                     "key": k,
+                    "batch_first": mod.batch_first,
                     "num_heads": mod.num_heads,
                     "in_proj_weight": params.get("in_proj_weight"),
                     "in_proj_bias": params.get("in_proj_bias"),
@@ -203,28 +202,30 @@ class CaptureMaths:
     @staticmethod
     def _mha_qk(a: dict) -> tuple:
         """(q (heads, L, d), k (heads, S, d) of the first sample, attn_mask, is_causal, key
-        padding (1, 1, S) or None) from F.multi_head_attention_forward's arguments."""
-        query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
-        if query.ndim == 2:  # unbatched (L, E)
-            query, key = query.unsqueeze(1), key.unsqueeze(1)
-        E = query.shape[-1]
+        padding (1, 1, S) or None) from F.multi_head_attention_forward's arguments (query and key
+        (L, N, E), or (N, L, E) where `batch_first` is set), called with grad mode off: nothing is
+        detached, so a mask keeps its identity (`_flush_mha` batches the calls that share one)."""
+        query, key, heads = a["query"], a["key"], int(a["num_heads"])
+        if query.ndim == 2:  # unbatched (L, E): the first sample itself
+            q0, k0 = query, key
+        else:  # the first sample's (L, E): one view each
+            batch = 0 if a.get("batch_first") else 1
+            q0, k0 = query.select(batch, 0), key.select(batch, 0)
         if a.get("use_separate_proj_weight"):
             wq, wk = a["q_proj_weight"], a["k_proj_weight"]
         else:
-            wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
+            wq, wk = a["in_proj_weight"].chunk(3)[:2]  # (3E, E): one op (C) for the three views
         b = a.get("in_proj_bias")
-        bq, bk = (b[:E], b[E : 2 * E]) if b is not None else (None, None)
-        L, S = query.shape[0], key.shape[0]
-        q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
-        k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
+        bq, bk = b.chunk(3)[:2] if b is not None else (None, None)
+        L, S = q0.shape[0], k0.shape[0]
+        q = F.linear(q0, wq, bq).reshape(L, heads, -1).transpose(0, 1)
+        k = F.linear(k0, wk, bk).reshape(S, heads, -1).transpose(0, 1)
         mask = a.get("attn_mask")
-        if mask is not None:
-            mask = mask.detach()
-            if mask.ndim == 3:  # (N * heads, L, S)
-                mask = mask[:heads]
+        if mask is not None and mask.ndim == 3:  # (N * heads, L, S)
+            mask = mask[:heads]
         kpm = a.get("key_padding_mask")
         if kpm is not None:  # (N, S): True or -inf where a key is padding
-            kpm = kpm.detach()[:1].reshape(1, 1, S)
+            kpm = kpm[:1].reshape(1, 1, S)
         return q, k, mask, bool(a.get("is_causal")) and mask is None, kpm
 
     def _materialize(self, name: str | list[str], qks: list[tuple]) -> None:
@@ -245,9 +246,9 @@ class CaptureMaths:
             s = s.masked_fill(kpm, -math.inf) if kpm.dtype == torch.bool else s + kpm.float()
         mx = s.amax(dim=(1, 2, 3))  # masked scores (-inf) are never the max of a row with a key left
         k = max(1, ENTROPY_BUDGET // max(L * S, 1))
-        sub = s[:, :k]
-        for i, n in enumerate(names):
-            self.attn.setdefault(n, []).append((mx[i], sub[i]))
+        # per call (one `unbind` each, not an index per call)
+        for n, m, sub in zip(names, mx.unbind(0), s[:, :k].unbind(0)):
+            self.attn.setdefault(n, []).append((m, sub))
 
     def _flush_mha(self) -> None:
         """The MHA calls the planned forward deferred: grouped by shapes and masks."""
