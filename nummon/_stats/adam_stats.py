@@ -304,9 +304,7 @@ class AdamStatistics:
                 grads[k] = torch.zeros_like(g.ps[k])
             # the first step's ratio is 1 by construction: nothing to tell yet. The step count is
             # read from the group's first state (the others step with it); a fused / capturable
-            # optimizer's lives on the device: the host count stands in (no sync). Elsewhere it is
-            # read once (a CPU scalar: no device sync); the bias corrections are computed from the
-            # state's own tensor, as they always were (values unchanged)
+            # optimizer's lives on the device: the host count stands in (no sync); a CPU one is read once
             t = g.first.get("step", 0.0)
             on_device = isinstance(t, torch.Tensor) and t.device.type != "cpu"
             t_state = steps_seen if on_device else float(t)
