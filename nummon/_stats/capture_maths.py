@@ -11,6 +11,7 @@ A mixin: `ForwardCapture` inherits these methods, so moving them here adds no ca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import threading
@@ -19,7 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ENTROPY_BUDGET", "OUTPUT_BUDGET", "OUTPUT_ROWS", "SDPA_QUERY_BUDGET", "CaptureMaths"]
+__all__ = [
+    "ENTROPY_BUDGET",
+    "OUTPUT_BUDGET",
+    "OUTPUT_ROWS",
+    "SDPA_QUERY_BUDGET",
+    "CaptureMaths",
+    "index_tensor",
+    "owner_index",
+]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -34,6 +43,21 @@ OUTPUT_ROWS = 16
 # a logit this far below zero is a mask (masked_fill(-1e9), finfo.min), not a score
 _MASKED = -1e4
 _MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+@functools.lru_cache(maxsize=64)
+def index_tensor(values: tuple, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`torch.tensor(values)` made once per (values, device, dtype): the groupings of a step's calls
+    repeat from one sampled step to the next, and `torch.tensor` of a list costs more than its
+    use. Shared: never written to."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def owner_index(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Per item, the group it belongs to, where group i holds `sizes[i]` consecutive items (the
+    score slices of a call, the calls of a module); made once per (sizes, device), shared."""
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
 
 
 class CaptureMaths:
@@ -132,24 +156,23 @@ class CaptureMaths:
         for idx in by_shape.values():
             x = torch.cat([calls[j][1] for j in idx]) if len(idx) > 1 else calls[idx[0]][1]  # (slices, queries, keys)
             ent = torch.special.entr(torch.softmax(x, dim=-1)).sum(-1)
-            keys = (x > _MASKED).sum(-1)
+            # counts summed as float32 (exact below 2^24): no int64 result and a copy of it
+            keys = (x > _MASKED).sum(-1, dtype=torch.float32)
             live = keys >= 2
-            norm = torch.where(live, ent / torch.log(keys.clamp(min=2).float()), 0.0)
-            per = torch.stack([norm.sum(-1), live.sum(-1).float()])  # per slice: summed entropy, live rows
-            sizes = [calls[j][1].shape[0] for j in idx]
+            norm = torch.where(live, ent / torch.log(keys.clamp(min=2)), 0.0)
+            per = torch.stack([norm.sum(-1), live.sum(-1, dtype=torch.float32)])  # per slice: summed entropy, live rows
+            sizes = tuple([calls[j][1].shape[0] for j in idx])
             if max(sizes) > 1:  # slices -> calls
-                slice_owner = torch.repeat_interleave(
-                    torch.arange(len(idx), device=x.device), torch.tensor(sizes, device=x.device)
-                )
+                slice_owner = owner_index(sizes, x.device)
                 per = torch.zeros(2, len(idx), device=x.device).index_add_(1, slice_owner, per)
             parts.append(per[0] / per[1].clamp(min=1))
             order += idx
         means = torch.cat(parts) if len(parts) > 1 else parts[0]
         if order != sorted(order):
-            means = means[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=means.device)]
+            means = means[index_tensor(tuple(sorted(range(len(order)), key=order.__getitem__)), means.device)]
         mx = torch.stack([c[0] for c in calls]).float()
         if len(calls) > len(names):  # a module called more than once: its largest logit, its mean entropy
-            own = torch.tensor(owner, device=mx.device)
+            own = index_tensor(tuple(owner), mx.device)
             mx = torch.full((len(names),), -math.inf, device=mx.device).scatter_reduce(0, own, mx, "amax")
             means = torch.zeros(len(names), device=mx.device).scatter_reduce(0, own, means, "mean", include_self=False)
         return names, mx, means
@@ -232,11 +255,13 @@ class CaptureMaths:
         """The logits of MHA calls with the same shapes and masks, in one batched product:
         their maxima and first score slices go where `_attention` puts them."""
         names = [name] * len(qks) if isinstance(name, str) else name
-        q0, k0, mask, causal, kpm0 = qks[0]
+        _q0, _k0, mask, causal, kpm0 = qks[0]
         qs = torch.stack([qk[0] for qk in qks]).float()  # (calls, heads, L, d)
         ks = torch.stack([qk[1] for qk in qks]).float()
-        s = (qs @ ks.transpose(-2, -1)) / math.sqrt(q0.shape[-1])  # (calls, heads, L, S)
-        L, S = s.shape[-2], s.shape[-1]
+        calls, heads, L, d = qs.shape
+        S = ks.shape[-2]
+        # (qs @ ksᵀ as the one bmm matmul makes of it, without its expands and reshapes)
+        s = torch.bmm(qs.view(-1, L, d), ks.view(-1, S, d).transpose(1, 2)).view(calls, heads, L, S) / math.sqrt(d)
         if causal:
             s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), -math.inf)
         if mask is not None:
@@ -247,8 +272,8 @@ class CaptureMaths:
         mx = s.amax(dim=(1, 2, 3))  # masked scores (-inf) are never the max of a row with a key left
         k = max(1, ENTROPY_BUDGET // max(L * S, 1))
         # per call (one `unbind` each, not an index per call)
-        for n, m, sub in zip(names, mx.unbind(0), s[:, :k].unbind(0)):
-            self.attn.setdefault(n, []).append((m, sub))
+        for name_i, m, sub in zip(names, mx.unbind(0), s[:, :k].unbind(0)):
+            self.attn.setdefault(name_i, []).append((m, sub))
 
     def _flush_mha(self) -> None:
         """The MHA calls the planned forward deferred: grouped by shapes and masks."""
@@ -281,6 +306,7 @@ class CaptureMaths:
         x = logits.detach()
         top = x.amax().float()  # over every logit, in their own dtype (no float copy of a large vocabulary's)
         if x.ndim >= 2 and dim % x.ndim != 0 and x.numel() > OUTPUT_BUDGET:  # log Z of the first samples / tokens
-            x = x[: max(1, OUTPUT_BUDGET // x[0].numel(), OUTPUT_ROWS // max(1, x[0].numel() // x.shape[dim]))]
+            row = x.numel() // x.shape[0]  # (elements of x[0], without indexing it)
+            x = x[: max(1, OUTPUT_BUDGET // row, OUTPUT_ROWS // max(1, row // x.shape[dim]))]
         lse = torch.logsumexp(x.float(), dim=dim)
         self.out.append((lse.mean(), lse.amax(), top))

@@ -30,6 +30,7 @@ from torch import nn
 
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
+from .capture_maths import index_tensor, owner_index
 from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
 from .distributed import Reduce
 from .eager_replay import ForwardReplay
@@ -242,9 +243,13 @@ class MechanismProbes:
             segs += [Segment("mech_attn_max", mx, Reduce.MAX), Segment("mech_attn_entropy", ent, Reduce.MEAN)]
         if cap.out:
             ms.output = True
-            mean = torch.stack([o[0] for o in cap.out]).mean().reshape(1)
-            mx = torch.stack([o[1] for o in cap.out]).amax().reshape(1)
-            lmax = torch.stack([o[2] for o in cap.out]).amax().reshape(1)
+            if len(cap.out) == 1:  # one output call (the usual): its values as they are (no stack, mean, max)
+                o = cap.out[0]
+                mean, mx, lmax = o[0].reshape(1), o[1].reshape(1), o[2].reshape(1)
+            else:
+                mean = torch.stack([o[0] for o in cap.out]).mean().reshape(1)
+                mx = torch.stack([o[1] for o in cap.out]).amax().reshape(1)
+                lmax = torch.stack([o[2] for o in cap.out]).amax().reshape(1)
             segs += [
                 Segment("mech_lse_mean", mean, Reduce.MEAN),
                 Segment("mech_lse_max", mx, Reduce.MAX),
@@ -254,10 +259,10 @@ class MechanismProbes:
             ms.linear = list(cap.rms)
             calls = [c for cs in cap.rms.values() for c in cs]
             ss = torch.stack([c[0] for c in calls])
-            rms = (ss / torch.tensor([float(c[1]) for c in calls], device=ss.device)).sqrt()
+            # (the elements per call repeat from step to step: their tensor is made once)
+            rms = (ss / index_tensor(tuple([float(c[1]) for c in calls]), ss.device, torch.float32)).sqrt()
             if len(calls) > len(ms.linear):  # a module called more than once (weight sharing)
-                sizes = torch.tensor([len(cs) for cs in cap.rms.values()], device=ss.device)
-                owner = torch.repeat_interleave(torch.arange(len(ms.linear), device=ss.device), sizes)
+                owner = owner_index(tuple([len(cs) for cs in cap.rms.values()]), ss.device)
                 rms = torch.full((len(ms.linear),), -math.inf, device=ss.device).scatter_reduce(0, owner, rms, "amax")
             segs.append(Segment("mech_linear_rms", rms, Reduce.MAX))
         return segs
