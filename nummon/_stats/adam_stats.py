@@ -60,7 +60,9 @@ class _Sample:
     """Where one list of tensors is read: small tensors whole, each large one at `ADAM_SAMPLE`
     fixed random positions (runs of `SAMPLE_RUN`). The flat read holds the small tensors first,
     then `ADAM_SAMPLE` elements per large one, so a per-tensor mean is one `index_add_` over the
-    small part and one row mean over the large part. Made once per list of shapes."""
+    small part and one row mean over the large part. Made once per list of shapes, with the
+    (4, width) float32 buffer the per-element quantities are written into (`out=`: no stack) and
+    its views the means read."""
 
     def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
         dev = tensors[0].device
@@ -88,6 +90,12 @@ class _Sample:
         order = self.small + self.big
         self.unorder = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=dev)
         self.sizes = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float32, device=dev)
+        # the gradients' small tensors as `cat` takes them: 1-D ones as they are (a reshape each is an op)
+        self.flat_small = [len(tensors[i].shape) != 1 for i in self.small]
+        self.rows = torch.empty(4, self.width, dtype=torch.float32, device=dev)
+        self.row = self.rows.unbind(0)
+        self.rows_small = self.rows[:, : self.n_small]
+        self.rows_big = self.rows[:, self.n_small :].view(4, len(self.big), ADAM_SAMPLE)
 
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Flat views of what is read of `tensors` (for tensors updated in place: cacheable)."""
@@ -98,18 +106,20 @@ class _Sample:
         return out
 
     def reads(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What is read of `tensors` (new tensors every step, such as gradients): few calls."""
-        out = [torch._utils._flatten_dense_tensors([tensors[i] for i in self.small])] if self.small else []
-        return out + [torch.take(tensors[i], idx) for i, idx in zip(self.big, self.index)]
+        """What is read of `tensors` (new tensors every step, such as gradients), as flat pieces
+        for the caller's one `cat`: the small ones whole, a `take` per large one."""
+        small = [tensors[i].reshape(-1) if f else tensors[i] for i, f in zip(self.small, self.flat_small)]
+        return small + [torch.take(tensors[i], idx) for i, idx in zip(self.big, self.index)]
 
-    def means(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-tensor means of the rows of a (k, width) per-element matrix: (k, n_tensors)."""
+    def means(self) -> torch.Tensor:
+        """Per-tensor means of the rows of the (4, width) per-element buffer `rows`: (4, n_tensors)."""
+        x = self.rows
         parts = []
         if self.small:
             total = torch.zeros(x.shape[0], len(self.small), dtype=x.dtype, device=x.device)
-            parts.append(total.index_add_(1, self.seg, x[:, : self.n_small]) / self.small_count)
+            parts.append(total.index_add_(1, self.seg, self.rows_small) / self.small_count)
         if self.big:
-            parts.append(x[:, self.n_small :].reshape(x.shape[0], len(self.big), ADAM_SAMPLE).mean(-1))
+            parts.append(self.rows_big.mean(-1))
         out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
         return out.index_select(1, self.unorder) if self.small and self.big else out
 
@@ -151,20 +161,25 @@ def _group_statistics(
     # v_hat_t, the second moment this gradient is (or will be) divided by: the state after
     # the step, or beta2 * v + (1 - beta2) g² before it. It includes g² itself, so the
     # ratio g²/v_hat_t is at most (1 - beta2^t)/(1 - beta2): no tensor whose v is still ~0 (a
-    # layer that had no gradient yet) can make it explode, and before/after give the same value
-    vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
+    # layer that had no gradient yet) can make it explode, and before/after give the same value.
     # 1 - beta2^t as -expm1(t ln beta2): no cancellation in float32 (beta2 0.9999 at t = 2)
-    ratio = g2 / (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps)
+    vt, tt = (V, t) if stepped else (V * b2 + g2 * (1.0 - b2), t + 1.0)
     # the update Adam just applied: lr * m_hat / (sqrt(v_hat) + eps), against the parameter
     step = M / ((V / (1.0 - b2**t)).sqrt() + eps)
-    mean = s.means(torch.stack([ratio, (G.abs() < eps).float(), step * step, P * P]))
+    rows = s.row  # the per-element quantities written into the sample's buffer (no stack)
+    torch.div(g2, (vt / _one_minus_pow(b2, tt)).clamp_min(eps * eps), out=rows[0])
+    torch.lt(G.abs(), eps, out=rows[1])  # (as 0.0 / 1.0)
+    torch.mul(step, step, out=rows[2])
+    torch.mul(P, P, out=rows[3])
+    mean = s.means()
     sizes = s.sizes
     if present is not None:
         mean, sizes = mean[:, present], sizes[present]
+    root = mean.sqrt()  # (of all four rows at once: the counts' row is read from `mean`)
     return (
-        mean[0].sqrt(),
+        root[0],
         mean[1] * sizes,  # (estimated) count of |g| < eps
-        mean[2].sqrt() * (lr / (1.0 - b1**t)) / mean[3].sqrt().clamp(min=1e-30),
+        root[2] * (lr / (1.0 - b1**t)) / root[3].clamp(min=1e-30),
     )
 
 
@@ -289,16 +304,17 @@ class AdamStatistics:
                 grads[k] = torch.zeros_like(g.ps[k])
             # the first step's ratio is 1 by construction: nothing to tell yet. The step count is
             # read from the group's first state (the others step with it); a fused / capturable
-            # optimizer's lives on the device: the host count stands in (no sync)
+            # optimizer's lives on the device: the host count stands in (no sync); a CPU one is read once
             t = g.first.get("step", 0.0)
             on_device = isinstance(t, torch.Tensor) and t.device.type != "cpu"
-            if (steps_seen if on_device else float(t)) < (2 if stepped else 1):
+            t_state = steps_seen if on_device else float(t)
+            if t_state < (2 if stepped else 1):
                 continue
             b1, b2 = (float(b) for b in betas)
             eps, lr = float(group["eps"]), float(group["lr"])
             s = g.sample
             # the step count of this gradient's update, on the host (the state's before the step + 1)
-            t_host = (steps_seen if on_device else float(t)) + (0.0 if stepped else 1.0)
+            t_host = t_state + (0.0 if stepped else 1.0)
             bound = max(bound, ratio_bound(b2, t_host))
             names += [s.names[k] for k in present]
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
@@ -308,13 +324,13 @@ class AdamStatistics:
             )
         if not names:
             return [], [], 0.0, 0.0
-        rms, small, upd = zip(*parts)
+        rms, small, upd = [torch.cat(x) if len(x) > 1 else x[0] for x in zip(*parts)]  # (one group: no copy)
         return (
             names,
             [
-                Segment("mech_adam_rms", torch.cat(rms), Reduce.MAX),
-                Segment("mech_adam_small", torch.cat(small), Reduce.MAX),
-                Segment("mech_adam_update", torch.cat(upd), Reduce.MAX),
+                Segment("mech_adam_rms", rms, Reduce.MAX),
+                Segment("mech_adam_small", small, Reduce.MAX),
+                Segment("mech_adam_update", upd, Reduce.MAX),
             ],
             elements,
             bound,

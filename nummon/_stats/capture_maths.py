@@ -11,6 +11,7 @@ A mixin: `ForwardCapture` inherits these methods, so moving them here adds no ca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import threading
@@ -19,7 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ENTROPY_BUDGET", "OUTPUT_BUDGET", "OUTPUT_ROWS", "SDPA_QUERY_BUDGET", "CaptureMaths"]
+__all__ = [
+    "ENTROPY_BUDGET",
+    "OUTPUT_BUDGET",
+    "OUTPUT_ROWS",
+    "SDPA_QUERY_BUDGET",
+    "CaptureMaths",
+    "index_tensor",
+    "owner_index",
+]
 
 #: At most this many logits (batch x heads x queries x keys) are recomputed per fused-attention
 #: call: the first batch element, and evenly spaced queries when the sequence is long.
@@ -34,6 +43,21 @@ OUTPUT_ROWS = 16
 # a logit this far below zero is a mask (masked_fill(-1e9), finfo.min), not a score
 _MASKED = -1e4
 _MHA_PARAMS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+@functools.lru_cache(maxsize=64)
+def index_tensor(values: tuple, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`torch.tensor(values)` made once per (values, device, dtype): the groupings of a step's calls
+    repeat from one sampled step to the next, and `torch.tensor` of a list costs more than its
+    use. Shared: never written to."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def owner_index(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Per item, the group it belongs to, where group i holds `sizes[i]` consecutive items (the
+    score slices of a call, the calls of a module); made once per (sizes, device), shared."""
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
 
 
 class CaptureMaths:
@@ -68,35 +92,35 @@ class CaptureMaths:
             return
         a = dict(zip(self._MHA_FORWARD, args))
         a.update(kwargs)
-        q, k = a["query"], a["key"]
-        if mod.batch_first and q.ndim == 3:
-            q, k = q.transpose(0, 1), k.transpose(0, 1)
+        # grad mode off by its C switch (a `no_grad` block is ~6 Python calls)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:  # the projections now (the weights the forward used); the logits of all layers at take, batched
-            with torch.no_grad():
-                self._pending.append(
-                    (
-                        name,
-                        self._mha_qk(
-                            {
-                                "query": q,
-                                "key": k,
-                                "num_heads": mod.num_heads,
-                                "in_proj_weight": mod.in_proj_weight,
-                                "in_proj_bias": mod.in_proj_bias,
-                                "use_separate_proj_weight": not mod._qkv_same_embed_dim,
-                                "q_proj_weight": mod.q_proj_weight,
-                                "k_proj_weight": mod.k_proj_weight,
-                                "attn_mask": a.get("attn_mask"),
-                                "key_padding_mask": a.get("key_padding_mask"),
-                                "is_causal": a.get("is_causal", False),
-                            }
-                        ),
-                    )
-                )
+            q, k = a["query"], a["key"]
+            params = mod._parameters  # (where `mod.in_proj_weight` finds them, without Module.__getattr__'s call)
+            qk = self._mha_qk(
+                {
+                    "query": q,
+                    "key": k,
+                    "batch_first": mod.batch_first,
+                    "num_heads": mod.num_heads,
+                    "in_proj_weight": params.get("in_proj_weight"),
+                    "in_proj_bias": params.get("in_proj_bias"),
+                    "use_separate_proj_weight": not mod._qkv_same_embed_dim,
+                    "q_proj_weight": params.get("q_proj_weight"),
+                    "k_proj_weight": params.get("k_proj_weight"),
+                    "attn_mask": a.get("attn_mask"),
+                    "key_padding_mask": a.get("key_padding_mask"),
+                    "is_causal": a.get("is_causal", False),
+                }
+            )
+            self._pending.append((name, qk))
         except Exception:  # a probe must never break the user's forward
             self.errors += 1
+        finally:
+            torch._C._set_grad_enabled(grad)
 
-    @torch.no_grad()
+    # (no `no_grad` below where every tensor read is detached: a `no_grad` costs ~6 Python calls)
     def _attention(self, scores: torch.Tensor) -> None:
         """The max over every score now; a copy of the first slices' scores for the entropy,
         computed for every call of the step at once (`attention_values`)."""
@@ -110,7 +134,6 @@ class CaptureMaths:
         k = max(1, ENTROPY_BUDGET // max(rows.shape[1] * rows.shape[2], 1))
         self.attn.setdefault(self._where(), []).append((mx, rows[:k].to(torch.float32, copy=True)))
 
-    @torch.no_grad()
     def attention_values(self) -> tuple[list[str], torch.Tensor, torch.Tensor] | None:
         """Per attention module: its max logit over the step's calls and its mean normalised
         entropy (entropy / ln keys, over the query rows with two keys or more), the mean over
@@ -133,29 +156,27 @@ class CaptureMaths:
         for idx in by_shape.values():
             x = torch.cat([calls[j][1] for j in idx]) if len(idx) > 1 else calls[idx[0]][1]  # (slices, queries, keys)
             ent = torch.special.entr(torch.softmax(x, dim=-1)).sum(-1)
-            keys = (x > _MASKED).sum(-1)
+            # counts summed as float32 (exact below 2^24): no int64 result and a copy of it
+            keys = (x > _MASKED).sum(-1, dtype=torch.float32)
             live = keys >= 2
-            norm = torch.where(live, ent / torch.log(keys.clamp(min=2).float()), 0.0)
-            per = torch.stack([norm.sum(-1), live.sum(-1).float()])  # per slice: summed entropy, live rows
-            sizes = [calls[j][1].shape[0] for j in idx]
+            norm = torch.where(live, ent / torch.log(keys.clamp(min=2)), 0.0)
+            per = torch.stack([norm.sum(-1), live.sum(-1, dtype=torch.float32)])  # per slice: summed entropy, live rows
+            sizes = tuple([calls[j][1].shape[0] for j in idx])
             if max(sizes) > 1:  # slices -> calls
-                slice_owner = torch.repeat_interleave(
-                    torch.arange(len(idx), device=x.device), torch.tensor(sizes, device=x.device)
-                )
+                slice_owner = owner_index(sizes, x.device)
                 per = torch.zeros(2, len(idx), device=x.device).index_add_(1, slice_owner, per)
             parts.append(per[0] / per[1].clamp(min=1))
             order += idx
         means = torch.cat(parts) if len(parts) > 1 else parts[0]
         if order != sorted(order):
-            means = means[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=means.device)]
+            means = means[index_tensor(tuple(sorted(range(len(order)), key=order.__getitem__)), means.device)]
         mx = torch.stack([c[0] for c in calls]).float()
         if len(calls) > len(names):  # a module called more than once: its largest logit, its mean entropy
-            own = torch.tensor(owner, device=mx.device)
+            own = index_tensor(tuple(owner), mx.device)
             mx = torch.full((len(names),), -math.inf, device=mx.device).scatter_reduce(0, own, mx, "amax")
             means = torch.zeros(len(names), device=mx.device).scatter_reduce(0, own, means, "mean", include_self=False)
         return names, mx, means
 
-    @torch.no_grad()
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
         if not self.want_attention:
             return
@@ -204,39 +225,43 @@ class CaptureMaths:
     @staticmethod
     def _mha_qk(a: dict) -> tuple:
         """(q (heads, L, d), k (heads, S, d) of the first sample, attn_mask, is_causal, key
-        padding (1, 1, S) or None) from F.multi_head_attention_forward's arguments."""
-        query, key, heads = a["query"].detach(), a["key"].detach(), int(a["num_heads"])
-        if query.ndim == 2:  # unbatched (L, E)
-            query, key = query.unsqueeze(1), key.unsqueeze(1)
-        E = query.shape[-1]
+        padding (1, 1, S) or None) from F.multi_head_attention_forward's arguments (query and key
+        (L, N, E), or (N, L, E) where `batch_first` is set), called with grad mode off: nothing is
+        detached, so a mask keeps its identity (`_flush_mha` batches the calls that share one)."""
+        query, key, heads = a["query"], a["key"], int(a["num_heads"])
+        if query.ndim == 2:  # unbatched (L, E): the first sample itself
+            q0, k0 = query, key
+        else:  # the first sample's (L, E): one view each
+            batch = 0 if a.get("batch_first") else 1
+            q0, k0 = query.select(batch, 0), key.select(batch, 0)
         if a.get("use_separate_proj_weight"):
             wq, wk = a["q_proj_weight"], a["k_proj_weight"]
         else:
-            wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
+            wq, wk = a["in_proj_weight"].chunk(3)[:2]  # (3E, E): one op (C) for the three views
         b = a.get("in_proj_bias")
-        bq, bk = (b[:E], b[E : 2 * E]) if b is not None else (None, None)
-        L, S = query.shape[0], key.shape[0]
-        q = F.linear(query[:, :1], wq, bq).reshape(L, heads, -1).transpose(0, 1)  # the first sample
-        k = F.linear(key[:, :1], wk, bk).reshape(S, heads, -1).transpose(0, 1)
+        bq, bk = b.chunk(3)[:2] if b is not None else (None, None)
+        L, S = q0.shape[0], k0.shape[0]
+        q = F.linear(q0, wq, bq).reshape(L, heads, -1).transpose(0, 1)
+        k = F.linear(k0, wk, bk).reshape(S, heads, -1).transpose(0, 1)
         mask = a.get("attn_mask")
-        if mask is not None:
-            mask = mask.detach()
-            if mask.ndim == 3:  # (N * heads, L, S)
-                mask = mask[:heads]
+        if mask is not None and mask.ndim == 3:  # (N * heads, L, S)
+            mask = mask[:heads]
         kpm = a.get("key_padding_mask")
         if kpm is not None:  # (N, S): True or -inf where a key is padding
-            kpm = kpm.detach()[:1].reshape(1, 1, S)
+            kpm = kpm[:1].reshape(1, 1, S)
         return q, k, mask, bool(a.get("is_causal")) and mask is None, kpm
 
     def _materialize(self, name: str | list[str], qks: list[tuple]) -> None:
         """The logits of MHA calls with the same shapes and masks, in one batched product:
         their maxima and first score slices go where `_attention` puts them."""
         names = [name] * len(qks) if isinstance(name, str) else name
-        q0, k0, mask, causal, kpm0 = qks[0]
+        _q0, _k0, mask, causal, kpm0 = qks[0]
         qs = torch.stack([qk[0] for qk in qks]).float()  # (calls, heads, L, d)
         ks = torch.stack([qk[1] for qk in qks]).float()
-        s = (qs @ ks.transpose(-2, -1)) / math.sqrt(q0.shape[-1])  # (calls, heads, L, S)
-        L, S = s.shape[-2], s.shape[-1]
+        calls, heads, L, d = qs.shape
+        S = ks.shape[-2]
+        # (qs @ ksᵀ as the one bmm matmul makes of it, without its expands and reshapes)
+        s = torch.bmm(qs.view(-1, L, d), ks.view(-1, S, d).transpose(1, 2)).view(calls, heads, L, S) / math.sqrt(d)
         if causal:
             s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), -math.inf)
         if mask is not None:
@@ -246,9 +271,9 @@ class CaptureMaths:
             s = s.masked_fill(kpm, -math.inf) if kpm.dtype == torch.bool else s + kpm.float()
         mx = s.amax(dim=(1, 2, 3))  # masked scores (-inf) are never the max of a row with a key left
         k = max(1, ENTROPY_BUDGET // max(L * S, 1))
-        sub = s[:, :k]
-        for i, n in enumerate(names):
-            self.attn.setdefault(n, []).append((mx[i], sub[i]))
+        # per call (one `unbind` each, not an index per call)
+        for name_i, m, sub in zip(names, mx.unbind(0), s[:, :k].unbind(0)):
+            self.attn.setdefault(name_i, []).append((m, sub))
 
     def _flush_mha(self) -> None:
         """The MHA calls the planned forward deferred: grouped by shapes and masks."""
@@ -275,13 +300,13 @@ class CaptureMaths:
         outside a replayed forward read (see compiled.py)."""
         self._output(logits, -1)
 
-    @torch.no_grad()
     def _output(self, logits: torch.Tensor, dim: int) -> None:
         if not self.want_output or logits.numel() == 0:
             return
         x = logits.detach()
         top = x.amax().float()  # over every logit, in their own dtype (no float copy of a large vocabulary's)
         if x.ndim >= 2 and dim % x.ndim != 0 and x.numel() > OUTPUT_BUDGET:  # log Z of the first samples / tokens
-            x = x[: max(1, OUTPUT_BUDGET // x[0].numel(), OUTPUT_ROWS // max(1, x[0].numel() // x.shape[dim]))]
+            row = x.numel() // x.shape[0]  # (elements of x[0], without indexing it)
+            x = x[: max(1, OUTPUT_BUDGET // row, OUTPUT_ROWS // max(1, row // x.shape[dim]))]
         lse = torch.logsumexp(x.float(), dim=dim)
         self.out.append((lse.mean(), lse.amax(), top))

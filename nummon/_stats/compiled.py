@@ -67,7 +67,22 @@ def unwrap_compiled(model: nn.Module | None) -> nn.Module | None:
 def has_compiled_parts(model: nn.Module) -> bool:
     """Whether the model or one of its submodules is compiled: a `torch.compile` wrapper or a
     module compiled in place (`module.compile()`)."""
-    return any(is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    # an explicit walk over `_modules` (every module reachable, each once, as `modules()` yields
+    # them): `modules()` is a generator per level and builds every module's name, ~5 Python calls
+    # a module, and this runs on every sampled forward
+    seen: set[int] = set()
+    stack: list[nn.Module | None] = [model]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:  # (a child slot may hold None)
+            continue
+        seen.add(id(m))
+        if getattr(m, "_compiled_call_impl", None) is not None or (
+            type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
+        ):  # (`is_compile_wrapper`, inline: a call per module)
+            return True
+        stack.extend(m._modules.values())
+    return False
 
 
 def tracing() -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 
 from .adam_stats import AdamStatistics
 from .capture import ForwardCapture
+from .capture_maths import index_tensor, owner_index
 from .compiled import can_replay, has_compiled_parts, tracing, warn_at_user_line
 from .distributed import Reduce
 from .eager_replay import ForwardReplay
@@ -209,7 +210,9 @@ class MechanismProbes:
             if cap is not None:
                 cap.reset()
             return ms, segs
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # (no_grad by its C switch: a `no_grad` block is ~6 Python calls)
+        try:
             if cap is not None:
                 if kept is not None and replay is not None and replay.active and not replay.failed:
                     replay.run(kept, loss, self._refresh_adam)
@@ -224,6 +227,8 @@ class MechanismProbes:
                 if names:
                     ms.adam, ms.adam_elements, ms.adam_bound = names, elements, bound
                     segs += adam_segs
+        finally:
+            torch._C._set_grad_enabled(grad)
         if not self._hooks:
             self._stepped = False
         return ms, segs
@@ -238,9 +243,13 @@ class MechanismProbes:
             segs += [Segment("mech_attn_max", mx, Reduce.MAX), Segment("mech_attn_entropy", ent, Reduce.MEAN)]
         if cap.out:
             ms.output = True
-            mean = torch.stack([o[0] for o in cap.out]).mean().reshape(1)
-            mx = torch.stack([o[1] for o in cap.out]).amax().reshape(1)
-            lmax = torch.stack([o[2] for o in cap.out]).amax().reshape(1)
+            if len(cap.out) == 1:  # one output call (the usual): its values as they are (no stack, mean, max)
+                o = cap.out[0]
+                mean, mx, lmax = o[0].reshape(1), o[1].reshape(1), o[2].reshape(1)
+            else:
+                mean = torch.stack([o[0] for o in cap.out]).mean().reshape(1)
+                mx = torch.stack([o[1] for o in cap.out]).amax().reshape(1)
+                lmax = torch.stack([o[2] for o in cap.out]).amax().reshape(1)
             segs += [
                 Segment("mech_lse_mean", mean, Reduce.MEAN),
                 Segment("mech_lse_max", mx, Reduce.MAX),
@@ -250,10 +259,10 @@ class MechanismProbes:
             ms.linear = list(cap.rms)
             calls = [c for cs in cap.rms.values() for c in cs]
             ss = torch.stack([c[0] for c in calls])
-            rms = (ss / torch.tensor([float(c[1]) for c in calls], device=ss.device)).sqrt()
+            # (the elements per call repeat from step to step: their tensor is made once)
+            rms = (ss / index_tensor(tuple([float(c[1]) for c in calls]), ss.device, torch.float32)).sqrt()
             if len(calls) > len(ms.linear):  # a module called more than once (weight sharing)
-                sizes = torch.tensor([len(cs) for cs in cap.rms.values()], device=ss.device)
-                owner = torch.repeat_interleave(torch.arange(len(ms.linear), device=ss.device), sizes)
+                owner = owner_index(tuple([len(cs) for cs in cap.rms.values()]), ss.device)
                 rms = torch.full((len(ms.linear),), -math.inf, device=ss.device).scatter_reduce(0, owner, rms, "amax")
             segs.append(Segment("mech_linear_rms", rms, Reduce.MAX))
         return segs
