@@ -242,36 +242,7 @@ class HealthEngine:
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
-        f = t.finding
-        if t.change == "cleared":
-            if not self.policy.alerts.emit_cleared or t.previous is None or t.previous.rank < Severity.WARNING.rank:
-                return None
-            return Alert(
-                step=step,
-                kind=f.kind,
-                severity=Severity.INFO,
-                message=_cleared_text(f, self.policy.nonfinite.clear_records),
-                metric=f.metric,
-                location=f.location,
-                cleared=True,
-            )
-        details = dict(f.details)
-        if t.change == "escalated" and t.previous is not None:
-            details["escalated_from"] = t.previous.value
-        if t.change == "recurred":
-            details["recurring"] = True
-        return Alert(
-            step=step,
-            kind=f.kind,
-            severity=f.severity,
-            message=("recurring: " if t.change == "recurred" else "") + f.message,
-            metric=f.metric,
-            value=f.value,
-            threshold=f.threshold,
-            location=f.location,
-            hint=hint_for(f, self.context),
-            details=details,
-        )
+        return _alert(step, t, self.policy, self.context)
 
     def step(self, rec: StepRecord, replicas: Any = ()) -> StepOutcome:
         """The judged outcome of one record: its alerts as raised, its health and incident events
@@ -422,3 +393,37 @@ def _cleared_text(f: Finding, clear_records: int) -> str:
         many = f", in {n} records" if isinstance(n, int) and n > 1 else ""
         text += f" (non-finite {span}{many})"
     return text
+
+
+def _alert(step: int, t: Transition, policy: Policy, context: dict) -> Alert | None:
+    """`HealthEngine.alert_for`: the alert of transition `t` at `step` (None: nobody should hear about it)."""
+    f = t.finding
+    if t.change == "cleared":
+        if not policy.alerts.emit_cleared or t.previous is None or t.previous.rank < Severity.WARNING.rank:
+            return None
+        return Alert(
+            step=step,
+            kind=f.kind,
+            severity=Severity.INFO,
+            message=_cleared_text(f, policy.nonfinite.clear_records),
+            metric=f.metric,
+            location=f.location,
+            cleared=True,
+        )
+    details = dict(f.details)
+    if t.change == "escalated" and t.previous is not None:
+        details["escalated_from"] = t.previous.value
+    if t.change == "recurred":
+        details["recurring"] = True
+    return Alert(
+        step=step,
+        kind=f.kind,
+        severity=f.severity,
+        message=("recurring: " if t.change == "recurred" else "") + f.message,
+        metric=f.metric,
+        value=f.value,
+        threshold=f.threshold,
+        location=f.location,
+        hint=hint_for(f, context),
+        details=details,
+    )
