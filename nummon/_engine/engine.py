@@ -192,6 +192,15 @@ class HealthEngine:
         return any(d.wants_sample for d in self._samplers)
 
     @property
+    def unsettled(self) -> bool:
+        """Whether the last record left the quiet region the detectors had declared upward (a
+        magnitude above its band, a non-finite value), or none has formed yet (a run's first
+        records): the Monitor then measures the activations at the next step too, where they
+        would otherwise wait for their cadence."""
+        q = self._quiet
+        return q.on and (q.crossed or not q.formed)
+
+    @property
     def incident_state(self) -> IncidentState:
         """Where the run's incident stands."""
         return self._incidents.state
@@ -249,7 +258,7 @@ class HealthEngine:
         (the record is frozen from here on: sinks hold it); `replicas`: the record's replica
         mismatches (`_replicas.ReplicaMismatch`), one alert. `finish` completes it."""
         rec.freeze()
-        if not replicas and self._quiet.takes(rec):  # provably quiet: booked in bulk later
+        if self._quiet.takes(rec, judge=bool(replicas)):  # provably quiet: booked in bulk later
             return StepOutcome(rec.step, Health.HEALTHY, incident_state=self._incidents.state)
         self._book()
         self._quiet.judged(rec)
@@ -291,7 +300,9 @@ class HealthEngine:
             alerts += (replica_alert(list(replicas), self.policy.replicas.every),)
         quiet = health is Health.HEALTHY and not self.lifecycle.any_open and not self._incidents.state.active
         self._quiet.plan(rec, quiet)
-        return StepOutcome(rec.step, health, alerts, events, incident_state=self.incident_state)
+        return StepOutcome(
+            rec.step, health, alerts, events, incident_state=self.incident_state, look_closer=self.unsettled
+        )
 
     def _book(self) -> None:
         """Book the quiet records taken since the last full evaluation, in order."""

@@ -128,17 +128,37 @@ class QuietRegion:
 
     def admits(self, rec: StepRecord, booked: int) -> bool:
         """Whether `rec` lies inside the region (`booked`: quiet records already taken since it was made)."""
+        return self.fits(rec, booked) and self.inside(rec)
+
+    def fits(self, rec: StepRecord, booked: int) -> bool:
+        """Whether the region speaks of `rec`: within its steps and records, in its dtype, with
+        no sampled statistic and no magnitude it has no band for."""
         if booked >= self.records or not self.after < rec.step <= self.until_step or rec.headroom_dtype != self.dtype:
             return False
         d = rec.__dict__
         for f in self.absent:
             if d[f] is not None:
                 return False
+        return mechanism_free(rec)
+
+    def inside(self, rec: StepRecord) -> bool:
+        """Whether `rec`'s values lie inside the region: finite, each magnitude in its band."""
+        d = rec.__dict__
         for f, lo, hi in self.checks:
             v = d[f]
             if v is not None and not lo <= v <= hi:  # (NaN fails both)
                 return False
-        return mechanism_free(rec) and rec.is_finite()
+        return rec.is_finite()
+
+    def rising(self, rec: StepRecord) -> bool:
+        """Whether `rec` left the region upward: a magnitude above its band, a headroom below its
+        floor, or a non-finite value (a value falling out of its band is no warning sign)."""
+        d = rec.__dict__
+        for f, lo, hi in self.checks:
+            v = d[f]
+            if v is not None and (v > hi if f != "headroom" else v < lo):
+                return True
+        return not rec.is_finite()
 
 
 def last_values(records: Sequence[StepRecord], last: dict[str, float]) -> None:
@@ -158,21 +178,35 @@ class QuietPath:
     `detectors`: the engine's; `shared`: the shared value they read that books itself per record
     (the loss trend, which books the starting level; None when no detector reads either)."""
 
-    def __init__(self, detectors: Sequence[Any], shared: Any, on: bool = True) -> None:
+    def __init__(self, detectors: Sequence[Any], shared: Any, skip: bool = True) -> None:
         self.detectors = detectors
         self.shared = shared
-        self.on = on and all(hasattr(d, "quiet") for d in detectors)
+        self.on = all(hasattr(d, "quiet") for d in detectors)  # regions are made
+        self.skip = skip  # ... and records inside one skip the detectors (False: every record judged in full)
         self.region: QuietRegion | None = None
+        self.taken = 0  # records the region admitted since it was made
+        self.admitted = False  # the last record lay in the region (skipped, or judged in full when not `skip`)
+        self.formed = False  # a region has been made (the detectors have warmed up)
+        self.crossed = False  # the last record the region spoke of left it upward (`QuietRegion.rising`)
         self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
         self.last: dict[str, float] = {}
 
-    def takes(self, rec: StepRecord) -> bool:
-        """Whether `rec` lies in the region (then it is kept, to be booked before the next full evaluation)."""
+    def takes(self, rec: StepRecord, judge: bool = False) -> bool:
+        """Whether `rec` lies in the region (then it is kept, to be booked before the next full
+        evaluation); notes whether a value of it left the region (`crossed`). `judge`: the
+        record must be judged in full whatever its values (it brings replica mismatches)."""
         region = self.region
-        if region is not None and region.admits(rec, len(self.booked)):
+        self.crossed = self.admitted = False
+        if judge or region is None or not region.fits(rec, self.taken):
+            return False
+        if not region.inside(rec):
+            self.crossed = region.rising(rec)
+            return False
+        self.admitted = True
+        self.taken += 1
+        if self.skip:
             self.booked.append(rec)
-            return True
-        return False
+        return self.skip
 
     def judged(self, rec: StepRecord) -> None:
         """`rec` is being evaluated in full: its values are the latest."""
@@ -180,8 +214,11 @@ class QuietPath:
 
     def plan(self, rec: StepRecord, quiet_now: bool) -> None:
         """The region after `rec`, judged in full: none unless the run is quiet now (`quiet_now`:
-        healthy, no condition open, no incident) and every detector can give one."""
-        self.region = None
+        healthy, no condition open, no incident) and every detector can give one. (A record the
+        region admitted keeps it: judged in full only because `skip` is off, as for a test.)"""
+        if self.admitted:
+            return
+        self.region, self.taken = None, 0
         if not (self.on and quiet_now):
             return
         plan = QuietPlan(rec.step, self.last, rec.headroom_dtype)
@@ -189,6 +226,7 @@ class QuietPath:
             if not d.quiet(plan):
                 return
         self.region = plan.region()
+        self.formed = self.formed or self.region is not None
 
     def take_booked(self) -> list[StepRecord]:
         """The quiet records to book, in order, with the shared value booked for each already;

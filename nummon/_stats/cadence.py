@@ -60,6 +60,11 @@ class Cadence:
         if self.preclip is not None:
             self.preclip.absmax = self.extremes_due(next_step, sampling.params_due(next_step))
 
+    def measure_next(self) -> None:
+        """Measure the activations on the next forward too, between their samples (the engine:
+        a value rose out of the region it had declared quiet, or none has formed yet)."""
+        self.probes.arm(True, self.probes.detail)
+
     def watch_all_modules(self, on: bool) -> None:
         """Hook every watched module's output, and measure everything every step, while `on`
         (the Monitor: while an incident is open)."""

@@ -12,6 +12,9 @@ from torch import nn
 from nummon import Monitor
 
 QUIET = {"recorder": {"write": False}, "alerts": {"stop_on_critical": False}}
+#: steps measured every step while the detectors warm up (no quiet region yet): the cadence
+#: shows from here on
+WARM = 12
 NO_MECHANISMS = {**QUIET, "mechanisms": {"enabled": False}}  # their root hook is no activation hook
 
 
@@ -49,15 +52,30 @@ def _run(model, mon, steps, poison=(), scale=None):
 def test_the_activations_are_measured_on_their_cadence_with_no_hook_between():
     model = _mlp()
     mon = Monitor(model, policy=NO_MECHANISMS)  # the default cadence: every 10 steps
-    recs, hooks = _run(model, mon, 25)
+    recs, hooks = _run(model, mon, 45)
     mon.close()
     measured = [r.step for r in recs if r.activation_max is not None]
-    assert measured == [0, 10, 20]
+    # every step while the detectors warm up (no quiet region yet: the first ten records), then
+    # on the cadence only
+    assert measured == [*range(11), 20, 30, 40]
     assert [r.step for r in recs if r.layer_activation_max] == measured
-    assert set(recs[10].layer_activation_max) == {"0", "2", "4"}
-    # the three Linear layers hooked for the sampled forwards only; none at all between them
-    assert hooks == [3 if step in measured else 0 for step in range(25)]
+    assert set(recs[20].layer_activation_max) == {"0", "2", "4"}
+    # the three Linear layers hooked for the measuring forwards only; none at all between them
+    assert hooks == [3 if step in measured else 0 for step in range(45)]
     assert _forward_hooks(model) == 0  # closed: none left
+
+
+def test_a_value_leaving_its_quiet_band_measures_the_next_step_too():
+    model = _mlp()
+    mon = Monitor(model, policy=NO_MECHANISMS)
+    # step 24's loss (and gradients) 1.3x: above its band, no alert; 25 falls back below the
+    # band made around 24's values, which is no warning sign
+    recs, hooks = _run(model, mon, 40, scale={24: 1.3})
+    mon.close()
+    assert not mon.alerts
+    measured = [r.step for r in recs if r.activation_max is not None]
+    assert [s for s in measured if s > 10] == [20, 25, 30]
+    assert hooks[24] == 0 and hooks[25] == 3 and hooks[26:30] == [0, 0, 0, 0]
 
 
 def test_the_first_forward_is_measured_whatever_its_step():
@@ -66,8 +84,9 @@ def test_the_first_forward_is_measured_whatever_its_step():
     mon = Monitor(model, policy=NO_MECHANISMS, start_step=7)
     recs, hooks = _run(model, mon, 15)
     mon.close()
-    assert [r.step for r in recs if r.activation_max is not None] == [7, 10, 20]
-    assert hooks[:5] == [3, 0, 0, 3, 0]
+    measured = [r.step for r in recs if r.activation_max is not None]
+    assert measured[0] == 7 and hooks[0] == 3
+    assert measured[-1] == 20 and hooks[-1] == 0  # (warmed up: on the cadence)
 
 
 def test_a_large_model_hooks_its_block_boundaries_on_the_cadence_and_every_module_on_the_detail_cadence():
@@ -78,7 +97,7 @@ def test_a_large_model_hooks_its_block_boundaries_on_the_cadence_and_every_modul
     mon = Monitor(model, opt, policy=policy)
     x = torch.randn(16, 4)
     hooks, recs = [], []
-    for _ in range(12):
+    for _ in range(WARM + 20):
         hooks.append(_forward_hooks(model))
         opt.zero_grad()
         loss = model(x).square().mean()
@@ -86,30 +105,30 @@ def test_a_large_model_hooks_its_block_boundaries_on_the_cadence_and_every_modul
         opt.step()
         recs.append(mon.post_step(loss).record)
     mon.close()
-    every = len(recs[10].layer_activation_max)  # every watched module (2 + 2 x 40 Linears), the 32 blocks
-    bounds = len(recs[5].layer_activation_max)  # the boundaries: inp, head and 32 of the 40 blocks
+    every = len(recs[20].layer_activation_max)  # every watched module (2 + 2 x 40 Linears), the 32 blocks
+    bounds = len(recs[15].layer_activation_max)  # the boundaries: inp, head and 32 of the 40 blocks
     assert every == 82 + 32 and bounds == 34
-    expected = [bounds] + [0] * 4 + [bounds] + [0] * 4 + [every, 0]
-    assert [len(r.layer_activation_max) for r in recs] == expected
-    assert hooks == expected  # the hooks registered: those of the forwards that measure
+    expected = [bounds] + [0] * 4 + [every] + [0] * 4 + [bounds] + [0] * 4 + [every, 0]  # steps 15-31
+    assert [len(r.layer_activation_max) for r in recs[15:]] == expected
+    assert hooks[15:] == expected  # the hooks registered: those of the forwards that measure
 
 
 def test_after_a_nan_on_an_unsampled_step_the_next_steps_measure_every_module():
     model = _mlp()
     mon = Monitor(model, policy=NO_MECHANISMS)
-    recs, hooks = _run(model, mon, 8, poison={3, 5})
+    recs, hooks = _run(model, mon, 18, poison={13, 15})
     mon.close()
-    # step 3 was not sampled: the record says what went non-finite (the loss, the gradients),
+    # step 13 was not sampled: the record says what went non-finite (the loss, the gradients),
     # not which module's output did
-    assert recs[3].nonfinite_parts and "activations" not in recs[3].nonfinite_parts
-    assert recs[3].activation_max is None and not recs[3].layer_activation_max
-    assert "output of" not in (recs[3].nonfinite_location or "")
+    assert recs[13].nonfinite_parts and "activations" not in recs[13].nonfinite_parts
+    assert recs[13].activation_max is None and not recs[13].layer_activation_max
+    assert "output of" not in (recs[13].nonfinite_location or "")
     # from the next step on every module is hooked, every step: a NaN there is named exactly
-    assert hooks[4:] == [3, 3, 3, 3]
-    for r in recs[4:]:
+    assert hooks[14:] == [3, 3, 3, 3]
+    for r in recs[14:]:
         assert set(r.layer_activation_max) == {"0", "2", "4"}, r.step
-    assert recs[5].nonfinite_location == "output of `2` (forward)"
-    assert math.isfinite(recs[4].activation_max) and math.isfinite(recs[6].activation_max)
+    assert recs[15].nonfinite_location == "output of `2` (forward)"
+    assert math.isfinite(recs[14].activation_max) and math.isfinite(recs[16].activation_max)
 
 
 def test_an_open_incident_hooks_every_module_on_every_step():
@@ -120,7 +139,7 @@ def test_an_open_incident_hooks_every_module_on_every_step():
     mon.close()
     assert all(r.is_finite() for r in recs)  # not the after-non-finite rule
     assert mon.incidents and mon.incidents[0].step == 23
-    assert [r.step for r in recs[:23] if r.activation_max is not None] == [0, 10, 20]
+    assert [r.step for r in recs[WARM:23] if r.activation_max is not None] == [20]
     # the incident is open from step 23's record on: every later forward is hooked in full
     assert hooks[24:] == [3] * 6
     assert all(set(r.layer_activation_max) == {"0", "2", "4"} for r in recs[24:])
@@ -130,10 +149,11 @@ def test_an_open_incident_hooks_every_module_on_every_step():
 def test_the_cadence_follows_activations_every(every):
     model = _mlp()
     mon = Monitor(model, policy={**NO_MECHANISMS, "sampling": {"activations_every": every}})
-    recs, hooks = _run(model, mon, 7)
+    recs, hooks = _run(model, mon, WARM + 7)
     mon.close()
-    assert [r.step for r in recs if r.activation_max is not None] == list(range(0, 7, every))
-    assert hooks == [3 if step % every == 0 else 0 for step in range(7)]
+    steps = range(WARM, WARM + 7)  # (warmed up)
+    assert [r.step for r in recs[WARM:] if r.activation_max is not None] == [s for s in steps if s % every == 0]
+    assert hooks[WARM:] == [3 if step % every == 0 else 0 for step in steps]
 
 
 def test_activations_off_hooks_nothing_even_while_watched_closely():
@@ -150,17 +170,20 @@ def test_forensics_names_the_module_of_a_nan_on_an_unsampled_step_at_once():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay those of the failing forward
     mon = Monitor(model, opt, policy=NO_MECHANISMS)
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 6, generator=gen)
     recs = []
-    for step in range(4):
-        if step == 3:
+    for step in range(WARM + 4):
+        if step == WARM + 3:
             with torch.no_grad():
                 model[2].weight[0, 0] = math.inf
+        # a batch of its own each step: with the weights fixed, one batch would freeze the loss (a stall)
+        xs = x * (1 + 0.02 * torch.randn(8, 6, generator=gen))
         opt.zero_grad()
-        loss = model(x).square().mean()
+        loss = model(xs).square().mean()
         loss.backward()
         opt.step()
-        recs.append(mon.post_step(loss, recompute=lambda: model(x).square().mean()).record)
+        recs.append(mon.post_step(loss, recompute=lambda xs=xs: model(xs).square().mean()).record)
     mon.close()
-    assert recs[3].activation_max is None and "output of" not in (recs[3].nonfinite_location or "")
+    assert recs[-1].activation_max is None and "output of" not in (recs[-1].nonfinite_location or "")
     assert mon.cause is not None and mon.cause.module == "2" and mon.cause.stage == "forward"

@@ -147,10 +147,11 @@ def test_the_first_non_finite_module_of_a_compiled_model_is_named():
 def test_a_compiled_model_keeps_its_activation_hooks_on_every_step():
     # dynamo ignores a hook added after it compiled and recompiles when one is removed: the hooks
     # traced into the graph stay (and cost no Python call there), also when the model was
-    # compiled after the Monitor; an eager model is hooked on the sampled steps only
+    # compiled after the Monitor; an eager model is hooked on the sampled steps (and, while the
+    # detectors warm up, on a run's first steps)
     policy = {**QUIET, "sampling": {"activations_every": 5}}
     eager, _ = _train("eager", steps=12, policy=policy)
-    assert [r.step for r in eager if r.activation_max is not None] == [0, 5, 10]
+    assert {0, 5, 10} <= {r.step for r in eager if r.activation_max is not None}
     for how in ("before", "after"):
         compiled, graphs = _train(how, steps=12, policy=policy)
         assert all(r.activation_max is not None for r in compiled), how
