@@ -14,6 +14,11 @@ Each detector's `quiet(plan)` narrows the plan (or returns False: no fast path n
 `absorb(records)` books records it was promised to stay silent on. The proofs are in each
 detector's `quiet`; `tests/engine/test_quiet_path.py` checks them step for step against the full
 path on generated families of runs and on real logs.
+
+A record the region speaks of whose values rose out of it (a magnitude above its band, a
+non-finite value), and a run whose detectors have not yet made a region, are the engine's sign
+to look closer: the Monitor then measures the activations at the next step too
+(`StepOutcome.look_closer`).
 """
 
 from __future__ import annotations
@@ -125,10 +130,6 @@ class QuietRegion:
     dtype: str | None
     checks: tuple[tuple[str, float, float], ...]  # (field, lo, hi)
     absent: tuple[str, ...]  # fields a quiet record must not carry
-
-    def admits(self, rec: StepRecord, booked: int) -> bool:
-        """Whether `rec` lies inside the region (`booked`: quiet records already taken since it was made)."""
-        return self.fits(rec, booked) and self.inside(rec)
 
     def fits(self, rec: StepRecord, booked: int) -> bool:
         """Whether the region speaks of `rec`: within its steps and records, in its dtype, with
