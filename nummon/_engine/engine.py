@@ -181,6 +181,7 @@ class HealthEngine:
         shared = shared_values(self.policy)
         self.detectors = build_detectors(self.policy, shared)
         self._samplers = _samplers(self.detectors)
+        self._sampling: bool | None = None  # `_sample_next()` until a detector or the incident changes
         needs = {n for d in self.detectors for n in d.needs}
         # the shared value booked once per quiet record (the trend books the level too)
         booked = shared["trend"] if "trend" in needs else shared["level"] if "level" in needs else None
@@ -222,6 +223,7 @@ class HealthEngine:
     def mark_acted(self, alert: Alert) -> IncidentEvent:
         """The incident event saying what was done about it (a rollback, a recovery that gave up),
         described by `alert`'s message."""
+        self._sampling = None
         return self._incidents.acted(alert.step, alert, alert.message)
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,6 +250,7 @@ class HealthEngine:
             self.step(rec)  # the contributors come back with the records
         self._book()
         self._incidents.load_state(incident)
+        self._sampling = None
 
     def alert_for(self, step: int, t: Transition) -> Alert | None:
         """The one place alerts are built: None for transitions nobody should hear about."""
@@ -262,6 +265,7 @@ class HealthEngine:
             return StepOutcome(rec.step, Health.HEALTHY, incident_state=self._incidents.state)
         self._book()
         self._quiet.judged(rec)
+        self._sampling = None
         findings: list[Finding] = []
         for d in self.detectors:
             findings.extend(d.update(rec))
@@ -317,6 +321,7 @@ class HealthEngine:
         """The run ended at `step` (its last record): the incident event that ends an incident
         whose conditions had all cleared (none when one is still open or none was)."""
         self._book()
+        self._sampling = None
         return tuple(self._incidents.close(step))
 
     def finish(self, got: StepOutcome, ev: StepEvidence) -> StepOutcome:
@@ -328,6 +333,7 @@ class HealthEngine:
             return StepOutcome(
                 ev.rec.step, got.health, (), (), False, self._sample_next(), incident_state=got.incident_state
             )
+        self._sampling = None
         alerts = list(got.alerts)
         if ev.cause is not None:
             alerts = with_cause(alerts, ev.cause)
@@ -363,8 +369,12 @@ class HealthEngine:
 
     def _sample_next(self) -> bool:
         """Whether the next step samples the mechanism probes: a sampled detector must confirm
-        what it saw, or an incident is open (`mechanisms.during_incident`)."""
-        return self.wants_sample() or (self.policy.mechanisms.during_incident and self._incidents.state.active)
+        what it saw, or an incident is open (`mechanisms.during_incident`). Kept between full
+        evaluations: a record the fast path takes changes neither."""
+        if self._sampling is None:
+            incident = self.policy.mechanisms.during_incident and self._incidents.state.active
+            self._sampling = self.wants_sample() or incident
+        return self._sampling
 
     def _events(
         self, events: tuple[IncidentEvent, ...], alerts: list[Alert], flight_record: str | None

@@ -53,6 +53,53 @@ def test_a_structurally_zero_gradient_that_comes_alive_and_vanishes_again_warns(
     assert not any(found[:112]) and found[112][0].details["layers"] == {"b": 0.0}
 
 
+
+def _reference_vanished(steps, ratio, patience):
+    """The rule, one tensor at a time: per step, the names at `patience`+ records in a row at ~0
+    (at most `ratio` of the step's largest finite norm) after having been above that once; a
+    tensor absent from a step, or non-finite in it, keeps its count."""
+    live, count, out = set(), {}, []
+    for norms in steps:
+        finite = {k: v for k, v in norms.items() if math.isfinite(v)}
+        top = max(finite.values(), default=0.0)
+        if len(finite) < 2 or top <= 0:
+            out.append(set())
+            continue
+        gone = set()
+        for k, v in finite.items():
+            if v > ratio * top:
+                live.add(k)
+                count[k] = 0
+            elif k in live:
+                count[k] = count.get(k, 0) + 1
+                if count[k] >= patience:
+                    gone.add(k)
+            else:
+                count[k] = 0
+        out.append(gone)
+    return out
+
+
+norm_or_gap = st.one_of(
+    st.sampled_from([0.0, 1.0, 1e-9, None, math.nan, math.inf]), st.floats(min_value=0, max_value=1e3, allow_nan=False)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(norm_or_gap, min_size=4, max_size=4), max_size=40), st.integers(min_value=1, max_value=4))
+def test_the_counts_follow_the_rule_tensor_by_tensor(rows, patience):
+    # tensors that come and go (None: absent), NaN/Inf, exact zeros, values near the limit
+    names = ["a", "b", "c", "d"]
+    steps = [{n: v for n, v in zip(names, row) if v is not None} for row in rows]
+    pol = P.model_copy(update={"patience": patience})
+    found = detector_findings(VanishingDetector(pol), steps, "layer_grad_norms")
+    got = [set(f[0].details["layers"]) if f else set() for f in found]
+    want = _reference_vanished(steps, pol.ratio, patience)
+    # the finding names the worst `max_named` of them
+    assert [len(g) for g in got] == [min(len(w), pol.max_named) for w in want]
+    assert all(g <= w for g, w in zip(got, want))
+    assert [f[0].details["count"] if f else 0 for f in found] == [len(w) for w in want]
+
 class QKLayerNormAttention(nn.Module):
     """One causal attention layer with qk-layernorm: the keys' LayerNorm bias adds q·b to every
     logit of a query alike, so softmax gives it a gradient of rounding error only."""
