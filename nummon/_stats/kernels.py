@@ -276,9 +276,11 @@ class NormKernels:
         if plan.big:
             assert plan.pick_big is not None  # made whenever `big` is not empty
             big = plan.pick_big(tensors)
-            if nw is not None:
+            if nw is not None and mw is not None:
+                _big_both(big, nw, mw)
+            elif nw is not None:
                 _big_norms(big, nw)
-            if mw is not None:
+            elif mw is not None:
                 _big_absmax(big, mw)
         return (nw.in_order(plan) if nw is not None else None, mw.in_order(plan) if mw is not None else None)
 
@@ -336,12 +338,7 @@ def _big_norms(tensors: Sequence[torch.Tensor], work: _Work) -> None:
             f = t.view(-1)
             torch.dot(f, f, out=v)
         else:  # other dtypes, layouts, devices (rare)
-            n = (
-                torch.linalg.vector_norm(t, dtype=torch.float32)
-                if t.dtype in HALF_DTYPES
-                else torch.linalg.vector_norm(t)
-            )
-            v.copy_(n.square())
+            _square_norm(t, v)
     work.big.sqrt_()
 
 
@@ -352,8 +349,44 @@ def _big_absmax(tensors: Sequence[torch.Tensor], work: _Work) -> None:
         if g.dtype == torch.float32 and g.device == dev:
             torch.aminmax(g, out=(lo, hi))
         else:
-            mn, mx = torch.aminmax(g)
-            lo.copy_(mn)
-            hi.copy_(mx)
+            _minmax(g, lo, hi)
     lo_col, hi_col = work.minmax_cols
     torch.maximum(hi_col, lo_col.neg(), out=work.big)  # absmax_rows, into place
+
+
+def _big_both(tensors: Sequence[torch.Tensor], norms: _Work, extremes: _Work) -> None:
+    """`_big_norms` and `_big_absmax` tensor by tensor, so that each tensor's second read finds
+    it in cache (a large model's gradients do not fit there together: all the dots, then all the
+    `aminmax`, read them from memory twice). The same kernels, so the same values."""
+    dev = extremes.minmax.device
+    for t, v, (lo, hi) in zip(tensors, norms.big_rows, extremes.minmax_rows):
+        if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.device == dev:
+            f = t.view(-1)
+            torch.dot(f, f, out=v)
+            torch.aminmax(t, out=(lo, hi))
+        else:  # other dtypes, layouts, devices (rare)
+            _square_norm(t, v)
+            _minmax(t, lo, hi)
+    norms.big.sqrt_()
+    lo_col, hi_col = extremes.minmax_cols
+    torch.maximum(hi_col, lo_col.neg(), out=extremes.big)  # absmax_rows, into place
+
+
+def _square_norm(t: torch.Tensor, out: torch.Tensor) -> None:
+    """The squared L2 norm of `t` into the 0-d float32 `out` (any dtype, layout, device)."""
+    if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
+        f = t.view(-1)
+        torch.dot(f, f, out=out)
+    else:
+        n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in HALF_DTYPES else torch.linalg.vector_norm(t)
+        out.copy_(n.square())
+
+
+def _minmax(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """min and max of `t` into the 0-d float32 `lo` and `hi` (any dtype, device)."""
+    if t.dtype == torch.float32 and t.device == lo.device:
+        torch.aminmax(t, out=(lo, hi))
+    else:
+        mn, mx = torch.aminmax(t)
+        lo.copy_(mn)
+        hi.copy_(mx)

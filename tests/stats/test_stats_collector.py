@@ -135,8 +135,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     ids=["grouped (CPU)", "fused foreach on CPU", "fused foreach on CUDA"],
 )
 def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
-    # shapes that share a group, 0-d and empty tensors, a half tensor, one large enough to be
-    # measured alone, a non-contiguous view, and NaN in one of a group
+    # shapes that share a group, 0-d and empty tensors, a half tensor, large ones measured alone
+    # (float32, half, a non-contiguous view), a small non-contiguous view, and NaN in one of a group
     from nummon._stats.kernels import SMALL_NUMEL, NormKernels
 
     torch.manual_seed(0)
@@ -149,6 +149,8 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
         torch.randn(SMALL_NUMEL + 1),
         torch.randn(4, 3).t(),
         torch.randn(3, 4),
+        torch.randn(SMALL_NUMEL + 3).half() * 7,  # large ones that are not dense float32
+        torch.randn(80, 60).t(),
     ]
     ts[7][1, 2] = float("nan")
     ts = [t.to(device) for t in ts]
