@@ -33,6 +33,7 @@ class PreClipGrads:
     raw_dtypes: set[torch.dtype]
     norms: torch.Tensor  # (n,) float32 L2 norms
     extremes: tuple[str, torch.Tensor] | None  # ("grad_absmax", (n,) max |g|), when it was due
+    whole: bool = False  # `grads[i]` is the i-th watched parameter's `.grad` itself (none missing or converted)
 
 
 _dtype = operator.attrgetter("dtype")
@@ -94,7 +95,8 @@ class PreClipCapture:
                 extremes = ("grad_absmax", absmax)
             else:
                 norms, extremes = self.kernels.l2_norms(grads, key="preclip"), None
-            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, extremes)
+            whole = grads is raw and len(grads) == len(params)
+            self._result = PreClipGrads(names, grads, set(map(_dtype, raw)), norms, extremes, whole)
         finally:
             torch._C._set_grad_enabled(was)
 

@@ -1,6 +1,8 @@
 """Gradient statistics before clipping: a plain loop with clip_grad_norm_ reports the norm
 clip_grad_norm_ saw, and how much it clipped."""
 
+import math
+
 import pytest
 import torch
 from helpers.models import CNN, data
@@ -49,6 +51,54 @@ def test_without_clipping_the_ratio_is_one_and_norms_match_the_gradients():
     for name, p in model.named_parameters():
         assert rec.layer_grad_norms[name] == pytest.approx(float(p.grad.norm()), rel=1e-6)
 
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced", "one dropped"])
+def test_the_clip_ratio_follows_what_the_loop_did_to_the_gradients_after_the_backward(how):
+    # clipping in place (clip_grad_norm_), by new tensors (p.grad = p.grad * c), or a gradient
+    # set to None after the backward: the ratio is read from today's gradients each time
+    torch.manual_seed(0)
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, policy={"recorder": {"write": False}})
+    x, y = data(n=16)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+        if how == "in place":
+            for p in params:
+                p.grad.mul_(0.25)
+        elif how == "replaced":
+            for p in params:
+                p.grad = p.grad * 0.25
+        else:  # the smallest gradient (one the ratio is measured on) is gone
+            min(params, key=lambda p: p.numel()).grad = None
+        opt.step()
+        rec = mon.post_step(1.0).record
+        assert rec.grad_norm == pytest.approx(total, rel=1e-5)  # before any of it
+        if how == "one dropped":
+            assert rec.clip_ratio is not None and rec.clip_ratio < 1.0
+        else:
+            assert rec.clip_ratio == pytest.approx(0.25, rel=1e-5)
+    mon.close()
+
+
+def test_an_unclipped_step_reads_a_clip_ratio_of_exactly_one():
+    torch.manual_seed(0)
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, policy={"recorder": {"write": False}})
+    x, y = data(n=16)
+    ratios = []
+    for _ in range(12):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ratios.append(mon.post_step(1.0).record.clip_ratio)
+    mon.close()
+    assert ratios == [1.0] * 12
 
 def test_a_step_without_a_backward_measures_the_gradients_as_they_are():
     model = nn.Linear(2, 1)

@@ -15,6 +15,7 @@ import torch
 
 from ..distributed import Reduce
 from ..dtypes import dtype_name, narrowest
+from ..preclip import PreClipGrads
 from ..transport import Segment
 from .family import (
     NORM_RULES,
@@ -75,29 +76,17 @@ class ClipAnchors:
 def launch_grads(c: Collecting, s: LaunchStep) -> list[Segment]:
     """Gradient norms and max |g|: the pre-clip capture's when a backward left one (today's
     gradients are then measured only for the clip ratio), else today's gradients."""
-    grads, names, raw = c.watched.grads(s.dev, s.distributed)
-    param_rules = c.watched.param_rules
     pre = c.preclip.take() if c.preclip is not None else None
-    segs = []
     if pre is not None:
-        segs.append(Segment("grad_norms", pre.norms, Reduce.LOCAL))  # single process only
+        segs = [Segment("grad_norms", pre.norms, Reduce.LOCAL)]  # single process only
         if pre.extremes is not None:
             segs.append(Segment(pre.extremes[0], pre.extremes[1], Reduce.LOCAL))
-        if grads and names == pre.names:  # the clip ratio: a few gradients again, after clipping
-            idx, pick = c.anchors.pick(grads)
-            picked = pick(grads)
-            s.clip_anchors = idx
-            segs.append(
-                Segment(
-                    "grad_norms_post",
-                    c.kernels.l2_norms(list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"),
-                    Reduce.LOCAL,
-                )
-            )
-        elif grads:  # other gradients than the backward left (replaced, or more): all of them
-            segs.append(Segment("grad_norms_post", c.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL))
+        segs += _clip_ratio_norms(c, s, pre)
         s.grads, s.grad_names, raw_dtypes = pre.grads, pre.names, pre.raw_dtypes
     else:
+        grads, names, raw = c.watched.grads(s.dev, s.distributed)
+        param_rules = c.watched.param_rules
+        segs = []
         if grads and s.extremes_due:
             norms, absmax = c.kernels.norms_and_absmax(grads, key="grads")
             segs += [Segment("grad_norms", norms, param_rules), Segment("grad_absmax", absmax, Reduce.MAX)]
@@ -108,6 +97,39 @@ def launch_grads(c: Collecting, s: LaunchStep) -> list[Segment]:
     if not s.grads and c.watched.params and not c.said_no_grads:
         _say_no_grads(c, s.step)
     return segs
+
+
+_grad = operator.attrgetter("grad")
+_sparse = operator.attrgetter("is_sparse")
+_is_none = functools.partial(operator.is_, None)
+
+
+def _clip_ratio_norms(c: Collecting, s: LaunchStep, pre: PreClipGrads) -> list[Segment]:
+    """A few of today's gradients measured again, after clipping, for the clip ratio. When the
+    backward's list held every watched parameter's gradient as it is, only those few are read
+    off their parameters (reading all of them costs a Python attribute read per tensor)."""
+    if pre.whole and len(c.watched.params) == len(pre.grads):
+        idx, pick = c.anchors.pick(pre.grads)
+        params = pick(c.watched.params)
+        now = list(map(_grad, params)) if len(idx) > 1 else [params.grad]
+        if not any(map(_is_none, now)) and not any(map(_sparse, now)):  # (else: the general case)
+            s.clip_anchors = idx
+            return [Segment("grad_norms_post", c.kernels.l2_norms(now, key="grad_norms_post"), Reduce.LOCAL)]
+    grads, names, _raw = c.watched.grads(s.dev, s.distributed)
+    if grads and names == pre.names:  # the clip ratio: a few gradients again, after clipping
+        idx, pick = c.anchors.pick(grads)
+        picked = pick(grads)
+        s.clip_anchors = idx
+        return [
+            Segment(
+                "grad_norms_post",
+                c.kernels.l2_norms(list(picked) if len(idx) > 1 else [picked], key="grad_norms_post"),
+                Reduce.LOCAL,
+            )
+        ]
+    if grads:  # other gradients than the backward left (replaced, or more): all of them
+        return [Segment("grad_norms_post", c.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL)]
+    return []
 
 
 @functools.cache  # a C-level call per step once seen: the gradients' dtypes rarely change
