@@ -10,9 +10,11 @@ in bf16 autocast with fused AdamW).
 
 `--shape` picks one of the four shapes of the host-cost bar (nummon's added time at most 1.5x the
 per-parameter `.item()` monitor's added time + 0.25 ms), printed at the end with both added times.
-Each round's Monitor resumes the engine state of the last round's (`engine_state()`), so the
-timed steps are those of a run in progress; `--cold` starts a new run each round instead (its
-first ten records judged in full while the detectors warm up).
+One Monitor serves all of its variant's rounds, its hooks taken off the shared model and optimizer
+between them (`MonitorHooks`), so the timed steps are those of a run in progress and its one-off
+costs (the first sampled forward's discovery of the model, the kernels' plans) are paid once, as in
+a run; `--monitor fresh` makes a new Monitor each round that resumes the last one's engine state
+(every round pays those one-off costs), `--monitor cold` a new Monitor and a new run each round.
 """
 
 from __future__ import annotations
@@ -175,10 +177,20 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
         # measured steps are those of a run in progress, not the first ten of a new one, whose
         # detectors are still warming up (the fast path for quiet steps starts after those)
         state: list = [None]
+        kept: list = []  # MODE "kept": the one Monitor and the hooks it added
 
         def attach(model, opt):
+            if MODE[0] == "kept" and kept:  # the same Monitor, its hooks put back
+                mon, hooks = kept
+                hooks.restore()
+                return mon.post_step, hooks.stash
+            before = MonitorHooks(model, opt)
             mon = nummon.Monitor(model, opt, policy=policy, sinks=list(sinks), start_step=steps[0])
-            if state[0] is not None and not COLD[0]:
+            if MODE[0] == "kept":
+                kept[:] = [mon, before]
+                _CLEANUPS.append(mon.close)
+                return mon.post_step, before.stash
+            if state[0] is not None and MODE[0] == "fresh":
                 mon.load_engine_state(state[0])
 
             def detach():
@@ -253,7 +265,53 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
 
 
 _CLEANUPS: list[Callable] = []  # run after the measurement (e.g. finish the wandb run)
-COLD = [False]  # --cold: every round's Monitor starts a new run (its engine cold), as before
+#: how a nummon variant attaches: "kept" (one Monitor for the whole run, its hooks taken off the
+#: shared model and optimizer between its rounds: the timed steps are those of a run in progress,
+#: its one-off costs paid once, as in a run), "fresh" (a new Monitor each round resuming the last
+#: one's engine state: every round pays the one-off costs of a new Monitor, such as its first
+#: sampled forward's discovery of the model) or "cold" (a new Monitor and a new run each round)
+MODE = ["kept"]
+
+#: the hook tables of a module a Monitor may write into
+_MODULE_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+class MonitorHooks:
+    """The hook tables of a model and optimizer as they were before a Monitor attached: `stash()`
+    takes off the hooks added since, `restore()` puts them back (the same objects, in the same
+    tables), so a kept Monitor does not run during the other variants' rounds."""
+
+    def __init__(self, model, opt) -> None:
+        self.model, self.opt = model, opt
+        self.before = {id(t): set(t) for t in self._tables()}
+        self.stashed: list[tuple[dict, object, object]] = []
+
+    def _tables(self) -> list[dict]:
+        from torch.nn.modules import module as _module
+
+        tables = [getattr(m, name) for m in self.model.modules() for name in _MODULE_HOOKS if hasattr(m, name)]
+        tables += [p._post_accumulate_grad_hooks for p in self.model.parameters() if p._post_accumulate_grad_hooks]
+        tables += [self.opt._optimizer_step_pre_hooks, self.opt._optimizer_step_post_hooks]
+        tables += [_module._global_forward_pre_hooks, _module._global_forward_hooks]
+        return tables
+
+    def stash(self) -> None:
+        for t in self._tables():
+            for k in [k for k in t if k not in self.before.get(id(t), ())]:
+                self.stashed.append((t, k, t.pop(k)))
+
+    def restore(self) -> None:
+        for t, k, v in self.stashed:
+            t[k] = v
+        self.stashed.clear()
 
 
 class _NullHistSink(nummon.BaseSink):
@@ -516,9 +574,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator thresholds alone (noisier)")
     ap.add_argument(
-        "--cold",
-        action="store_true",
-        help="every round's Monitor starts a new run (default: it resumes the engine state of the last round's)",
+        "--monitor",
+        choices=("kept", "fresh", "cold"),
+        default="kept",
+        help="kept (default): one Monitor for the run, its hooks off between its rounds; fresh: a new Monitor "
+        "each round resuming the last one's engine state; cold: a new Monitor and run each round",
     )
     ap.add_argument(
         "--probe-hooks",
@@ -531,7 +591,7 @@ def main(argv=None) -> int:
         help="comma-separated variant names to run (the bare step and its A/A control always run)",
     )
     a = ap.parse_args(argv)
-    COLD[0] = a.cold
+    MODE[0] = a.monitor
     steady = False if a.system_malloc else steady_allocator()
     cuda = a.device.startswith("cuda")
     rounds = a.rounds or (7 if cuda else 60)
@@ -539,10 +599,14 @@ def main(argv=None) -> int:
     only = {v.strip() for v in a.only.split(",")} | {"bare", "bare (A/A)"} if a.only else None
     res = measure(a.device, rounds, steps, a.warmup, only, probe_hooks=a.probe_hooks or cuda, shape=a.shape)
     res["steady_allocator"] = steady
-    res["engine"] = "cold (a new run each round)" if a.cold else "resumed (engine_state() carried over rounds)"
+    res["monitor"] = {
+        "kept": "kept (one Monitor, detached between its rounds)",
+        "fresh": "a new Monitor each round, resuming engine_state()",
+        "cold": "cold (a new Monitor and run each round)",
+    }[a.monitor]
     print(
         f"{res['workload']} on {res['device']} ({res['machine']}, torch {res['torch']}, "
-        f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps, engine {res['engine']})"
+        f"{'steady' if steady else 'default'} allocator, {rounds} rounds x {steps} steps, monitor {res['monitor']})"
     )
     print(f"{'variant':32s} {'median ms':>10s} {'ratio':>7s} {'paired':>7s} {'mean':>7s}")
     for k, r in res["ratio_to_bare"].items():

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -103,3 +104,47 @@ def test_the_hook_cost_benchmark_compares_like_with_like():
     assert res["bare"] == (1.0, 0)
     assert res["no-op hooks"][1] == res["probes (as installed)"][1] > 0
     assert all(math.isfinite(ratio) and ratio > 0 for ratio, _ in res.values())
+
+
+def test_a_kept_monitor_runs_in_its_own_rounds_only():
+    # the default harness keeps one Monitor per variant and takes its hooks off the shared model and
+    # optimizer between its rounds: a step of another variant runs no nummon code at all, and the
+    # Monitor's next round runs it again, its step count carried on
+    import torch
+
+    model, make_opt, loss_fn, _ = overhead.SHAPES["lm2"][0](torch.device("cpu"))
+    opt = make_opt(model)
+    attach = overhead.variants(str(ROOT), torch.device("cpu"))[0]["nummon default"]
+    import nummon
+
+    package = os.path.dirname(nummon.__file__) + os.sep  # (by folder: a clone named nummon holds torch too)
+    calls = [0]
+
+    def count(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[0] += 1
+
+    def step(after):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        opt.step()
+        return after(loss)
+
+    try:
+        seen = []
+        for _ in range(2):
+            after, detach = attach(model, opt)
+            for _ in range(11):  # a sampled step among them: every hook kind registered once
+                seen.append(step(after).record.step)
+            detach()
+            sys.setprofile(count)
+            try:
+                step(lambda loss: None)
+            finally:
+                sys.setprofile(None)
+            assert calls[0] == 0
+        assert seen == list(range(22))
+    finally:
+        while overhead._CLEANUPS:
+            overhead._CLEANUPS.pop()()
