@@ -194,10 +194,10 @@ class AdamStatistics:
         self._steps = 0  # optimizer steps since attaching (our own step post-hook: a host count)
         self._grad_at: int | None = None  # `_steps` when a gradient last reached the watched parameter
         self._hooks: list = []
-        self._watch()
+        self.watch()
 
-    def _watch(self) -> None:
-        """Hooks that tell, on the host and without a device read, whether optimizer.step() ran
+    def watch(self) -> None:
+        """(Again, after `remove`:) hooks that tell, on the host and without a device read, whether optimizer.step() ran
         since the last backward: the first trainable parameter's post-accumulate-grad hook (one
         Python call per backward) and the optimizer's step post-hook."""
         opt = self.optimizer
@@ -213,7 +213,8 @@ class AdamStatistics:
             None,
         )
         if (
-            p is None
+            self._hooks
+            or p is None
             or not hasattr(p, "register_post_accumulate_grad_hook")
             or not hasattr(opt, "register_step_post_hook")
         ):

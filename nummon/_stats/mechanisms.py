@@ -36,7 +36,7 @@ from .distributed import Reduce
 from .eager_replay import ForwardReplay
 from .transport import Segment
 
-__all__ = ["MechanismProbes", "MechanismStep", "TOP_SAMPLES"]
+__all__ = ["MechanismProbes", "MechanismStep", "StepHooks", "TOP_SAMPLES"]
 
 #: Per-sample losses: indices of this many worst samples go into the record.
 TOP_SAMPLES = 5
@@ -88,18 +88,8 @@ class MechanismProbes:
         # v's update (without a model forward to see: since the last take)
         self._stepped = False
         self._steps_seen = 0  # optimizer steps since attaching (a host count: no device read)
-        self._hooks_opt = []
-        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self._hooks_opt = [
-                optimizer.register_step_pre_hook(self._before_step),
-                optimizer.register_step_post_hook(self._after_step),
-            ]
-        self._hooks = []
-        if model is not None and (attention or output or linear_rms):
-            self._hooks = [
-                model.register_forward_pre_hook(self._enter, with_kwargs=True),
-                model.register_forward_hook(self._leave, always_call=True),
-            ]
+        self._step_hooks = StepHooks(self, model is not None and (attention or output or linear_rms))
+        self.arm(False)
 
     @property
     def errors(self) -> int:
@@ -121,8 +111,14 @@ class MechanismProbes:
         self._steps_seen += 1
 
     def arm(self, on: bool) -> None:
-        """Sample (or not) the next forward and optimizer step."""
+        """Sample (or not) the next forward and optimizer step: the hooks are registered for it
+        (and taken off after an armed step), unless they are kept for good (`StepHooks`)."""
         self.armed = bool(on)
+        hooks = self._step_hooks
+        if on or hooks.kept or self._traced or self.forward_off or (self.replay is not None and self.replay.active):
+            hooks.on()
+        else:
+            hooks.off()
 
     def _enter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
         model, capture, replay = self.model, self.capture, self.replay
@@ -229,7 +225,7 @@ class MechanismProbes:
                     segs += adam_segs
         finally:
             torch._C._set_grad_enabled(grad)
-        if not self._hooks:
+        if not self._step_hooks.forward:
             self._stepped = False
         return ms, segs
 
@@ -276,11 +272,46 @@ class MechanismProbes:
         if self.capture is not None:
             self._leave(None, None, None)
             self.capture.close()
-        for h in self._hooks_opt:
+        self._step_hooks.off()
+
+
+class StepHooks:
+    """The probes' hooks on the model's forward, the optimizer's step and Adam's gradient: on
+    while a step is armed only (each is a Python call per forward or step), for good once the
+    model is compiled (adding or removing a hook changes what torch.compile traced) or where the
+    optimizer keeps its step count on the device (`_steps_seen` must see every step)."""
+
+    def __init__(self, probes: MechanismProbes, forward: bool) -> None:
+        self.probes = probes
+        self.forward = forward  # the model's forward is hooked (a forward probe is on)
+        opt = probes.optimizer
+        self.kept = any(g.get("fused") or g.get("capturable") for g in getattr(opt, "param_groups", ()))
+        self.handles: list[Any] = []
+        self.registered = False
+        if probes.adam is not None:  # (it hooks itself when made: from here on, on and off with these)
+            probes.adam.remove()
+
+    def on(self) -> None:
+        if self.registered:
+            return
+        p, opt, model = self.probes, self.probes.optimizer, self.probes.model
+        if opt is not None and hasattr(opt, "register_step_post_hook"):
+            self.handles += [opt.register_step_pre_hook(p._before_step), opt.register_step_post_hook(p._after_step)]
+        if self.forward and model is not None:
+            self.handles += [
+                model.register_forward_pre_hook(p._enter, with_kwargs=True),
+                model.register_forward_hook(p._leave, always_call=True),
+            ]
+        if p.adam is not None:
+            p.adam.watch()
+        self.registered = True
+
+    def off(self) -> None:
+        if not self.registered:
+            return
+        for h in self.handles:
             h.remove()
-        self._hooks_opt = []
-        if self.adam is not None:
-            self.adam.remove()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.handles = []
+        if self.probes.adam is not None:
+            self.probes.adam.remove()
+        self.registered = False
