@@ -227,6 +227,7 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     """The demo CNN has 8 tensors: the 8 smallest would be all of them, fc1's 1.6M elements
     included; the clip ratio comes from the small ones."""
     from nummon._stats.families.gradients import CLIP_ANCHOR_ELEMENTS
+    from nummon._stats.kernels import SMALL_NUMEL
     from nummon._tools.demo_model import DemoCNN
 
     torch.manual_seed(0)
@@ -239,6 +240,7 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     anchors = mon._stats.anchors.cache[1]
     assert sum(params[i].numel() for i in anchors) <= CLIP_ANCHOR_ELEMENTS and len(anchors) > 1
     assert all(params[i] is not model.fc1.weight for i in anchors)
+    assert all(params[i].numel() <= SMALL_NUMEL for i in anchors)  # one kernel call for them all, no dot each
     assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-4)  # float32 sums over 1.6M squares, two orders
     assert rec.clip_ratio == pytest.approx(1e-2 / norm.item(), rel=1e-4)
     mon.close()

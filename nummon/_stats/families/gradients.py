@@ -15,6 +15,7 @@ import torch
 
 from ..distributed import Reduce
 from ..dtypes import dtype_name, narrowest
+from ..kernels import SMALL_NUMEL
 from ..preclip import PreClipGrads
 from ..transport import Segment
 from .family import (
@@ -45,8 +46,10 @@ log = logging.getLogger("nummon")
 #: every gradient by one factor, so a few tell it; a second read of all of them would cost a
 #: full pass over the gradients' memory)
 CLIP_ANCHORS = 8
-#: ... holding at most this many elements together (at least one gradient): on a small model the
-#: 8 smallest can include its largest matrix (the demo CNN's fc1, 1.6M of its 1.6M)
+#: ... holding at most this many elements together, and no more than the kernels measure in groups
+#: each (`SMALL_NUMEL`: one kernel call for all of them, not a dot per tensor), at least one
+#: gradient: on a small model the 8 smallest can include its largest matrix (the demo CNN's fc1,
+#: 1.6M of its 1.6M)
 CLIP_ANCHOR_ELEMENTS = 1 << 16
 
 
@@ -58,13 +61,14 @@ class ClipAnchors:
 
     def pick(self, grads: list[torch.Tensor]) -> tuple[list[int], Any]:
         """The positions of the smallest non-empty gradients (at most CLIP_ANCHORS, holding at
-        most CLIP_ANCHOR_ELEMENTS but for the first), and a picker for them."""
+        most CLIP_ANCHOR_ELEMENTS and each at most SMALL_NUMEL, but for the first), and a picker
+        for them."""
         n = len(grads)
         if self.cache[0] != n:
             chosen: list[int] = []
             total = 0
             for size, i in sorted((g.numel(), i) for i, g in enumerate(grads) if g.numel())[:CLIP_ANCHORS]:
-                if chosen and total + size > CLIP_ANCHOR_ELEMENTS:
+                if chosen and (total + size > CLIP_ANCHOR_ELEMENTS or size > SMALL_NUMEL):
                     break
                 chosen.append(i)
                 total += size
