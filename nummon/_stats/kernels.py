@@ -236,7 +236,9 @@ class NormKernels:
         return plan
 
     def _measure(self, tensors: list[torch.Tensor], key: str, norms: bool, absmax: bool) -> tuple:
-        plan = self._plan(key, tensors)
+        plan = self._plans.get(key)  # (`_plan`'s test, inline: this runs twice a step)
+        if plan is None or plan.n != len(tensors) or plan.device != tensors[0].device:
+            plan = self._plan(key, tensors)
         if plan.fused:  # no dependence on shapes
             return self._foreach(tensors, plan, norms, absmax)
         try:
@@ -245,8 +247,13 @@ class NormKernels:
             return self._grouped(tensors, self._plan(key, tensors, stale=True), key, norms, absmax)
 
     def _grouped(self, tensors: list[torch.Tensor], plan: _Plan, key: str, norms: bool, absmax: bool) -> tuple:
-        nw = self._work(key + ":n", plan, minmax=False) if norms else None
-        mw = self._work(key + ":m", plan, minmax=True) if absmax else None
+        buffers = self.buffers  # (`_work`'s lookups, inline: a call less each on every step)
+        nw = buffers.get(key + ":n") if norms else None
+        if norms and (nw is None or nw.plan is not plan):
+            nw = self._work(key + ":n", plan, minmax=False)
+        mw = buffers.get(key + ":m") if absmax else None
+        if absmax and (mw is None or mw.plan is not plan):
+            mw = self._work(key + ":m", plan, minmax=True)
         for i, (pick, total) in enumerate(zip(plan.pick, plan.totals)):
             ts = pick(tensors)
             if total == 0:  # its places keep the zeros they were made with
@@ -282,6 +289,8 @@ class NormKernels:
                 _big_norms(big, nw)
             elif mw is not None:
                 _big_absmax(big, mw)
+        if plan.inverse is None:  # (`in_order`, inline)
+            return (nw.result if nw is not None else None, mw.result if mw is not None else None)
         return (nw.in_order(plan) if nw is not None else None, mw.in_order(plan) if mw is not None else None)
 
     def _work(self, key: str, plan: _Plan, minmax: bool) -> _Work:
