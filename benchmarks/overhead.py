@@ -188,7 +188,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
             mon = nummon.Monitor(model, opt, policy=policy, sinks=list(sinks), start_step=steps[0])
             if MODE[0] == "kept":
                 kept[:] = [mon, before]
-                _CLEANUPS.append(mon.close)
+                _CLEANUPS.append(lambda: (attach.alerts.extend(mon.alerts), mon.close()))
                 return mon.post_step, before.stash
             if state[0] is not None and MODE[0] == "fresh":
                 mon.load_engine_state(state[0])
@@ -196,10 +196,15 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
             def detach():
                 steps[0] = mon.step
                 state[0] = mon.engine_state()
+                attach.alerts.extend(mon.alerts)
                 mon.close()
 
             return mon.post_step, detach
 
+        # the alerts the variant's Monitors raised: a timed step of a run with an open incident
+        # measures everything (not a quiet step), and a long measurement can train the shared
+        # model into one (a fixed batch, memorised)
+        attach.alerts = []
         return attach
 
     def per_param_item(model, opt):
@@ -403,6 +408,11 @@ def measure(
             times[name] = ts
     while _CLEANUPS:
         _CLEANUPS.pop()()
+    alerts = {
+        name: sorted({f"{a.kind.value} {a.severity.value} at step {a.step}" for a in fn.alerts})
+        for name, fn in main_phase.items()
+        if getattr(fn, "alerts", None)
+    }
     med = {k: statistics.median(v) for k, v in times.items()}
     bare = med["bare"]
     res_bw = stats_bandwidth(model, opt, loss_fn, dev) if dev.type == "cuda" else None
@@ -422,6 +432,7 @@ def measure(
         "median_step_ms": {k: v * 1e3 for k, v in med.items()},
         "ratio_to_bare": {k: v / bare for k, v in med.items()},
         "mean_ratio": mean_ratio,
+        "alerts": alerts,
     }
 
 
@@ -612,6 +623,11 @@ def main(argv=None) -> int:
     for k, r in res["ratio_to_bare"].items():
         print(
             f"{k:32s} {res['median_step_ms'][k]:10.2f} {r:7.3f} {res['paired_ratio'][k]:7.3f} {res['mean_ratio'][k]:7.3f}"
+        )
+    for name, said in res["alerts"].items():
+        print(
+            f"note: {name} raised {len(said)} alert(s) while measured ({'; '.join(said[:3])}): its steps after them "
+            "are not a healthy run's (fewer rounds or steps keep the shared model from memorising its batch)"
         )
     if res["host_cost_bar"]:
         b = res["host_cost_bar"]
