@@ -274,7 +274,7 @@ class ActivationProbes:
         self._order, self._src, self._dtype = [], [None] * len(self.names), None
         self._step_dtypes = set()
         segments = []
-        for dtype in set(step.src).difference((None,)):  # (no comprehension: a Python call a step)
+        for dtype in filter(None, set(step.src)):  # (no comprehension: a Python call a step)
             buf = self._bufs[dtype]
             if distributed:  # ranks combine maxima; a (min, max) pair would need two rules
                 segments.append(Segment(f"act_max:{dtype}", absmax_rows(buf), Reduce.MAX))

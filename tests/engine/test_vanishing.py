@@ -53,7 +53,6 @@ def test_a_structurally_zero_gradient_that_comes_alive_and_vanishes_again_warns(
     assert not any(found[:112]) and found[112][0].details["layers"] == {"b": 0.0}
 
 
-
 def _reference_vanished(steps, ratio, patience):
     """The rule, one tensor at a time: per step, the names at `patience`+ records in a row at ~0
     (at most `ratio` of the step's largest finite norm) after having been above that once; a
@@ -99,6 +98,7 @@ def test_the_counts_follow_the_rule_tensor_by_tensor(rows, patience):
     assert [len(g) for g in got] == [min(len(w), pol.max_named) for w in want]
     assert all(g <= w for g, w in zip(got, want))
     assert [f[0].details["count"] if f else 0 for f in found] == [len(w) for w in want]
+
 
 class QKLayerNormAttention(nn.Module):
     """One causal attention layer with qk-layernorm: the keys' LayerNorm bias adds q·b to every

@@ -241,7 +241,6 @@ def test_cadence_samples_every_n_steps_and_nothing_between():
     assert all(r.record.output_logsumexp_mean is None for r in reports if r.record.step not in sampled)
 
 
-
 def test_the_model_and_optimizer_are_hooked_for_the_sampled_steps_only():
     # a hook is a Python call per forward or optimizer step: the probes' hooks are registered when
     # a step is armed and taken off after it (the samples are the same as test_cadence's)
@@ -259,6 +258,7 @@ def test_the_model_and_optimizer_are_hooked_for_the_sampled_steps_only():
     assert sampled == [s in (3, 6) for s in range(7)]  # (Adam has no ratio to tell at its first step)
     assert hooked == [(s + 1 in (3, 6),) * 2 for s in range(7)]  # after step s: for step s + 1
     assert not model._forward_pre_hooks and not opt._optimizer_step_post_hooks  # closed: none left
+
 
 def test_no_probe_runs_when_mechanisms_are_off():
     torch.manual_seed(0)

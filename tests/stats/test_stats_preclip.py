@@ -52,7 +52,6 @@ def test_without_clipping_the_ratio_is_one_and_norms_match_the_gradients():
         assert rec.layer_grad_norms[name] == pytest.approx(float(p.grad.norm()), rel=1e-6)
 
 
-
 @pytest.mark.parametrize("how", ["in place", "replaced", "one dropped"])
 def test_the_clip_ratio_follows_what_the_loop_did_to_the_gradients_after_the_backward(how):
     # clipping in place (clip_grad_norm_), by new tensors (p.grad = p.grad * c), or a gradient
@@ -99,6 +98,7 @@ def test_an_unclipped_step_reads_a_clip_ratio_of_exactly_one():
         ratios.append(mon.post_step(1.0).record.clip_ratio)
     mon.close()
     assert ratios == [1.0] * 12
+
 
 def test_a_step_without_a_backward_measures_the_gradients_as_they_are():
     model = nn.Linear(2, 1)
