@@ -35,10 +35,11 @@ class Cadence:
         """Whether this step measures everything (while an incident is open or after a non-finite step)."""
         return self.incident_open or step <= self.detail_until
 
-    def extremes_due(self, step: int, params_due: bool) -> bool:
+    def extremes_due(self, step: int, params_due: bool, close: bool | None = None) -> bool:
         """max |g| is measured with the parameters' cadence, every step for narrow dtypes and
         while the run is watched closely; the L2 norm bounds it (and shows NaN/Inf) between."""
-        return params_due or self.narrow_grads or self.watch_closely(step)
+        # (`close`: `watch_closely(step)` when the caller has it already)
+        return params_due or self.narrow_grads or (self.watch_closely(step) if close is None else close)
 
     def arm_next(self, next_step: int, first: bool = False) -> None:
         """What the next forward hooks: nothing between the activation samples; the boundaries

@@ -170,7 +170,7 @@ class StatsCollector:
             batch,
             params_due or close,
             optim_due or close,
-            cadence.extremes_due(step, params_due),
+            cadence.extremes_due(step, params_due, close),
             dev,
             self.dist is not None,
             clip_norm=clip_norm,

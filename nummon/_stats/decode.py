@@ -61,7 +61,8 @@ class Decoder:
             decode(b)
         rec = b.rec
         self._headroom(rec, pending, b.grad_bound)
-        self._scaler_skip(b)
+        if b.parts and self.grad_scaler is not None:
+            self._scaler_skip(b)
         if b.parts:
             origin = _Origin(b.first_bad_act, b.bad_grads)
             rec.nonfinite_parts = tuple(b.parts)

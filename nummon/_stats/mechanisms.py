@@ -117,7 +117,7 @@ class MechanismProbes:
         hooks = self._step_hooks
         if on or hooks.kept or self._traced or self.forward_off or (self.replay is not None and self.replay.active):
             hooks.on()
-        else:
+        elif hooks.registered:
             hooks.off()
 
     def _enter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:

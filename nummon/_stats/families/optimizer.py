@@ -33,7 +33,8 @@ def decode_optimizer(b: RecordBuild) -> None:
     """`rec.lr`, `rec.optim_state_norm` (total L2 norm) and `rec.update_ratio` (dimensionless)."""
     rec, lr = b.rec, b.get("lr")
     rec.lr = b.pending.lr if lr is None else lr[0]
-    rec.optim_state_norm = family_norm(b, "state_norms", b.pending.state, "optimizer state")
+    if b.get("state_norms") is not None:  # (not measured: no call)
+        rec.optim_state_norm = family_norm(b, "state_norms", b.pending.state, "optimizer state")
     if rec.lr is None or not rec.param_norm:
         return
     if rec.optim_state_norm is not None:

@@ -39,7 +39,8 @@ def launch_params(c: Collecting, s: LaunchStep) -> list[Segment]:
 
 def decode_params(b: RecordBuild) -> None:
     """`rec.param_norm`, the total L2 norm; "parameters" is non-finite when a norm is."""
-    b.rec.param_norm = family_norm(b, "param_norms", b.pending.params, "parameters")
+    if b.get("param_norms") is not None:  # (not measured: no call)
+        b.rec.param_norm = family_norm(b, "param_norms", b.pending.params, "parameters")
 
 
 def check_now(watched: WatchedParams, kernels: NormKernels, rec: StepRecord) -> None:
