@@ -190,11 +190,6 @@ class _Work:
             (mm[:, 0], mm[:, 1]),
         )
 
-    def in_order(self, plan: _Plan) -> torch.Tensor:
-        if plan.inverse is not None:
-            torch.index_select(self.buf, 0, plan.inverse, out=self.result)
-        return self.result
-
 
 class NormKernels:
     """L2 norms and max |x| of tensor lists, into buffers made once per list."""
@@ -292,7 +287,7 @@ class NormKernels:
                 _big_norms(big, nw)
             elif mw is not None:
                 _big_absmax(big, mw)
-        if plan.inverse is not None:  # (`in_order`, inline)
+        if plan.inverse is not None:  # the results back in the list's order
             for w in (nw, mw):
                 if w is not None:
                     torch.index_select(w.buf, 0, plan.inverse, out=w.result)

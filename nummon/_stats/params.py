@@ -13,11 +13,18 @@ from torch.nn.parameter import is_lazy
 from .distributed import local_tensor, norm_rules
 from .optim import OptimizerView
 
-__all__ = ["WatchedParams"]
+__all__ = ["WatchedParams", "dense_grads"]
 
 _grad = operator.attrgetter("grad")
 _sparse = operator.attrgetter("is_sparse")
 _is_none = functools.partial(operator.is_, None)
+
+
+def dense_grads(params: Any) -> list[torch.Tensor] | None:
+    """The `.grad` of each of `params` as it is, or None when one is missing or sparse (map and
+    any in C: no Python call per tensor)."""
+    grads = list(map(_grad, params))
+    return None if any(map(_is_none, grads)) or any(map(_sparse, grads)) else grads
 
 
 class _RegistrationFlag:

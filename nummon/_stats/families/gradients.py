@@ -16,6 +16,7 @@ import torch
 from ..distributed import Reduce
 from ..dtypes import dtype_name, narrowest
 from ..kernels import SMALL_NUMEL
+from ..params import dense_grads
 from ..preclip import PreClipGrads
 from ..transport import Segment
 from .family import (
@@ -103,11 +104,6 @@ def launch_grads(c: Collecting, s: LaunchStep) -> list[Segment]:
     return segs
 
 
-_grad = operator.attrgetter("grad")
-_sparse = operator.attrgetter("is_sparse")
-_is_none = functools.partial(operator.is_, None)
-
-
 def _clip_ratio_norms(c: Collecting, s: LaunchStep, pre: PreClipGrads) -> list[Segment]:
     """A few of today's gradients measured again, after clipping, for the clip ratio. When the
     backward's list held every watched parameter's gradient as it is, only those few are read
@@ -115,8 +111,8 @@ def _clip_ratio_norms(c: Collecting, s: LaunchStep, pre: PreClipGrads) -> list[S
     if pre.whole and len(c.watched.params) == len(pre.grads):
         idx, pick = c.anchors.pick(pre.grads)
         params = pick(c.watched.params)
-        now = list(map(_grad, params)) if len(idx) > 1 else [params.grad]
-        if not any(map(_is_none, now)) and not any(map(_sparse, now)):  # (else: the general case)
+        now = dense_grads(params if len(idx) > 1 else (params,))
+        if now is not None:  # (else: the general case)
             s.clip_anchors = idx
             return [Segment("grad_norms_post", c.kernels.l2_norms(now, key="grad_norms_post"), Reduce.LOCAL)]
     grads, names, _raw = c.watched.grads(s.dev, s.distributed)
