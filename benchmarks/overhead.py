@@ -437,6 +437,7 @@ def measure(
         "ratio_to_bare": {k: v / bare for k, v in med.items()},
         "mean_ratio": mean_ratio,
         "alerts": alerts,
+        "round_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
     }
 
 

@@ -2,13 +2,16 @@
 that does not grow with the number of tensors (beyond building a list).
 
 A `_Plan` per list (made once, re-made when a tensor's shape changes) sorts the tensors into
-groups. CPU: small tensors of one shape are concatenated (one `cat`, which costs ~0.2 us per
-tensor where a view, a `dot` or an `aminmax` per tensor costs 1-4 us) and reduced row-wise in
-one kernel per group; the few large tensors get a BLAS dot / `aminmax` each into a
-preallocated buffer (their own kernel dwarfs the launch); small tensors with no other of their
-shape (a CNN's biases and small layers) are measured by one `torch._foreach_norm` over all of
-them (its loop runs in C: one Python-level op where a group each cost a reshape and a norm
-through Python). Other devices: one fused
+groups. CPU: small tensors of one shape, `MIN_GROUP` or more, are concatenated (one `cat`, which
+costs ~0.2 us per tensor where a view, a `dot` or an `aminmax` per tensor costs 1-4 us) and
+reduced row-wise in one kernel per group; small tensors in fewer of their shape (a CNN's biases
+and small layers) are measured by one `torch._foreach_norm` over all of them (its loop runs in
+C: one Python-level op where a group each cost a reshape and a norm through Python). Larger
+tensors: when only their norms are wanted (most steps), those up to `LOOP_NUMEL` elements join
+such a loop and the few larger ones get a BLAS dot each; with max |x| too, each gets a dot and
+an `aminmax` into a preallocated buffer. Right after a backward every op from Python costs
+several µs more than on a warm interpreter, so fewer ops is what counts (on the host-cost bar's
+shapes: a quiet step's gradient read 5-25 µs less). Other devices: one fused
 `torch._foreach_norm` per dtype. The per-group results are put back in the list's order with
 one `index_select`.
 """
@@ -34,6 +37,14 @@ SMALL_NUMEL = 1 << 12
 #: torch's intra-op grain (at::internal::GRAIN_SIZE): groups stay below it, so their reductions
 #: run on the calling thread
 GRAIN = 1 << 15
+#: CPU: a group of fewer same-shape small tensors than this joins the one `_foreach_norm` loop
+#: (its per-tensor launch is in C, ~1.5 us; a group's own kernels cost ~10 us from Python)
+MIN_GROUP = 8
+#: CPU: tensors above SMALL_NUMEL and up to this many elements have their norms measured by that
+#: loop too, when only norms are wanted; larger ones by a BLAS dot each, the faster kernel there.
+#: With max |x| (an `aminmax` per tensor above SMALL_NUMEL: the loop's inf-norm reads ~1 ns an
+#: element) each gets its dot and its `aminmax` back to back, the second read from cache
+LOOP_NUMEL = 1 << 18
 
 #: dtypes `_foreach_norm(..., dtype=float32)` measures in float32 (at least as wide as theirs)
 _FOREACH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,13 +78,16 @@ class _Plan:
     n: int  # the list's length
     totals: list[int]  # per group, its elements in all (checked per step: one number per group)
     groups: list[list[int]]  # CPU: small tensors of one shape; fused: one dtype and device
-    big: list[int]  # CPU: tensors measured one by one
-    singles: list[int]  # CPU: small tensors alone with their shape, measured by one _foreach_norm
+    big: list[int]  # CPU: tensors measured one by one (their norms: the first `loop` in the C loop)
+    loop: int  # CPU: the first this many of `big` have their norms measured by one _foreach_norm (norms only)
+    singles: list[int]  # CPU: small tensors in too small a group of their shape, measured by one _foreach_norm
     inverse: torch.Tensor | None  # result position of each list position (None: already in order)
     device: torch.device
     fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
     pick: list[_Pick]  # per group, a function taking its tensors out of the list (in C)
     pick_big: _Pick | None  # None when `big` is empty
+    pick_loop: _Pick | None  # the first `loop` of `big` (None: none)
+    pick_dot: _Pick | None  # the rest of `big` (None: none)
     pick_singles: _Pick | None  # None when `singles` is empty
 
     @staticmethod
@@ -102,12 +116,21 @@ class _Plan:
                 size += n
             groups.append(chunk)
         singles: list[int] = []
-        if cpu:  # alone with their shape: one C loop for all of them instead of a group each
-            singles = [
-                g[0] for g in groups if len(g) == 1 and tensors[g[0]].numel() and tensors[g[0]].dtype in _FOREACH_DTYPES
+        loop: list[int] = []
+        if cpu:  # few with their shape: one C loop for all of them instead of a group each
+            few = [
+                g
+                for g in groups
+                if len(g) < MIN_GROUP and all(tensors[i].numel() and tensors[i].dtype in _FOREACH_DTYPES for i in g)
             ]
-            alone = set(singles)
-            groups = [g for g in groups if not (len(g) == 1 and g[0] in alone)]
+            singles = sorted(i for g in few for i in g)
+            groups = [g for g in groups if g not in few]
+            loop = [
+                i
+                for i in big
+                if tensors[i].numel() <= LOOP_NUMEL and tensors[i].device == dev and tensors[i].dtype in _FOREACH_DTYPES
+            ]
+            big = loop + [i for i in big if i not in set(loop)]
         order = [i for g in groups for i in g] + singles + big
         inverse = None
         if order != list(range(len(tensors))):
@@ -121,12 +144,15 @@ class _Plan:
             totals,
             groups,
             big,
+            len(loop),
             singles,
             inverse,
             dev,
             fused,
             [_picker(g) for g in groups],
             _picker(big) if big else None,
+            _picker(big[: len(loop)]) if loop else None,
+            _picker(big[len(loop) :]) if len(big) > len(loop) else None,
             _picker(singles) if singles else None,
         )
 
@@ -166,7 +192,9 @@ class _Work:
     groups: list[torch.Tensor]  # per group, its part of `buf`
     singles: torch.Tensor  # the singles' part
     big: torch.Tensor  # the big tensors' part
-    big_rows: list[torch.Tensor]  # its 0-d views (norms: a dot into each)
+    loop: torch.Tensor  # ... its first `plan.loop` places (norms: one _foreach_norm into them)
+    dots: torch.Tensor  # ... and the rest (norms: a dot into each, then one sqrt)
+    big_rows: list[torch.Tensor]  # norms: per big tensor, the 0-d view its dot writes
     minmax: torch.Tensor  # max |x|: the big tensors' (n, 2) (min, max) buffer
     minmax_rows: list[tuple[torch.Tensor, torch.Tensor]]
     minmax_cols: tuple[torch.Tensor, torch.Tensor]
@@ -177,6 +205,7 @@ class _Work:
         buf = torch.zeros(plan.n, device=dev)
         *groups, singles, big = buf.split([*map(len, plan.groups), len(plan.singles), nbig])
         mm = torch.zeros(nbig if minmax else 0, 2, device=dev)
+        loop, dots = big[: plan.loop], big[plan.loop :]
         return _Work(
             plan,
             buf,
@@ -184,6 +213,8 @@ class _Work:
             groups,
             singles,
             big,
+            loop,
+            dots,
             [] if minmax else [big[i] for i in range(nbig)],
             mm,
             [(mm[i, 0], mm[i, 1]) for i in range(len(mm))],
@@ -279,14 +310,21 @@ class NormKernels:
             except RuntimeError:
                 raise _Stale from None
         if plan.big:
-            assert plan.pick_big is not None  # made whenever `big` is not empty
-            big = plan.pick_big(tensors)
-            if nw is not None and mw is not None:
-                _big_both(big, nw, mw)
+            if mw is not None:
+                assert plan.pick_big is not None  # made whenever `big` is not empty
+                big = plan.pick_big(tensors)
+                if nw is not None:
+                    _big_both(big, nw, mw)
+                else:
+                    _big_absmax(big, mw)
             elif nw is not None:
-                _big_norms(big, nw)
-            elif mw is not None:
-                _big_absmax(big, mw)
+                if plan.pick_loop is not None:
+                    try:
+                        torch.stack(torch._foreach_norm(plan.pick_loop(tensors), 2, dtype=torch.float32), out=nw.loop)
+                    except RuntimeError:
+                        raise _Stale from None
+                if plan.pick_dot is not None:
+                    _big_norms(plan.pick_dot(tensors), nw)
         if plan.inverse is not None:  # the results back in the list's order
             for w in (nw, mw):
                 if w is not None:
@@ -340,15 +378,16 @@ def _row_absmax(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _big_norms(tensors: Sequence[torch.Tensor], work: _Work) -> None:
-    """A BLAS dot per dense float32 tensor (half the time of `vector_norm` on the tensors that
-    matter, measured inside a training step) into its place, then one sqrt in place."""
-    for t, v in zip(tensors, work.big_rows):
+    """The tensors past the loop's (`work.dots`): a BLAS dot per dense float32 tensor (half the
+    time of `vector_norm` on the tensors that matter, measured inside a training step) into its
+    place, then one sqrt in place."""
+    for t, v in zip(tensors, work.big_rows[work.plan.loop :]):
         if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
             f = t.view(-1)
             torch.dot(f, f, out=v)
         else:  # other dtypes, layouts, devices (rare)
             _square_norm(t, v)
-    work.big.sqrt_()
+    work.dots.sqrt_()
 
 
 def _big_absmax(tensors: Sequence[torch.Tensor], work: _Work) -> None:

@@ -136,8 +136,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 )
 def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
     # shapes that share a group, 0-d and empty tensors, a half tensor, large ones measured alone
-    # (float32, half, a non-contiguous view), a small non-contiguous view, and NaN in one of a group
-    from nummon._stats.kernels import SMALL_NUMEL, NormKernels
+    # (float32, half, a non-contiguous view), a small non-contiguous view, and NaN in one of a group;
+    # a group of MIN_GROUP same-shape tensors and a smaller one (measured in the loop), mid-size
+    # tensors (the loop's norms: one with Inf, one bfloat16) and one above LOOP_NUMEL (a dot)
+    from nummon._stats.kernels import LOOP_NUMEL, MIN_GROUP, SMALL_NUMEL, NormKernels
 
     torch.manual_seed(0)
     ts = [
@@ -151,19 +153,30 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
         torch.randn(3, 4),
         torch.randn(SMALL_NUMEL + 3).half() * 7,  # large ones that are not dense float32
         torch.randn(80, 60).t(),
+        *(torch.randn(9) * (i + 1) for i in range(MIN_GROUP)),
+        torch.randn(2, 5),
+        torch.randn(2, 5),
+        torch.randn(4 * SMALL_NUMEL) * 3,
+        torch.randn(4 * SMALL_NUMEL),
+        torch.randn(2 * SMALL_NUMEL).bfloat16(),
+        torch.randn(LOOP_NUMEL + 5),
     ]
+    nan = [7]
     ts[7][1, 2] = float("nan")
+    ts[-3][17] = float("inf")
     ts = [t.to(device) for t in ts]
     k = NormKernels(fused=fused)
     for _ in range(2):  # the second call reuses the plan
         norms, absmax = k.norms_and_absmax(ts, key="t")
+        only = k.l2_norms(ts, key="n")  # a plan whose steps want the norms alone
         for i, t in enumerate(ts):
             want_n = t.double().norm().item()
             want_m = t.double().abs().max().item() if t.numel() else 0.0
-            if i == 7:
-                assert math.isnan(norms[i]) and math.isnan(absmax[i])
+            if i in nan:
+                assert math.isnan(norms[i]) and math.isnan(absmax[i]) and math.isnan(only[i])
             else:
                 assert norms[i].item() == pytest.approx(want_n, rel=1e-3), i
+                assert only[i].item() == pytest.approx(want_n, rel=1e-3), i
                 assert absmax[i].item() == pytest.approx(want_m, rel=1e-3), i
     ts[0] = torch.randn(5, device=device)  # shape changes re-plan: one that breaks the concatenation,
     ts[1] = torch.randn(6, 4, device=device)  # one that concatenates but changes the group's size
