@@ -2,7 +2,7 @@
 of the next records in which it provably stays silent, and records inside it skip the detectors.
 
 The region (`QuietRegion`) is a band per magnitude (`lo <= value <= hi`, the band made around
-the last value and narrowed by each detector), the last step and the number of records it
+the magnitude's recent level, the median of its last few values, and narrowed by each detector), the last step and the number of records it
 holds for, and the dtype the headroom was judged in. A record inside it is finite, carries none
 of the sampled mechanism statistics (their detectors judge every sample) and has each magnitude
 it carries inside its band: every detector would return no finding for it, whatever records
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +34,27 @@ from .._core.types import MECHANISM_FIELDS, MECHANISM_LAYER_FIELDS, StepRecord
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["BAND_FIELDS", "BAND_RATIO", "MAX_RECORDS", "QuietPath", "QuietPlan", "QuietRegion", "mechanism_free"]
+__all__ = [
+    "BAND_FIELDS",
+    "BAND_RATIO",
+    "LEVEL_VALUES",
+    "MAX_RECORDS",
+    "QuietPath",
+    "QuietPlan",
+    "QuietRegion",
+    "mechanism_free",
+]
 
 #: the magnitudes a quiet record may carry, each inside its band
 BAND_FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max")
-#: the band proposed around a magnitude's last value: [last / BAND_RATIO, last * BAND_RATIO]
+#: the band proposed around a magnitude's level: [level / BAND_RATIO, level * BAND_RATIO]
 #: (its width, BAND_RATIO ** 2 = 1.44, stays under the runaway rule's growth of 1.5 per step)
 BAND_RATIO = 1.2
+#: a magnitude's level: the median of its last this many values (records judged or booked).
+#: Minibatch noise moves each value around the level: a band around the last value alone let
+#: the next records out whenever that one was high or low (on a 3-layer MLP fed 32 batches in
+#: turn, 15% of its records left such a band, mostly by noise)
+LEVEL_VALUES = 5
 #: how far under a detector's own threshold a band's top stays (relative)
 MARGIN = 1e-9
 #: records booked in one bulk update at most (the windows stay fresh: a full evaluation at least
@@ -68,14 +83,14 @@ def mechanism_free(rec: StepRecord) -> bool:
 class QuietPlan:
     """The region being built after a full evaluation at `step`: detectors narrow it."""
 
-    def __init__(self, step: int, last: dict[str, float], dtype: str | None) -> None:
+    def __init__(self, step: int, level: dict[str, float], dtype: str | None) -> None:
         self.step = step
         self.until_step = math.inf  # the last step the region holds for
         self.records = MAX_RECORDS  # records it holds for
         self.dtype = dtype
-        # per magnitude: [lo, hi]; a magnitude with no last value must be absent (None)
+        # per magnitude: [lo, hi]; a magnitude with no recent value must be absent (None)
         self.bands: dict[str, list[float] | None] = {
-            f: ([last[f] / BAND_RATIO, last[f] * BAND_RATIO] if f in last else None) for f in BAND_FIELDS
+            f: ([level[f] / BAND_RATIO, level[f] * BAND_RATIO] if f in level else None) for f in BAND_FIELDS
         }
         self.bands["headroom"] = [-math.inf, math.inf]  # a record's own headroom (decades), when it has one
 
@@ -162,19 +177,25 @@ class QuietRegion:
         return not rec.is_finite()
 
 
-def last_values(records: Sequence[StepRecord], last: dict[str, float]) -> None:
-    """Update `last` (magnitude -> its latest finite positive value) with `records`, in order."""
+def recent_values(records: Sequence[StepRecord], recent: dict[str, deque[float]]) -> None:
+    """Add `records`' finite positive magnitudes to `recent` (magnitude -> its last values), in order."""
     for rec in records:
         d = rec.__dict__
         for f in BAND_FIELDS:
             v = d[f]
             if v is not None and math.isfinite(v) and v > 0:
-                last[f] = float(v)
+                recent[f].append(float(v))
+
+
+def levels(recent: dict[str, deque[float]]) -> dict[str, float]:
+    """Each magnitude's level: the median of its recent values (the upper one of an even count)."""
+    return {f: sorted(vs)[len(vs) // 2] for f, vs in recent.items() if vs}
 
 
 class QuietPath:
     """The engine's fast path: the region made at the last full evaluation, the quiet records it
-    took since, and each magnitude's latest value (the next region's bands are made around it).
+    took since, and each magnitude's last values (the next region's bands are made around their
+    median).
 
     `detectors`: the engine's; `shared`: the shared value they read that books itself per record
     (the loss trend, which books the starting level; None when no detector reads either)."""
@@ -190,7 +211,7 @@ class QuietPath:
         self.formed = False  # a region has been made (the detectors have warmed up)
         self.crossed = False  # the last record the region spoke of left it upward (`QuietRegion.rising`)
         self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
-        self.last: dict[str, float] = {}
+        self.recent: dict[str, deque[float]] = {f: deque(maxlen=LEVEL_VALUES) for f in BAND_FIELDS}
 
     def takes(self, rec: StepRecord, judge: bool = False) -> bool:
         """Whether `rec` lies in the region (then it is kept, to be booked before the next full
@@ -211,7 +232,7 @@ class QuietPath:
 
     def judged(self, rec: StepRecord) -> None:
         """`rec` is being evaluated in full: its values are the latest."""
-        last_values((rec,), self.last)
+        recent_values((rec,), self.recent)
 
     def plan(self, rec: StepRecord, quiet_now: bool) -> None:
         """The region after `rec`, judged in full: none unless the run is quiet now (`quiet_now`:
@@ -222,7 +243,7 @@ class QuietPath:
         self.region, self.taken = None, 0
         if not (self.on and quiet_now):
             return
-        plan = QuietPlan(rec.step, self.last, rec.headroom_dtype)
+        plan = QuietPlan(rec.step, levels(self.recent), rec.headroom_dtype)
         for d in self.detectors:
             if not d.quiet(plan):
                 return
@@ -239,5 +260,5 @@ class QuietPath:
                     self.shared.observe(rec)
             for d in self.detectors:
                 d.absorb(records)
-            last_values(records, self.last)
+            recent_values(records, self.recent)
         return records

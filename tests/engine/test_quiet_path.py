@@ -215,6 +215,21 @@ def test_a_record_crossing_its_band_is_judged_in_full():
     assert any(row[2] for row in fast if row[0] == 150), "the spike is announced at its step"
 
 
+@pytest.mark.parametrize("low", [0.6, 0.7, 0.8])
+def test_a_runaway_that_starts_from_a_low_value_is_counted_from_it(low):
+    # the band is made around the recent level (~1.0), not the last value: a low last value (the
+    # record before the run away) sits under the band, and the first record inside the band may
+    # already grow min_growth x from it. The runaway rule must count that record's growth, so
+    # the streak (and the warning) is the full path's to the record
+    u = unit_noise(5, 200)
+    grads = [1.0 + 0.02 * u[i] for i in range(80)] + [low] + [1.1 * 1.65**k for k in range(12)]
+    rows = [{"step": i, "loss": 2.0 * (1 + 0.01 * u[100 + i]), "grad_norm": g} for i, g in enumerate(grads)]
+    full, _, _ = outcomes(rows, quiet_path=False)
+    assert_same(rows)
+    warned = [row[0] for row in full[:-1] if any('"kind": "runaway"' in a for a in row[2])]
+    assert warned, "the run away is announced"
+
+
 @pytest.mark.parametrize("path", REAL + DEV, ids=lambda p: p.stem)
 def test_the_fast_path_decides_as_the_full_path_on_real_logs(path):
     records = [rec for _, rec in iter_steps(path, warn=lambda _msg: None)]

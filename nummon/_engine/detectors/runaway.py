@@ -55,9 +55,9 @@ class RunawayDetector:
         return out
 
     def quiet(self, plan: QuietPlan) -> bool:
-        """No streak can start while each metric's band is narrower than `min_growth` and holds
-        the metric's last value: every record then grows less than that from the one before it,
-        and `_extend_streak` ends the streak at each."""
+        """No streak can start while each metric's band is narrower than `min_growth` and its top
+        stays under `min_growth` x the metric's last value: every record then grows less than that
+        from the one before it, and `_extend_streak` ends the streak at each."""
         for metric in self._p.metrics:
             if metric not in plan.bands:
                 return False  # a metric no band covers: judged every record
@@ -65,9 +65,8 @@ class RunawayDetector:
             if lo is None:
                 continue
             last = self._state.get(metric)
-            if last is not None and last[1] < lo:  # a record could grow min_growth x from it
-                plan.absent(metric)
-                continue
+            if last is not None and last[1] < lo:  # the first record could grow min_growth x from it
+                lo = last[1]
             plan.cap(metric, lo * self._p.min_growth)
         return True
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..._core import maths as F
 from ..._core.types import StepRecord
 from ..._policy.sections import TrendPolicy
+from ..quiet import MAX_RECORDS
 
 __all__ = ["StartLevel", "LossTrend", "TrendStats", "improvement_needed"]
 
@@ -133,7 +134,7 @@ class LossTrend:
                 break
             dropped += 1
         # (within MAX_RECORDS of MAX_POINTS the window may be thinned to every other loss: twice the margin)
-        need = p.min_records if len(self._values) + 8 < self.MAX_POINTS else 2 * p.min_records + 2
+        need = p.min_records if len(self._values) + MAX_RECORDS < self.MAX_POINTS else 2 * p.min_records + 2
         return end if end > step and len(self._values) - dropped >= need else None
 
     def observe(self, rec: StepRecord) -> TrendStats | None:
