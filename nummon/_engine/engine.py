@@ -194,8 +194,8 @@ class HealthEngine:
 
     @property
     def unsettled(self) -> bool:
-        """Whether the last record left the quiet region the detectors had declared upward (a
-        magnitude above its band, a non-finite value), or none has formed yet (a run's first
+        """Whether the last record left the quiet region the detectors had declared toward trouble
+        (`QuietRegion.rising`: well above its band, a non-finite value), or none has formed yet (a run's first
         records): the Monitor then measures the activations at the next step too, where they
         would otherwise wait for their cadence."""
         q = self._quiet

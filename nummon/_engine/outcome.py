@@ -108,7 +108,7 @@ class StepOutcome:
     # the first of them whose write succeeds
     flight_record_due: tuple[FlightRecordDue, ...] = ()
     report_due: bool = False  # an incident went critical at this step: the HTML report is written
-    # the record rose out of its quiet band, or the detectors are still warming up: measure the
+    # the record rose well out of its quiet band, or the detectors are still warming up: measure the
     # activations at the next step too (`HealthEngine.unsettled`)
     look_closer: bool = False
 

@@ -15,10 +15,12 @@ Each detector's `quiet(plan)` narrows the plan (or returns False: no fast path n
 detector's `quiet`; `tests/engine/test_quiet_path.py` checks them step for step against the full
 path on generated families of runs and on real logs.
 
-A record the region speaks of whose values rose out of it (a magnitude above its band, a
+A record the region speaks of whose values rose out of it toward trouble (a magnitude above a
+bound a detector set, or more than the band's whole width above its level, `BAND_RATIO ** 2`; a
 non-finite value), and a run whose detectors have not yet made a region, are the engine's sign
 to look closer: the Monitor then measures the activations at the next step too
-(`StepOutcome.look_closer`).
+(`StepOutcome.look_closer`). A value just above its level's band is minibatch noise as often as
+not: it is judged in full, and the activations wait for their cadence.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class QuietPlan:
             f: ([level[f] / BAND_RATIO, level[f] * BAND_RATIO] if f in level else None) for f in BAND_FIELDS
         }
         self.bands["headroom"] = [-math.inf, math.inf]  # a record's own headroom (decades), when it has one
+        self.level = level
 
     def lo(self, field: str) -> float | None:
         """The band's lower end for `field` (None: the field must be absent)."""
@@ -132,7 +135,15 @@ class QuietPlan:
         absent = tuple(f for f, b in self.bands.items() if b is None)
         if "loss" in absent:  # a quiet record carries its loss (a record without one is judged in full)
             return None
-        return QuietRegion(self.step, self.until_step, self.records, self.dtype, checks, absent)
+        # above what a value rises toward trouble (`QuietRegion.rising`): the band's top where a
+        # detector narrowed it under the level's band (a bound of its own is near), else the band's
+        # whole width above the level
+        rise = tuple(
+            (f, b[1] if b[1] < self.level[f] * BAND_RATIO * (1.0 - MARGIN) else self.level[f] * BAND_RATIO**2)
+            for f, b in self.bands.items()
+            if b is not None and f in self.level
+        )
+        return QuietRegion(self.step, self.until_step, self.records, self.dtype, checks, absent, rise)
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class QuietRegion:
     dtype: str | None
     checks: tuple[tuple[str, float, float], ...]  # (field, lo, hi)
     absent: tuple[str, ...]  # fields a quiet record must not carry
+    rise: tuple[tuple[str, float], ...] = ()  # (magnitude, above what it rises toward trouble)
 
     def fits(self, rec: StepRecord, booked: int) -> bool:
         """Whether the region speaks of `rec`: within its steps and records, in its dtype, with
@@ -167,13 +179,17 @@ class QuietRegion:
         return rec.is_finite()
 
     def rising(self, rec: StepRecord) -> bool:
-        """Whether `rec` left the region upward: a magnitude above its band, a headroom below its
-        floor, or a non-finite value (a value falling out of its band is no warning sign)."""
+        """Whether `rec` left the region upward toward trouble: a magnitude above its `rise`, a
+        headroom below its floor, or a non-finite value (a value falling out of its band is no
+        warning sign, nor is one just above its level's band)."""
         d = rec.__dict__
-        for f, lo, hi in self.checks:
+        for f, top in self.rise:
             v = d[f]
-            if v is not None and (v > hi if f != "headroom" else v < lo):
+            if v is not None and v > top:
                 return True
+        headroom = d["headroom"]
+        if headroom is not None and self.checks and any(f == "headroom" and headroom < lo for f, lo, _ in self.checks):
+            return True
         return not rec.is_finite()
 
 

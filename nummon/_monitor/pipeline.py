@@ -95,7 +95,7 @@ class StepPipeline:
             rec = self._clipped(rec, clip_norm)
         found = stats.replicas.take() if stats.replicas is not None else ()
         got = self.engine.step(rec, replicas=found)  # the record is frozen from here on
-        if got.look_closer:  # a value rose out of its quiet band (or the run is young)
+        if got.look_closer:  # a value rose well out of its quiet band (or the run is young)
             stats.cadence.measure_next()
         detail = got.detail_on
         if detail or stats.cadence.incident_open:  # every module's output while an incident is open

@@ -53,7 +53,7 @@ class SamplingPolicy(_Section):
     )
     activations_every: Steps = Field(
         10,
-        description="the activation hooks run on every this many steps only, on the step after one whose values rose out of the band the detectors had declared quiet, during a run's first records (while the detectors warm up), and every step while an incident is open, after a non-finite value or for histograms; no hook is registered on the other steps (a hook costs 2-20 µs per module per forward). "
+        description="the activation hooks run on every this many steps only, on the step after one whose values rose well out of the band the detectors had declared quiet (above a bound a detector set, or 1.44x above the value's recent level), during a run's first records (while the detectors warm up), and every step while an incident is open, after a non-finite value or for histograms; no hook is registered on the other steps (a hook costs 2-20 µs per module per forward). "
         "Gives up activation maxima on every step (a runaway of activation_max shows on every sampled step; between samples the gradient norm, measured every step, sees the same blow-up) "
         "and naming the first non-finite module on a non-finite step that was not sampled (named from the next step on, or at once by forensics with recompute=) (steps)",
     )

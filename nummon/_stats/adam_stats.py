@@ -321,7 +321,17 @@ class AdamStatistics:
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
             parts.append(
-                _group_statistics(flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None, scale)
+                # (the host count where it is exact: the maths below then takes no device ops)
+                _group_statistics(
+                    flat,
+                    s,
+                    t if on_device else t_state,
+                    (b1, b2),
+                    (eps, lr),
+                    stepped,
+                    present if missing else None,
+                    scale,
+                )
             )
         if not names:
             return [], [], 0.0, 0.0

@@ -63,7 +63,7 @@ class Cadence:
 
     def measure_next(self) -> None:
         """Measure the activations on the next forward too, between their samples (the engine:
-        a value rose out of the region it had declared quiet, or none has formed yet)."""
+        a value rose well out of the region it had declared quiet, or none has formed yet)."""
         self.probes.arm(True, self.probes.detail)
 
     def watch_all_modules(self, on: bool) -> None:

@@ -4,7 +4,7 @@ on the device (one `aminmax`, no conversion, no host read).
 A forward hook is a Python call per module per forward (~2 µs on CPU just to be called, 10-20 µs
 with its body), so the activation maxima are measured on a cadence: the hooks are registered
 only for the forwards that measure (every `activations_every` steps, the step after one whose
-values rose out of the band the detectors had declared quiet, and a run's first steps while the
+values rose well out of the band the detectors had declared quiet, and a run's first steps while the
 detectors warm up; `arm`, from the cadence at the end of the step before) and removed after
 them. A step that does not measure has no forward
 hook at all, and its record no `activation_max` / `layer_activation_max`. This gives up the
