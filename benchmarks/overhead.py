@@ -230,6 +230,8 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
         "nummon params/state every 10": monitor({"sampling": {"params_every": 10, "optimizer_every": 10}}),
         "nummon without activation hooks": monitor({"sampling": {"activations": False}}),
         "nummon without mechanism probes": monitor({"mechanisms": {"enabled": False}}),
+        # the mechanism probes' cadence halved: what their sampled step costs a small model
+        "nummon, mechanism probes every 20": monitor({"mechanisms": {"every": 20}}),
         "per-parameter .item()": per_param_item,
     }
     if torch.device(device).type == "cuda":  # the GPT's vocabulary head: 1.6 of the 2.4 GB the hooks read

@@ -308,11 +308,11 @@ class AdamStatistics:
             # optimizer's lives on the device: the host count stands in (no sync); a CPU one is read once
             t = g.first.get("step", 0.0)
             on_device = isinstance(t, torch.Tensor) and t.device.type != "cpu"
-            t_state = steps_seen if on_device else float(t)
+            # (off the device `t` becomes the host float, exact: the maths then takes no device ops for it)
+            t_state = steps_seen if on_device else (t := float(t))
             if t_state < (2 if stepped else 1):
                 continue
-            b1, b2 = (float(b) for b in betas)
-            eps, lr = float(group["eps"]), float(group["lr"])
+            (b1, b2), eps, lr = (float(b) for b in betas), float(group["eps"]), float(group["lr"])
             s = g.sample
             # the step count of this gradient's update, on the host (the state's before the step + 1)
             t_host = t_state + (0.0 if stepped else 1.0)
@@ -321,17 +321,7 @@ class AdamStatistics:
             elements += s.elements - sum(g.ps[k].numel() for k in missing)
             flat = torch.cat(g.fixed + s.reads(grads))  # (cat promotes mixed dtypes)
             parts.append(
-                # (the host count where it is exact: the maths below then takes no device ops)
-                _group_statistics(
-                    flat,
-                    s,
-                    t if on_device else t_state,
-                    (b1, b2),
-                    (eps, lr),
-                    stepped,
-                    present if missing else None,
-                    scale,
-                )
+                _group_statistics(flat, s, t, (b1, b2), (eps, lr), stepped, present if missing else None, scale)
             )
         if not names:
             return [], [], 0.0, 0.0

@@ -115,22 +115,7 @@ class _Plan:
                 chunk.append(i)
                 size += n
             groups.append(chunk)
-        singles: list[int] = []
-        loop: list[int] = []
-        if cpu:  # few with their shape: one C loop for all of them instead of a group each
-            few = [
-                g
-                for g in groups
-                if len(g) < MIN_GROUP and all(tensors[i].numel() and tensors[i].dtype in _FOREACH_DTYPES for i in g)
-            ]
-            singles = sorted(i for g in few for i in g)
-            groups = [g for g in groups if g not in few]
-            loop = [
-                i
-                for i in big
-                if tensors[i].numel() <= LOOP_NUMEL and tensors[i].device == dev and tensors[i].dtype in _FOREACH_DTYPES
-            ]
-            big = loop + [i for i in big if i not in set(loop)]
+        groups, singles, loop, big = _loop_members(tensors, groups, big) if cpu else (groups, [], [], big)
         order = [i for g in groups for i in g] + singles + big
         inverse = None
         if order != list(range(len(tensors))):
@@ -155,6 +140,25 @@ class _Plan:
             _picker(big[len(loop) :]) if len(big) > len(loop) else None,
             _picker(singles) if singles else None,
         )
+
+
+def _loop_members(
+    tensors: Sequence[torch.Tensor], groups: list[list[int]], big: list[int]
+) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """CPU: (the groups left, the small tensors in too small a group of their shape, the large
+    tensors whose norms the loop measures, every large tensor with those first): one C loop for
+    all of those instead of a group's or a dot's Python each."""
+    foreach = _FOREACH_DTYPES
+    few = [
+        g for g in groups if len(g) < MIN_GROUP and all(tensors[i].numel() and tensors[i].dtype in foreach for i in g)
+    ]
+    singles = sorted(i for g in few for i in g)
+    dev = tensors[0].device
+    loop = [
+        i for i in big if tensors[i].numel() <= LOOP_NUMEL and tensors[i].device == dev and tensors[i].dtype in foreach
+    ]
+    in_loop = set(loop)
+    return [g for g in groups if g not in few], singles, loop, loop + [i for i in big if i not in in_loop]
 
 
 class _Stale(Exception):
