@@ -60,8 +60,9 @@ LEVEL_VALUES = 5
 #: how far under a detector's own threshold a band's top stays (relative)
 MARGIN = 1e-9
 #: records booked in one bulk update at most (the windows stay fresh: a full evaluation at least
-#: this often)
-MAX_RECORDS = 8
+#: this often). Above the 9 quiet records between two of the default cadence's samples, so that a
+#: region made at a sampled step can last to the next one
+MAX_RECORDS = 16
 
 #: what only a sampled step or a failing one carries: such a record is always evaluated in full
 _FULL_ONLY = ("nonfinite_count", *MECHANISM_FIELDS)

@@ -230,6 +230,23 @@ def test_a_runaway_that_starts_from_a_low_value_is_counted_from_it(low):
     assert warned, "the run away is announced"
 
 
+@pytest.mark.parametrize("frozen_at", [0.5213847, 0.4913847])
+def test_a_loss_that_freezes_just_above_half_its_start_is_called_frozen_at_its_record(frozen_at):
+    # under half its start (the bar a frozen loss must stand above) no window can be frozen, and
+    # a quiet region need not stop every 8 records for it; a loss that then freezes inside the
+    # band but above the bar (0.52 of a start of 1.0) is frozen, at the full path's record. At
+    # 0.49 it is not
+    # (a long run: the loss trend is then recomputed rarely enough for regions of 9 records and more)
+    u = unit_noise(9, 5000)
+    losses = [1.0 + 0.01 * u[i] for i in range(30)] + [0.45 * (1 + 0.02 * u[30 + i]) for i in range(2000)]
+    losses += [frozen_at] * 40
+    rows = [{"step": i, "loss": v, "grad_norm": 1.0 + 0.01 * u[2500 + i]} for i, v in enumerate(losses)]
+    full, _, _ = outcomes(rows, quiet_path=False)
+    assert assert_same(rows) > 100
+    frozen = [row[0] for row in full[:-1] if any("stayed at" in a for a in row[2])]
+    assert bool(frozen) == (frozen_at > 0.5), frozen
+
+
 @pytest.mark.parametrize("path", REAL + DEV, ids=lambda p: p.stem)
 def test_the_fast_path_decides_as_the_full_path_on_real_logs(path):
     records = [rec for _, rec in iter_steps(path, warn=lambda _msg: None)]

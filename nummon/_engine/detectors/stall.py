@@ -118,6 +118,11 @@ class StallDetector:
         n, band = p.frozen_records, plan.bands["loss"]
         if band is None:
             return False
+        # a loss under the bar a frozen one must stand above (frozen_high_fraction of its start)
+        # in every window of the records to come, old and new: no window is frozen, however long
+        base, old = self._level.value, list(self._recent)[-(n - 1) :]
+        if base is not None and max([band[1], *old]) < p.frozen_high_fraction * base * (1 - 1e-9):
+            return True
         for k in range(min(plan.records, n - 2), 0, -1):
             if len(self._recent) + k < n:  # no window of `n` fills by then
                 break
