@@ -2,8 +2,9 @@
 of the next records in which it provably stays silent, and records inside it skip the detectors.
 
 The region (`QuietRegion`) is a band per magnitude (`lo <= value <= hi`, the band made around
-the magnitude's recent level, the median of its last few values, and narrowed by each detector), the last step and the number of records it
-holds for, and the dtype the headroom was judged in. A record inside it is finite, carries none
+the magnitude's recent level, the median of its last few values, and narrowed by each
+detector), the last step and the number of records it holds for, and the dtype the headroom
+was judged in. A record inside it is finite, carries none
 of the sampled mechanism statistics (their detectors judge every sample) and has each magnitude
 it carries inside its band: every detector would return no finding for it, whatever records
 inside the region came before it. Such records are kept in a short buffer and booked into the
@@ -144,7 +145,10 @@ class QuietPlan:
             for f, b in self.bands.items()
             if b is not None and f in self.level
         )
-        return QuietRegion(self.step, self.until_step, self.records, self.dtype, checks, absent, rise)
+        floor = self.bands["headroom"]
+        return QuietRegion(
+            self.step, self.until_step, self.records, self.dtype, checks, absent, rise, floor[0] if floor else -math.inf
+        )
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ class QuietRegion:
     checks: tuple[tuple[str, float, float], ...]  # (field, lo, hi)
     absent: tuple[str, ...]  # fields a quiet record must not carry
     rise: tuple[tuple[str, float], ...] = ()  # (magnitude, above what it rises toward trouble)
+    floor: float = -math.inf  # the record's own headroom below this: it rises toward trouble
 
     def fits(self, rec: StepRecord, booked: int) -> bool:
         """Whether the region speaks of `rec`: within its steps and records, in its dtype, with
@@ -189,9 +194,7 @@ class QuietRegion:
             if v is not None and v > top:
                 return True
         headroom = d["headroom"]
-        if headroom is not None and self.checks and any(f == "headroom" and headroom < lo for f, lo, _ in self.checks):
-            return True
-        return not rec.is_finite()
+        return (headroom is not None and headroom < self.floor) or not rec.is_finite()
 
 
 def recent_values(records: Sequence[StepRecord], recent: dict[str, deque[float]]) -> None:

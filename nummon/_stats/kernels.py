@@ -199,6 +199,7 @@ class _Work:
     loop: torch.Tensor  # ... its first `plan.loop` places (norms: one _foreach_norm into them)
     dots: torch.Tensor  # ... and the rest (norms: a dot into each, then one sqrt)
     big_rows: list[torch.Tensor]  # norms: per big tensor, the 0-d view its dot writes
+    dot_rows: list[torch.Tensor]  # ... those past the loop's places (`big_rows[plan.loop:]`)
     minmax: torch.Tensor  # max |x|: the big tensors' (n, 2) (min, max) buffer
     minmax_rows: list[tuple[torch.Tensor, torch.Tensor]]
     minmax_cols: tuple[torch.Tensor, torch.Tensor]
@@ -210,6 +211,7 @@ class _Work:
         *groups, singles, big = buf.split([*map(len, plan.groups), len(plan.singles), nbig])
         mm = torch.zeros(nbig if minmax else 0, 2, device=dev)
         loop, dots = big[: plan.loop], big[plan.loop :]
+        rows = [] if minmax else [big[i] for i in range(nbig)]
         return _Work(
             plan,
             buf,
@@ -219,7 +221,8 @@ class _Work:
             big,
             loop,
             dots,
-            [] if minmax else [big[i] for i in range(nbig)],
+            rows,
+            rows[plan.loop :],
             mm,
             [(mm[i, 0], mm[i, 1]) for i in range(len(mm))],
             (mm[:, 0], mm[:, 1]),
@@ -385,7 +388,7 @@ def _big_norms(tensors: Sequence[torch.Tensor], work: _Work) -> None:
     """The tensors past the loop's (`work.dots`): a BLAS dot per dense float32 tensor (half the
     time of `vector_norm` on the tensors that matter, measured inside a training step) into its
     place, then one sqrt in place."""
-    for t, v in zip(tensors, work.big_rows[work.plan.loop :]):
+    for t, v in zip(tensors, work.dot_rows):
         if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
             f = t.view(-1)
             torch.dot(f, f, out=v)
