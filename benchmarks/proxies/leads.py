@@ -1,5 +1,5 @@
 """Score the proxies: per run, the step the loss leaves its band, nummon's first warning with and
-without the mechanism probes (replayed at the default cadence, every step while an incident is
+without the mechanism probes (replayed at the default cadence, sparser while the run is calm, every step while an incident is
 open, exactly as the live Monitor samples), the kind it names, and the peers' rules.
 
     .venv/bin/python -m benchmarks.proxies.leads TRACE_DIR [--every N]
@@ -32,10 +32,14 @@ MECHANISM_KINDS = ("attention_logits", "output_logits", "adam_second_moment")
 
 def first_warnings(records: list[StepRecord], every: int | None, policy: Policy | None = None) -> dict[str, int]:
     """The first step each alert kind reached warning or critical; `every=None`: without the probes."""
-    eng = HealthEngine(policy or Policy())
+    pol = policy or Policy()
+    eng = HealthEngine(pol)
+    cadence = pol.mechanisms.model_copy(update={"every": every}) if every is not None else None
     first: dict[str, int] = {}
-    for rec in records:  # sampled exactly as Monitor._arm_mechanisms decides
-        sampled = every is not None and (rec.step % every == 0 or eng.wants_sample() or eng.incident_state.active)
+    for rec in records:  # sampled exactly as StepPipeline.arm_mechanisms decides
+        sampled = cadence is not None and (
+            eng.wants_sample() or eng.incident_state.active or cadence.due(rec.step, eng.calm)
+        )
         got = eng.step(rec if sampled else _without(rec))
         for a in got.alerts:
             if a.severity.rank >= Severity.WARNING.rank:

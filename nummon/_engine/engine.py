@@ -3,19 +3,17 @@ Monitor and replay (no torch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from .._core.errors import NummonError, StateError
 from .._core.events import IncidentEvent
 from .._core.types import Alert, AlertKind, Finding, Health, IncidentState, Severity, StepRecord
 from .._policy.policy import Policy
-from .._policy.runtime import AlertPolicy
 from .detectors import MAGNITUDE_FIELDS, build_detectors, shared_values
 from .hints import hint_for
 from .incidents import IncidentTracker, escalated_to_critical
 from .levels import ClearLevels
+from .lifecycle import AlertLifecycle, Transition
 from .outcome import (
     FlightRecordDue,
     StepEvidence,
@@ -32,116 +30,6 @@ from .warm import WARM_FIRST, WARM_RECENT, WarmRecords
 
 __all__ = ["Transition", "AlertLifecycle", "HealthEngine", "WARM_FIRST", "WARM_RECENT"]
 
-Key = tuple[str, str, str]
-
-
-@dataclass(frozen=True)
-class Transition:
-    """A change of one condition (kind, metric, location) that people should hear about."""
-
-    change: Literal["opened", "escalated", "recurred", "cleared"]
-    finding: Finding  # the latest finding of the condition
-    previous: Severity | None = None  # escalated: the severity before; cleared: the severity that held
-
-
-@dataclass
-class _Open:
-    severity: Severity  # the worst severity seen while open
-    silent: bool  # opened within the cooldown of its last alert: not announced
-    finding: Finding
-    gap: bool = False  # held open while absent: its next finding is a recurrence
-
-
-class AlertLifecycle:
-    """Deduplicate, cool down, escalate and clear findings; returns transitions, not alerts.
-
-    One transition per (kind, metric, location) when its condition opens; a higher severity
-    while it holds is an escalation; when it clears, a "cleared" transition (unless it was
-    silent). The cooldown counts from the last time the condition was announced: within
-    `cooldown_steps` of it, the same key at the same or lower severity opens silently, and a
-    condition that stays (or keeps coming back) is announced again once the cooldown is over.
-
-    Kinds in `settled_kinds` clear only after a stretch of clean records (the engine holds them
-    until then: non-finite values, `nonfinite.clear_records`). One that comes back within that
-    stretch is a recurrence, announced ("recurred") once the cooldown since its last announcement
-    is over; and since the stretch already keeps it from flapping, a return after its announced
-    clear is a new alert, whatever the cooldown.
-    """
-
-    def __init__(
-        self, p: AlertPolicy | Policy, settled_kinds: frozenset[AlertKind] = frozenset({AlertKind.NONFINITE})
-    ) -> None:
-        self._p = p.alerts if isinstance(p, Policy) else p
-        self._settled_kinds = settled_kinds
-        self._open: dict[Key, _Open] = {}
-        self._sent: dict[Key, tuple[int, Severity]] = {}  # key -> (step, severity) of its last announcement
-
-    def _quiet(self, key: Key, step: int, severity: Severity) -> bool:
-        sent = self._sent.get(key)
-        return sent is not None and step - sent[0] <= self._p.cooldown_steps and severity.rank <= sent[1].rank
-
-    def update(
-        self, step: int, findings: list[Finding], hold: bool | Callable[[Finding], bool] = False
-    ) -> list[Transition]:
-        """Transitions at this step. Conditions not seen now stay open when `hold` is true or
-        returns true for their finding (a record that does not measure a metric, or a
-        non-finite record, is no evidence that a condition cleared)."""
-        active: dict[Key, Finding] = {}
-        for f in findings:
-            best = active.get(f.key)
-            if best is None or f.severity.rank > best.severity.rank:
-                active[f.key] = f
-        out: list[Transition] = []
-        for key, f in active.items():
-            cur = self._open.get(key)
-            t: Transition | None = None
-            if cur is None:
-                quiet = self._quiet(key, step, f.severity)
-                self._open[key] = _Open(f.severity, quiet, f)
-                t = None if quiet else Transition("opened", f)
-            elif f.severity.rank > cur.severity.rank:
-                previous = cur.severity
-                cur.severity, cur.finding = f.severity, f
-                if not self._quiet(key, step, f.severity):
-                    cur.silent = False
-                    t = Transition("escalated", f, previous)
-            else:
-                cur.finding = f
-                if cur.silent and not self._quiet(key, step, cur.severity):
-                    cur.silent = False  # recurring past the cooldown: announce it again
-                    cur.gap = False
-                    t = Transition("opened", f)
-                elif cur.gap and not self._quiet(key, step, cur.severity):
-                    cur.gap = False  # back after a gap, past the cooldown: say it came back
-                    t = Transition("recurred", f)
-            if t is not None:
-                out.append(t)
-                self._sent[key] = (step, f.severity)
-        keep = hold if callable(hold) else (lambda f: hold)
-        for key, cur in list(self._open.items()):
-            if key in active:
-                continue
-            if keep(cur.finding):
-                # held over a record without it: for a settled kind (a finite record amid
-                # non-finite ones) its return is news; a sampled metric between samples is not
-                cur.gap = cur.gap or cur.finding.kind in self._settled_kinds
-                continue
-            del self._open[key]
-            if not cur.silent:
-                out.append(Transition("cleared", cur.finding, cur.severity))
-                if cur.finding.kind in self._settled_kinds:
-                    self._sent.pop(key, None)  # its clear was debounced: a return is news
-        return out
-
-    def open_findings(self) -> list[Finding]:
-        """The latest finding of every open condition."""
-        return [c.finding for c in self._open.values()]
-
-    @property
-    def any_open(self) -> bool:
-        """Whether any condition is open (announced or not)."""
-        return bool(self._open)
-
 
 class HealthEngine:
     """Runs every enabled detector over one record per step and returns the routed alerts.
@@ -150,11 +38,9 @@ class HealthEngine:
     `finish(judged, evidence)` completes every alert with what the torch side found and did
     (cause, verdict, recovery) and returns the step's final `StepOutcome`, naming the files due
     (a rollback starts the detectors afresh, the incident going on; a recovery action becomes an
-    incident event). `state_dict()` /
-    `load_state_dict()` carry the incident and the records that re-warm the detectors across a
-    restart (a resumed run does not start cold). `warm_first` records from the run's start (the
-    divergence baseline) and the `warm_recent` latest ones are kept for that.
-    """
+    incident event). `state_dict()` / `load_state_dict()` carry the incident and the records
+    that re-warm the detectors across a restart: `warm_first` from the run's start (the
+    divergence baseline) and the `warm_recent` latest ones."""
 
     def __init__(
         self,
@@ -188,18 +74,23 @@ class HealthEngine:
         self._quiet = QuietPath(self.detectors, booked, self.quiet_path)
 
     def wants_sample(self) -> bool:
-        """Whether a sampled detector (attention, output logits, Adam) saw a condition it must
-        confirm at the next step: the Monitor then samples the mechanism probes there too."""
+        """Whether a sampled detector (attention, output logits, Adam) must confirm at the next step."""
         return any(d.wants_sample for d in self._samplers)
 
     @property
     def unsettled(self) -> bool:
-        """Whether the last record left the quiet region the detectors had declared toward trouble
-        (`QuietRegion.rising`: well above its band, a non-finite value), or none has formed yet (a run's first
-        records): the Monitor then measures the activations at the next step too, where they
-        would otherwise wait for their cadence."""
+        """Whether the last record left the quiet region toward trouble (`QuietRegion.rising`), or
+        none has formed yet: the Monitor then measures the activations at the next step too."""
         q = self._quiet
         return q.on and (q.crossed or not q.formed)
+
+    @property
+    def calm(self) -> bool:
+        """Whether the detectors hold a quiet region, the last record stayed in it (or left it only
+        by noise) and the last sample's mechanism values held still: the probes may sample more
+        sparsely (`MechanismsPolicy.due`)."""
+        q = self._quiet
+        return q.region is not None and not q.crossed and q.steady
 
     @property
     def incident_state(self) -> IncidentState:
@@ -330,9 +221,8 @@ class HealthEngine:
         included), whether to stop, whether to sample the next step, and the files due (the run's
         first flight record, the HTML report), which the caller writes and records in it."""
         if not (got.alerts or got.incidents or ev.recovery is not None):  # a quiet step: nothing to complete
-            return StepOutcome(
-                ev.rec.step, got.health, (), (), False, self._sample_next(), incident_state=got.incident_state
-            )
+            sample, calm, state = self._sample_next(), self.calm, got.incident_state
+            return StepOutcome(ev.rec.step, got.health, sample_next=sample, calm=calm, incident_state=state)
         self._sampling = None
         alerts = list(got.alerts)
         if ev.cause is not None:
@@ -362,15 +252,15 @@ class HealthEngine:
             events,
             stop,
             self._sample_next(),
+            calm=self.calm,
             incident_state=self.incident_state,
             flight_record_due=tuple(due),
             report_due=escalated_to_critical(events),
         )
 
     def _sample_next(self) -> bool:
-        """Whether the next step samples the mechanism probes: a sampled detector must confirm
-        what it saw, or an incident is open (`mechanisms.during_incident`). Kept between full
-        evaluations: a record the fast path takes changes neither."""
+        """Whether the next step must sample the mechanism probes: a sampled detector must confirm
+        what it saw, or an incident is open (`mechanisms.during_incident`). Kept between full evaluations."""
         if self._sampling is None:
             incident = self.policy.mechanisms.during_incident and self._incidents.state.active
             self._sampling = self.wants_sample() or incident

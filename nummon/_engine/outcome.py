@@ -102,6 +102,9 @@ class StepOutcome:
     incidents: tuple[IncidentEvent, ...] = ()  # acted-on ones included
     stop: bool = False  # a critical alert nobody handled, under alerts.stop_on_critical
     sample_next: bool = False  # sample the mechanism probes at the next step
+    # the detectors hold a quiet region and this record did not rise out of it: the mechanism
+    # probes may sample more sparsely (`MechanismsPolicy.due`, `HealthEngine.calm`)
+    calm: bool = False
     flight_record: str | None = None  # the flight record written at this step (None when none)
     incident_state: IncidentState = IncidentState.NONE  # the run's incident after this step (charted at it)
     # the run has no flight record yet and this step raised critical alerts: one is written for

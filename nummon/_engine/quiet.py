@@ -61,15 +61,31 @@ LEVEL_VALUES = 5
 #: how far under a detector's own threshold a band's top stays (relative)
 MARGIN = 1e-9
 #: records booked in one bulk update at most (the windows stay fresh: a full evaluation at least
-#: this often). Above the 9 quiet records between two of the default cadence's samples, so that a
-#: region made at a sampled step can last to the next one
-MAX_RECORDS = 16
+#: this often). Above the 19 quiet records between two mechanism samples of a calm run (every 20
+#: steps by default), so that a region made at a sampled step can last to the next one
+MAX_RECORDS = 24
+
+#: the sampled mechanism values that must hold still for the probes to sample more sparsely
+#: (`QuietPath.steady`; the step-dependent Adam bound and the per-sample loss ratio aside)
+STEADY_FIELDS = (
+    "attention_logit_max",
+    "attention_entropy",
+    "output_logsumexp_mean",
+    "output_logsumexp_max",
+    "output_logit_max",
+    "adam_ratio_rms",
+    "adam_small_grad_fraction",
+    "update_ratio_max",
+)
+#: values this close to 0 (in their own units) hold still whatever their ratio
+STEADY_FLOOR = 1e-3
 
 #: what only a sampled step or a failing one carries: such a record is always evaluated in full
 _FULL_ONLY = ("nonfinite_count", *MECHANISM_FIELDS)
 
 
 _full_only = operator.itemgetter(*_FULL_ONLY)
+_steady_values = operator.itemgetter(*STEADY_FIELDS)
 _mechanism_layers = operator.itemgetter(*MECHANISM_LAYER_FIELDS)
 
 
@@ -197,6 +213,21 @@ class QuietRegion:
         return (headroom is not None and headroom < self.floor) or not rec.is_finite()
 
 
+def steady(last: dict[str, float], now: dict[str, float | None]) -> bool:
+    """Whether every value of `now` lies within BAND_RATIO of its value in `last` (or both within
+    STEADY_FLOOR of 0); `last` then takes `now`'s values. A value seen for the first time, or
+    non-finite, is not steady."""
+    held = True
+    for f, v in now.items():
+        if v is None:
+            continue
+        before = last.get(f)
+        top = max(abs(v), abs(before)) if before is not None else math.inf
+        held = held and before is not None and (top < STEADY_FLOOR or abs(v - before) <= (BAND_RATIO - 1.0) * top)
+        last[f] = v
+    return held
+
+
 def recent_values(records: Sequence[StepRecord], recent: dict[str, deque[float]]) -> None:
     """Add `records`' finite positive magnitudes to `recent` (magnitude -> its last values), in order."""
     for rec in records:
@@ -230,6 +261,9 @@ class QuietPath:
         self.admitted = False  # the last record lay in the region (skipped, or judged in full when not `skip`)
         self.formed = False  # a region has been made (the detectors have warmed up)
         self.crossed = False  # the last record the region spoke of left it upward (`QuietRegion.rising`)
+        # every mechanism value of the last sample lay within BAND_RATIO of the sample before
+        self.steady = False
+        self.sampled: dict[str, float] = {}  # the last sample's mechanism values
         self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
         self.recent: dict[str, deque[float]] = {f: deque(maxlen=LEVEL_VALUES) for f in BAND_FIELDS}
 
@@ -251,8 +285,11 @@ class QuietPath:
         return self.skip
 
     def judged(self, rec: StepRecord) -> None:
-        """`rec` is being evaluated in full: its values are the latest."""
+        """`rec` is being evaluated in full: its values are the latest (a sample's mechanism values too)."""
         recent_values((rec,), self.recent)
+        values = _steady_values(rec.__dict__)
+        if values.count(None) < len(values):
+            self.steady = steady(self.sampled, dict(zip(STEADY_FIELDS, values)))
 
     def plan(self, rec: StepRecord, quiet_now: bool) -> None:
         """The region after `rec`, judged in full: none unless the run is quiet now (`quiet_now`:

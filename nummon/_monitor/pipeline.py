@@ -64,6 +64,7 @@ class StepPipeline:
         self.verdicts: list[Verdict] = []  # every re-run's, oldest first
         self.stop = False  # a critical alert nobody handled
         self.sample_next = False  # the engine's directive: sample the mechanism probes at the next step
+        self.calm = False  # the engine's word on the last step: the probes' cadence may thin out
         # forensics: the weights a failing step's re-run needs; installed at the first step given a
         # `recompute` (a loop without one pays nothing: no hooks, no per-step check; while it is
         # None a step without a `recompute` needs no `begin` / `end`)
@@ -104,7 +105,7 @@ class StepPipeline:
         outcome = self.engine.finish(got, self._gather(rec, got, next_step))
         if outcome.flight_record_due or outcome.report_due:
             outcome = self._write_files(outcome)
-        self.sample_next = outcome.sample_next
+        self.sample_next, self.calm = outcome.sample_next, outcome.calm
         self.stop = self.stop or outcome.stop
         if outcome.flight_record is not None:
             self.flight_record = Path(outcome.flight_record)
@@ -119,11 +120,11 @@ class StepPipeline:
         )
 
     def arm_mechanisms(self, next_step: int) -> None:
-        """Sample the mechanism probes at `next_step` when it is due, when a detector must confirm
-        what it saw, or while an incident is open."""
+        """Sample the mechanism probes at `next_step` when it is due (sparser while the run is
+        calm), when a detector must confirm what it saw, or while an incident is open."""
         probes = self.stats.mechanisms
         if probes is not None:
-            probes.arm(next_step % self.policy.mechanisms.every == 0 or self.sample_next)
+            probes.arm(self.sample_next or self.policy.mechanisms.due(next_step, self.calm))
 
     def close(self, last_step: int) -> None:
         """The run ended at `last_step`: an incident whose run became healthy again ends."""

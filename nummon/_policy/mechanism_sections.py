@@ -19,7 +19,17 @@ class MechanismsPolicy(_Section):
     )
     every: Steps = Field(
         10,
-        description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 the detectors' baselines form too late for the proxies' spikes (steps)",
+        description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 from the start the detectors' baselines form too late for the proxies' spikes (steps)",
+    )
+    calm_multiple: int = Field(
+        2,
+        ge=1,
+        le=100,
+        description="from `calm_after` on, while the run is calm (the detectors hold a quiet region, nothing rose out of it toward trouble, and every probe value of the last sample lies within 1.2x of the sample before), sample every `every` x this many steps only; anything else brings back `every` (or the next step, for a detector's confirmation or an open incident) at once. Gives up: a mechanism that starts to move alone while loss, gradients and activations stay calm is first sampled up to (calm_multiple - 1) x `every` steps later, and near the attention-growth rule's threshold its warning can come up to 3 samples later (tests/engine/test_calm_cadence.py); keeps: the baselines (formed before `calm_after`) and every proxy's first warning of every kind (benchmarks/RESULTS.md). 1: never sparser (multiple)",
+    )
+    calm_after: StepsOrZero = Field(
+        100,
+        description="steps before which the cadence stays `every`, calm or not: the detectors' baselines form (steps)",
     )
     during_incident: bool = Field(True, description="sample every step while an incident is open")
     attention: bool = Field(
@@ -34,6 +44,13 @@ class MechanismsPolicy(_Section):
         description="Adam/AdamW per tensor: RMS(g_t / sqrt(v_hat_t)) with v_t including g_t, fraction of |g| < eps, ||update|| / ||param||",
     )
     linear_rms: bool = Field(True, description="output RMS of every nn.Linear (per-layer output growth)")
+
+    def due(self, step: int, calm: bool) -> bool:
+        """Whether `step` samples the probes on the cadence (`calm`: the engine's `calm` after the
+        step before; a detector's confirmation and an open incident are the engine's to add)."""
+        if step % self.every:
+            return False
+        return not calm or step < self.calm_after or step % (self.every * self.calm_multiple) == 0
 
 
 class AttentionPolicy(_Section):
