@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -213,18 +214,24 @@ class QuietRegion:
         return (headroom is not None and headroom < self.floor) or not rec.is_finite()
 
 
-def steady(last: dict[str, float], now: dict[str, float | None]) -> bool:
-    """Whether every value of `now` lies within BAND_RATIO of its value in `last` (or both within
-    STEADY_FLOOR of 0); `last` then takes `now`'s values. A value seen for the first time, or
-    non-finite, is not steady."""
+def steady(recent: dict[str, deque[float]], now: dict[str, float | None]) -> bool:
+    """Whether every value of `now` lies within BAND_RATIO ** 2 of its level, the median of its last
+    LEVEL_VALUES samples in `recent` (or both within STEADY_FLOOR of 0: a level around 0 has no
+    ratio); `recent` then takes `now`'s values. A value never sampled before, or non-finite, is
+    not steady. (Around the level, not the last sample: a minibatch's output logits move 1.6x
+    from one sample to the next on a steady tiny transformer.)"""
     held = True
     for f, v in now.items():
         if v is None:
             continue
-        before = last.get(f)
-        top = max(abs(v), abs(before)) if before is not None else math.inf
-        held = held and before is not None and (top < STEADY_FLOOR or abs(v - before) <= (BAND_RATIO - 1.0) * top)
-        last[f] = v
+        kept = recent.setdefault(f, deque(maxlen=LEVEL_VALUES))
+        level = statistics.median(kept) if kept else None
+        if level is None:
+            held = False
+        else:
+            near_zero = max(abs(v), abs(level)) < STEADY_FLOOR
+            held = held and (near_zero or abs(v - level) <= (BAND_RATIO**2 - 1.0) * min(abs(v), abs(level)))
+        kept.append(v)
     return held
 
 
@@ -261,9 +268,9 @@ class QuietPath:
         self.admitted = False  # the last record lay in the region (skipped, or judged in full when not `skip`)
         self.formed = False  # a region has been made (the detectors have warmed up)
         self.crossed = False  # the last record the region spoke of left it upward (`QuietRegion.rising`)
-        # every mechanism value of the last sample lay within BAND_RATIO of the sample before
+        # every mechanism value of the last sample lay near its level (`steady`)
         self.steady = False
-        self.sampled: dict[str, float] = {}  # the last sample's mechanism values
+        self.sampled: dict[str, deque[float]] = {}  # the last samples' mechanism values
         self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
         self.recent: dict[str, deque[float]] = {f: deque(maxlen=LEVEL_VALUES) for f in BAND_FIELDS}
 

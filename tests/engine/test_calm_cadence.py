@@ -90,3 +90,19 @@ def test_a_mechanism_that_moves_alone_warns_of_the_same_kinds_at_most_three_samp
     assert set(calm) == set(full)  # ... and warns of the same kinds at the calm one
     for kind, step in full.items():
         assert calm[kind] <= step + 3 * p.every, kind  # (earlier, too: the median moves both ways)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(1e-2, 1e4), st.lists(st.floats(-0.15, 0.15), min_size=2, max_size=12), st.floats(1.7, 10.0)
+)  # (above 1.44 x the noisiest level)
+def test_probe_values_hold_still_within_noise_of_their_level_and_not_past_it(level, noise, jump):
+    from collections import deque
+
+    from nummon._engine.quiet import steady
+
+    recent: dict[str, deque] = {}
+    held = [steady(recent, {"attention_logit_max": level * (1 + n)}) for n in noise]
+    assert held == [False] + [True] * (len(noise) - 1)  # a first sample has no level; noise stays near it
+    assert not steady(recent, {"attention_logit_max": level * jump})  # a jump leaves it
+    assert not steady({}, {"attention_logit_max": math.nan}) and not steady(recent, {"adam_ratio_rms": 1.0})

@@ -423,3 +423,32 @@ def test_hugging_face_callback_passes_the_per_sample_losses_the_model_leaves(tmp
     # the Trainer shuffles the batch: the worst sample is wherever sample 5 went, the one of all 7s
     assert rec.sample_loss_ratio > 5 and len(rec.sample_loss_top) == 5
     assert bool((model.last_ids[rec.sample_loss_top[0]] == 7).all())
+
+
+def test_a_calm_run_is_sampled_more_sparsely_and_trouble_brings_the_cadence_back():
+    """`calm_multiple`: past `calm_after`, while the detectors hold a quiet region and the probes'
+    values hold still, the probes sample every `every` x `calm_multiple` steps; a blow-up brings
+    every step back (an incident is open)."""
+    torch.manual_seed(0)
+    model = Attn(impl="manual")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [(torch.randn(3, 6, 16), torch.randint(0, 4, (3, 6))) for _ in range(4)]
+    policy = {"mechanisms": {"every": 2, "calm_after": 20, "calm_multiple": 3}, "sinks": {"console": False}}
+    mon = nummon.Monitor(model, opt, policy=policy)
+    sampled, health = [], {}
+    for step in range(110):
+        if step == 100:  # the learning rate blows up
+            for g in opt.param_groups:
+                g["lr"] = 3.0
+        rep = _step(model, opt, mon, *batches[step % 4])
+        health[step] = rep.health
+        if rep.record.attention_logit_max is not None:
+            sampled.append(step)
+    mon.close()
+    calm = [s for s in sampled if 20 <= s < 100]
+    assert [s for s in sampled if s < 20] == list(range(0, 20, 2))  # before calm_after: every 2 steps
+    assert all(s % 2 == 0 for s in calm)  # never off the base cadence (no confirmation was asked for)
+    assert {s for s in range(20, 100) if s % 6 == 0} <= set(calm)  # the calm cadence's steps are sampled, calm or not
+    thinned = [s for s in range(20, 100, 2) if s % 6 and s not in calm]
+    assert len(thinned) >= 10, sampled  # ... and the steps between them, once the run was calm, were not
+    assert health[101] is not nummon.Health.HEALTHY and sampled[-5:] == list(range(105, 110))  # every step again
