@@ -78,7 +78,8 @@ STEADY_FIELDS = (
     "adam_small_grad_fraction",
     "update_ratio_max",
 )
-#: values this close to 0 (in their own units) hold still whatever their ratio
+#: values this close to 0 (in their own units) hold still whatever their ratio; a detector may
+#: declare higher floors (`steady_floors`: the Adam detector's, half its absolute warning levels)
 STEADY_FLOOR = 1e-3
 
 #: what only a sampled step or a failing one carries: such a record is always evaluated in full
@@ -214,12 +215,14 @@ class QuietRegion:
         return (headroom is not None and headroom < self.floor) or not rec.is_finite()
 
 
-def steady(recent: dict[str, deque[float]], now: dict[str, float | None]) -> bool:
+def steady(
+    recent: dict[str, deque[float]], now: dict[str, float | None], floors: dict[str, float] | None = None
+) -> bool:
     """Whether every value of `now` lies within BAND_RATIO ** 2 of its level, the median of its last
-    LEVEL_VALUES samples in `recent` (or both within STEADY_FLOOR of 0: a level around 0 has no
-    ratio); `recent` then takes `now`'s values. A value never sampled before, or non-finite, is
-    not steady. (Around the level, not the last sample: a minibatch's output logits move 1.6x
-    from one sample to the next on a steady tiny transformer.)"""
+    LEVEL_VALUES samples in `recent` (or both within its floor of 0, `floors` or STEADY_FLOOR:
+    a level around 0 has no ratio); `recent` then takes `now`'s values. A value never sampled
+    before, or non-finite, is not steady. (Around the level, not the last sample: a minibatch's
+    output logits move 1.6x from one sample to the next on a steady tiny transformer.)"""
     held = True
     for f, v in now.items():
         if v is None:
@@ -229,7 +232,7 @@ def steady(recent: dict[str, deque[float]], now: dict[str, float | None]) -> boo
         if level is None:
             held = False
         else:
-            near_zero = max(abs(v), abs(level)) < STEADY_FLOOR
+            near_zero = max(abs(v), abs(level)) < (floors or {}).get(f, STEADY_FLOOR)
             held = held and (near_zero or abs(v - level) <= (BAND_RATIO**2 - 1.0) * min(abs(v), abs(level)))
         kept.append(v)
     return held
@@ -271,6 +274,8 @@ class QuietPath:
         # every mechanism value of the last sample lay near its level (`steady`)
         self.steady = False
         self.sampled: dict[str, deque[float]] = {}  # the last samples' mechanism values
+        # per mechanism value, its floor of 0 (`steady`), as a detector declares it
+        self.floors: dict[str, float] = {f: v for d in detectors for f, v in getattr(d, "steady_floors", {}).items()}
         self.booked: list[StepRecord] = []  # quiet records not yet booked into the detectors
         self.recent: dict[str, deque[float]] = {f: deque(maxlen=LEVEL_VALUES) for f in BAND_FIELDS}
 
@@ -296,7 +301,7 @@ class QuietPath:
         recent_values((rec,), self.recent)
         values = _steady_values(rec.__dict__)
         if values.count(None) < len(values):
-            self.steady = steady(self.sampled, dict(zip(STEADY_FIELDS, values)))
+            self.steady = steady(self.sampled, dict(zip(STEADY_FIELDS, values)), self.floors)
 
     def plan(self, rec: StepRecord, quiet_now: bool) -> None:
         """The region after `rec`, judged in full: none unless the run is quiet now (`quiet_now`:

@@ -106,3 +106,22 @@ def test_probe_values_hold_still_within_noise_of_their_level_and_not_past_it(lev
     assert held == [False] + [True] * (len(noise) - 1)  # a first sample has no level; noise stays near it
     assert not steady(recent, {"attention_logit_max": level * jump})  # a jump leaves it
     assert not steady({}, {"attention_logit_max": math.nan}) and not steady(recent, {"adam_ratio_rms": 1.0})
+
+
+def test_the_adam_rules_noise_far_below_their_absolute_warning_holds_still():
+    """The Adam detector declares floors at half its absolute warning levels: below them a fraction
+    or update ratio may move by any factor (minibatch noise), above them it must hold near its level."""
+    from collections import deque
+
+    from nummon._engine.quiet import steady
+
+    policy = Policy.model_validate({"adam_moment": {"warning_update_ratio": 0.4}})
+    floors = HealthEngine(policy)._quiet.floors
+    assert (
+        floors["update_ratio_max"] == 0.2
+        and floors["adam_small_grad_fraction"] == policy.adam_moment.small_fraction / 2
+    )
+    recent: dict[str, deque] = {}
+    held = [steady(recent, {"update_ratio_max": v}, floors) for v in (0.001, 0.01, 0.003, 0.15)]
+    assert held == [False, True, True, True]
+    assert not steady(recent, {"update_ratio_max": 0.25}, floors)  # past the floor, 25x its level

@@ -40,6 +40,13 @@ class AdamMomentDetector:
         self._small_base: list[float] = []  # the small-gradient fraction over the first samples
 
     @property
+    def steady_floors(self) -> dict[str, float]:
+        """Half the warning levels of the absolute rules: minibatch noise below them is no sign
+        (the probes may thin out, `quiet.steady`)."""
+        p = self._p
+        return {"adam_small_grad_fraction": p.small_fraction / 2, "update_ratio_max": p.warning_update_ratio / 2}
+
+    @property
     def wants_sample(self) -> bool:
         """A condition seen but not held for `patience` samples yet: sample the next step too."""
         # over the distinct counts (a few), not every (condition, layer): asked on every step
