@@ -238,6 +238,8 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
         "nummon without mechanism probes": monitor({"mechanisms": {"enabled": False}}),
         # the mechanism probes' cadence halved: what their sampled step costs a small model
         "nummon mechanism probes every 20": monitor({"mechanisms": {"every": 20}}),
+        # the probes never sparser on a calm run: what the calm cadence (every 20 past step 100) saves
+        "nummon mechanism probes never sparser": monitor({"mechanisms": {"calm_multiple": 1}}),
         "per-parameter .item()": per_param_item,
     }
     if torch.device(device).type == "cuda":  # the GPT's vocabulary head: 1.6 of the 2.4 GB the hooks read
