@@ -45,7 +45,7 @@ def _record(step, logit, noise):
     )
 
 
-_BLANK = {f: None for f in MECHANISM_FIELDS} | {f: {} for f in MECHANISM_LAYER_FIELDS}
+_BLANK: dict[str, object] = {f: None for f in MECHANISM_FIELDS} | {f: {} for f in MECHANISM_LAYER_FIELDS}
 
 
 def _first_mechanism_warnings(records, multiple):
