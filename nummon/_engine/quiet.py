@@ -227,6 +227,9 @@ def steady(
     for f, v in now.items():
         if v is None:
             continue
+        if not math.isfinite(v):  # (kept out of the level: a median over NaN is no level)
+            held = False
+            continue
         kept = recent.setdefault(f, deque(maxlen=LEVEL_VALUES))
         level = statistics.median(kept) if kept else None
         if level is None:

@@ -106,6 +106,9 @@ def test_probe_values_hold_still_within_noise_of_their_level_and_not_past_it(lev
     assert held == [False] + [True] * (len(noise) - 1)  # a first sample has no level; noise stays near it
     assert not steady(recent, {"attention_logit_max": level * jump})  # a jump leaves it
     assert not steady({}, {"attention_logit_max": math.nan}) and not steady(recent, {"adam_ratio_rms": 1.0})
+    kept = list(recent["attention_logit_max"])
+    assert not steady(recent, {"attention_logit_max": math.inf})
+    assert list(recent["attention_logit_max"]) == kept  # a non-finite value is kept out of the level
 
 
 def test_the_adam_rules_noise_far_below_their_absolute_warning_holds_still():
