@@ -67,17 +67,9 @@ MARGIN = 1e-9
 MAX_RECORDS = 24
 
 #: the sampled mechanism values that must hold still for the probes to sample more sparsely
-#: (`QuietPath.steady`; the step-dependent Adam bound and the per-sample loss ratio aside)
-STEADY_FIELDS = (
-    "attention_logit_max",
-    "attention_entropy",
-    "output_logsumexp_mean",
-    "output_logsumexp_max",
-    "output_logit_max",
-    "adam_ratio_rms",
-    "adam_small_grad_fraction",
-    "update_ratio_max",
-)
+#: (`QuietPath.steady`): all but the Adam bound, which grows with the step count by itself, and
+#: the per-sample loss ratio, a batch's own
+STEADY_FIELDS = tuple(f for f in MECHANISM_FIELDS if f not in ("adam_ratio_bound", "sample_loss_ratio"))
 #: values this close to 0 (in their own units) hold still whatever their ratio; a detector may
 #: declare higher floors (`steady_floors`: the Adam detector's, half its absolute warning levels)
 STEADY_FLOOR = 1e-3

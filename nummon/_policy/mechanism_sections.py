@@ -5,7 +5,19 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from .sections import MAX_WINDOW, Factor, Fraction, FractionOrAll, Logits, Nats, Samples, Steps, StepsOrZero, _Section
+from .sections import (
+    MAX_WINDOW,
+    Factor,
+    Fraction,
+    FractionOrAll,
+    Logits,
+    Multiple,
+    Nats,
+    Samples,
+    Steps,
+    StepsOrZero,
+    _Section,
+)
 
 __all__ = ["MechanismsPolicy", "AttentionPolicy", "OutputLogitsPolicy", "AdamMomentPolicy"]
 
@@ -21,10 +33,8 @@ class MechanismsPolicy(_Section):
         10,
         description="sample every this many steps; a sampled step's cost is bounded whatever the model's size (benchmarks/RESULTS.md, \"Mechanism probes\"); at 20 from the start the detectors' baselines form too late for the proxies' spikes (steps)",
     )
-    calm_multiple: int = Field(
+    calm_multiple: Multiple = Field(
         2,
-        ge=1,
-        le=100,
         description="from `calm_after` on, while the run is calm (the detectors hold a quiet region, nothing rose out of it toward trouble, and every probe value of the last sample lies within 1.44x of its level, the median of its last 5 samples), sample every `every` x this many steps only; anything else brings back `every` (or the next step, for a detector's confirmation or an open incident) at once. Gives up: a mechanism that starts to move alone while loss, gradients and activations stay calm is first sampled up to (calm_multiple - 1) x `every` steps later, and near the attention-growth rule's threshold its warning can come up to 3 samples later (tests/engine/test_calm_cadence.py); keeps: the baselines (formed before `calm_after`) and every proxy's first warning of every kind (benchmarks/RESULTS.md). 1: never sparser (multiple)",
     )
     calm_after: StepsOrZero = Field(

@@ -19,6 +19,7 @@ __all__ = [
     "FractionOrAll",
     "History",
     "Logits",
+    "Multiple",
     "Nats",
     "Records",
     "Relative",
@@ -57,6 +58,8 @@ Decades = Annotated[float, Field(ge=0, le=700)]
 Steps = Annotated[int, Field(ge=1, le=MAX_WINDOW)]
 #: Training steps where 0 means something: a start step, no cooldown, the sinks' own cadence (steps).
 StepsOrZero = Annotated[int, Field(ge=0, le=MAX_WINDOW)]
+#: A whole multiple of another cadence, 1 (the cadence itself) up to 100 (multiple).
+Multiple = Annotated[int, Field(ge=1, le=100)]
 #: Logged records (finite values of a metric, in logging order), at least one (records).
 Records = Annotated[int, Field(ge=1, le=MAX_WINDOW)]
 #: Values kept or compared, at least two: a median, a spread or a change needs two (steps or records).
