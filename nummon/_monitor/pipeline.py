@@ -124,7 +124,8 @@ class StepPipeline:
         calm), when a detector must confirm what it saw, or while an incident is open."""
         probes = self.stats.mechanisms
         if probes is not None:
-            probes.arm(self.sample_next or self.policy.mechanisms.due(next_step, self.calm))
+            m = self.policy.mechanisms  # (the cadence's own test first: no call on 9 steps in 10)
+            probes.arm(self.sample_next or (next_step % m.every == 0 and m.due(next_step, self.calm)))
 
     def close(self, last_step: int) -> None:
         """The run ended at `last_step`: an incident whose run became healthy again ends."""
