@@ -8,12 +8,13 @@ reduced row-wise in one kernel per group; small tensors in fewer of their shape 
 and small layers) are measured by one `torch._foreach_norm` over all of them (its loop runs in
 C: one Python-level op where a group each cost a reshape and a norm through Python). Larger
 tensors: when only their norms are wanted (most steps), those up to `LOOP_NUMEL` elements join
-such a loop and the few larger ones get a BLAS dot each; with max |x| too, each gets a dot and
+that loop and the few larger ones get a BLAS dot each; with max |x| too, each gets a dot and
 an `aminmax` into a preallocated buffer. Right after a backward every op from Python costs
 several µs more than on a warm interpreter, so fewer ops is what counts (on the host-cost bar's
 shapes: a quiet step's gradient read 5-25 µs less). Other devices: one fused
 `torch._foreach_norm` per dtype. The per-group results are put back in the list's order with
-one `index_select`.
+one `index_select`. A short list that would group few tensors (`DIRECT_GROUPED`) has its norms
+measured by one `_foreach_norm` over the whole list, in its own order: no plan's ops at all.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ MIN_GROUP = 8
 #: With max |x| (an `aminmax` per tensor above SMALL_NUMEL: the loop's inf-norm reads ~1 ns an
 #: element) each gets its dot and its `aminmax` back to back, the second read from cache
 LOOP_NUMEL = 1 << 18
+
+#: CPU, norms only: a list whose groups would hold at most this many tensors in all, with none
+#: above `DIRECT_NUMEL` elements, is measured by one `_foreach_norm` over the whole list, straight
+#: into its result (`_Plan.direct`). A group's two ops from Python cost about what the loop's C
+#: launch costs for ~13 tensors, and the plan's own Python and its `index_select` back to list
+#: order cost more again. The gradient read inside a monitored run (the end-of-backward callback,
+#: interleaved with the plan, median µs): 2-block LM 295 -> 273 and 404 -> 382, 3-layer MLP 58 ->
+#: 53, demo CNN within noise. The 8-block LM (50 tensors grouped) and a 1,000-tensor model keep
+#: their groups, which are faster there (lm8 ~20 µs, the 1,000 tensors 470 against 2,050 µs)
+DIRECT_GROUPED = 16
+#: ... and past this many elements a tensor's BLAS dot reads it enough faster than the loop's norm
+#: (~25% at 4M elements, measured from memory) to keep the plan
+DIRECT_NUMEL = 1 << 21
 
 #: dtypes `_foreach_norm(..., dtype=float32)` measures in float32 (at least as wide as theirs)
 _FOREACH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,9 +100,10 @@ class _Plan:
     fused: bool  # one `_foreach_norm` per group (devices other than the CPU)
     pick: list[_Pick]  # per group, a function taking its tensors out of the list (in C)
     pick_big: _Pick | None  # None when `big` is empty
-    pick_loop: _Pick | None  # the first `loop` of `big` (None: none)
     pick_dot: _Pick | None  # the rest of `big` (None: none)
     pick_singles: _Pick | None  # None when `singles` is empty
+    pick_norms: _Pick | None  # the singles, then the loop's: one `_foreach_norm` for both (None: neither)
+    direct: bool = False  # CPU, norms only: one `_foreach_norm` over the whole list (`DIRECT_GROUPED`)
 
     @staticmethod
     def make(tensors: Sequence[torch.Tensor], fused: bool) -> _Plan:
@@ -136,9 +151,10 @@ class _Plan:
             fused,
             [_picker(g) for g in groups],
             _picker(big) if big else None,
-            _picker(big[: len(loop)]) if loop else None,
             _picker(big[len(loop) :]) if len(big) > len(loop) else None,
             _picker(singles) if singles else None,
+            _picker(singles + big[: len(loop)]) if singles or loop else None,
+            cpu and _direct(tensors, groups),
         )
 
 
@@ -159,6 +175,15 @@ def _loop_members(
     ]
     in_loop = set(loop)
     return [g for g in groups if g not in few], singles, loop, loop + [i for i in big if i not in in_loop]
+
+
+def _direct(tensors: Sequence[torch.Tensor], groups: list[list[int]]) -> bool:
+    """CPU: whether one `_foreach_norm` over the whole list measures its norms faster than the
+    plan's groups and loops (`DIRECT_GROUPED`, `DIRECT_NUMEL`)."""
+    dev = tensors[0].device
+    return sum(map(len, groups)) <= DIRECT_GROUPED and all(
+        t.dtype in _FOREACH_DTYPES and t.device == dev and t.numel() <= DIRECT_NUMEL for t in tensors
+    )
 
 
 class _Stale(Exception):
@@ -196,7 +221,7 @@ class _Work:
     groups: list[torch.Tensor]  # per group, its part of `buf`
     singles: torch.Tensor  # the singles' part
     big: torch.Tensor  # the big tensors' part
-    loop: torch.Tensor  # ... its first `plan.loop` places (norms: one _foreach_norm into them)
+    norm_loop: torch.Tensor  # the singles' places and the loop's, side by side: norms, one _foreach_norm
     dots: torch.Tensor  # ... and the rest (norms: a dot into each, then one sqrt)
     big_rows: list[torch.Tensor]  # norms: per big tensor, the 0-d view its dot writes
     dot_rows: list[torch.Tensor]  # ... those past the loop's places (`big_rows[plan.loop:]`)
@@ -210,7 +235,9 @@ class _Work:
         buf = torch.zeros(plan.n, device=dev)
         *groups, singles, big = buf.split([*map(len, plan.groups), len(plan.singles), nbig])
         mm = torch.zeros(nbig if minmax else 0, 2, device=dev)
-        loop, dots = big[: plan.loop], big[plan.loop :]
+        dots = big[plan.loop :]
+        start = sum(map(len, plan.groups))
+        norm_loop = buf[start : start + len(plan.singles) + plan.loop]
         rows = [] if minmax else [big[i] for i in range(nbig)]
         return _Work(
             plan,
@@ -219,7 +246,7 @@ class _Work:
             groups,
             singles,
             big,
-            loop,
+            norm_loop,
             dots,
             rows,
             rows[plan.loop :],
@@ -274,6 +301,15 @@ class NormKernels:
             plan = self._plan(key, tensors)
         if plan.fused:  # no dependence on shapes
             return self._foreach(tensors, plan, norms, absmax)
+        if plan.direct and not absmax:  # no dependence on shapes either: in list order, in C
+            nw = self.buffers.get(key + ":n")
+            if nw is None or nw.plan is not plan:
+                nw = self._work(key + ":n", plan, minmax=False)
+            try:
+                torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32), out=nw.result)
+                return nw.result, None
+            except RuntimeError:  # a dtype or device changed
+                plan = self._plan(key, tensors, stale=True)
         try:
             return self._grouped(tensors, plan, key, norms, absmax)
         except _Stale:
@@ -306,32 +342,34 @@ class NormKernels:
                     _row_norms(x, nw.groups[i])
             if mw is not None:
                 _row_absmax(x, mw.groups[i])
-        if plan.singles:
-            assert plan.pick_singles is not None  # made whenever `singles` is not empty
-            ts = plan.pick_singles(tensors)
-            try:  # (an empty tensor has no max: it went stale, and is re-planned into the empty group)
-                if nw is not None:
-                    torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32), out=nw.singles)
-                if mw is not None:  # the inf-norm is max |x|, NaN propagating
-                    torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32), out=mw.singles)
-            except RuntimeError:
-                raise _Stale from None
-        if plan.big:
-            if mw is not None:
+        if mw is None:  # norms only: the singles and the loop's in one C loop, then the dots
+            assert nw is not None  # (a call wants norms, max |x| or both)
+            if plan.pick_norms is not None:
+                try:
+                    torch.stack(torch._foreach_norm(plan.pick_norms(tensors), 2, dtype=torch.float32), out=nw.norm_loop)
+                except RuntimeError:
+                    raise _Stale from None
+            if plan.pick_dot is not None:
+                _big_norms(plan.pick_dot(tensors), nw)
+        else:
+            if plan.singles:
+                assert plan.pick_singles is not None  # made whenever `singles` is not empty
+                ts = plan.pick_singles(tensors)
+                try:  # (an empty tensor has no max: it went stale, and is re-planned into the empty group)
+                    if nw is not None:
+                        torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32), out=nw.singles)
+                    torch.stack(
+                        torch._foreach_norm(ts, math.inf, dtype=torch.float32), out=mw.singles
+                    )  # max |x|, NaN propagating
+                except RuntimeError:
+                    raise _Stale from None
+            if plan.big:
                 assert plan.pick_big is not None  # made whenever `big` is not empty
                 big = plan.pick_big(tensors)
                 if nw is not None:
                     _big_both(big, nw, mw)
                 else:
                     _big_absmax(big, mw)
-            elif nw is not None:
-                if plan.pick_loop is not None:
-                    try:
-                        torch.stack(torch._foreach_norm(plan.pick_loop(tensors), 2, dtype=torch.float32), out=nw.loop)
-                    except RuntimeError:
-                        raise _Stale from None
-                if plan.pick_dot is not None:
-                    _big_norms(plan.pick_dot(tensors), nw)
         if plan.inverse is not None:  # the results back in the list's order
             for w in (nw, mw):
                 if w is not None:

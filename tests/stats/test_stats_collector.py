@@ -257,3 +257,34 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     assert rec.grad_norm == pytest.approx(norm.item(), rel=1e-4)  # float32 sums over 1.6M squares, two orders
     assert rec.clip_ratio == pytest.approx(1e-2 / norm.item(), rel=1e-4)
     mon.close()
+
+
+def test_a_short_list_is_measured_in_one_loop_and_a_long_one_in_groups():
+    # norms only on CPU: a list whose groups would hold few tensors is measured by one
+    # _foreach_norm straight into list order (`direct`); many same-shape small tensors or a very
+    # large one keep the plan. Both give each tensor's own norm, in order, and a dtype the loop
+    # cannot take re-plans
+    from nummon._stats.kernels import DIRECT_GROUPED, DIRECT_NUMEL, MIN_GROUP, NormKernels
+
+    torch.manual_seed(0)
+    short = [
+        torch.randn(3, 4) * 3,
+        torch.randn(0),
+        torch.randn(7).half(),
+        torch.randn(5).bfloat16() * 2,
+        torch.randn(80, 60).t(),
+        *(torch.randn(9) * (i + 1) for i in range(MIN_GROUP)),  # a group's worth: 8 grouped, under the limit
+        torch.randn(4 << 12),
+    ]
+    many = [*(torch.randn(9) * (i + 1) for i in range(DIRECT_GROUPED + 1)), torch.randn(3)]
+    large = [torch.randn(3), torch.randn(DIRECT_NUMEL + 1)]
+    k = NormKernels(fused=False)
+    for key, ts, direct in (("short", short, True), ("many", many, False), ("large", large, False)):
+        for _ in range(2):  # the second call reuses the plan
+            got = k.l2_norms(ts, key=key).tolist()
+            assert k._plans[key].direct is direct, key
+            assert got == pytest.approx([t.double().norm().item() for t in ts], rel=1e-3), key
+    short[2] = torch.randn(7, dtype=torch.float64) * 4  # the loop measures in float32: not a float64
+    got = k.l2_norms(short, key="short").tolist()
+    assert k._plans["short"].direct is False
+    assert got == pytest.approx([t.double().norm().item() for t in short], rel=1e-3)
