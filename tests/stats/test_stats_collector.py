@@ -139,7 +139,8 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
     # (float32, half, a non-contiguous view), a small non-contiguous view, and NaN in one of a group;
     # a group of MIN_GROUP same-shape tensors and a smaller one (measured in the loop), mid-size
     # tensors (the loop's norms: one with Inf, one bfloat16) and one above LOOP_NUMEL (a dot)
-    from nummon._stats.kernels import LOOP_NUMEL, MIN_GROUP, SMALL_NUMEL, NormKernels
+    from nummon._stats.kernel_plan import LOOP_NUMEL, MIN_GROUP, SMALL_NUMEL
+    from nummon._stats.kernels import NormKernels
 
     torch.manual_seed(0)
     ts = [
@@ -240,7 +241,7 @@ def test_the_clip_ratio_of_a_small_model_is_exact_without_a_second_read_of_its_l
     """The demo CNN has 8 tensors: the 8 smallest would be all of them, fc1's 1.6M elements
     included; the clip ratio comes from the small ones."""
     from nummon._stats.families.gradients import CLIP_ANCHOR_ELEMENTS
-    from nummon._stats.kernels import SMALL_NUMEL
+    from nummon._stats.kernel_plan import SMALL_NUMEL
     from nummon._tools.demo_model import DemoCNN
 
     torch.manual_seed(0)
@@ -264,7 +265,8 @@ def test_a_short_list_is_measured_in_one_loop_and_a_long_one_in_groups():
     # _foreach_norm straight into list order (`direct`); many same-shape small tensors or a very
     # large one keep the plan. Both give each tensor's own norm, in order, and a dtype the loop
     # cannot take re-plans
-    from nummon._stats.kernels import DIRECT_GROUPED, DIRECT_NUMEL, MIN_GROUP, NormKernels
+    from nummon._stats.kernel_plan import DIRECT_GROUPED, DIRECT_NUMEL, MIN_GROUP
+    from nummon._stats.kernels import NormKernels
 
     torch.manual_seed(0)
     short = [

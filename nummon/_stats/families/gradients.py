@@ -15,7 +15,7 @@ import torch
 
 from ..distributed import Reduce
 from ..dtypes import dtype_name, narrowest
-from ..kernels import SMALL_NUMEL
+from ..kernel_plan import SMALL_NUMEL
 from ..params import dense_grads
 from ..preclip import PreClipGrads
 from ..transport import Segment
