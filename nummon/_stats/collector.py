@@ -2,7 +2,7 @@
 start the single device->host copy (`launch`); later, read it and build the record (`resolve`).
 
 The parts: `params` (which parameters are watched), `optim` (state tensors, LR, kind), `kernels` (norms,
-extremes), `probes` (activation hooks), `fingerprints`, `families/` (each statistic's segments,
+extremes; `kernel_plan`: how each list is measured), `probes` (activation hooks), `fingerprints`, `families/` (each statistic's segments,
 launch and decoders), `cadence` (what is measured when), `transport` (segments, packing, the
 lagged copy), `decode` (values -> StepRecord, non-finite localisation), `histograms`.
 """
