@@ -171,6 +171,35 @@ def host_cost_bar(median_ms: dict[str, float], variant: str = "nummon default") 
     return {"added_ms": added, "peer_added_ms": peer, "limit_ms": limit, "meets_bar": added <= limit}
 
 
+def paired_bar(round_ms: dict[str, list[float]], variant: str = "nummon default", resamples: int = 2000) -> dict | None:
+    """The bar again from each round's difference to the same round's bare step (drift between
+    rounds cancels), with a 90% bootstrap interval over rounds for its margin (the limit minus
+    nummon's added ms; positive: met). The verdict is "met" or "not met" only when the interval
+    says so, else "within noise": one pass of a noisy machine decides nothing."""
+    if not {"bare", variant, PEER} <= set(round_ms):
+        return None
+    bare = round_ms["bare"]
+    added = [t - b for t, b in zip(round_ms[variant], bare)]
+    peer = [t - b for t, b in zip(round_ms[PEER], bare)]
+
+    def margin(rounds: list[int]) -> float:
+        a = statistics.median(added[i] for i in rounds)
+        p = statistics.median(peer[i] for i in rounds)
+        return BAR_FACTOR * max(p, 0.0) + BAR_MS - a
+
+    n = len(bare)
+    rng = random.Random(0)  # a fixed seed: the same rounds give the same interval
+    boot = sorted(margin([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+    lo, hi = boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
+    return {
+        "added_ms": statistics.median(added),
+        "peer_added_ms": statistics.median(peer),
+        "margin_ms": margin(list(range(n))),
+        "margin_90": [lo, hi],
+        "verdict": "met" if lo > 0 else "not met" if hi < 0 else "within noise",
+    }
+
+
 # ---------------------------------------------------------------- variants
 
 
@@ -439,6 +468,7 @@ def measure(
         "workload": described,
         "shape": shape,
         "host_cost_bar": host_cost_bar({k: v * 1e3 for k, v in med.items()}),
+        "paired_bar": paired_bar({k: [t * 1e3 for t in v] for k, v in times.items()}),
         "torch": torch.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
         "rounds": rounds,
@@ -649,6 +679,13 @@ def main(argv=None) -> int:
         print(
             f"nummon adds {b['added_ms']:+.3f} ms, the peer {b['peer_added_ms']:+.3f} ms; bar "
             f"{BAR_FACTOR} x peer + {BAR_MS} ms = {b['limit_ms']:.3f} ms: {'met' if b['meets_bar'] else 'NOT met'}"
+        )
+    if res["paired_bar"]:
+        b = res["paired_bar"]
+        lo, hi = b["margin_90"]
+        print(
+            f"paired by round: nummon adds {b['added_ms']:+.3f} ms, the peer {b['peer_added_ms']:+.3f} ms; margin "
+            f"{b['margin_ms']:+.3f} ms (90% interval {lo:+.3f} to {hi:+.3f}): {b['verdict']}"
         )
     if res["stats_bandwidth"]:
         b = res["stats_bandwidth"]

@@ -86,7 +86,27 @@ def test_overhead_benchmark_measures_each_shape_against_the_host_cost_bar(tmp_pa
     assert bar["peer_added_ms"] == pytest.approx(ms["per-parameter .item()"] - ms["bare"])
     assert bar["limit_ms"] == pytest.approx(1.5 * max(bar["peer_added_ms"], 0.0) + 0.25)
     assert bar["meets_bar"] == (bar["added_ms"] <= bar["limit_ms"])
+    paired, rounds = res["paired_bar"], res["round_ms"]  # the same bar, each round against its own bare step
+    assert paired["added_ms"] == pytest.approx(rounds["nummon default"][0] - rounds["bare"][0])
+    assert paired["verdict"] in {"met", "not met", "within noise"}
     assert res["shape"] == shape and res["workload"] == overhead.SHAPES[shape][1]
+
+
+def test_the_paired_bar_says_met_or_not_only_when_its_interval_does():
+    noise = [((i * 7919) % 13 - 6) * 0.05 for i in range(40)]  # +-0.3 ms, the same in every variant
+    bare = [20.0 + 0.01 * i for i in range(40)]  # drift: cancels within each round
+    peer = [b + 0.4 for b in bare]  # limit 1.5 x 0.4 + 0.25 = 0.85 ms
+
+    def bar(added: float, spread: float) -> dict:
+        nummon = [b + added + spread * e for b, e in zip(bare, noise)]
+        return overhead.paired_bar({"bare": bare, "nummon default": nummon, "per-parameter .item()": peer})
+
+    clear, over, close = bar(0.3, 1.0), bar(1.5, 1.0), bar(0.85, 8.0)
+    assert clear["verdict"] == "met" and clear["margin_ms"] == pytest.approx(0.85 - 0.3, abs=0.06)
+    assert clear["peer_added_ms"] == pytest.approx(0.4) and clear["margin_90"][0] > 0
+    assert over["verdict"] == "not met" and over["margin_90"][1] < 0
+    assert close["verdict"] == "within noise" and close["margin_90"][0] < 0 < close["margin_90"][1]
+    assert overhead.paired_bar({"bare": bare, "nummon default": bare}) is None
 
 
 def test_the_host_cost_bar_is_absent_without_the_peer():
