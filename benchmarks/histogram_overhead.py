@@ -26,13 +26,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-try:  # the installed package
-    import nummon
-except ImportError:  # a bare checkout: run from the source tree
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import nummon
+# the checkout's own package first: a benchmark measures the code beside it (an editable install
+# of another checkout, or an older installed version, would otherwise answer `import nummon`)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from overhead import steady_allocator  # noqa: E402
 
+import nummon  # noqa: E402
 from nummon._sinks.layout import DEFAULT_HISTOGRAM_EVERY  # noqa: E402
 from nummon._tools.demo_model import DemoCNN  # noqa: E402
 from nummon.integrations.tensorboard import TensorBoardSink  # noqa: E402

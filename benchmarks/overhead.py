@@ -34,11 +34,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-try:  # the installed package (its configs/ and integrations/ are mapped into nummon.*)
-    import nummon
-except ImportError:  # a bare checkout: run from the source tree
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import nummon
+# the checkout's own package first: a benchmark measures the code beside it (an editable install
+# of another checkout, or an older installed version, would otherwise answer `import nummon`)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nummon  # noqa: E402
 from nummon._tools.demo_model import DemoCNN  # noqa: E402
 
 # ---------------------------------------------------------------- workloads

@@ -36,11 +36,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-try:
-    import nummon
-except ImportError:  # a bare checkout
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import nummon
+# the checkout's own package first: a benchmark measures the code beside it (an editable install
+# of another checkout, or an older installed version, would otherwise answer `import nummon`)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nummon  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import GPT, steady_allocator  # noqa: E402
 from overhead import cnn_workload as overhead_cnn  # noqa: E402
