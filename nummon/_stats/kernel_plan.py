@@ -13,15 +13,15 @@ import torch
 
 __all__ = [
     "DIRECT_GROUPED",
-    "FOREACH_DTYPES",
     "DIRECT_NUMEL",
+    "FOREACH_DTYPES",
     "GRAIN",
     "LOOP_NUMEL",
     "MIN_GROUP",
-    "SMALL_NUMEL",
-    "Tensors",
     "Pick",
     "Plan",
+    "SMALL_NUMEL",
+    "Tensors",
     "Work",
 ]
 
