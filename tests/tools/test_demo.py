@@ -372,6 +372,30 @@ SUMMARY_LINE = re.compile(
 BULLET = re.compile(r"^    - (info|warning|critical) (\w+) (\S+) .*\(step (\d+)\)$")
 
 
+#: a number as the demo prints it (%.4g, a ratio, a count)
+NUMBER = re.compile(r"(\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
+#: how far a printed value may sit from the excerpt's. The suite pins torch's CPU kernels to AVX2
+#: (conftest.py), yet oneDNN's convolutions still block their sums by the CPU's caches: on an
+#: Intel Xeon the excerpt's run (printed on an AMD EPYC) reads loss 1.674 for 1.675 at step 43,
+#: and the runaway's last finite step 2.429e+15 for 2.385e+15 (1.8%)
+CPU_REL = 0.05
+
+
+def agrees(shown, printed, rel=CPU_REL):
+    """Whether a printed line is the excerpt's line: the same words (spacing aside), steps and small integers
+    (a step, a line number, a layer's index: up to two digits, exactly), every other number within
+    `rel`."""
+    a, b = NUMBER.split(shown), NUMBER.split(printed)
+    words = [[re.sub(r"\s+", " ", t) for t in x[0::2]] for x in (a, b)]  # a table's columns align by width
+    if len(a) != len(b) or words[0] != words[1]:
+        return False
+    for x, y in zip(a[1::2], b[1::2]):
+        exact = len(x) <= 2 or len(y) <= 2
+        if (x != y) if exact else not math.isclose(float(x), float(y), rel_tol=rel):
+            return False
+    return True
+
+
 def readme_demo_section(text=None):
     """The quickstart's "What the demo shows" section: (prose, the excerpt's lines)."""
     text = QUICKSTART.read_text() if text is None else text
@@ -395,6 +419,48 @@ def demo_excerpt(stdout, stderr, out):
     return [normalised(l, out) for l in lines + [""] + [l for l in tail if not l.startswith("(")]]
 
 
+@pytest.mark.parametrize(
+    ("shown", "printed", "same"),
+    [
+        (
+            "  43      1.675      10.12           317.1             134.7   incident",
+            "  43      1.674      10.12           314.3             134.6   incident",
+            True,
+        ),
+        (
+            "  50  2.385e+15  1.363e+13        3.55e+15         2.945e+06   incident",
+            "  50  2.429e+15  1.362e+13       3.604e+15         2.958e+06   incident",
+            True,
+        ),
+        (
+            "  43      1.675      10.12           317.1             134.7   incident",
+            "  44      1.675      10.12           317.1             134.7   incident",
+            False,
+        ),
+        (
+            "  43      1.675      10.12           317.1             134.7   incident",
+            "  43      1.675      10.12           317.1             134.7    healthy",
+            False,
+        ),
+        (
+            "  42        1.8      3.359             114             149.6   incident",
+            "  42        1.8      3.359           113.9             149.6   incident",
+            True,
+        ),
+        (
+            "  42        1.8      3.359           120.1             149.6   incident",
+            "  42        1.8      3.359           113.9             149.6   incident",
+            False,
+        ),
+        ("output of `fc2` (forward) at demo_model.py:35", "output of `fc1` (forward) at demo_model.py:35", False),
+        ("output of `fc2` (forward) at demo_model.py:35", "output of `fc2` (forward) at demo_model.py:36", False),
+        ("160 of the 320 elements", "160 of the 320 elements are", False),
+    ],
+)
+def test_an_excerpt_line_agrees_with_a_printed_one_but_for_the_cpus_last_digits(shown, printed, same):
+    assert agrees(shown, printed) is same
+
+
 @pytest.mark.slow
 def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     """The quickstart's demo section (the excerpt, the step numbers, the lead, the
@@ -413,7 +479,8 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     # the incident transitions and their steps, the bullets by what they name
     transitions = re.compile(r"^    Incident \d+ (?:opened|escalated from \w+) at step \d+: \w+\.$")
     assert [l for l in readme if transitions.match(l)] == [l for l in printed if transitions.match(l)]
-    assert [l for l in readme if l.startswith("nummon: run ")] == [l for l in printed if l.startswith("nummon: run ")]
+    shown_runs, printed_runs = ([l for l in ls if l.startswith("nummon: run ")] for ls in (readme, printed))
+    assert len(shown_runs) == len(printed_runs) and all(map(agrees, shown_runs, printed_runs)), printed_runs
     bullets = {BULLET.match(l).groups() for l in printed if BULLET.match(l)}
     for line in readme:
         if BULLET.match(line):
@@ -428,11 +495,11 @@ def test_readme_demo_section_states_what_the_demo_prints(demo_run):
     for line in others:
         if line.startswith("First warning: "):
             line = line.split(" — ")[0]
-            assert any(l.startswith(line + " — ") for l in printed), line
+            assert any(agrees(line, l.split(" — ")[0]) for l in printed if " — " in l), line
         else:
-            assert line in printed, (line, printed)
+            assert any(agrees(line, l) for l in printed), (line, printed)
     table = [l for l in printed if re.match(r"^\s+\d+\s", l)]
-    assert table and all(l in readme for l in table)  # the whole closing table
+    assert table and all(any(agrees(r, l) for r in readme) for l in table)  # the whole closing table
     # the prose: the model, the optimizer, the switch, the claimed time
     assert f"lr {RUNAWAY_LR:g}" in prose and f"from step {SWITCH_STEP}" in " ".join(prose.split())
     assert (
