@@ -67,14 +67,15 @@ def test_only_the_incidents_a_page_tells_in_full_get_their_full_facts():
 
 def _long_log(path, n, layers=24):
     """A Monitor event log of `n` step lines with per-layer values (GPT-2-like lines, smaller),
-    one incident near the end that goes non-finite."""
+    one incident near the end that goes non-finite. The loss falls as a healthy run's does (a
+    flat one is a stall, judged in full on every record: 3x the time, nothing more tested)."""
     import json
 
     names = [f"transformer.h.{i}.mlp.c_fc.weight" for i in range(layers)]
     with open(path, "w") as fh:
         for s in range(n):
-            loss = 3.0 + 0.1 * math.sin(s / 50) if s < n - 10 else 3.0 * 8.0 ** (s - n + 11)
-            row = {"type": "step", "step": s, "loss": loss if s < n - 1 else "NaN", "grad_norm": 1.0 + (s % 7) / 10}
+            loss = 3.0 / (1 + s / 100) * (1 + 0.02 * math.sin(s / 5)) if s < n - 10 else 3.0 * 8.0 ** (s - n + 11)
+            row = {"type": "step", "step": s, "loss": loss if s < n - 1 else "NaN", "grad_norm": 1.0 + (s % 7) / 50}
             row["layer_grad_norms"] = {k: 0.01 * (i + 1) + 1e-6 * s for i, k in enumerate(names)}
             row["layer_activation_max"] = {k: 5.0 + (s % 11) for k in names}
             fh.write(json.dumps(row) + "\n")
@@ -125,7 +126,7 @@ def test_a_long_log_is_read_in_bounded_memory(tmp_path, maker):
         LiveReport(lambda: folder).from_folder(lambda: None)
         return (folder / "nummon-report.html").read_text()
 
-    folders = {n: tmp_path / str(n) for n in (5_000, 20_000)}
+    folders = {n: tmp_path / str(n) for n in (2_500, 10_000)}
     for n, folder in folders.items():
         folder.mkdir()
         _long_log(folder / "events.jsonl", n)

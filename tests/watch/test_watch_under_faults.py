@@ -469,7 +469,7 @@ def test_a_burst_in_one_run_is_read_in_bounded_chunks_and_the_other_runs_go_firs
 # --- SIGKILL every second while the run writes: every event exactly once ----------------------
 
 
-KILLS = 20  # SIGKILLs of the watcher per run of the test below
+KILLS = 12  # SIGKILLs of the watcher per run of the test below
 
 
 @pytest.mark.slow
