@@ -290,3 +290,34 @@ def test_a_short_list_is_measured_in_one_loop_and_a_long_one_in_groups():
     got = k.l2_norms(short, key="short").tolist()
     assert k._plans["short"].direct is False
     assert got == pytest.approx([t.double().norm().item() for t in short], rel=1e-3)
+
+
+def test_norms_past_a_dots_float32_range_are_exact():
+    # gradients, parameters and SGD's momentum of 2^16 and 2^19 elements (each measured by a BLAS
+    # dot, whose float32 sum of squares overflows) at ~1e17-1e18, ~1e20 and ~1e17-1e18, all finite: the
+    # record shows their exact norms, not inf (recomputed in float64 where they overflowed)
+    from nummon._stats.kernel_plan import DIRECT_NUMEL, LOOP_NUMEL
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 2048, bias=False))
+    sizes = [p.numel() for p in model.parameters()]
+    assert all(n > LOOP_NUMEL for n in sizes) and max(sizes) > DIRECT_NUMEL  # a dot each, in the plan
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    mon = Monitor(model, opt, policy=QUIET)
+    opt.zero_grad()
+    loss = (model(torch.randn(8, 256)) * 1e17).sum()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e20)
+    opt.step()  # lr 0: the parameters stay; the momentum starts as the gradients
+    rec = mon.post_step(loss).record
+    grads = [p.grad.double() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].double() for p in model.parameters()]
+    assert max(g.abs().max().item() for g in grads) < 1e19 and min(g.abs().max().item() for g in grads) > 1e16
+    assert rec.grad_norm == pytest.approx(math.hypot(*(g.norm().item() for g in grads)), rel=1e-5)
+    assert rec.param_norm == pytest.approx(
+        math.hypot(*(p.double().norm().item() for p in model.parameters())), rel=1e-5
+    )
+    assert rec.optim_state_norm == pytest.approx(math.hypot(*(v.norm().item() for v in momentum)), rel=1e-5)
+    mon.close()
