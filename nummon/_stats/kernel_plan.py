@@ -23,6 +23,7 @@ __all__ = [
     "SMALL_NUMEL",
     "Tensors",
     "Work",
+    "dot_fits",
 ]
 
 #: tensors up to this many elements are measured in groups on CPU (copying them is cheaper
@@ -154,10 +155,21 @@ def loop_members(
     singles = sorted(i for g in few for i in g)
     dev = tensors[0].device
     loop = [
-        i for i in big if tensors[i].numel() <= LOOP_NUMEL and tensors[i].device == dev and tensors[i].dtype in foreach
+        i
+        for i in big
+        if tensors[i].device == dev
+        and tensors[i].dtype in foreach
+        and (tensors[i].numel() <= LOOP_NUMEL or not dot_fits(tensors[i]))
     ]
     in_loop = set(loop)
     return [g for g in groups if g not in few], singles, loop, loop + [i for i in big if i not in in_loop]
+
+
+def dot_fits(t: torch.Tensor) -> bool:
+    """Whether a BLAS dot can read `t` where it lies (dense float32): other large tensors (half
+    dtypes, strided views) stay in the loop, one C launch each where the dot's fallback costs
+    three ops from Python."""
+    return t.dtype == torch.float32 and t.is_contiguous()
 
 
 def direct_list(tensors: Sequence[torch.Tensor], groups: list[list[int]]) -> bool:

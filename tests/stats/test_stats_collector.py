@@ -138,8 +138,9 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
     # shapes that share a group, 0-d and empty tensors, a half tensor, large ones measured alone
     # (float32, half, a non-contiguous view), a small non-contiguous view, and NaN in one of a group;
     # a group of MIN_GROUP same-shape tensors and a smaller one (measured in the loop), mid-size
-    # tensors (the loop's norms: one with Inf, one bfloat16) and one above LOOP_NUMEL (a dot)
-    from nummon._stats.kernel_plan import LOOP_NUMEL, MIN_GROUP, SMALL_NUMEL
+    # tensors (the loop's norms: one with Inf, one bfloat16) and one above LOOP_NUMEL (a dot), and two
+    # above it that a dot cannot read where they lie (bfloat16, a transposed view: the loop's)
+    from nummon._stats.kernel_plan import DIRECT_NUMEL, LOOP_NUMEL, MIN_GROUP, SMALL_NUMEL
     from nummon._stats.kernels import NormKernels
 
     torch.manual_seed(0)
@@ -161,10 +162,13 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
         torch.randn(4 * SMALL_NUMEL),
         torch.randn(2 * SMALL_NUMEL).bfloat16(),
         torch.randn(LOOP_NUMEL + 5),
+        torch.randn(LOOP_NUMEL + 7).bfloat16(),  # above LOOP_NUMEL, yet no dot reads them: the loop's
+        torch.randn(300, 200).t(),
+        torch.randn(DIRECT_NUMEL + 1),  # a dot, and no single loop for the whole list: the plan runs
     ]
     nan = [7]
     ts[7][1, 2] = float("nan")
-    ts[-3][17] = float("inf")
+    ts[-6][17] = float("inf")
     ts = [t.to(device) for t in ts]
     k = NormKernels(fused=fused)
     for _ in range(2):  # the second call reuses the plan
@@ -179,6 +183,9 @@ def test_grouped_kernels_equal_per_tensor_norms_and_maxima(fused, device):
                 assert norms[i].item() == pytest.approx(want_n, rel=1e-3), i
                 assert only[i].item() == pytest.approx(want_n, rel=1e-3), i
                 assert absmax[i].item() == pytest.approx(want_m, rel=1e-3), i
+    if not fused:  # the large ones a dot cannot read where they lie are measured by the loop
+        plan, n = k._plans["n"], len(ts)
+        assert not plan.direct and set(plan.big[plan.loop :]) == {n - 4, n - 1} and {n - 3, n - 2} <= set(plan.big)
     ts[0] = torch.randn(5, device=device)  # shape changes re-plan: one that breaks the concatenation,
     ts[1] = torch.randn(6, 4, device=device)  # one that concatenates but changes the group's size
     for i in (0, 1):
