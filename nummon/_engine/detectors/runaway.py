@@ -55,37 +55,33 @@ class RunawayDetector:
         return out
 
     def quiet(self, plan: QuietPlan) -> bool:
-        """No streak can start while each metric's band is narrower than `min_growth` and its top
-        stays under `min_growth` x the metric's last value: every record then grows less than that
-        from the one before it, and `_extend_streak` ends the streak at each."""
-        for metric in self._p.metrics:
+        """No finding while each metric's top stays under the smallest total growth a finding
+        needs (`min(warning_total_factor, critical_total_factor)`: the short history's factors are
+        powers of them, larger) x the lowest value a streak can start from: the band's lower end,
+        or the running streak's start. A streak may start and grow inside the band; `absorb`
+        books it record by record, as `update` would."""
+        p = self._p
+        factor = min(p.warning_total_factor, p.critical_total_factor)
+        for metric in p.metrics:
             if metric not in plan.bands:
                 return False  # a metric no band covers: judged every record
             lo = plan.lo(metric)
             if lo is None:
                 continue
             last = self._state.get(metric)
-            if last is not None and last[1] < lo:  # the first record could grow min_growth x from it
-                lo = last[1]
-            plan.cap(metric, lo * self._p.min_growth)
+            if last is not None and last[4] < lo:  # the running streak's start (the last value when none runs)
+                lo = last[4]
+            plan.cap(metric, lo * factor)
         return True
 
     def absorb(self, records: Sequence[StepRecord]) -> None:
-        """Book records `quiet` promised silence on: each value into the history; each ended the
-        streak, so the state is the last value's alone."""
-        log10 = F.log10_safe
+        """Book records `quiet` promised silence on, each into its metric's streak and history."""
+        extend = self._extend_streak
         for metric in self._p.metrics:
-            hist, last = self._hist[metric], None
             for rec in records:
                 v = rec.__dict__[metric]
                 if v is not None:  # (inside its band: finite and positive)
-                    hist.append(log10(v))
-                    last = rec.step, float(v)
-            if last is not None:
-                step, v = last
-                self._state[metric] = (step, v, 0, step, v)
-                self._records[metric] = 0
-                self._points[metric] = deque([(step, log10(v))], maxlen=_POINTS)
+                    extend(metric, rec.step, float(v))
 
     def _observe(self, metric: str, step: int, v: float, dtype: str) -> Finding | None:
         streak = self._extend_streak(metric, step, v)

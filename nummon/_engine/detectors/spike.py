@@ -109,8 +109,8 @@ class SpikeDetector:
     def quiet(self, plan: QuietPlan) -> bool:
         """Past the start's climb rules, no jump can be found while each value stays under its
         floor (the smallest `_jump` ever uses) x the lowest value its window can then hold (the
-        window's lowest, or the band's lower end): `_jump`'s pre-check then returns at once, and
-        the gradient witness stays 1."""
+        window's lowest, or the band's lower end, raised where it binds): `_jump`'s pre-check then
+        returns at once, and the gradient witness stays 1."""
         if self._grad_climbed is not None or not self._climbs["grad_norm"].over:
             return False
         p = self._p
@@ -124,8 +124,15 @@ class SpikeDetector:
                 )
             else:
                 floor = min(p.grad_factor, p.grad_factor * p.short_history_multiplier)
-            low = min(F.pow10(min(hist)), lo) if hist else lo
-            plan.cap(metric, floor * low)
+            lowest = F.pow10(min(hist)) if hist else math.inf  # the window's lowest value
+            level, top = plan.level.get(metric), plan.bands[metric][1]  # type: ignore[index]
+            if level is not None and lo < lowest and floor * lo < top:
+                # the band's lower end binds the top (its records may become the window's lowest):
+                # raised toward level / sqrt(floor), the top lies as far above the level as the
+                # lower end below it (a smooth loss's band about [0.79, 1.26] x its level, not [0.74, 1.19])
+                lo = max(lo, min(lowest, level / math.sqrt(floor), top / floor))
+                plan.floor(metric, lo)
+            plan.cap(metric, floor * min(lowest, lo))
         return True
 
     def absorb(self, records: Sequence[StepRecord]) -> None:
