@@ -53,10 +53,11 @@ __all__ = [
 
 #: the magnitudes a quiet record may carry, each inside its band
 BAND_FIELDS = ("loss", "grad_norm", "grad_max", "param_norm", "optim_state_norm", "activation_max")
-#: the band proposed around a magnitude's level: [level / BAND_RATIO, level * BAND_RATIO]. A
-#: 3-layer MLP fed 32 batches in turn moves its loss and gradient norm 0.6-1.6x around their
-#: level from batch to batch: at 1.2 16% of its records left the band and were judged in full, at
-#: 1.35 10% (wider gains little: the spike rule caps the loss's top near 1.6x the window's lowest)
+#: the band proposed around a magnitude's level: [level / BAND_RATIO, level * BAND_RATIO], before
+#: each detector narrows it. A 3-layer MLP fed 32 batches in turn moves its loss and gradient
+#: norm 0.6-1.6x around their level from batch to batch: at 1.2 16% of its ordinary records left
+#: the band and were judged in full, at 1.4 8%. (Kept under RISE_RATIO: a value above the band
+#: and under RISE_RATIO x its level is noise, judged in full; above it, a rise.)
 BAND_RATIO = 1.4
 #: a value this many times its level (or above a bound a detector set) rose toward trouble
 RISE_RATIO = 1.44
