@@ -75,13 +75,34 @@ class RunawayDetector:
         return True
 
     def absorb(self, records: Sequence[StepRecord]) -> None:
-        """Book records `quiet` promised silence on, each into its metric's streak and history."""
-        extend = self._extend_streak
+        """Book records `quiet` promised silence on, each into its metric's streak and history, as
+        `_extend_streak` would: a record that grows `min_growth` x from the last one through it,
+        each other one ending the streak (its points made once, for the last such record)."""
+        min_growth, growth, log10 = self._p.min_growth, F.growth_per_step, F.log10_safe
         for metric in self._p.metrics:
+            hist, state = self._hist[metric], self._state.get(metric)
+            ended: tuple[int, float] | None = None  # (step, log10 value) of the last record that ended the streak
             for rec in records:
                 v = rec.__dict__[metric]
-                if v is not None:  # (inside its band: finite and positive)
-                    extend(metric, rec.step, float(v))
+                if v is None:
+                    continue
+                v, step = float(v), rec.step  # (inside its band: finite and positive)
+                if state is not None and step > state[0] and growth(state[1], v, step - state[0]) >= min_growth:
+                    if ended is not None:
+                        self._points[metric] = deque([ended], maxlen=_POINTS)
+                        ended = None
+                    self._state[metric] = state
+                    self._extend_streak(metric, step, v)
+                    state = self._state[metric]
+                else:
+                    lv = log10(v)
+                    state, ended = (step, v, 0, step, v), (step, lv)
+                    self._records[metric] = 0
+                    hist.append(lv)
+            if state is not None:
+                self._state[metric] = state
+            if ended is not None:
+                self._points[metric] = deque([ended], maxlen=_POINTS)
 
     def _observe(self, metric: str, step: int, v: float, dtype: str) -> Finding | None:
         streak = self._extend_streak(metric, step, v)
