@@ -133,10 +133,13 @@ class QuietPlan:
                 self.bands[field] = None
 
     def floor(self, field: str, lo: float) -> None:
-        """Values of `field` must be at least `lo` (a field whose band no magnitude proposes)."""
+        """Values of `field` must be at least `lo` (the headroom's floor; a band's lower end a
+        detector raises)."""
         band = self.bands[field]
         if band is not None:
             band[0] = max(band[0], lo)
+            if band[1] < band[0]:
+                self.bands[field] = None
 
     def absent(self, field: str) -> None:
         """A record carrying `field` is evaluated in full."""
