@@ -86,8 +86,13 @@ class RunawayDetector:
                 v = rec.__dict__[metric]
                 if v is None:
                     continue
-                v, step = float(v), rec.step  # (inside its band: finite and positive)
-                if state is not None and step > state[0] and growth(state[1], v, step - state[0]) >= min_growth:
+                v, step = float(v), rec.step  # (inside its band: finite and positive; growth needs a rise)
+                if (
+                    state is not None
+                    and v > state[1]
+                    and step > state[0]
+                    and growth(state[1], v, step - state[0]) >= min_growth
+                ):
                     if ended is not None:
                         self._points[metric] = deque([ended], maxlen=_POINTS)
                         ended = None
