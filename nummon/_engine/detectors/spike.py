@@ -129,7 +129,7 @@ class SpikeDetector:
             if level is not None and lo < lowest and floor * lo < top:
                 # the band's lower end binds the top (its records may become the window's lowest):
                 # raised toward level / sqrt(floor), the top lies as far above the level as the
-                # lower end below it (a smooth loss's band about [0.79, 1.26] x its level, not [0.74, 1.19])
+                # lower end below it (a smooth loss's band about [0.79, 1.26] x its level, not [0.71, 1.14])
                 lo = max(lo, min(lowest, level / math.sqrt(floor), top / floor))
                 plan.floor(metric, lo)
             plan.cap(metric, floor * min(lowest, lo))
