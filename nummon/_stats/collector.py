@@ -33,6 +33,7 @@ from .mechanisms import MechanismProbes
 from .optim import OptimizerView
 from .params import WatchedParams
 from .pending import GatherTicket, Pending
+from .plain_step import PlainLaunch
 from .preclip import PreClipCapture
 from .probes import ActivationProbes
 from .transport import PinnedPool, pack, rules_of, signature
@@ -120,6 +121,7 @@ class StatsCollector:
         if self.mechanisms is not None and self.mechanisms.replay is not None:  # a replayed forward is no training step
             self.mechanisms.replay.others_paused = self._activations_paused
         self.anchors = ClipAnchors()
+        self.plain = PlainLaunch()  # an ordinary step with nothing due but the loss and the gradients
         self.said_no_grads = False  # the warning that no parameter has a gradient, given once
         self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_forensics/replicas.py)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
@@ -159,6 +161,10 @@ class StatsCollector:
         self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool, clip_norm: float | None
     ) -> Pending:
         self._refresh()
+        plain = self.plain.launch(self, step, loss, batch, params_due, optim_due)
+        if plain is not None:  # nothing due but the loss and the gradients, as at the last such step
+            return plain
+        pre = self.preclip.last if self.preclip is not None else None  # (what the gradients family takes)
         params = self.watched.params
         # the loss's device, else the model's (it may have moved)
         dev = loss.device if isinstance(loss, torch.Tensor) else params[0].device if params else self.device
@@ -196,7 +202,7 @@ class StatsCollector:
             ticket = GatherTicket(local, capacity)
         host, event = self.pinned.to_host(packed)
         cadence.arm_next(step + 1)  # what the next forward and backward measure
-        return Pending(
+        pending = Pending(
             step=step,
             packed=host,
             event=event,
@@ -214,6 +220,8 @@ class StatsCollector:
             mech=s.mech,
             clip_anchors=s.clip_anchors,
         )
+        self.plain.remember(self, s, pre, pending)
+        return pending
 
     def _refresh(self) -> None:
         if self.watched.refresh():

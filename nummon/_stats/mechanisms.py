@@ -184,14 +184,20 @@ class MechanismProbes:
         self._samples = torch.cat([ratio, top])
 
     # ------------------------------------------------------------------ the step
+    @property
+    def idle(self) -> bool:
+        """Nothing was hooked and no per-sample loss came since the last `take`: it would take or
+        reset nothing."""
+        return not self._step_hooks.registered and self._samples is None
+
     def take(
         self, distributed: bool, loss: Any = None, clip_scale: Callable[[], torch.Tensor | None] | None = None
     ) -> tuple[MechanismStep, list[Segment]]:
         """This step's segments (empty when it was not sampled); resets for the next step.
         `loss`: the step's loss, as `post_step` got it; `clip_scale`: gives the factor the loop's
         clipping will scale today's gradients by before the optimizer step (None: no clipping)."""
-        if not self._step_hooks.registered and self._samples is None:
-            return MechanismStep(), []  # nothing was hooked since the last take: nothing to take or reset
+        if self.idle:
+            return MechanismStep(), []
         replay = self.replay
         if self._traced and replay is not None and not replay.active and not self.forward_off:
             self._compiled()

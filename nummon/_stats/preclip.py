@@ -100,6 +100,11 @@ class PreClipCapture:
         finally:
             torch._C._set_grad_enabled(was)
 
+    @property
+    def last(self) -> PreClipGrads | None:
+        """The statistics `take` would hand over now, left in place."""
+        return self._result
+
     def take(self) -> PreClipGrads | None:
         """The statistics of the last backward since the previous call, or None."""
         result, self._result = self._result, None

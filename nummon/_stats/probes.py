@@ -127,6 +127,7 @@ class ActivationProbes:
         self.paused = False  # forensics re-runs a forward that is not a training step
         self.want_tensors = False  # keep the outputs for histograms
         self.tensors: dict[str, torch.Tensor] = {}
+        self._idle: ActivationStep | None = None  # `idle_step`'s, for the current modules
 
     def install(self, model: nn.Module) -> None:
         """Choose the modules (again when the model grew), and hook them when the next forward
@@ -262,6 +263,21 @@ class ActivationProbes:
             buf = self._bufs[dtype] = torch.zeros(len(self.names), 2, dtype=dtype, device=device)
             views = self._views[dtype] = [(buf[i, 0], buf[i, 1]) for i in range(len(self.names))]
         return views
+
+    def idle_step(self) -> ActivationStep | None:
+        """What `take` would return when no hook measured since the last one (it would then reset
+        nothing), made once per set of modules; None when a hook measured (call `take`)."""
+        if self._order:
+            return None
+        idle = self._idle
+        if (
+            idle is None
+            or idle.names is not self.names
+            or len(idle.src) != len(self.names)
+            or idle.always is not self._always
+        ):
+            idle = self._idle = ActivationStep(self.names, [], [None] * len(self.names), None, self._always)
+        return idle
 
     def take(self, distributed: bool) -> tuple[ActivationStep, list[Segment]]:
         """This step's observations and their segments; resets for the next forward (its hooks

@@ -36,6 +36,7 @@ __all__ = [
     "CLIP_ANCHOR_ELEMENTS",
     "FAMILY",
     "ClipAnchors",
+    "anchor_grads",
     "decode_clip_ratio",
     "decode_grads",
     "launch_grads",
@@ -108,13 +109,10 @@ def _clip_ratio_norms(c: Collecting, s: LaunchStep, pre: PreClipGrads) -> list[S
     """A few of today's gradients measured again, after clipping, for the clip ratio. When the
     backward's list held every watched parameter's gradient as it is, only those few are read
     off their parameters (reading all of them costs a Python attribute read per tensor)."""
-    if pre.whole and len(c.watched.params) == len(pre.grads):
-        idx, pick = c.anchors.pick(pre.grads)
-        params = pick(c.watched.params)
-        now = dense_grads(params if len(idx) > 1 else (params,))
-        if now is not None:  # (else: the general case)
-            s.clip_anchors = idx
-            return [Segment("grad_norms_post", c.kernels.l2_norms(now, key="grad_norms_post"), Reduce.LOCAL)]
+    anchored = anchor_grads(c, pre)
+    if anchored is not None:  # (else: the general case)
+        s.clip_anchors = anchored[0]
+        return [Segment("grad_norms_post", c.kernels.l2_norms(anchored[1], key="grad_norms_post"), Reduce.LOCAL)]
     grads, names, _raw = c.watched.grads(s.dev, s.distributed)
     if grads and names == pre.names:  # the clip ratio: a few gradients again, after clipping
         idx, pick = c.anchors.pick(grads)
@@ -130,6 +128,18 @@ def _clip_ratio_norms(c: Collecting, s: LaunchStep, pre: PreClipGrads) -> list[S
     if grads:  # other gradients than the backward left (replaced, or more): all of them
         return [Segment("grad_norms_post", c.kernels.l2_norms(grads, key="grad_norms_post_all"), Reduce.LOCAL)]
     return []
+
+
+def anchor_grads(c: Collecting, pre: PreClipGrads) -> tuple[list[int], list[torch.Tensor]] | None:
+    """(the clip anchors' positions, today's `.grad` of their parameters), read off the parameters
+    themselves, when the backward's list held every watched parameter's gradient as it is; None
+    otherwise, or when one of those gradients is missing or sparse now."""
+    if not (pre.whole and len(c.watched.params) == len(pre.grads)):
+        return None
+    idx, pick = c.anchors.pick(pre.grads)
+    params = pick(c.watched.params)
+    now = dense_grads(params if len(idx) > 1 else (params,))
+    return None if now is None else (idx, now)
 
 
 @functools.cache  # a C-level call per step once seen: the gradients' dtypes rarely change
