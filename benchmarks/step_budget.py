@@ -58,7 +58,7 @@ STAGES = (
 )
 #: (file suffix, function name) -> the stage it starts ("*": any function of that file)
 ENTRIES = {
-    ("_stats/collector.py", "_launch"): "launch",
+    ("_stats/collector.py", "launch"): "launch",
     ("_stats/collector.py", "resolve"): "read_decode",
     ("nummon/_engine/engine.py", "step"): "detectors",
     ("nummon/_sinks/dispatch.py", "*"): "dispatch",
@@ -323,7 +323,7 @@ def _wrap_methods(timer: StageTimer, mon: Any) -> None:
     stats = mon._stats
     for obj, attr, stage in (
         (mon, "_post_step", "post_step"),
-        (stats, "_launch", "launch"),
+        (stats, "launch", "launch"),
         (stats, "resolve", "read_decode"),
         (mon._steps.engine, "step", "detectors"),
         (mon._sinks, "step", "dispatch"),

@@ -120,8 +120,7 @@ class StatsCollector:
         )
         if self.mechanisms is not None and self.mechanisms.replay is not None:  # a replayed forward is no training step
             self.mechanisms.replay.others_paused = self._activations_paused
-        self.anchors = ClipAnchors()
-        self.plain = PlainLaunch()  # an ordinary step with nothing due but the loss and the gradients
+        self.anchors, self.plain = ClipAnchors(), PlainLaunch()  # the clip ratio's gradients; plain steps
         self.said_no_grads = False  # the warning that no parameter has a gradient, given once
         self.replicas: Any = None  # the Monitor's replica check under data parallelism (nummon/_forensics/replicas.py)
         # not under torch.distributed (DDP/FSDP reduce gradients in end-of-backward callbacks of
@@ -153,18 +152,19 @@ class StatsCollector:
         was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            return self._launch(step, loss, batch, params_due, optim_due, clip_norm)
+            self._refresh()
+            pending = self.plain.launch(self, step, loss, batch, params_due, optim_due)
+            if pending is None:  # something is due beyond the loss and the gradients: every family
+                pre = self.preclip.last if self.preclip is not None else None  # (what the gradients take)
+                pending = self._launch(step, loss, batch, params_due, optim_due, clip_norm)
+                self.plain.remember(self, loss, pre, pending)
+            return pending
         finally:
             torch._C._set_grad_enabled(was)
 
     def _launch(
         self, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool, clip_norm: float | None
     ) -> Pending:
-        self._refresh()
-        plain = self.plain.launch(self, step, loss, batch, params_due, optim_due)
-        if plain is not None:  # nothing due but the loss and the gradients, as at the last such step
-            return plain
-        pre = self.preclip.last if self.preclip is not None else None  # (what the gradients family takes)
         params = self.watched.params
         # the loss's device, else the model's (it may have moved)
         dev = loss.device if isinstance(loss, torch.Tensor) else params[0].device if params else self.device
@@ -202,7 +202,7 @@ class StatsCollector:
             ticket = GatherTicket(local, capacity)
         host, event = self.pinned.to_host(packed)
         cadence.arm_next(step + 1)  # what the next forward and backward measure
-        pending = Pending(
+        return Pending(
             step=step,
             packed=host,
             event=event,
@@ -220,8 +220,6 @@ class StatsCollector:
             mech=s.mech,
             clip_anchors=s.clip_anchors,
         )
-        self.plain.remember(self, s, pre, pending)
-        return pending
 
     def _refresh(self) -> None:
         if self.watched.refresh():

@@ -29,8 +29,7 @@ from .pending import Pending
 from .transport import Layout
 
 if TYPE_CHECKING:
-    from .collector import StatsCollector
-    from .families.family import LaunchStep
+    from .families.family import Collecting
     from .preclip import PreClipGrads
 
 __all__ = ["PLAIN_SEGMENTS", "PlainLaunch"]
@@ -61,11 +60,10 @@ class PlainLaunch:
         self.launched = 0  # steps launched here (the tests' proof that this path runs)
         self._plain: _Plain | None = None
 
-    def remember(self, c: StatsCollector, s: LaunchStep, pre: PreClipGrads | None, pending: Pending) -> None:
-        """After a full launch: remember it when it was a plain step (`pre`: the capture the
-        families took), forget the last one otherwise."""
+    def remember(self, c: Collecting, loss: Any, pre: PreClipGrads | None, pending: Pending) -> None:
+        """After a full launch of `loss`'s step: remember it when it was a plain step (`pre`: the
+        capture the families took), forget the last one otherwise."""
         plain = None
-        loss = s.loss
         if (
             pre is not None
             and c.dist is None
@@ -90,7 +88,7 @@ class PlainLaunch:
         self._plain = plain
 
     def launch(
-        self, c: StatsCollector, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool
+        self, c: Collecting, step: int, loss: Any, batch: Any, params_due: bool, optim_due: bool
     ) -> Pending | None:
         """This step launched as the last plain step was, or None when any of its inputs differs
         (the families launch it then). Called after the collector's refresh, with grad mode off."""

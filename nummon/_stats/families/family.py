@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..._core.types import StepRecord
+from ..cadence import Cadence
 from ..distributed import Reduce
 from ..fingerprints import Fingerprinter
 from ..kernels import NormKernels, as_real
@@ -31,7 +32,7 @@ from ..params import WatchedParams
 from ..pending import Pending
 from ..preclip import PreClipCapture
 from ..probes import ActivationProbes
-from ..transport import Segment
+from ..transport import PinnedPool, Segment
 
 __all__ = [
     "NORM_RULES",
@@ -94,6 +95,10 @@ class Collecting(Protocol):
     preclip: PreClipCapture | None
     anchors: Any  # the gradients family's `ClipAnchors` (it imports this module, so not named here)
     said_no_grads: bool
+    cadence: Cadence
+    pinned: PinnedPool
+    dist: Any  # a DistributedReducer, or None in a single process
+    replicas: Any  # the replica check, or None
 
 
 @dataclass
