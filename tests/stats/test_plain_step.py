@@ -164,3 +164,21 @@ def test_a_loss_or_gradients_in_another_dtype_are_judged_against_it_at_once(tmp_
     assert dtypes[39] == ("float32", True)
     assert dtypes[40] == ("bfloat16", False)  # the gradients', now in bfloat16
     assert dtypes[49][0] == "bfloat16"
+
+
+def test_the_plain_launch_accounts_for_every_statistic_family():
+    """A plain step skips the families' pass, so what each family does on such a step is written
+    out in plain_step.py: the loss and the gradients packed, the optimizer's LR read, the others
+    idle (nothing due, no probe measured, no batch). A new family fails this test until it is
+    accounted for there."""
+    from nummon._stats.families import FAMILIES
+
+    assert [f.name for f in FAMILIES] == [
+        "loss",
+        "gradients",
+        "parameters",
+        "optimizer",
+        "activations",
+        "mechanisms",
+        "inputs",
+    ]

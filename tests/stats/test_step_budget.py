@@ -96,8 +96,9 @@ def test_an_ordinary_demo_cnn_step_dispatches_no_more_torch_ops_per_stage_than_i
 
 
 #: per stage, the most Python calls of a quiet demo-CNN step: an ordinary step whose record the
-#: engine's fast path took (this release plus ~20%); the detectors' stage is the region check
-QUIET_CALLS = {**CNN_CALLS, "detectors": 30}
+#: engine's fast path took (this release plus ~20%); the detectors' stage is the region check.
+#: Its launch is the plain step's (nummon/_stats/plain_step.py): no pass over the families
+QUIET_CALLS = {**CNN_CALLS, "detectors": 30, "launch": 27}  # launch 22
 
 
 @pytest.fixture(scope="module")
