@@ -96,8 +96,8 @@ class PlainLaunch:
         if plain is None or not self.enabled or preclip is None or batch is not None or params_due or optim_due:
             return None
         pre, probes, mech = preclip.last, c.probes, c.mechanisms
-        # (a run watched closely, while an incident is open or after a non-finite step, measures
-        # max |g| at every backward: `pre.extremes`)
+        # (max |g| is measured on due steps, while the run is watched closely (an incident open,
+        # a non-finite step) and for narrow gradient dtypes: `pre.extremes`, the direct statement)
         if (
             pre is None
             or pre.extremes is not None

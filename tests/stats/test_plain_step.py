@@ -182,3 +182,36 @@ def test_the_plain_launch_accounts_for_every_statistic_family():
         "mechanisms",
         "inputs",
     ]
+
+
+def test_a_float_loss_a_tensor_lr_or_narrow_gradients_are_launched_by_the_families(tmp_path):
+    """After plain steps: a loss passed as a float, a learning rate set as a tensor, and gradients
+    in float16 (whose max |g| is measured at every backward) each change what the step packs."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    policy = {
+        "sinks": {"console": False},
+        "mechanisms": {"enabled": False},
+        "sampling": {"activations": False, "params_every": 1000, "optimizer_every": 1000},
+    }
+    mon = nummon.Monitor(model, opt, policy=policy, run_dir=tmp_path)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    seen = {}
+    for step in range(40):
+        if step == 30:
+            opt.param_groups[0]["lr"] = torch.tensor(0.02)
+        if step == 35:
+            model.half()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x.to(model.a.weight.dtype)).float(), y)
+        loss.backward()
+        opt.step()
+        before = mon._stats.plain.launched
+        rec = mon.post_step(loss.item() if step == 25 else loss).record
+        seen[step] = (mon._stats.plain.launched > before, rec.lr, rec.grad_max)
+    mon.close()
+    assert seen[24] == (True, 0.01, None)
+    assert seen[25][0] is False  # a float loss
+    assert seen[30][:2] == (False, pytest.approx(0.02))  # the LR rides in the packed vector
+    assert seen[38][0] is False and seen[38][2] is not None  # float16 gradients: max |g| every step
