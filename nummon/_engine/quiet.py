@@ -117,6 +117,7 @@ class QuietPlan:
         }
         self.bands["headroom"] = [-math.inf, math.inf]  # a record's own headroom (decades), when it has one
         self.level = level
+        self.moves: list[tuple[str, int, float, tuple[float, ...]]] = []  # `moving`'s windows
 
     def lo(self, field: str) -> float | None:
         """The band's lower end for `field` (None: the field must be absent)."""
@@ -145,6 +146,12 @@ class QuietPlan:
         """A record carrying `field` is evaluated in full."""
         self.bands[field] = None
 
+    def moving(self, field: str, n: int, spread: float, tail: list[float]) -> None:
+        """Each record must leave the last `n` values of `field` (`tail`, the values before the
+        region, then the region's own) spread by more than `spread` (max - min, in `field`'s
+        units), once they are `n`."""
+        self.moves.append((field, n, spread, tuple(tail)))
+
     def cap_records(self, n: int) -> None:
         self.records = min(self.records, n)
 
@@ -169,7 +176,15 @@ class QuietPlan:
         )
         floor = self.bands["headroom"]
         return QuietRegion(
-            self.step, self.until_step, self.records, self.dtype, checks, absent, rise, floor[0] if floor else -math.inf
+            self.step,
+            self.until_step,
+            self.records,
+            self.dtype,
+            checks,
+            absent,
+            rise,
+            floor[0] if floor else -math.inf,
+            tuple(self.moves),
         )
 
 
@@ -185,6 +200,7 @@ class QuietRegion:
     absent: tuple[str, ...]  # fields a quiet record must not carry
     rise: tuple[tuple[str, float], ...] = ()  # (magnitude, above what it rises toward trouble)
     floor: float = -math.inf  # the record's own headroom below this: it rises toward trouble
+    moving: tuple[tuple[str, int, float, tuple[float, ...]], ...] = ()  # `QuietPlan.moving`'s windows
 
     def fits(self, rec: StepRecord, booked: int) -> bool:
         """Whether the region speaks of `rec`: within its steps and records, in its dtype, with
@@ -205,6 +221,15 @@ class QuietRegion:
             if v is not None and not lo <= v <= hi:  # (NaN fails both)
                 return False
         return rec.is_finite()
+
+    def moves(self, rec: StepRecord, taken: list[StepRecord]) -> bool:
+        """Whether each window of `moving` that ends at `rec` (after the region's `taken` records)
+        is spread enough, or not full yet."""
+        for f, n, spread, tail in self.moving:
+            last = [*tail, *(t.__dict__[f] for t in taken[-n:]), rec.__dict__[f]][-n:]
+            if len(last) == n and not max(last) - min(last) > spread:
+                return False
+        return True
 
     def rising(self, rec: StepRecord) -> bool:
         """Whether `rec` left the region upward toward trouble: a magnitude above its `rise`, a
@@ -275,6 +300,7 @@ class QuietPath:
         self.skip = skip  # ... and records inside one skip the detectors (False: every record judged in full)
         self.region: QuietRegion | None = None
         self.taken = 0  # records the region admitted since it was made
+        self.taken_records: list[StepRecord] = []  # ... kept while it has windows that must move
         self.admitted = False  # the last record lay in the region (skipped, or judged in full when not `skip`)
         self.formed = False  # a region has been made (the detectors have warmed up)
         self.crossed = False  # the last record the region spoke of left it upward (`QuietRegion.rising`)
@@ -297,8 +323,12 @@ class QuietPath:
         if not region.inside(rec):
             self.crossed = region.rising(rec)
             return False
+        if region.moving and not region.moves(rec, self.taken_records):  # (a value held still: judged)
+            return False
         self.admitted = True
         self.taken += 1
+        if region.moving:
+            self.taken_records.append(rec)
         if self.skip:
             self.booked.append(rec)
         return self.skip
@@ -316,7 +346,7 @@ class QuietPath:
         region admitted keeps it: judged in full only because `skip` is off, as for a test.)"""
         if self.admitted:
             return
-        self.region, self.taken = None, 0
+        self.region, self.taken, self.taken_records = None, 0, []
         if not (self.on and quiet_now):
             return
         plan = QuietPlan(rec.step, levels(self.recent), rec.headroom_dtype)

@@ -123,16 +123,11 @@ class StallDetector:
         base, old = self._level.value, list(self._recent)[-(n - 1) :]
         if base is not None and max([band[1], *old]) < p.frozen_high_fraction * base * (1 - 1e-9):
             return True
-        for k in range(min(plan.records, n - 2), 0, -1):
-            if len(self._recent) + k < n:  # no window of `n` fills by then
-                break
-            kept = list(self._recent)[-(n - k) :]  # in every window of the last `n` up to k records on
-            top = max(max(list(self._recent)[-(n - 1) :]), band[1])  # the held median is at most this
-            if max(kept) - min(kept) > p.frozen_tolerance * top * (1 + 1e-9):
-                break
-        else:
-            return False
-        plan.cap_records(k)
+        # every window of `n` losses that ends at a record of the region must move by more than
+        # the tolerance x the highest median it can hold (its values are the last losses and the
+        # region's, all under the band's top): no window is frozen however long the region lasts
+        top = max([band[1], *old])
+        plan.moving("loss", n, p.frozen_tolerance * top * (1 + 1e-9), old)
         return True
 
     def absorb(self, records: Sequence[StepRecord]) -> None:
