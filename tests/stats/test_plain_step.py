@@ -131,9 +131,9 @@ def test_a_step_with_something_due_is_launched_by_the_families(tmp_path):
     assert taken and not [s for s in taken if s % 5 == 0 or s % 7 == 0] and 33 not in taken
 
 
-def test_a_loss_or_gradients_in_another_dtype_are_judged_against_it_at_once(tmp_path):
-    """The step after plain ones, whose loss (then gradients) come in another dtype, is not
-    launched as they were: its headroom is judged against the new dtype."""
+def _plain_run(tmp_path) -> tuple[_Net, torch.optim.SGD, nummon.Monitor, torch.Tensor, torch.Tensor]:
+    """A model, SGD, and a Monitor under which every ordinary step is plain (no probe, no
+    sampled statistic), with one batch to train on."""
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -143,7 +143,13 @@ def test_a_loss_or_gradients_in_another_dtype_are_judged_against_it_at_once(tmp_
         "sampling": {"activations": False, "params_every": 1000, "optimizer_every": 1000},
     }
     mon = nummon.Monitor(model, opt, policy=policy, run_dir=tmp_path)
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    return model, opt, mon, torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+
+def test_a_loss_or_gradients_in_another_dtype_are_judged_against_it_at_once(tmp_path):
+    """The step after plain ones, whose loss (then gradients) come in another dtype, is not
+    launched as they were: its headroom is judged against the new dtype."""
+    model, opt, mon, x, y = _plain_run(tmp_path)
     dtypes = {}
     for step in range(50):
         if step == 40:
@@ -187,16 +193,7 @@ def test_the_plain_launch_accounts_for_every_statistic_family():
 def test_a_float_loss_a_tensor_lr_or_narrow_gradients_are_launched_by_the_families(tmp_path):
     """After plain steps: a loss passed as a float, a learning rate set as a tensor, and gradients
     in float16 (whose max |g| is measured at every backward) each change what the step packs."""
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    policy = {
-        "sinks": {"console": False},
-        "mechanisms": {"enabled": False},
-        "sampling": {"activations": False, "params_every": 1000, "optimizer_every": 1000},
-    }
-    mon = nummon.Monitor(model, opt, policy=policy, run_dir=tmp_path)
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    model, opt, mon, x, y = _plain_run(tmp_path)
     seen = {}
     for step in range(40):
         if step == 30:
