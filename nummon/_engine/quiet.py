@@ -3,8 +3,9 @@ of the next records in which it provably stays silent, and records inside it ski
 
 The region (`QuietRegion`) is a band per magnitude (`lo <= value <= hi`, the band made around
 the magnitude's recent level, the median of its last few values, and narrowed by each
-detector), the last step and the number of records it holds for, and the dtype the headroom
-was judged in. A record inside it is finite, carries none
+detector), the last step and the number of records it holds for, the dtype the headroom was
+judged in, and windows of a value that must keep moving (the frozen-loss rule's: each record
+must leave its last few values spread). A record inside it is finite, carries none
 of the sampled mechanism statistics (their detectors judge every sample) and has each magnitude
 it carries inside its band: every detector would return no finding for it, whatever records
 inside the region came before it. Such records are kept in a short buffer and booked into the
