@@ -48,7 +48,6 @@ class _Plain:
     layout: Layout  # the pack plan's (shared, read-only)
     grad_dtype: str | None
     loss_dtype: str  # the loss's dtype, by name
-    with_mechanisms: bool  # the collector has mechanism probes (the record carries an empty sample)
 
 
 class PlainLaunch:
@@ -83,7 +82,6 @@ class PlainLaunch:
                 pending.layout,
                 pending.grad_dtype,
                 pending.loss_dtype,
-                pending.mech is not None,
             )
         self._plain = plain
 
@@ -107,7 +105,6 @@ class PlainLaunch:
             or loss.dtype is not torch.float32
             or loss.device != plain.device
             or pre.norms.device != plain.device
-            or (mech is not None) != plain.with_mechanisms
             or (mech is not None and not mech.idle)
             or c.replicas is not None
         ):
@@ -137,6 +134,6 @@ class PlainLaunch:
             plain.loss_dtype,
             lr,
             grads=pre.grads,
-            mech=MechanismStep() if plain.with_mechanisms else None,
+            mech=MechanismStep() if mech is not None else None,  # (the record carries an empty sample)
             clip_anchors=idx,
         )
