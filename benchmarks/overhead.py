@@ -38,6 +38,7 @@ from torch import nn
 # of another checkout, or an older installed version, would otherwise answer `import nummon`)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nummon  # noqa: E402
+from nummon._stats.kernels import NormKernels  # noqa: E402
 from nummon._tools.demo_model import DemoCNN  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
@@ -158,6 +159,8 @@ SHAPES: dict[str, tuple[Callable, str]] = {
 #: `.item()` monitor's added time, plus `BAR_MS` (ms)
 BAR_FACTOR, BAR_MS = 1.5, 0.25
 PEER = "per-parameter .item()"
+#: the floor: every gradient's norm and the loss, one host read, nothing else
+GRADIENT_READ = "gradient norms only"
 
 
 def host_cost_bar(median_ms: dict[str, float], variant: str = "nummon default") -> dict | None:
@@ -190,13 +193,19 @@ def paired_bar(round_ms: dict[str, list[float]], variant: str = "nummon default"
     rng = random.Random(0)  # a fixed seed: the same rounds give the same interval
     boot = sorted(margin([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
     lo, hi = boot[int(0.05 * resamples)], boot[int(0.95 * resamples) - 1]
-    return {
+    res = {
         "added_ms": statistics.median(added),
         "peer_added_ms": statistics.median(peer),
         "margin_ms": margin(list(range(n))),
         "margin_90": [lo, hi],
         "verdict": "met" if lo > 0 else "not met" if hi < 0 else "within noise",
     }
+    if GRADIENT_READ in round_ms:  # the floor: what reading the gradients alone adds, and each above it
+        floor = [t - b for t, b in zip(round_ms[GRADIENT_READ], bare)]
+        res["floor_added_ms"] = statistics.median(floor)
+        res["above_floor_ms"] = statistics.median(a - f for a, f in zip(added, floor))
+        res["peer_above_floor_ms"] = statistics.median(p - f for p, f in zip(peer, floor))
+    return res
 
 
 # ---------------------------------------------------------------- variants
@@ -254,6 +263,18 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
 
         return after, (lambda: None)
 
+    def gradient_read(model, opt):
+        """The floor under any monitor that reads every gradient's norm each step: nummon's own
+        norm kernels over the gradients and the loss, in one host read, and nothing else."""
+        kernels = NormKernels()
+        params = list(model.parameters())
+
+        def after(loss):
+            grads = [p.grad for p in params if p.grad is not None]
+            torch.cat([loss.detach().reshape(1).float(), kernels.l2_norms(grads, key="floor")]).tolist()
+
+        return after, (lambda: None)
+
     main = {
         "bare": bare,
         # the A/A control: the bare step again, as a variant; its ratio is the run's noise floor
@@ -269,6 +290,7 @@ def variants(tmp: str, device) -> tuple[dict[str, Callable], dict[str, Callable]
         # the probes never sparser on a calm run: what the calm cadence (every 20 past step 100) saves
         "nummon mechanism probes never sparser": monitor({"mechanisms": {"calm_multiple": 1}}),
         "per-parameter .item()": per_param_item,
+        GRADIENT_READ: gradient_read,
     }
     if torch.device(device).type == "cuda":  # the GPT's vocabulary head: 1.6 of the 2.4 GB the hooks read
         main["nummon, hooks except the head"] = monitor({"sampling": {"activations_exclude": ["head"]}})
@@ -686,6 +708,11 @@ def main(argv=None) -> int:
             f"paired by round: nummon adds {b['added_ms']:+.3f} ms, the peer {b['peer_added_ms']:+.3f} ms; margin "
             f"{b['margin_ms']:+.3f} ms (90% interval {lo:+.3f} to {hi:+.3f}): {b['verdict']}"
         )
+        if "floor_added_ms" in b:
+            print(
+                f"reading the gradients alone ({GRADIENT_READ!r}) adds {b['floor_added_ms']:+.3f} ms; above it, "
+                f"nummon adds {b['above_floor_ms']:+.3f} ms and the peer {b['peer_above_floor_ms']:+.3f} ms"
+            )
     if res["stats_bandwidth"]:
         b = res["stats_bandwidth"]
         print(

@@ -109,6 +109,41 @@ def test_the_paired_bar_says_met_or_not_only_when_its_interval_does():
     assert overhead.paired_bar({"bare": bare, "nummon default": bare}) is None
 
 
+def test_the_paired_bar_says_what_each_adds_above_reading_the_gradients():
+    bare = [20.0 + 0.01 * i for i in range(10)]
+    floor = [b + 0.2 + 0.01 * (i % 3) for i, b in enumerate(bare)]
+    rounds = {
+        "bare": bare,
+        "nummon default": [f + 0.3 for f in floor],
+        "per-parameter .item()": [f + 0.05 for f in floor],
+    }
+    assert "floor_added_ms" not in overhead.paired_bar(rounds)  # only where the floor was measured
+    b = overhead.paired_bar({**rounds, overhead.GRADIENT_READ: floor})
+    assert b["floor_added_ms"] == pytest.approx(0.21)
+    assert b["above_floor_ms"] == pytest.approx(0.3) and b["peer_above_floor_ms"] == pytest.approx(0.05)
+
+
+def test_the_floor_variant_reads_every_gradient_and_the_loss_in_one_read():
+    import torch
+
+    model, make_opt, loss_fn, _ = overhead.SHAPES["cnn"][0](torch.device("cpu"))
+    opt = make_opt(model)
+    after, detach = overhead.variants(str(ROOT), torch.device("cpu"))[0][overhead.GRADIENT_READ](model, opt)
+    loss = loss_fn(model)
+    loss.backward()
+    reads = []
+    real = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda t: reads.append(real(t)) or reads[-1]
+    try:
+        after(loss)
+    finally:
+        torch.Tensor.tolist = real
+        detach()
+    expected = [loss.item()] + [p.grad.double().norm().item() for p in model.parameters()]
+    # (float32 sums over 1.6M elements: a few parts in 1e5 from the float64 norm)
+    assert len(reads) == 1 and reads[0] == pytest.approx(expected, rel=1e-4)
+
+
 def test_the_host_cost_bar_is_absent_without_the_peer():
     assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.2}) is None
     assert overhead.host_cost_bar({"bare": 1.0, "nummon default": 1.3, "per-parameter .item()": 1.1})["meets_bar"]
