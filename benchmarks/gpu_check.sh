@@ -3,7 +3,7 @@
 # and the carried wheels (pydantic is not in that image), then, most wanted first:
 #   gpt     the GPT-2-small overhead benchmark (every peer, the statistics pass against copy
 #           bandwidth, the hook-reduction probe);
-#   shapes  the host-cost bar's four shapes (issue 52: MLP, 2- and 8-block LM, demo CNN) with the
+#   shapes  the host-cost bar's four shapes (MLP, 2- and 8-block LM, demo CNN) with the
 #           per-parameter peer and the gradient-read floor;
 #   tests   the CUDA no-sync test and the CPU suites under that image's torch;
 #   demo    the demo on CPU and CUDA;
