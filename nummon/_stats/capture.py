@@ -138,9 +138,9 @@ class ForwardCapture(PlanDiscovery, CaptureMaths):
         self.rms: dict[str, list[tuple[torch.Tensor, int]]] = {}
 
     # ------------------------------------------------------------------ the forward
-    def begin(self) -> bool:
-        """The model's sampled forward starts; True when it is a periodic discovery forward (one
-        every `PLAN_EVERY`, not a `whole` plan's every time)."""
+    def begin(self) -> None:
+        """The model's sampled forward starts: under the whole mode on a discovery forward (one
+        every `PLAN_EVERY`, and every time for a `whole` plan), else with the plan's hooks."""
         self.close()  # a second forward before the optimizer step (gradient accumulation): the first's plan is complete
         self._thread = threading.get_ident()
         self._in_forward = True
@@ -155,7 +155,6 @@ class ForwardCapture(PlanDiscovery, CaptureMaths):
             self._discover()
         else:
             self._scoped(plan)
-        return periodic
 
     def _scoped(self, plan: CapturePlan) -> None:
         hooks = self._hooks

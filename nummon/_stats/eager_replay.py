@@ -168,12 +168,11 @@ class ForwardReplay:
         kept, self._kept = self._kept, None
         return kept
 
-    def run(self, kept: tuple, loss: Any, on_discovery: Callable[[], None]) -> None:
+    def run(self, kept: tuple, loss: Any) -> None:
         """The kept forward again on its first sample (`samples_to_replay`), eagerly under the
-        capture (after the optimizer step where `post_step` comes after it); `on_discovery` runs
-        when the capture rediscovers the model. A loss computed outside the model is not
-        replayed: when it was the cross-entropy of the model's output, that output of the replay
-        is measured as the logits."""
+        capture (after the optimizer step where `post_step` comes after it). A loss computed
+        outside the model is not replayed: when it was the cross-entropy of the model's output,
+        that output of the replay is measured as the logits."""
         cap = self.capture
         target = _replayable(self.model)
         hooked = foreign_hook(target)
@@ -188,8 +187,7 @@ class ForwardReplay:
             args, kwargs = first_sample(kept[0], kept[1], self._samples)
             state = PythonState(target)
             with replayed(self.model, kept[2]), self.others_paused():
-                if cap.begin():
-                    on_discovery()
+                cap.begin()
                 try:
                     out = target(*args, **kwargs)
                 finally:

@@ -141,8 +141,8 @@ class MechanismProbes:
                 self._in_forward = False
                 self._compiled()
                 self._enter(_mod, args, kwargs)
-            elif capture.begin() and self.adam is not None:
-                self.adam.refresh()  # now and then: a parameter replaced out of place is read again
+            else:
+                capture.begin()
 
     def _compiled(self) -> None:
         """The model is (now) compiled: its forward is replayed, or where torch cannot, left alone."""
@@ -164,10 +164,6 @@ class MechanismProbes:
         if self._in_forward:
             self._in_forward = False
             capture.end()
-
-    def _refresh_adam(self) -> None:
-        if self.adam is not None:
-            self.adam.refresh()
 
     # ------------------------------------------------------------------ per-sample losses
     @torch.no_grad()
@@ -219,7 +215,7 @@ class MechanismProbes:
         try:
             if cap is not None:
                 if kept is not None and replay is not None and replay.active and not replay.failed:
-                    replay.run(kept, loss, self._refresh_adam)
+                    replay.run(kept, loss)
                 segs += self._forward_segments(cap, ms)
                 cap.reset()
             if self.adam is not None:

@@ -178,6 +178,51 @@ def test_adam_second_moment_matches_a_hand_computation():
     assert rec.adam_small_grad_fraction == pytest.approx(float((g.abs() < 1e-8).float().mean()))
 
 
+@pytest.mark.parametrize("replaced", ["data", "exp_avg", "exp_avg_sq", "state"])
+def test_adam_statistics_read_a_parameter_or_moment_replaced_out_of_place_at_the_next_sample(replaced):
+    """`p.data = ...` (what `model.to()` does), a moment tensor or the whole state replaced in the
+    optimizer: the next sample reads the new tensors, not the cached views of the old ones."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 3))
+    model = nn.Module()
+    model.w = w
+    opt = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+
+    def step() -> tuple:
+        w.grad = torch.randn(5, 3)
+        opt.step()
+        rec = mon.post_step(1.0).record
+        st = opt.state[w]
+        t = float(st["step"])
+        v_hat = st["exp_avg_sq"] / (1 - 0.99**t)
+        m_hat = st["exp_avg"] / (1 - 0.9**t)
+        rms = float(torch.sqrt((w.grad**2 / v_hat).mean()))
+        upd = float(
+            0.1 * torch.linalg.vector_norm(m_hat / (v_hat.sqrt() + 1e-8)) / torch.linalg.vector_norm(w.detach())
+        )
+        return rec, rms, upd
+
+    for _ in range(8):
+        step()
+    st = opt.state[w]
+    if replaced == "data":
+        w.data = w.data * 3.0  # out of place: a new tensor under the same Parameter
+    elif replaced == "state":
+        opt.state[w] = {
+            "step": st["step"].clone(),
+            "exp_avg": st["exp_avg"] * 2.0,
+            "exp_avg_sq": st["exp_avg_sq"] * 4.0,
+        }
+    else:
+        st[replaced] = st[replaced] * 4.0
+    for _ in range(2):
+        rec, rms, upd = step()
+        assert rec.layer_adam_ratio_rms["w"] == pytest.approx(rms, rel=1e-5)
+        assert rec.layer_update_ratio["w"] == pytest.approx(upd, rel=1e-5)
+    mon.close()
+
+
 def test_adam_statistics_skip_a_tensor_without_a_gradient_this_step_and_keep_the_others():
     torch.manual_seed(0)
     model = nn.Module()
