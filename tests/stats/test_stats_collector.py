@@ -328,3 +328,34 @@ def test_norms_past_a_dots_float32_range_are_exact():
     )
     assert rec.optim_state_norm == pytest.approx(math.hypot(*(v.norm().item() for v in momentum)), rel=1e-5)
     mon.close()
+
+
+@pytest.mark.parametrize("replaced", ["state", "moment"])
+def test_the_optimizer_state_norm_reads_state_made_anew_under_the_same_parameter(replaced):
+    # `opt.state[p] = {}` (Adam makes it again at the next step) or a moment replaced under its key:
+    # the state mapping keeps its length, and the norm must still be the live state's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, opt, policy={"sampling": {"params_every": 1, "optimizer_every": 1}})
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def step():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return mon.post_step(loss).record
+
+    for _ in range(5):
+        step()
+    first = model[0].weight
+    if replaced == "state":
+        opt.state[first] = {}
+    else:
+        opt.state[first]["exp_avg"] = opt.state[first]["exp_avg"] * 3.0
+    for _ in range(2):
+        rec = step()
+        live = [opt.state[p]["exp_avg"].double().norm().item() for p in model.parameters()]
+        assert rec.optim_state_norm == pytest.approx(math.hypot(*live), rel=1e-5)
+    mon.close()
