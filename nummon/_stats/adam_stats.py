@@ -39,6 +39,8 @@ ADAM_SAMPLE = 1024
 SAMPLE_RUN = 256
 
 _grad_of = operator.attrgetter("grad")
+# a state mapping's moments (any mapping with `get`, as `_group` reads them)
+_EXP_AVG, _EXP_AVG_SQ = operator.methodcaller("get", "exp_avg"), operator.methodcaller("get", "exp_avg_sq")
 
 
 def _one_minus_pow(beta: float, t: Any) -> Any:
@@ -134,7 +136,7 @@ class _Group:
         self.ps, self.ms, self.vs = ps, ms, vs
         self.states = states  # each of `ps`' state mapping, as it was when the views were made
         self.first = states[0]  # the first one's (its step count)
-        self.ptrs = [p.data_ptr() for p in ps]
+        self.ptrs = list(map(torch.Tensor.data_ptr, ps))
         self.sample = _Sample(ps, names)
         self.fixed = self.sample.views(ps) + self.sample.views(ms) + self.sample.views(vs)
 
@@ -144,14 +146,14 @@ class _Group:
         where it was (`p.data = ...` moves it; the views hold the old memory alive, so no new
         tensor can land there). ~0.2 µs a tensor at each sample, where making the group again
         costs ~17 µs a tensor."""
-        get = state.get
+        states = self.states
         return (
             len(params) == len(self.members)
             and all(map(operator.is_, params, self.members))
-            and all(
-                get(p) is st and st.get("exp_avg") is m and st.get("exp_avg_sq") is v and p.data_ptr() == ptr
-                for p, st, m, v, ptr in zip(self.ps, self.states, self.ms, self.vs, self.ptrs)
-            )
+            and all(map(operator.is_, map(state.get, self.ps), states))
+            and all(map(operator.is_, map(_EXP_AVG, states), self.ms))
+            and all(map(operator.is_, map(_EXP_AVG_SQ, states), self.vs))
+            and list(map(torch.Tensor.data_ptr, self.ps)) == self.ptrs
         )
 
 

@@ -20,8 +20,9 @@ class OptimizerView:
 
     def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = optimizer
-        # (the mapping, its length, the tensors found, and where each was: (parameter, its state, key))
-        self._state_cache: tuple[Any, int, list[torch.Tensor], list[tuple]] = (None, -1, [], [])
+        # (the mapping, its length, the tensors found, and where each was: its parameter, that
+        # parameter's state, the key)
+        self._state_cache: tuple[Any, int, list[torch.Tensor], tuple[list, list, list]] = (None, -1, [], ([], [], []))
         self.all_sharded = False  # FSDP1: every state tensor is a shard (set by the collector)
         self.state_rules: tuple[str, ...] = ()  # each state tensor's cross-rank norm rule
 
@@ -36,13 +37,14 @@ class OptimizerView:
         # a parameter's state or moment can be replaced under the same key (`opt.state[p] = {}`
         # makes it anew at the next step): each found tensor must still be where it was
         if state is not cached_state or len(state) != cached_n or not _still_there(state, where, found):
-            found, where = [], []
+            found, where = [], ([], [], [])
             for p, st in state.items():
                 for key in _STATE_KEYS:
                     t = st.get(key) if isinstance(st, dict) else None
                     if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                         found.append(t)
-                        where.append((p, st, key))
+                        for column, x in zip(where, (p, st, key)):
+                            column.append(x)
                         break
             self._state_cache = (state, len(state), found, where)
             self.state_rules = norm_rules(found, self.all_sharded)
@@ -83,8 +85,10 @@ class OptimizerView:
         return name
 
 
-def _still_there(state: Any, where: list[tuple], found: list[torch.Tensor]) -> bool:
-    """Whether each tensor found is still its parameter's state under its key (~0.2 µs a tensor,
-    on the steps the optimizer state is measured)."""
-    get = state.get
-    return all(get(p) is st and st.get(key) is t for (p, st, key), t in zip(where, found))
+def _still_there(state: Any, where: tuple[list, list, list], found: list[torch.Tensor]) -> bool:
+    """Whether each tensor found is still its parameter's state under its key (maps in C: ~0.13 µs
+    a tensor, on the steps the optimizer state is measured)."""
+    params, states, keys = where
+    return all(map(operator.is_, map(state.get, params), states)) and all(
+        map(operator.is_, map(dict.get, states, keys), found)
+    )
