@@ -38,13 +38,15 @@ class OptimizerView:
         # makes it anew at the next step): each found tensor must still be where it was
         if state is not cached_state or len(state) != cached_n or not _still_there(state, where, found):
             found, where = [], ([], [], [])
+            params, states, keys = where
             for p, st in state.items():
                 for key in _STATE_KEYS:
                     t = st.get(key) if isinstance(st, dict) else None
                     if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                         found.append(t)
-                        for column, x in zip(where, (p, st, key)):
-                            column.append(x)
+                        params.append(p)
+                        states.append(st)
+                        keys.append(key)
                         break
             self._state_cache = (state, len(state), found, where)
             self.state_rules = norm_rules(found, self.all_sharded)
