@@ -153,13 +153,19 @@ def test_hugging_face_gpt2_with_sdpa_is_covered():
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "lm_head"} <= set(rec.layer_output_rms)
 
 
-def test_adam_second_moment_matches_a_hand_computation():
+def _one_parameter_adam() -> tuple:
+    """(w, Adam over it with lr 0.1, betas (0.9, 0.99), eps 1e-8, a Monitor sampling every step):
+    gradients are set by hand, no forward."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(5, 3))
     model = nn.Module()
     model.w = w
     opt = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), eps=1e-8)
-    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    return w, opt, nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+
+
+def test_adam_second_moment_matches_a_hand_computation():
+    w, opt, mon = _one_parameter_adam()
     v = torch.zeros_like(w)
     rec = None
     for t in range(1, 22):
@@ -182,12 +188,7 @@ def test_adam_second_moment_matches_a_hand_computation():
 def test_adam_statistics_read_a_parameter_or_moment_replaced_out_of_place_at_the_next_sample(replaced):
     """`p.data = ...` (what `model.to()` does), a moment tensor or the whole state replaced in the
     optimizer: the next sample reads the new tensors, not the cached views of the old ones."""
-    torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(5, 3))
-    model = nn.Module()
-    model.w = w
-    opt = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), eps=1e-8)
-    mon = nummon.Monitor(model, opt, policy={"mechanisms": {"every": 1}})
+    w, opt, mon = _one_parameter_adam()
 
     def step() -> tuple:
         w.grad = torch.randn(5, 3)
